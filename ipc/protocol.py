@@ -1,0 +1,441 @@
+"""Wire protocol v1: one msgpack map per ZeroMQ frame (client DEALER, server ROUTER).
+
+Decoding is written for hostile input: every failure becomes FrameError (no usable
+request, answer with an `error` op) or BadRequest (a request with a usable id but a
+bad field, answer a generate with a `done` carrying code `bad_request`).
+See docs/protocol.md for the user-facing specification.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# ops, client -> server
+OP_GENERATE = "generate"
+OP_ABORT = "abort"
+OP_STATS = "stats"
+OP_PING = "ping"
+# ops, server -> client (OP_STATS is used in both directions)
+OP_TOKEN = "token"
+OP_DONE = "done"
+OP_ERROR = "error"
+OP_PONG = "pong"
+REQUEST_OPS = frozenset({OP_GENERATE, OP_ABORT, OP_STATS, OP_PING})
+REPLY_OPS = frozenset({OP_TOKEN, OP_DONE, OP_ERROR, OP_STATS, OP_PONG})
+
+# finish reasons carried by `done`
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR})
+
+# error codes carried by `done.error.code` and by the `error` op
+ERR_BAD_REQUEST = "bad_request"
+ERR_OVERLOADED = "overloaded"
+ERR_ENGINE_DEAD = "engine_dead"
+ERR_SHUTDOWN = "shutdown"
+ERR_DUPLICATE_ID = "duplicate_id"
+ERROR_CODES = frozenset({ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ENGINE_DEAD, ERR_SHUTDOWN, ERR_DUPLICATE_ID})
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+# Containers (maps + arrays) allowed in one frame: bounds the Python objects a 1 MiB frame can expand to.
+MAX_CONTAINERS_PER_FRAME = 10_000
+
+RequestId = Union[str, int]
+
+
+@dataclass(slots=True)
+class Limits:
+    """Bounds the server enforces on requests; the server fills in model-specific values."""
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    vocab_size: int = (1 << 31) - 1  # token ids must be in [0, vocab_size); server sets the model's value
+    max_context: int = 8192  # prompt length + max_tokens must not exceed this
+    max_tokens_cap: int = 4096
+    max_stop_ids: int = 8  # a device ring entry holds 8 stop ids
+    max_id_len: int = 256  # characters, for str ids
+    max_prompt_chars: int = 512 * 1024
+    min_priority: int = -1000
+    max_priority: int = 1000
+    min_seed: int = 0
+    max_seed: int = UINT64_MAX
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    id: RequestId
+    prompt: str | None
+    prompt_ids: list[int] | None
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    id: RequestId
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    pass
+
+
+@dataclass(slots=True)
+class PingRequest:
+    pass
+
+
+Request = Union[GenerateRequest, AbortRequest, StatsRequest, PingRequest]
+
+
+class ProtocolError(Exception):
+    """Base of the two decode failures."""
+
+
+class FrameError(ProtocolError):
+    """The frame is not a request at all; answer with error_msg(ERR_BAD_REQUEST, str(exc))."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ProtocolError):
+    """A request with a usable id has an invalid field; `message` starts with "<field>: "."""
+
+    def __init__(self, id: RequestId | None, field: str, message: str):
+        if not message.startswith(field + ":"):
+            message = f"{field}: {message}"
+        super().__init__(message)
+        self.id = id
+        self.field = field
+        self.message = message
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """repr() clipped so hostile values cannot blow up an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unpack(frame: bytes) -> Any:
+    """msgpack.unpackb with every size bounded by the frame; all failures become FrameError."""
+    n = len(frame)
+    containers = 0
+
+    def count(container):
+        nonlocal containers
+        containers += 1
+        if containers > MAX_CONTAINERS_PER_FRAME:
+            raise ValueError(f"more than {MAX_CONTAINERS_PER_FRAME} maps/arrays in one frame")
+        return container
+
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=n,
+            list_hook=count,
+            object_hook=count,
+        )
+    # ExtraData, FormatError, StackError (ValueError subclasses), UnicodeDecodeError,
+    # OverflowError, TypeError, RecursionError from the pure-Python fallback, ...
+    except Exception as exc:  # noqa: BLE001 - hostile input: anything msgpack raises is a bad frame
+        raise FrameError(f"frame is not valid msgpack: {type(exc).__name__}: {_show(str(exc), 120)}") from None
+
+
+def _check_id(obj: dict, op: str, limits: Limits) -> RequestId:
+    """A missing/invalid id leaves nothing to answer to, so it is a FrameError."""
+    if "id" not in obj:
+        raise FrameError(f"{op}: missing 'id'")
+    rid = obj["id"]
+    if isinstance(rid, str):
+        if not 1 <= len(rid) <= limits.max_id_len:
+            raise FrameError(f"{op}: 'id' must be a str of 1..{limits.max_id_len} characters, got {len(rid)}")
+        return rid
+    if _is_int(rid):
+        if not INT64_MIN <= rid <= INT64_MAX:
+            raise FrameError(f"{op}: 'id' int must fit in int64, got {_show(rid)}")
+        return rid
+    raise FrameError(f"{op}: 'id' must be a str or an int, got {type(rid).__name__}")
+
+
+def _int_field(obj: dict, rid: RequestId, name: str, default: Any, lo: int, hi: int) -> int:
+    value = obj.get(name, default)
+    if value is None and default is None:
+        raise BadRequest(rid, name, f"required (an int in [{lo}, {hi}])")
+    if not _is_int(value) or not lo <= value <= hi:
+        raise BadRequest(rid, name, f"must be an int in [{lo}, {hi}], got {_show(value)}")
+    return value
+
+
+def _float_field(obj: dict, rid: RequestId, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+    value = obj.get(name, default)
+    lo_text = ("(" if lo_open else "[") + f"{lo:g}, " + (f"{hi:g}]" if math.isfinite(hi) else "inf)")
+    if not (_is_int(value) or isinstance(value, float)):
+        raise BadRequest(rid, name, f"must be a number in {lo_text}, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise BadRequest(rid, name, f"must be a number in {lo_text}, got {_show(value)}") from None
+    in_range = (lo < number if lo_open else lo <= number) and number <= hi
+    if not math.isfinite(number) or not in_range:
+        raise BadRequest(rid, name, f"must be a finite number in {lo_text}, got {_show(value)}")
+    return number
+
+
+def _token_list(value: Any, rid: RequestId, name: str, min_len: int, max_len: int, limits: Limits) -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest(rid, name, f"must be an array of ints, got {type(value).__name__}")
+    if not min_len <= len(value) <= max_len:
+        raise BadRequest(rid, name, f"must hold {min_len}..{max_len} token ids, got {len(value)}")
+    vocab = limits.vocab_size
+    for index, token in enumerate(value):
+        if not _is_int(token) or not 0 <= token < vocab:
+            raise BadRequest(rid, name, f"element {index} must be an int in [0, {vocab}), got {_show(token)}")
+    return value
+
+
+def check_context(
+    prompt_len: int, max_tokens: int, limits: Limits, *, request_id: RequestId | None = None, field: str = "prompt"
+) -> None:
+    """Raise BadRequest unless prompt_len + max_tokens fits max_context (servers call it after tokenizing)."""
+    if prompt_len + max_tokens > limits.max_context:
+        raise BadRequest(
+            request_id,
+            field,
+            f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds max_context {limits.max_context}",
+        )
+
+
+def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
+    rid = _check_id(obj, OP_GENERATE, limits)
+    max_tokens = _int_field(obj, rid, "max_tokens", None, 1, limits.max_tokens_cap)
+
+    prompt = obj.get("prompt")
+    prompt_ids = obj.get("prompt_ids")
+    if prompt is not None and prompt_ids is not None:
+        raise BadRequest(rid, "prompt", "give exactly one of prompt and prompt_ids, not both")
+    if prompt is None and prompt_ids is None:
+        raise BadRequest(rid, "prompt", "one of prompt (str) or prompt_ids (array of ints) is required")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise BadRequest(rid, "prompt", f"must be a str, got {type(prompt).__name__}")
+        if not 1 <= len(prompt) <= limits.max_prompt_chars:
+            raise BadRequest(rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}")
+    else:
+        prompt_ids = _token_list(prompt_ids, rid, "prompt_ids", 1, max(1, limits.max_context - 1), limits)
+        check_context(len(prompt_ids), max_tokens, limits, request_id=rid, field="prompt_ids")
+
+    temperature = _float_field(obj, rid, "temperature", 0.0, 0.0, math.inf, lo_open=False)
+    top_p = _float_field(obj, rid, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _int_field(obj, rid, "top_k", 0, 0, limits.vocab_size)
+
+    seed = obj.get("seed")
+    if seed is not None and (not _is_int(seed) or not limits.min_seed <= seed <= limits.max_seed):
+        raise BadRequest(rid, "seed", f"must be null or an int in [{limits.min_seed}, {limits.max_seed}], got {_show(seed)}")
+
+    stop_token_ids = _token_list(obj.get("stop_token_ids", []), rid, "stop_token_ids", 0, limits.max_stop_ids, limits)
+
+    ignore_eos = obj.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(rid, "ignore_eos", f"must be a bool, got {_show(ignore_eos)}")
+
+    priority = _int_field(obj, rid, "priority", 0, limits.min_priority, limits.max_priority)
+
+    return GenerateRequest(
+        id=rid,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        priority=priority,
+    )
+
+
+def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
+    """Decode one client frame; raises only FrameError or BadRequest."""
+    if limits is None:
+        limits = Limits()
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise FrameError(f"frame must be bytes, got {type(frame).__name__}")
+    size = len(frame) if not isinstance(frame, memoryview) else frame.nbytes
+    if size > limits.max_frame_bytes:  # checked before msgpack sees a single byte
+        raise FrameError(f"frame is {size} bytes, limit is {limits.max_frame_bytes}")
+    if size == 0:
+        raise FrameError("frame is empty")
+    obj = _unpack(bytes(frame))
+    if not isinstance(obj, dict):
+        raise FrameError(f"frame must be a msgpack map, got {type(obj).__name__}")
+    op = obj.get("op")
+    if not isinstance(op, str):
+        raise FrameError(f"missing or invalid 'op' (must be a str), got {_show(op)}")
+    if op == OP_GENERATE:
+        return _decode_generate(obj, limits)
+    if op == OP_ABORT:
+        return AbortRequest(id=_check_id(obj, OP_ABORT, limits))
+    if op == OP_STATS:
+        return StatsRequest()
+    if op == OP_PING:
+        return PingRequest()
+    raise FrameError(f"unknown op {_show(op)}")
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _pack_default(obj: Any) -> Any:
+    """Let numpy-style scalars through: anything with __index__ packs as int, __float__ as float."""
+    if hasattr(obj, "__index__"):
+        return obj.__index__()
+    if hasattr(obj, "__float__"):
+        return float(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} in a protocol message")
+
+
+def encode(msg: dict) -> bytes:
+    """One message -> one frame."""
+    return msgpack.packb(msg, use_bin_type=True, default=_pack_default)
+
+
+def generate_msg(req: GenerateRequest) -> dict:
+    """Wire map for a GenerateRequest (prompt or prompt_ids, whichever is set)."""
+    msg: dict[str, Any] = {"op": OP_GENERATE, "id": req.id}
+    if req.prompt is not None:
+        msg["prompt"] = req.prompt
+    if req.prompt_ids is not None:
+        msg["prompt_ids"] = req.prompt_ids
+    msg.update(
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        priority=req.priority,
+    )
+    return msg
+
+
+def abort_msg(id: RequestId) -> dict:
+    return {"op": OP_ABORT, "id": id}
+
+
+def stats_request_msg() -> dict:
+    return {"op": OP_STATS}
+
+
+def ping_msg() -> dict:
+    return {"op": OP_PING}
+
+
+def encode_request(req: Request) -> bytes:
+    """Typed request -> frame; the inverse of decode_request for valid requests."""
+    if isinstance(req, GenerateRequest):
+        return encode(generate_msg(req))
+    if isinstance(req, AbortRequest):
+        return encode(abort_msg(req.id))
+    if isinstance(req, StatsRequest):
+        return encode(stats_request_msg())
+    if isinstance(req, PingRequest):
+        return encode(ping_msg())
+    raise TypeError(f"not a request: {type(req).__name__}")
+
+
+def token_msg(id: RequestId, token_ids: list[int], text: str | None = None) -> dict:
+    msg: dict[str, Any] = {"op": OP_TOKEN, "id": id, "token_ids": list(token_ids)}
+    if text is not None:
+        msg["text"] = text
+    return msg
+
+
+def done_msg(
+    id: RequestId,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    error_code: str | None = None,
+    error_message: str | None = None,
+) -> dict:
+    """`error` is present exactly when finish_reason is "error" (then error_code is required)."""
+    if finish_reason not in FINISH_REASONS:
+        raise ValueError(f"unknown finish_reason {finish_reason!r}")
+    msg: dict[str, Any] = {
+        "op": OP_DONE,
+        "id": id,
+        "finish_reason": finish_reason,
+        "usage": {"prompt_tokens": int(prompt_tokens), "completion_tokens": int(completion_tokens)},
+    }
+    if finish_reason == FINISH_ERROR:
+        if error_code is None:
+            raise ValueError('finish_reason "error" needs an error_code')
+        msg["error"] = {"code": error_code, "message": error_message or ""}
+    elif error_code is not None or error_message is not None:
+        raise ValueError(f"error details only go with finish_reason 'error', not {finish_reason!r}")
+    return msg
+
+
+def error_msg(code: str, message: str) -> dict:
+    """Reply to a frame that is not a request at all (there is no id to answer to)."""
+    return {"op": OP_ERROR, "id": None, "code": code, "message": message}
+
+
+def pong_msg() -> dict:
+    return {"op": OP_PONG}
+
+
+def stats_msg(stats: dict) -> dict:
+    msg = dict(stats)
+    msg["op"] = OP_STATS
+    return msg
+
+
+def reject_msg(exc: ProtocolError) -> dict:
+    """The reply a server sends for a decode failure: a `done` for BadRequest, an `error` op for FrameError."""
+    if isinstance(exc, BadRequest):
+        return done_msg(exc.id, FINISH_ERROR, 0, 0, ERR_BAD_REQUEST, exc.message)
+    return error_msg(ERR_BAD_REQUEST, str(exc))
+
+
+def decode_reply(frame: bytes) -> dict:
+    """Client side: a server frame -> its map; raises FrameError for anything that is not a reply map."""
+    obj = _unpack(bytes(frame))
+    if not isinstance(obj, dict) or obj.get("op") not in REPLY_OPS:
+        raise FrameError("server frame is not a reply map")
+    return obj
+

@@ -1,0 +1,369 @@
+"""Wire protocol v1 decoding/encoding, fed with hostile input through real msgpack."""
+
+import math
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipc import protocol as P
+
+LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
+
+
+def frame(msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def gen(**fields) -> dict:
+    msg = {"op": "generate", "id": "r1", "prompt_ids": [1, 2, 3], "max_tokens": 8}
+    msg.update(fields)
+    return {k: v for k, v in msg.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def decode(msg, limits=LIMITS):
+    return P.decode_request(frame(msg), limits)
+
+
+# ------------------------------------------------------------ fuzzing: only the two errors escape
+
+
+def decode_or_protocol_error(data: bytes, limits=LIMITS):
+    try:
+        return P.decode_request(data, limits)
+    except (P.FrameError, P.BadRequest):
+        return None
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_only_raise_protocol_errors(data):
+    decode_or_protocol_error(data)
+
+
+# Prefixes that make random bytes look like a map with an "op" so fuzzing reaches the field checks.
+@settings(max_examples=300)
+@given(st.sampled_from([b"\x81\xa2op", b"\x82\xa2op\xa8generate", b"\x83\xa2op\xa8generate\xa2id"]), st.binary(max_size=256))
+def test_map_shaped_garbage_only_raises_protocol_errors(prefix, tail):
+    decode_or_protocol_error(prefix + tail)
+
+
+msgpack_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20)
+)
+msgpack_values = st.recursive(
+    msgpack_scalars,
+    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6),
+    max_leaves=30,
+)
+field_names = st.sampled_from(
+    ["op", "id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
+     "stop_token_ids", "ignore_eos", "priority", "extra"]
+)
+op_values = st.sampled_from(["generate", "abort", "stats", "ping", "token", "", "GENERATE"]) | msgpack_values
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(field_names, msgpack_values, max_size=12), op_values, st.booleans())
+def test_arbitrary_maps_only_raise_protocol_errors(fields, op, with_op):
+    if with_op:
+        fields["op"] = op
+    result = decode_or_protocol_error(frame(fields))
+    assert result is None or isinstance(result, (P.GenerateRequest, P.AbortRequest, P.StatsRequest, P.PingRequest))
+
+
+@settings(max_examples=300)
+@given(
+    st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "priority", "prompt"]),
+    msgpack_values,
+)
+def test_generate_with_one_random_field(name, value):
+    msg = gen(**{name: value})
+    try:
+        req = decode(msg)
+    except P.BadRequest as exc:
+        assert exc.id == "r1"
+        assert exc.message.startswith(exc.field + ":")
+        assert exc.field in (name, "prompt", "prompt_ids")
+    else:
+        assert isinstance(req, P.GenerateRequest)
+
+
+# ------------------------------------------------------------ valid requests round-trip
+
+token = st.integers(min_value=0, max_value=LIMITS.vocab_size - 1)
+request_ids = st.text(min_size=1, max_size=LIMITS.max_id_len) | st.integers(min_value=P.INT64_MIN, max_value=P.INT64_MAX)
+
+
+@st.composite
+def valid_generates(draw):
+    max_tokens = draw(st.integers(1, LIMITS.max_tokens_cap))
+    use_ids = draw(st.booleans())
+    prompt_ids = draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - max_tokens))) if use_ids else None
+    prompt = None if use_ids else draw(st.text(min_size=1, max_size=200))
+    return P.GenerateRequest(
+        id=draw(request_ids),
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=draw(st.floats(min_value=0.0, max_value=1e6)),
+        top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
+        top_k=draw(st.integers(0, LIMITS.vocab_size)),
+        seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+        stop_token_ids=draw(st.lists(token, max_size=LIMITS.max_stop_ids)),
+        ignore_eos=draw(st.booleans()),
+        priority=draw(st.integers(LIMITS.min_priority, LIMITS.max_priority)),
+    )
+
+
+@settings(max_examples=300)
+@given(valid_generates())
+def test_valid_generate_round_trips(req):
+    assert P.decode_request(P.encode_request(req), LIMITS) == req
+
+
+@given(request_ids)
+def test_abort_round_trips(rid):
+    assert P.decode_request(P.encode_request(P.AbortRequest(rid)), LIMITS) == P.AbortRequest(rid)
+
+
+def test_stats_and_ping_decode():
+    assert decode({"op": "stats"}) == P.StatsRequest()
+    assert decode({"op": "ping", "future_field": [1, {"x": 2}]}) == P.PingRequest()
+
+
+def test_defaults_filled_and_extra_fields_ignored():
+    req = decode(gen(some_future_field={"nested": [1, 2]}, another=None))
+    assert req == P.GenerateRequest("r1", None, [1, 2, 3], 8, 0.0, 1.0, 0, None, [], False, 0)
+
+
+def test_string_prompt_and_int_for_float_fields():
+    req = decode(gen(prompt_ids=_DROP, prompt="hello", temperature=1, top_p=1))
+    assert req.prompt == "hello" and req.prompt_ids is None
+    assert req.temperature == 1.0 and isinstance(req.temperature, float)
+    assert isinstance(req.top_p, float)
+
+
+def test_null_counts_as_absent_for_prompt_pair():
+    assert decode(gen(prompt=None)).prompt_ids == [1, 2, 3]
+
+
+def test_bytes_like_frames_accepted():
+    data = frame(gen())
+    assert P.decode_request(bytearray(data), LIMITS).id == "r1"
+    assert P.decode_request(memoryview(data), LIMITS).id == "r1"
+
+
+# ------------------------------------------------------------ each invalid field is named
+
+INVALID_FIELDS = [
+    ("max_tokens", [_DROP, None, 0, -3, 1025, True, 1.0, "8", [8]]),
+    ("temperature", [-0.1, float("nan"), float("inf"), "0", True, None]),
+    ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), True, None]),
+    ("top_k", [-1, 32001, 1.0, True, None]),
+    ("seed", [-1, 1.5, "1", True]),
+    ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, None, {"a": 1}]),
+    ("ignore_eos", [0, 1, "true", None]),
+    ("priority", [1001, -1001, 0.5, True, None]),
+    ("prompt_ids", [[], [-1], [32000], [1, True], [1.5], "abc", {"a": 1}, [1] * 4096]),
+]
+
+
+@pytest.mark.parametrize(
+    "name,value", [(name, value) for name, values in INVALID_FIELDS for value in values],
+    ids=lambda v: repr(v)[:20],
+)
+def test_invalid_field_is_named(name, value):
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(**{name: value}))
+    assert info.value.field == name
+    assert info.value.id == "r1"
+    assert str(info.value).startswith(name + ":")
+
+
+def test_max_tokens_message_format():
+    with pytest.raises(P.BadRequest, match=r"^max_tokens: must be an int in \[1, 1024\], got -3$"):
+        decode(gen(max_tokens=-3))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "hi"},  # both prompt and prompt_ids
+        {"prompt_ids": _DROP},  # neither
+        {"prompt_ids": _DROP, "prompt": ""},
+        {"prompt_ids": _DROP, "prompt": 5},
+        {"prompt_ids": _DROP, "prompt": b"bytes"},
+        {"prompt_ids": _DROP, "prompt": "x" * (LIMITS.max_prompt_chars + 1)},
+    ],
+    ids=lambda f: repr(f)[:30],
+)
+def test_bad_prompt_is_named(fields):
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(**fields))
+    assert info.value.field == "prompt"
+
+
+def test_context_limit_on_prompt_ids():
+    assert decode(gen(prompt_ids=[1] * 4000, max_tokens=96)).max_tokens == 96
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(prompt_ids=[1] * 4000, max_tokens=97))
+    assert info.value.field == "prompt_ids" and "max_context 4096" in info.value.message
+
+
+def test_check_context_helper():
+    P.check_context(4000, 96, LIMITS)
+    with pytest.raises(P.BadRequest) as info:
+        P.check_context(4000, 97, LIMITS, request_id=7)
+    assert info.value.field == "prompt" and info.value.id == 7
+    assert str(info.value).startswith("prompt:")
+
+
+# ------------------------------------------------------------ frames that are not requests
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        [1, 2], "generate", 5, None,
+        {}, {"op": None}, {"op": 1}, {"op": b"generate"}, {"op": "nope"}, {"op": "token", "id": 1},
+        gen(id=_DROP), gen(id=None), gen(id=1.5), gen(id=True), gen(id=""), gen(id="x" * 257),
+        gen(id=[1]), gen(id=2**63), gen(id=2**64 - 1),
+        {"op": "abort"}, {"op": "abort", "id": None}, {"op": "abort", "id": {"a": 1}},
+    ],
+    ids=lambda m: repr(m)[:40],
+)
+def test_frame_errors(msg):
+    with pytest.raises(P.FrameError):
+        decode(msg)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",  # reserved byte
+        b"\x82\xa2op",  # truncated
+        frame({"op": "ping"}) + b"\x00",  # trailing data
+        b"\x81\x01\xa2op",  # int map key (strict_map_key)
+        b"\x81\xa2op\xa2\xff\xfe",  # invalid utf-8
+        b"\xdd\xff\xff\xff\xff",  # array header claiming 4G entries
+        b"\xdb\x7f\xff\xff\xff",  # str header claiming 2 GiB
+        b"\xd7\xff" + b"\xff" * 8,  # invalid timestamp ext
+    ],
+)
+def test_garbage_frames(data):
+    with pytest.raises(P.FrameError):
+        P.decode_request(data, LIMITS)
+
+
+def test_non_bytes_frame():
+    with pytest.raises(P.FrameError):
+        P.decode_request("not bytes", LIMITS)  # type: ignore[arg-type]
+
+
+def test_oversize_frame_rejected_before_unpacking(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("unpackb must not see an oversize frame")
+
+    data = frame(gen(prompt_ids=_DROP, prompt="x" * 2000))
+    limits = P.Limits(max_frame_bytes=1000)
+    monkeypatch.setattr(P.msgpack, "unpackb", boom)
+    with pytest.raises(P.FrameError, match="limit is 1000"):
+        P.decode_request(data, limits)
+
+
+def test_frame_of_exactly_the_limit_is_accepted():
+    data = frame(gen())
+    assert P.decode_request(data, P.Limits(max_frame_bytes=len(data))).id == "r1"
+
+
+def test_deep_nesting_bomb_rejected():
+    bomb = b"\x81\xa2op" + b"\x91" * 200_000 + b"\xc0"
+    with pytest.raises(P.FrameError):
+        P.decode_request(bomb, LIMITS)
+
+
+def test_container_count_bomb_rejected():
+    # One array holding 500k empty arrays: tiny on the wire, huge as Python objects.
+    bomb = b"\xdd" + (500_000).to_bytes(4, "big") + b"\x90" * 500_000
+    with pytest.raises(P.FrameError, match="maps/arrays"):
+        P.decode_request(bomb, LIMITS)
+
+
+# ------------------------------------------------------------ server -> client builders
+
+
+def test_token_msg():
+    assert msgpack.unpackb(P.encode(P.token_msg(3, [1, 2]))) == {"op": "token", "id": 3, "token_ids": [1, 2]}
+    assert P.token_msg("a", (5,), "hi") == {"op": "token", "id": "a", "token_ids": [5], "text": "hi"}
+
+
+def test_done_msg():
+    assert P.done_msg("a", "stop", 3, 4) == {
+        "op": "done", "id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 4}
+    }
+    err = P.done_msg(1, "error", 0, 0, P.ERR_BAD_REQUEST, "max_tokens: bad")
+    assert err["error"] == {"code": "bad_request", "message": "max_tokens: bad"}
+    with pytest.raises(ValueError):
+        P.done_msg(1, "error", 0, 0)
+    with pytest.raises(ValueError):
+        P.done_msg(1, "stop", 0, 0, P.ERR_OVERLOADED)
+    with pytest.raises(ValueError):
+        P.done_msg(1, "finished", 0, 0)
+
+
+def test_error_pong_stats_msgs():
+    assert P.error_msg(P.ERR_BAD_REQUEST, "unknown op") == {
+        "op": "error", "id": None, "code": "bad_request", "message": "unknown op"
+    }
+    assert P.pong_msg() == {"op": "pong"}
+    assert P.stats_msg({"running": 2, "op": "x"}) == {"running": 2, "op": "stats"}
+
+
+def test_constants():
+    assert P.PROTOCOL_VERSION == 1
+    assert P.ERROR_CODES == {"bad_request", "overloaded", "engine_dead", "shutdown", "duplicate_id"}
+    assert P.FINISH_REASONS == {"stop", "length", "abort", "error"}
+
+
+def test_encode_accepts_numpy_like_scalars():
+    class FakeInt:
+        def __index__(self):
+            return 7
+
+    assert msgpack.unpackb(P.encode({"x": FakeInt()})) == {"x": 7}
+    with pytest.raises(TypeError):
+        P.encode({"x": object()})
+
+
+def test_decode_reply():
+    assert P.decode_reply(P.encode(P.pong_msg())) == {"op": "pong"}
+    for bad in (b"\xc1", frame([1]), frame({"op": "generate"})):
+        with pytest.raises(P.FrameError):
+            P.decode_reply(bad)
+
+
+def test_float_checks_are_exact_at_bounds():
+    assert decode(gen(top_p=1.0)).top_p == 1.0
+    assert decode(gen(temperature=0)).temperature == 0.0
+    assert math.isclose(decode(gen(top_p=1e-9)).top_p, 1e-9)
+    assert decode(gen(seed=2**64 - 1)).seed == 2**64 - 1
+
+
+def test_reject_msg():
+    with pytest.raises(P.BadRequest) as bad:
+        decode(gen(top_k=-1))
+    assert P.reject_msg(bad.value) == P.done_msg("r1", "error", 0, 0, "bad_request", "top_k: must be an int in [0, 32000], got -1")
+    with pytest.raises(P.FrameError) as frame_error:
+        decode({"op": "nope"})
+    assert P.reject_msg(frame_error.value) == {"op": "error", "id": None, "code": "bad_request", "message": "unknown op 'nope'"}
