@@ -1,0 +1,172 @@
+"""CPU backend: the host-compiled sched_step on an engine thread, the model step in torch.
+
+The engine thread alternates sched_step() (releases the GIL, reads the SQ, writes CQ events and
+the step layout) and the model step (reads the layout, writes next_token).  It sleeps on a
+doorbell when the scheduler reports idle; the frontend rings it after publishing SQ entries.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+
+import numpy as np
+import torch
+
+from device.backends.host_memory import HostMemory
+from device.model import LlamaModel, StepBatch, sample
+from device.sched.build import CpuScheduler
+from device.tokenizer import IncrementalDetokenizer, tokenizer_for
+from ipc import layout
+from ipc.backend import Backend, ModelInfo
+from ipc.rings import RingConfig
+
+log = logging.getLogger("ringleader.cpu")
+
+POLICIES = {"fifo": layout.RL_POLICY_FIFO, "priority": layout.RL_POLICY_PRIORITY}
+IDLE_WAIT_S = 0.05  # also bounds how stale the heartbeat gets while idle
+
+
+def percentile(values, q: float) -> float | None:
+    return float(np.percentile(np.fromiter(values, dtype=np.float64), q)) if values else None
+
+
+class StepTimer:
+    """Recent step durations, for stats (the last 4096 steps)."""
+
+    def __init__(self):
+        self.sched_us: deque[float] = deque(maxlen=4096)
+        self.model_us: deque[float] = deque(maxlen=4096)
+
+    def summary(self) -> dict:
+        return {"sched_step_us_p50": percentile(self.sched_us, 50),
+                "sched_step_us_p99": percentile(self.sched_us, 99),
+                "model_step_us_p50": percentile(self.model_us, 50),
+                "model_step_us_p99": percentile(self.model_us, 99)}
+
+
+def ring_config_for(model: LlamaModel, *, n_slots: int, max_ctx: int, token_budget: int,
+                    policy: str, aging_steps: int, pending_cap: int = 1024) -> RingConfig:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
+    cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
+    return RingConfig(n_slots=n_slots, max_ctx=max_ctx, token_budget=max(token_budget, n_slots),
+                      sq_size=1024, cq_size=max(cq, 8192), arena_size=arena,
+                      pending_cap=pending_cap, policy=POLICIES[policy], aging_steps=aging_steps,
+                      eos_ids=tuple(model.config.eos_token_ids[:layout.MAX_EOS_IDS]))
+
+
+def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
+    tokenizer = tokenizer_for(spec)
+    return ModelInfo(
+        name=str(spec), vocab_size=model.config.vocab_size, max_context=max_ctx,
+        eos_token_ids=tuple(model.config.eos_token_ids), tokenizer=tokenizer,
+        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None)
+
+
+class CpuBackend(Backend):
+    def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int = 2048,
+                 token_budget: int = 256, policy: str = "fifo", aging_steps: int = 64,
+                 seed: int = 0, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self._model = LlamaModel.from_spec(spec, torch.float32, "cpu", seed)
+        max_ctx = min(max_ctx, self._model.config.max_position_embeddings)
+        self._kv = self._model.new_kv_cache(n_slots, max_ctx)
+        self._model.prepare(max_ctx)
+        self._memory = HostMemory(ring_config_for(
+            self._model, n_slots=n_slots, max_ctx=max_ctx, token_budget=token_budget,
+            policy=policy, aging_steps=aging_steps))
+        self.rings = self._memory.rings
+        self.model = model_info(spec, self._model, max_ctx)
+        self.description = {"device": "cpu", "scheduler": "host-thread", "launch": "none",
+                            "dtype": "float32", "n_slots": n_slots, "max_ctx": max_ctx,
+                            "token_budget": self._memory.config.token_budget, "policy": policy,
+                            "torch_threads": torch.get_num_threads()}
+        self._scheduler = CpuScheduler()
+        self._doorbell = threading.Event()
+        self._events = threading.Event()
+        self._failure: str | None = None
+        self._timer = StepTimer()
+        self._thread = threading.Thread(target=self._run, name="rl-engine", daemon=True)
+
+    # ---- Backend ---------------------------------------------------------------------------
+    def start(self) -> None:
+        err = self._scheduler.init(self._memory.context_address)
+        if err != layout.RL_ERR_NONE:
+            raise RuntimeError(f"scheduler rejected its configuration (error {err})")
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._doorbell.set()
+
+    def wait_for_events(self, timeout: float) -> None:
+        self._events.wait(timeout)
+        self._events.clear()
+
+    def failure(self) -> str | None:
+        if self._failure is None and self._thread.ident is not None and not self._thread.is_alive() \
+                and int(self.rings.control[0]["shutdown"]) == 0:
+            return "engine thread exited"
+        return self._failure
+
+    def stats(self) -> dict:
+        out = self.rings.counters()
+        out.update(self._timer.summary())
+        out["heartbeat_age_s"] = max(0.0, (time.monotonic_ns() - out["heartbeat_ns"]) / 1e9)
+        out["threads"] = {"engine": self._thread.native_id}
+        return out
+
+    def stop(self) -> None:
+        self.rings.request_shutdown()
+        self._doorbell.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the engine loop ---------------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = self._memory.context_address
+        control = self.rings.control
+        try:
+            while True:
+                self._doorbell.clear()
+                tail_before = int(control[0]["cq_tail"])
+                t0 = time.perf_counter()
+                status = self._scheduler.step(ctx)
+                self._timer.sched_us.append((time.perf_counter() - t0) * 1e6)
+                if int(control[0]["cq_tail"]) != tail_before:
+                    self._events.set()
+                if status == layout.RL_STEP_SHUTDOWN:
+                    break
+                if status == layout.RL_STEP_IDLE:
+                    self._doorbell.wait(IDLE_WAIT_S)
+                    continue
+                t1 = time.perf_counter()
+                self._run_model_step()
+                self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
+        except Exception:  # the watchdog turns this into engine_dead for every request
+            self._failure = "engine thread failed: " + traceback.format_exc(limit=3)
+            log.error(self._failure)
+        finally:
+            self._events.set()
+
+    def _run_model_step(self) -> None:
+        a = self._memory.arrays
+        head = a["step"][0]
+        n, n_seg, n_samples = int(head["n_tokens"]), int(head["n_segments"]), int(head["n_samples"])
+        batch = StepBatch.from_numpy(
+            a["token_ids"][:n], a["positions"][:n], a["slot_of"][:n], a["seg_slot"][:n_seg],
+            a["seg_row_start"][:n_seg], a["seg_n_rows"][:n_seg], a["sample_row"][:n_samples])
+        logits = self._model.step(batch, self._kv)
+        if n_samples == 0:
+            return
+        tokens = sample(
+            logits, torch.from_numpy(a["sample_temperature"][:n_samples]),
+            torch.from_numpy(a["sample_top_k"][:n_samples]),
+            torch.from_numpy(a["sample_top_p"][:n_samples]),
+            torch.from_numpy(a["sample_seed"][:n_samples].view(np.int64)),
+            torch.from_numpy(a["sample_counter"][:n_samples]))
+        a["next_token"][a["sample_slot"][:n_samples]] = tokens.numpy().astype(np.int32)

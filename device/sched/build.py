@@ -1,0 +1,98 @@
+"""Builds the one scheduler source for its two targets.
+
+CPU: the host C++ compiler makes a shared library (cached by content hash, so an edit rebuilds).
+CUDA: NVRTC makes a CUBIN for the device's own arch; no GPU is needed to compile.
+Both get the same text: the layout header from ipc, primitives.h, sched_step.h, then an entry.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipc import layout
+from ipc.native import load_library
+
+_HERE = Path(__file__).resolve().parent
+KERNEL_NAME = "rl_scheduler_persistent"
+
+
+def scheduler_source(entry: str) -> str:
+    """entry: "cpu_entry.cpp" or "kernel.cu"."""
+    parts = [layout.c_header()]
+    for name in ("primitives.h", "sched_step.h", entry):
+        parts.append(f"// ---- {name}\n" + (_HERE / name).read_text())
+    return "\n".join(parts)
+
+
+class CpuScheduler:
+    """The host-compiled sched_step, called through ctypes (the GIL is released during a step)."""
+
+    def __init__(self):
+        lib = load_library("rlsched", scheduler_source("cpu_entry.cpp"))
+        lib.rl_layout_fingerprint.restype = ctypes.c_uint64
+        lib.rl_sched_init.argtypes = [ctypes.c_void_p]
+        lib.rl_sched_init.restype = ctypes.c_uint32
+        lib.rl_sched_step.argtypes = [ctypes.c_void_p]
+        lib.rl_sched_step.restype = ctypes.c_uint32
+        if lib.rl_layout_fingerprint() != layout.fingerprint():
+            raise RuntimeError("scheduler library was built for another layout")
+        self._lib = lib
+
+    def init(self, context_address: int) -> int:
+        return self._lib.rl_sched_init(context_address)
+
+    def step(self, context_address: int) -> int:
+        return self._lib.rl_sched_step(context_address)
+
+
+@dataclass
+class KernelBuild:
+    arch: str
+    cubin: bytes
+    log: str
+    registers: int | None
+    shared_bytes: int | None
+    spill_bytes: int | None
+    stack_bytes: int | None
+
+
+def _check(result, what: str):
+    from cuda.bindings import nvrtc
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
+    """Compile the persistent scheduler kernel with NVRTC; ptxas -v gives resource usage."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("NVRTC needs cuda-python: pip install 'ringleader[nvrtc]'") from exc
+    src = scheduler_source("kernel.cu").replace(
+        "#define RL_MAX_THREADS 1024", f"#define RL_MAX_THREADS {threads}")
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"rl_scheduler.cu", 0, [], []),
+                  "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device",
+            b"--ptxas-options=-v"]
+    compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    log = buf.decode(errors="replace").rstrip("\x00 ")
+    if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC could not compile the scheduler for {arch}:\n{log}")
+    n = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+    cubin = b" " * n
+    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(prog)
+
+    def grab(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else None
+    return KernelBuild(arch, cubin, log, grab(r"Used (\d+) registers"),
+                       grab(r"(\d+) bytes smem"), grab(r"(\d+) bytes spill stores"),
+                       grab(r"(\d+) bytes stack frame"))

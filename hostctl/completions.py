@@ -1,0 +1,149 @@
+"""The completion thread: reads CQ events, turns them into wire frames per request, and hands
+the frames to the frontend thread (the only one that touches the ROUTER socket).
+
+Tokens of one request that arrive in one batch of events are coalesced into one `token` frame.
+A request's DONE removes it from the table; a request that is no longer in the table (ended by
+the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from hostctl.inflight import InFlight, RequestTable
+from ipc import layout, protocol
+from ipc.backend import Backend
+
+FINISH_NAMES = {layout.RL_FINISH_STOP: protocol.FINISH_STOP,
+                layout.RL_FINISH_LENGTH: protocol.FINISH_LENGTH,
+                layout.RL_FINISH_ABORT: protocol.FINISH_ABORT}
+
+
+class Outbox:
+    """Frames waiting for the frontend thread; `notify` wakes it."""
+
+    def __init__(self, notify: Callable[[], None]):
+        self._frames: deque[tuple[bytes, bytes]] = deque()
+        self._notify = notify
+
+    def put_many(self, frames: list[tuple[bytes, bytes]]) -> None:
+        if frames:
+            self._frames.extend(frames)
+            self._notify()
+
+    def take_all(self) -> list[tuple[bytes, bytes]]:
+        out = []
+        while self._frames:
+            out.append(self._frames.popleft())
+        return out
+
+
+def done_frame(req: InFlight, finish_reason: str, code: str | None = None,
+               message: str | None = None) -> tuple[bytes, bytes]:
+    msg = protocol.done_msg(req.id, finish_reason, req.prompt_len, req.completion_tokens,
+                            error_code=code, error_message=message)
+    return req.client, protocol.encode(msg)
+
+
+class CompletionRouter:
+    def __init__(self, backend: Backend, table: RequestTable, outbox: Outbox, metrics,
+                 watchdog_s: float):
+        self._backend = backend
+        self._rings = backend.rings
+        self._table = table
+        self._outbox = outbox
+        self._metrics = metrics
+        self._watchdog_s = watchdog_s
+        self._stop = threading.Event()
+        self.abort_as: dict[int, tuple[str, str]] = {}  # handle -> (code, message) for host-initiated aborts
+        self.dead_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rl-completions", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
+    def _run(self) -> None:
+        last_progress = time.monotonic()
+        last_heartbeat = None
+        while not self._stop.is_set():
+            self._backend.wait_for_events(0.05)
+            events = self._rings.completions.take()
+            if len(events):
+                self._route(events)
+            if self.dead_reason is not None:
+                continue
+            failure = self._backend.failure()
+            heartbeat = int(self._rings.control[0]["heartbeat_ns"])
+            now = time.monotonic()
+            if heartbeat != last_heartbeat or len(events):
+                last_heartbeat, last_progress = heartbeat, now
+            elif now - last_progress > self._watchdog_s:
+                failure = failure or f"device heartbeat stalled for {now - last_progress:.1f} s"
+            if failure is not None:
+                self.fail_all(failure)
+
+    def fail_all(self, reason: str) -> None:
+        """Engine dead: every in-flight request ends now with engine_dead."""
+        self.dead_reason = reason
+        frames = []
+        for req in self._table.all():
+            if self._table.finish(req.handle) is req:
+                frames.append(done_frame(req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD,
+                                         f"engine dead: {reason}"))
+                self._metrics.finished(req, protocol.FINISH_ERROR)
+        self._outbox.put_many(frames)
+
+    def _route(self, events) -> None:
+        frames: list[tuple[bytes, bytes]] = []
+        tokens: dict[int, list[int]] = {}
+        order: list[int] = []  # handles in first-event order, so frames keep event order
+        dones: dict[int, int] = {}
+        now = time.perf_counter_ns()
+        for handle, kind, reason, token in zip(events["handle"].tolist(), events["kind"].tolist(),
+                                               events["finish_reason"].tolist(),
+                                               events["token"].tolist()):
+            if handle not in tokens and handle not in dones:
+                order.append(handle)
+            if kind == layout.RL_EV_TOKEN:
+                tokens.setdefault(handle, []).append(token)
+            else:
+                dones[handle] = reason
+        for handle in order:
+            req = self._table.get(handle)
+            if req is None:
+                continue  # already ended (engine_dead or shutdown): its late events are moot
+            ids = tokens.get(handle)
+            if ids:
+                if req.completion_tokens == 0:
+                    req.first_token_ns = now
+                    self._rings.arena.release(req.arena_offset)  # prefill is over
+                req.completion_tokens += len(ids)
+                text = req.detokenizer.push(ids) if req.detokenizer is not None else None
+                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, ids, text))))
+                self._metrics.tokens(len(ids))
+            if handle in dones and self._table.finish(handle) is req:
+                if req.completion_tokens == 0 and req.arena_offset is not None:
+                    self._rings.arena.release(req.arena_offset)
+                if req.detokenizer is not None:
+                    tail = req.detokenizer.flush()
+                    if tail:
+                        frames.append((req.client,
+                                       protocol.encode(protocol.token_msg(req.id, [], tail))))
+                reason = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
+                code = message = None
+                override = self.abort_as.pop(handle, None)
+                if reason == protocol.FINISH_ABORT and override is not None:
+                    reason, (code, message) = protocol.FINISH_ERROR, override
+                frames.append(done_frame(req, reason, code, message))
+                self._metrics.finished(req, reason)
+        self._outbox.put_many(frames)

@@ -1,0 +1,55 @@
+"""The one interface through which hostctl reaches a device backend.
+
+A backend owns the model, the scheduler and the shared memory; hostctl sees only the host-shared
+rings (ipc.rings.HostRings) and these methods.  hostctl never chooses what runs in a step.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any = None                      # encode(str) -> list[int]; None: ids only
+    new_detokenizer: Callable[[], Any] | None = None  # -> object with push(ids) -> str, flush()
+    extra: dict = field(default_factory=dict)
+
+
+class EngineDead(RuntimeError):
+    """The device side stopped making progress; every in-flight request must end."""
+
+
+class Backend(abc.ABC):
+    rings: Any          # ipc.rings.HostRings
+    model: ModelInfo
+    description: dict   # device, scheduler placement, launch mode, dtype ... for stats and bench
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Starts the scheduler loop; returns once it is running."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Doorbell: the host just published SQ entries (a no-op where the device polls)."""
+
+    @abc.abstractmethod
+    def wait_for_events(self, timeout: float) -> None:
+        """Blocks until CQ events may be ready or `timeout` seconds pass."""
+
+    @abc.abstractmethod
+    def failure(self) -> str | None:
+        """None while healthy; otherwise why the engine is dead."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Device-side figures: counters, heartbeat age, step time and bubbles where measured."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Sets shutdown, waits for the scheduler to exit, frees device memory."""

@@ -1,0 +1,255 @@
+"""The shared-memory contract between hostctl and the device scheduler, defined once.
+
+Every struct below is declared here and only here: `numpy_dtype()` gives the host view and
+`c_header()` gives the text both C++ compilers (host g++ and NVRTC) include.  The header carries
+static_asserts on every size and offset, and a fingerprint of the layout that the scheduler
+library reports back, so a stale build can never read the rings with the wrong offsets.
+
+Ownership (one writer per index; payload first, index last; release/acquire at system scope):
+  Control.sq_tail        host writes (release) after the SQ entry and its prompt tokens; device reads (acquire)
+  Control.sq_head        device writes (release) after copying entries out of the SQ; host reads (acquire)
+  Control.cq_tail        device writes (release) after the CQ events; host reads (acquire)
+  Control.cq_head        host writes (release) after reading CQ events; device reads (acquire)
+  Control.shutdown       host writes; device reads
+  Control counters,
+  heartbeat, error_code  device writes; host reads (monitoring only, no ordering attached)
+The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
+free once its first TOKEN or its DONE event has been read: the device reads a prompt only before
+it samples that request's first token).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x52474E52  # "RNGR" little-endian
+LAYOUT_VERSION = 1
+
+MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
+MAX_EOS_IDS = 4
+MAX_BUCKETS = 16
+
+_SCALARS = {
+    "u8": ("uint8_t", np.uint8), "u16": ("uint16_t", np.uint16),
+    "u32": ("uint32_t", np.uint32), "i32": ("int32_t", np.int32),
+    "u64": ("uint64_t", np.uint64), "i64": ("int64_t", np.int64),
+    "f32": ("float", np.float32),
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str          # a key of _SCALARS
+    count: int = 1     # > 1 makes a fixed array
+
+
+@dataclass(frozen=True)
+class Struct:
+    """A C struct with natural alignment, padded to `align` bytes."""
+    name: str
+    fields: tuple[Field, ...]
+    align: int = 8
+
+    def offsets(self) -> list[tuple[Field, int]]:
+        out, off = [], 0
+        for f in self.fields:
+            size = np.dtype(_SCALARS[f.kind][1]).itemsize
+            off = (off + size - 1) // size * size
+            out.append((f, off))
+            off += size * f.count
+        return out
+
+    @property
+    def size(self) -> int:
+        f, off = self.offsets()[-1]
+        end = off + np.dtype(_SCALARS[f.kind][1]).itemsize * f.count
+        return (end + self.align - 1) // self.align * self.align
+
+    def numpy_dtype(self) -> np.dtype:
+        names, formats, offs = [], [], []
+        for f, off in self.offsets():
+            base = _SCALARS[f.kind][1]
+            names.append(f.name)
+            formats.append((base, (f.count,)) if f.count > 1 else base)
+            offs.append(off)
+        return np.dtype({"names": names, "formats": formats, "offsets": offs,
+                         "itemsize": self.size})
+
+    def c_text(self) -> str:
+        lines = [f"struct alignas({self.align}) {self.name} {{"]
+        for f, _ in self.offsets():
+            arr = f"[{f.count}]" if f.count > 1 else ""
+            lines.append(f"  {_SCALARS[f.kind][0]} {f.name}{arr};")
+        lines.append("};")
+        lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name} size");')
+        for f, off in self.offsets():
+            lines.append(f"static_assert(offsetof({self.name}, {f.name}) == {off}, "
+                         f'"{self.name}.{f.name}");')
+        return "\n".join(lines)
+
+
+def _f(name: str, kind: str, count: int = 1) -> Field:
+    return Field(name, kind, count)
+
+
+# Written once by the host before the scheduler starts; read-only afterwards.
+CONFIG = Struct("RlConfig", (
+    _f("magic", "u32"), _f("version", "u32"),
+    _f("n_slots", "u32"), _f("max_ctx", "u32"), _f("token_budget", "u32"),
+    _f("sq_size", "u32"), _f("cq_size", "u32"), _f("arena_size", "u32"),
+    _f("pending_cap", "u32"), _f("work_len", "u32"), _f("policy", "u32"),
+    _f("aging_steps", "u32"),
+    _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
+    _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
+    _f("layout_fingerprint", "u64"),
+))
+
+# Host-visible control block.  Fields are grouped by writer on separate 64-byte lines.
+CONTROL = Struct("RlControl", (
+    # line 0: host writes
+    _f("magic", "u32"), _f("version", "u32"), _f("shutdown", "u32"), _f("sq_tail", "u32"),
+    _f("cq_head", "u32"), _f("_host_pad", "u32", 11),
+    # line 1: device writes, ring indices and liveness
+    _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("error_code", "u32"), _f("state", "u32"),
+    _f("heartbeat_ns", "u64"), _f("_dev_pad", "u64", 5),
+    # line 2-3: device writes, counters
+    _f("steps", "u64"), _f("step_tokens", "u64"), _f("generated", "u64"),
+    _f("admitted", "u64"), _f("finished", "u64"), _f("idle_polls", "u64"),
+    _f("cq_stalls", "u64"), _f("pending", "u64"), _f("active_slots", "u64"),
+    _f("last_step_tokens", "u64"), _f("_ctr_pad", "u64", 6),
+), align=64)
+
+# Submission queue entry (host -> device).
+SQ_ENTRY = Struct("RlSqEntry", (
+    _f("op", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
+    _f("max_tokens", "u32"), _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"),
+    _f("top_k", "i32"), _f("priority", "i32"), _f("seed", "u64"),
+    _f("n_stop", "u32"), _f("arrival", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+))
+
+# Completion queue event (device -> host).
+CQ_EVENT = Struct("RlCqEvent", (
+    _f("handle", "u32"), _f("kind", "u8"), _f("finish_reason", "u8"), _f("_pad", "u16"),
+    _f("token", "i32"), _f("index", "u32"), _f("time_ns", "u64"),
+))
+
+# Device-private: one batch slot's request.
+SLOT = Struct("RlSlot", (
+    _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
+    _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),
+    _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"), _f("top_k", "i32"),
+    _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
+    _f("admit_seq", "u32"), _f("abort", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+))
+
+# Device-private scheduler bookkeeping.
+SCHED = Struct("RlSchedState", (
+    _f("step", "u64"), _f("n_pending", "u32"), _f("admit_seq", "u32"),
+    _f("sq_head", "u32"), _f("cq_tail", "u32"),
+))
+
+# The step the scheduler built, read by the model step.
+STEP = Struct("RlStepHeader", (
+    _f("n_tokens", "u32"), _f("bucket", "u32"), _f("n_segments", "u32"), _f("n_samples", "u32"),
+    _f("n_decode", "u32"), _f("_pad", "u32", 3),
+))
+
+STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, CQ_EVENT, SLOT, SCHED, STEP)
+
+# Pointer table handed to sched_step: names, element type, and length in terms of the config.
+ARRAYS = (
+    ("cfg", "RlConfig", "1"), ("ctl", "RlControl", "1"),
+    ("sq", "RlSqEntry", "sq_size"), ("arena", "int32_t", "arena_size"),
+    ("cq", "RlCqEvent", "cq_size"),
+    ("slots", "RlSlot", "n_slots"), ("pending", "RlSqEntry", "pending_cap"),
+    ("sched", "RlSchedState", "1"), ("step", "RlStepHeader", "1"),
+    ("token_ids", "int32_t", "token_budget"), ("positions", "int32_t", "token_budget"),
+    ("slot_of", "int32_t", "token_budget"),
+    ("seg_slot", "int32_t", "n_slots"), ("seg_row_start", "int32_t", "n_slots"),
+    ("seg_n_rows", "int32_t", "n_slots"),
+    ("sample_row", "int32_t", "n_slots"), ("sample_slot", "int32_t", "n_slots"),
+    ("sample_temperature", "float", "n_slots"), ("sample_top_p", "float", "n_slots"),
+    ("sample_top_k", "int32_t", "n_slots"), ("sample_seed", "uint64_t", "n_slots"),
+    ("sample_counter", "int32_t", "n_slots"),
+    ("next_token", "int32_t", "n_slots"),
+    # scheduler work space for scans and compaction; work_len = max(n_slots, pending_cap)
+    ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
+    ("work_c", "uint32_t", "work_len"), ("pending_tmp", "RlSqEntry", "pending_cap"),
+    # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
+    ("turn", "uint32_t", "1"),
+)
+
+# Arrays the host reads or writes; the rest are private to the scheduler and the step.
+HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq")
+
+# Enumerations shared by both sides.
+ENUMS = {
+    "RL_OP_NONE": 0, "RL_OP_GENERATE": 1, "RL_OP_ABORT": 2, "RL_OP_CANCELLED": 3,
+    "RL_FLAG_IGNORE_EOS": 1,
+    "RL_EV_TOKEN": 1, "RL_EV_DONE": 2,
+    "RL_FINISH_NONE": 0, "RL_FINISH_STOP": 1, "RL_FINISH_LENGTH": 2, "RL_FINISH_ABORT": 3,
+    "RL_SLOT_FREE": 0, "RL_SLOT_PREFILL": 1, "RL_SLOT_DECODE": 2,
+    "RL_POLICY_FIFO": 0, "RL_POLICY_PRIORITY": 1,
+    "RL_STATE_INIT": 0, "RL_STATE_RUNNING": 1, "RL_STATE_EXITED": 2, "RL_STATE_FAILED": 3,
+    "RL_ERR_NONE": 0, "RL_ERR_BAD_MAGIC": 1, "RL_ERR_BAD_VERSION": 2,
+    "RL_ERR_BAD_CONFIG": 3, "RL_ERR_BAD_FINGERPRINT": 4,
+    "RL_TURN_SCHED": 0, "RL_TURN_COMPUTE": 1, "RL_TURN_EXIT": 2,
+    "RL_STEP_IDLE": 0, "RL_STEP_RUN": 1, "RL_STEP_SHUTDOWN": 2, "RL_STEP_ERROR": 3,
+}
+globals().update(ENUMS)
+
+FINISH_REASON_NAMES = {RL_FINISH_STOP: "stop", RL_FINISH_LENGTH: "length",
+                       RL_FINISH_ABORT: "abort"}
+
+
+def _header_body() -> str:
+    parts = [f"#define RL_MAGIC 0x{MAGIC:08X}u", f"#define RL_LAYOUT_VERSION {LAYOUT_VERSION}u",
+             f"#define RL_MAX_STOP_IDS {MAX_STOP_IDS}", f"#define RL_MAX_EOS_IDS {MAX_EOS_IDS}",
+             f"#define RL_MAX_BUCKETS {MAX_BUCKETS}"]
+    parts += [f"#define {k} {v}" for k, v in ENUMS.items()]
+    parts += [s.c_text() for s in STRUCTS]
+    ptrs = "\n".join(f"  {ctype}* {name};" for name, ctype, _ in ARRAYS)
+    parts.append(f"struct RlContext {{\n{ptrs}\n}};")
+    return "\n\n".join(parts)
+
+
+def fingerprint() -> int:
+    """64-bit hash of the header text: any change to the layout changes it."""
+    return int.from_bytes(hashlib.sha256(_header_body().encode()).digest()[:8], "little")
+
+
+def c_header() -> str:
+    """The header both compilers include; offsetof comes from a builtin so NVRTC needs no <cstddef>."""
+    return "\n".join([
+        "// Generated from ipc/layout.py. Do not edit.",
+        "#pragma once",
+        "#ifndef offsetof",
+        "#define offsetof(t, m) __builtin_offsetof(t, m)",
+        "#endif",
+        "#ifdef __CUDACC_RTC__",
+        "typedef unsigned char uint8_t; typedef unsigned short uint16_t;",
+        "typedef unsigned int uint32_t; typedef int int32_t;",
+        "typedef unsigned long long uint64_t; typedef long long int64_t;",
+        "#else",
+        "#include <stdint.h>",
+        "#endif",
+        f"#define RL_LAYOUT_FINGERPRINT 0x{fingerprint():016X}ull",
+        _header_body(), ""])
+
+
+def array_lengths(cfg: dict) -> dict[str, int]:
+    """Element count of every ARRAYS entry for a config given as a dict of RlConfig fields."""
+    return {name: (1 if n == "1" else int(cfg[n])) for name, _, n in ARRAYS}
+
+
+_CTYPE_DTYPES = {"int32_t": np.int32, "uint32_t": np.uint32, "uint64_t": np.uint64, "float": np.float32}
+
+
+def array_dtype(ctype: str) -> np.dtype:
+    for s in STRUCTS:
+        if s.name == ctype:
+            return s.numpy_dtype()
+    return np.dtype(_CTYPE_DTYPES[ctype])

@@ -1,0 +1,259 @@
+"""Host-side views of the shared memory: the SQ producer, the CQ consumer and the prompt arena.
+
+Memory is planned from ipc.layout.ARRAYS: every array starts on a 128-byte boundary.  A backend
+allocates the bytes (plain host memory on the CPU, pinned host memory plus device memory on CUDA)
+and hands the host-shared arrays to these classes; hostctl never touches the device-private ones.
+
+Ordering (the rules of ipc/layout.py): the SQ producer writes an entry, then its prompt tokens
+are already in the arena, then publishes sq_tail with a release store; the CQ consumer reads
+cq_tail with an acquire load, copies the events out, then publishes cq_head with a release store.
+Each class below is used from one thread only: SubmissionQueue by the frontend thread,
+CompletionQueue by the completion thread.  PromptArena is shared by both and locks.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc import layout
+from ipc.atomics import AtomicU32
+
+ALIGN = 128
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    n_slots: int = 32
+    max_ctx: int = 2048
+    token_budget: int = 512
+    sq_size: int = 1024
+    cq_size: int = 8192
+    arena_size: int = 1 << 20
+    pending_cap: int = 1024
+    policy: int = layout.RL_POLICY_FIFO
+    aging_steps: int = 64
+    eos_ids: tuple[int, ...] = ()
+    buckets: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("sq_size", "cq_size", "arena_size"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        if self.token_budget < self.n_slots:
+            raise ValueError("token_budget must be >= n_slots (every decoding slot gets a row)")
+        if len(self.eos_ids) > layout.MAX_EOS_IDS:
+            raise ValueError(f"at most {layout.MAX_EOS_IDS} eos ids")
+        if len(self.buckets) > layout.MAX_BUCKETS or list(self.buckets) != sorted(self.buckets):
+            raise ValueError(f"buckets: ascending, at most {layout.MAX_BUCKETS}")
+        if self.cq_size < 2 * self.n_slots + self.pending_cap:
+            raise ValueError("cq_size must hold one step's events: >= 2*n_slots + pending_cap")
+
+    @property
+    def work_len(self) -> int:
+        return max(self.n_slots, self.pending_cap)
+
+    def lengths(self) -> dict[str, int]:
+        return layout.array_lengths({**self.__dict__, "work_len": self.work_len})
+
+
+@dataclass
+class MemoryPlan:
+    offsets: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+
+
+def plan_memory(cfg: RingConfig, names) -> MemoryPlan:
+    lengths = cfg.lengths()
+    plan = MemoryPlan()
+    off = 0
+    for name, ctype, _ in layout.ARRAYS:
+        if name not in names:
+            continue
+        nbytes = layout.array_dtype(ctype).itemsize * lengths[name]
+        plan.offsets[name], plan.nbytes[name] = off, nbytes
+        off = (off + nbytes + ALIGN - 1) // ALIGN * ALIGN
+    plan.total = off
+    return plan
+
+
+def map_arrays(buffer: np.ndarray, plan: MemoryPlan, cfg: RingConfig) -> dict[str, np.ndarray]:
+    """numpy views of each planned array inside `buffer` (a uint8 array of plan.total bytes)."""
+    lengths = cfg.lengths()
+    ctypes_of = {name: ctype for name, ctype, _ in layout.ARRAYS}
+    views = {}
+    for name, off in plan.offsets.items():
+        dt = layout.array_dtype(ctypes_of[name])
+        views[name] = buffer[off:off + plan.nbytes[name]].view(dt)[:lengths[name]]
+    return views
+
+
+def aligned_host_buffer(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes]
+
+
+def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
+    c = cfg_view[0]
+    c["magic"], c["version"] = layout.MAGIC, layout.LAYOUT_VERSION
+    for name in ("n_slots", "max_ctx", "token_budget", "sq_size", "cq_size", "arena_size",
+                 "pending_cap", "policy", "aging_steps"):
+        c[name] = getattr(cfg, name)
+    c["work_len"] = cfg.work_len
+    c["n_eos"] = len(cfg.eos_ids)
+    c["eos_ids"][:len(cfg.eos_ids)] = cfg.eos_ids
+    c["n_buckets"] = len(cfg.buckets)
+    c["buckets"][:len(cfg.buckets)] = cfg.buckets
+    c["layout_fingerprint"] = layout.fingerprint()
+
+
+def _field_address(view: np.ndarray, struct: layout.Struct, name: str) -> int:
+    return view.ctypes.data + dict((f.name, off) for f, off in struct.offsets())[name]
+
+
+class SubmissionQueue:
+    """Host end of the SQ: the only writer of sq_tail."""
+
+    def __init__(self, ctl: np.ndarray, sq: np.ndarray):
+        self._sq = sq
+        self._mask = len(sq) - 1
+        self._tail_word = AtomicU32(_field_address(ctl, layout.CONTROL, "sq_tail"))
+        self._head_word = AtomicU32(_field_address(ctl, layout.CONTROL, "sq_head"))
+        self._tail = self._tail_word.load_acquire()
+        self._published = self._tail
+
+    def free_entries(self) -> int:
+        return len(self._sq) - (self._tail - self._head_word.load_acquire()) % (1 << 32)
+
+    def push(self, op: int, handle: int, *, prompt_off: int = 0, prompt_len: int = 0,
+             max_tokens: int = 0, flags: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, priority: int = 0, seed: int = 0, stop_ids=()) -> None:
+        """Writes one entry; it becomes visible to the device at the next publish()."""
+        e = self._sq[self._tail & self._mask]
+        e["op"], e["handle"] = op, handle
+        e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
+        e["max_tokens"], e["flags"] = max_tokens, flags
+        e["temperature"], e["top_p"], e["top_k"] = temperature, top_p, top_k
+        e["priority"], e["seed"] = priority, seed
+        e["n_stop"], e["arrival"] = len(stop_ids), 0
+        e["stop_ids"][:] = -1
+        e["stop_ids"][:len(stop_ids)] = stop_ids
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
+
+    def publish(self) -> bool:
+        if self._tail == self._published:
+            return False
+        self._tail_word.store_release(self._tail)
+        self._published = self._tail
+        return True
+
+
+class CompletionQueue:
+    """Host end of the CQ: the only writer of cq_head."""
+
+    def __init__(self, ctl: np.ndarray, cq: np.ndarray):
+        self._cq = cq
+        self._size = len(cq)
+        self._tail_word = AtomicU32(_field_address(ctl, layout.CONTROL, "cq_tail"))
+        self._head_word = AtomicU32(_field_address(ctl, layout.CONTROL, "cq_head"))
+        self._head = self._head_word.load_acquire()
+
+    def pending(self) -> int:
+        return (self._tail_word.load_acquire() - self._head) & 0xFFFFFFFF
+
+    def take(self) -> np.ndarray:
+        """Copies out every published event and hands their entries back to the device."""
+        n = self.pending()
+        if n == 0:
+            return self._cq[:0].copy()
+        start = self._head % self._size
+        first = min(n, self._size - start)
+        events = self._cq[start:start + first].copy()
+        if first < n:
+            events = np.concatenate([events, self._cq[:n - first]])
+        self._head = (self._head + n) & 0xFFFFFFFF
+        self._head_word.store_release(self._head)
+        return events
+
+
+class PromptArena:
+    """Allocator for the prompt-token ring.  The device only reads it; tokens stay until the
+    host releases them (on the request's first TOKEN or its DONE), and space is reclaimed in
+    allocation order, so the arena behaves as a ring with out-of-order release."""
+
+    def __init__(self, arena: np.ndarray):
+        self._arena = arena
+        self._size = len(arena)
+        self._head = 0  # oldest unreleased token (monotonic count)
+        self._tail = 0  # next free token (monotonic count)
+        self._live: deque[list] = deque()  # [start, length, released] in allocation order
+        self._by_start: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self._size
+
+    def used(self) -> int:
+        return self._tail - self._head
+
+    def can_allocate(self, n: int) -> bool:
+        return self._tail - self._head + n <= self._size
+
+    def allocate(self, tokens: np.ndarray) -> int | None:
+        """Copies `tokens` in and returns their ring offset, or None when it does not fit."""
+        n = len(tokens)
+        with self._lock:
+            if not self.can_allocate(n):
+                return None
+            start = self._tail
+            i = start % self._size
+            first = min(n, self._size - i)
+            self._arena[i:i + first] = tokens[:first]
+            if first < n:
+                self._arena[:n - first] = tokens[first:]
+            entry = [start, n, False]
+            self._live.append(entry)
+            self._by_start[start] = entry
+            self._tail += n
+            return start
+
+    def release(self, start: int) -> None:
+        with self._lock:
+            entry = self._by_start.pop(start, None)
+            if entry is None:
+                return
+            entry[2] = True
+            while self._live and self._live[0][2]:
+                done = self._live.popleft()
+                self._head = done[0] + done[1]
+
+
+class HostRings:
+    """The host-shared arrays a backend hands to hostctl."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], cfg: RingConfig):
+        self.config = cfg
+        self.control = arrays["ctl"]
+        self.submissions = SubmissionQueue(arrays["ctl"], arrays["sq"])
+        self.completions = CompletionQueue(arrays["ctl"], arrays["cq"])
+        self.arena = PromptArena(arrays["arena"])
+        self._shutdown = AtomicU32(_field_address(arrays["ctl"], layout.CONTROL, "shutdown"))
+
+    def request_shutdown(self) -> None:
+        self._shutdown.store_release(1)
+
+    def counters(self) -> dict[str, int]:
+        c = self.control[0]
+        names = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls",
+                 "cq_stalls", "pending", "active_slots", "last_step_tokens", "heartbeat_ns",
+                 "error_code", "state")
+        return {n: int(c[n]) for n in names}
