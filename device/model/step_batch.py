@@ -1,0 +1,139 @@
+"""The input of one unified ragged model step: decode rows and prefill chunks mixed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepPlan:
+    """Host-side attention plan, derived from the segment arrays (no device syncs needed).
+
+    Segments of one row ("decode-like", including a 1-token last prefill chunk) are attended
+    together as one padded batch; longer segments each run on their own.
+    """
+
+    decode_rows: Optional[torch.Tensor]  # [B] int64 row ids of 1-row segments; None = all rows
+    n_decode: int
+    decode_max_ctx: int  # longest context (last position + 1) among the decode rows
+    prefill: list[tuple[int, int, int, int]]  # (slot, row_start, n_rows, ctx_end) per segment
+
+    @classmethod
+    def from_numpy(
+        cls,
+        positions: np.ndarray,
+        seg_slot: np.ndarray,
+        seg_row_start: np.ndarray,
+        seg_n_rows: np.ndarray,
+        device: Union[str, torch.device] = "cpu",
+    ) -> "StepPlan":
+        n_rows_total = int(positions.shape[0])
+        seg_n_rows = np.asarray(seg_n_rows)
+        is_decode = seg_n_rows == 1
+        dec_starts = np.asarray(seg_row_start)[is_decode]
+        n_decode = int(dec_starts.shape[0])
+        decode_max_ctx = int(positions[dec_starts].max()) + 1 if n_decode else 0
+        all_rows_in_order = n_decode == n_rows_total and np.array_equal(dec_starts, np.arange(n_decode))
+        if n_decode == 0 or all_rows_in_order:
+            decode_rows = None  # nothing to gather: no decode rows, or every row in row order
+        else:
+            decode_rows = torch.from_numpy(dec_starts.astype(np.int64)).to(device)
+        prefill = []
+        for s in np.flatnonzero(~is_decode):
+            start, n = int(seg_row_start[s]), int(seg_n_rows[s])
+            if n == 0:
+                continue
+            prefill.append((int(seg_slot[s]), start, n, int(positions[start + n - 1]) + 1))
+        return cls(decode_rows, n_decode, decode_max_ctx, prefill)
+
+
+@dataclass
+class StepBatch:
+    """Rows of one step, as int64 tensors already sliced to their real sizes.
+
+    token_ids[T], positions[T], slot_of[T]: each row's token, its position in its request and
+    its KV slot. Segments are contiguous runs of rows of one slot whose positions are
+    consecutive and end at the slot's current context end: seg_slot[S], seg_row_start[S],
+    seg_n_rows[S]. sample_rows[N]: rows whose logits are wanted, in output order.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_of: torch.Tensor
+    seg_slot: torch.Tensor
+    seg_row_start: torch.Tensor
+    seg_n_rows: torch.Tensor
+    sample_rows: torch.Tensor
+    plan: Optional[StepPlan] = None
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def get_plan(self) -> StepPlan:
+        """The attention plan; computed from the tensors (a host copy) if not given."""
+        if self.plan is None:
+            dev = self.token_ids.device
+            self.plan = StepPlan.from_numpy(
+                self.positions.cpu().numpy(),
+                self.seg_slot.cpu().numpy(),
+                self.seg_row_start.cpu().numpy(),
+                self.seg_n_rows.cpu().numpy(),
+                device=dev,
+            )
+        return self.plan
+
+    @classmethod
+    def from_numpy(
+        cls,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_of: np.ndarray,
+        seg_slot: np.ndarray,
+        seg_row_start: np.ndarray,
+        seg_n_rows: np.ndarray,
+        sample_rows: np.ndarray,
+        device: Union[str, torch.device] = "cpu",
+    ) -> "StepBatch":
+        """From the scheduler's numpy (int32) arrays, already sliced to real sizes.
+
+        Cost: one small host->device copy per array plus an int64 widening; the plan is
+        built from the numpy arrays, so no device->host sync happens.
+        """
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device).long()
+
+        plan = StepPlan.from_numpy(positions, seg_slot, seg_row_start, seg_n_rows, device=device)
+        return cls(
+            t(token_ids), t(positions), t(slot_of), t(seg_slot), t(seg_row_start), t(seg_n_rows),
+            t(sample_rows), plan,
+        )
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: list[tuple[int, list[int], int]],
+        sample_rows: Optional[list[int]] = None,
+        device: Union[str, torch.device] = "cpu",
+    ) -> "StepBatch":
+        """Convenience builder: segments = [(slot, token_ids, first_position), ...]. By default
+        the last row of every segment is sampled."""
+        tok, pos, slot_of, seg_slot, seg_start, seg_n, last = [], [], [], [], [], [], []
+        for slot, ids, p0 in segments:
+            seg_slot.append(slot)
+            seg_start.append(len(tok))
+            seg_n.append(len(ids))
+            tok.extend(ids)
+            pos.extend(range(p0, p0 + len(ids)))
+            slot_of.extend([slot] * len(ids))
+            last.append(len(tok) - 1)
+        rows = last if sample_rows is None else sample_rows
+        arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+        return cls.from_numpy(
+            arr(tok), arr(pos), arr(slot_of), arr(seg_slot), arr(seg_start), arr(seg_n), arr(rows),
+            device=device,
+        )

@@ -1,0 +1,178 @@
+"""Tokenizers: a byte-level one for presets, a wrapper over HF `tokenizers` for checkpoints,
+and an incremental detokenizer for streaming output.
+
+Which tokenizer goes with a model spec: `tokenizer_for(spec)` (spec = preset name or
+checkpoint directory) returns a ByteTokenizer for presets, an HFTokenizer when the checkpoint
+directory has tokenizer.json, else None (the caller then serves token ids only).
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Protocol, Sequence, Union
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: Optional[int]
+    eos_token_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 = BOS, 257 = EOS, 258 = PAD.
+
+    vocab_size is 264, i.e. 259 rounded up to a multiple of 8 (friendlier matmul shapes);
+    ids 259..263 are unused and decode to nothing.
+    """
+
+    BOS = 256
+    EOS = 257
+    PAD = 258
+    vocab_size = 264
+
+    def __init__(self) -> None:
+        self.bos_token_id: Optional[int] = self.BOS
+        self.eos_token_ids: list[int] = [self.EOS]
+        self.pad_token_id = self.PAD
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS] + ids if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def _token_content(tok) -> Optional[str]:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class HFTokenizer:
+    """Wraps `tokenizers.Tokenizer.from_file(model_dir/"tokenizer.json")`.
+
+    BOS handling follows transformers: when tokenizer_config.json sets `add_bos_token`
+    (Llama-2 / Mistral style) that flag decides; otherwise the tokenizer.json post-processor
+    does (Llama-3 adds <|begin_of_text|>, Qwen2 adds nothing).
+    """
+
+    def __init__(self, model_dir: Union[str, Path]) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTok
+        except ImportError as e:  # optional dependency: pip install 'ringleader[hf]'
+            raise ImportError(
+                "HFTokenizer needs the `tokenizers` package: pip install 'ringleader[hf]'"
+            ) from e
+        model_dir = Path(model_dir)
+        self._tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
+        tcfg: dict = {}
+        tcfg_path = model_dir / "tokenizer_config.json"
+        if tcfg_path.exists():
+            tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._lookup(_token_content(tcfg.get("bos_token")))
+        eos = self._lookup(_token_content(tcfg.get("eos_token")))
+        self.eos_token_ids: list[int] = [] if eos is None else [eos]
+        self._add_bos: Optional[bool] = tcfg.get("add_bos_token")
+        self._add_eos: bool = bool(tcfg.get("add_eos_token", False))
+
+    def _lookup(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._add_bos is None:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        if self._add_eos and self.eos_token_ids:
+            ids = ids + [self.eos_token_ids[0]]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text, never emitting half a character.
+
+    push(ids) returns only newly completed text; flush() returns whatever was held back
+    (an incomplete UTF-8 tail becomes U+FFFD).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._bytes = None
+        if isinstance(tokenizer, ByteTokenizer):
+            # bytes map 1:1 to tokens, so a streaming UTF-8 codec is exact and O(new tokens)
+            self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._prefix = 0  # decode window start: a few tokens of context before the unread ones
+        self._read = 0  # tokens whose text has been emitted
+        self._prev_text = ""  # decode of ids[_prefix:_read]
+
+    def push(self, token_ids: Union[int, Iterable[int]]) -> str:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        if self._bytes is not None:
+            data = bytes(int(i) for i in token_ids if 0 <= int(i) < 256)
+            return self._bytes.decode(data)
+        self._ids.extend(int(i) for i in token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        if self._bytes is not None:
+            return self._bytes.decode(b"", final=True)
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        dec = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        # Decoding from a window start (not token 0) keeps cost bounded; the window's
+        # already-emitted part (_prev_text) is decoded the same way, so leading-space rules
+        # (e.g. sentencepiece's strip of the first space) cancel out.
+        text = dec(self._ids[self._prefix :])
+        if not final and text.endswith("\ufffd"):
+            return ""  # last token ends mid-character: wait for the rest of its bytes
+        # prev is a prefix of text for all sane decoders; if not, emitted text cannot be
+        # taken back, so we still skip len(prev) characters.
+        new = text[len(self._prev_text) :]
+        just_read = dec(self._ids[self._read :])
+        if just_read:
+            self._prefix, self._prev_text = self._read, just_read
+        else:
+            # tokens with no text of their own (skipped specials, a stripped lone space)
+            # make a bad window start: keep the old one
+            self._prev_text = text
+        self._read = len(self._ids)
+        return new
+
+
+def load_tokenizer(model_dir: Union[str, Path, None]):
+    """ByteTokenizer for None (presets); for a checkpoint directory an HFTokenizer when it
+    has tokenizer.json, else None."""
+    if model_dir is None:
+        return ByteTokenizer()
+    if (Path(model_dir) / "tokenizer.json").exists():
+        return HFTokenizer(model_dir)
+    return None
+
+
+def tokenizer_for(spec: Union[str, Path]):
+    """Tokenizer for a model spec as the server gets it: a preset name or a checkpoint dir."""
+    from device.model.presets import PRESETS
+
+    if isinstance(spec, str) and spec in PRESETS:
+        return load_tokenizer(None)
+    return load_tokenizer(spec)

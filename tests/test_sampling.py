@@ -1,0 +1,101 @@
+"""Counter-based sampling: greedy, determinism independent of batch, top-k/top-p, distribution."""
+from __future__ import annotations
+
+import torch
+
+from device.model.sampling import _mul32, counter_uniform, sample
+
+
+def _params(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, counter=0):
+    full = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
+    return (
+        full(temperature, torch.float32),
+        full(top_k, torch.int64),
+        full(top_p, torch.float32),
+        full(seed, torch.int64),
+        full(counter, torch.int64),
+    )
+
+
+def _logits(n, v, seed=0, scale=3.0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_greedy_is_argmax():
+    logits = _logits(8, 50)
+    for t in (0.0, -1.0):
+        out = sample(logits, *_params(8, temperature=t))
+        assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(-1))
+
+
+def test_seeded_draw_independent_of_batch_composition():
+    logits = _logits(6, 100, seed=1, scale=1.0)
+    temp = torch.tensor([0.8, 1.0, 0.0, 1.3, 0.7, 1.0])
+    top_k = torch.tensor([0, 5, 0, 0, 20, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.95, 1.0])
+    seed = torch.tensor([11, -5, 3, 2**40 + 7, 99, 11])
+    counter = torch.tensor([0, 3, 1, 17, 2**33, 1])
+    batched = sample(logits, temp, top_k, top_p, seed, counter)
+    for i in range(6):
+        alone = sample(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
+                       seed[i : i + 1], counter[i : i + 1])
+        assert alone.item() == batched[i].item()
+    # permuting the batch permutes the result
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    shuffled = sample(logits[perm], temp[perm], top_k[perm], top_p[perm], seed[perm], counter[perm])
+    assert torch.equal(shuffled, batched[perm])
+
+
+def test_counters_and_seeds_change_draws():
+    logits = torch.zeros(64, 1000)  # uniform distribution: draws are just the RNG
+    t, k, p, s, _ = _params(64)
+    by_counter = sample(logits, t, k, p, s, torch.arange(64))
+    assert len(set(by_counter.tolist())) > 55
+    by_seed = sample(logits, t, k, p, torch.arange(64) * 7919, torch.zeros(64, dtype=torch.int64))
+    assert len(set(by_seed.tolist())) > 55
+    again = sample(logits, t, k, p, s, torch.arange(64))
+    assert torch.equal(again, by_counter)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(32, 200, seed=2, scale=1.0)
+    want = logits.argmax(-1)
+    t, _, p, _, _ = _params(32, temperature=1.5)
+    seeds, ctrs = torch.arange(32), torch.arange(32) * 3
+    assert torch.equal(sample(logits, t, torch.ones(32, dtype=torch.int64), p, seeds, ctrs), want)
+    assert torch.equal(sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.full((32,), 1e-6), seeds, ctrs), want)
+    assert torch.equal(sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.zeros(32), seeds, ctrs), want)
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
+    t, _, _, s, _ = _params(2000, temperature=2.0, seed=5)
+    ctr = torch.arange(2000)
+    out = sample(logits, t, torch.full((2000,), 3), torch.ones(2000), s, ctr)
+    assert set(out.tolist()) == {0, 1, 2}
+    # probs at T=2: .39 .24 .14 .09 .05 .03 -> top_p 0.7 keeps {0, 1, 2} (mass before 2 is .63)
+    out = sample(logits, t, torch.zeros(2000, dtype=torch.int64), torch.full((2000,), 0.7), s, ctr)
+    assert set(out.tolist()) == {0, 1, 2}
+
+
+def test_empirical_distribution_matches_softmax():
+    v, n = 8, 20000
+    base = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]])
+    temp = 0.9
+    probs = torch.softmax(base[0] / temp, -1)
+    t, k, p, _, _ = _params(n, temperature=temp)
+    out = sample(base.repeat(n, 1), t, k, p, torch.full((n,), 1234), torch.arange(n))
+    counts = torch.bincount(out, minlength=v).double()
+    expected = probs.double() * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 30.0, (chi2, counts, expected)  # 7 dof: p(chi2 > 30) ~ 1e-4
+
+
+def test_uniform_range_and_mul32():
+    u = counter_uniform(torch.full((100000,), 42), torch.arange(100000))
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01
+    a = torch.tensor([0, 1, 0xFFFFFFFF, 0x12345678, 0xDEADBEEF])
+    for c in (0x7FEB352D, 0x846CA68B, 0xFFFFFFFF):
+        want = torch.tensor([(int(x) * c) & 0xFFFFFFFF for x in a])
+        assert torch.equal(_mul32(a, c), want)
