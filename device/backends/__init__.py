@@ -5,7 +5,7 @@ from ipc.backend import Backend
 
 
 def open_backend(model: str = "tiny", *, device: str = "auto", scheduler: str | None = None,
-                 **options) -> Backend:
+                 launch: str = "resident", **options) -> Backend:
     """device: auto | cpu | cuda.  scheduler (CUDA only): device | host."""
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"

@@ -25,7 +25,8 @@ from ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cpu")
 
-POLICIES = {"fifo": layout.RL_POLICY_FIFO, "priority": layout.RL_POLICY_PRIORITY}
+POLICIES = {"fifo": layout.RL_POLICY_FIFO, "priority": layout.RL_POLICY_PRIORITY,
+            "static": layout.RL_POLICY_STATIC}
 IDLE_WAIT_S = 0.05  # also bounds how stale the heartbeat gets while idle
 
 

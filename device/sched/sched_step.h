@@ -7,7 +7,8 @@
 //   1. drain the SQ into the pending queue (ABORTs mark pending entries cancelled / slots aborted)
 //   2. consume the last step's samples: TOKEN events, stop checks, DONE events, free slots;
 //      DONE for cancelled pending requests; all events reserved and published at once
-//   3. admit pending requests into free slots (FIFO, or priority with aging)
+//   3. admit pending requests into free slots (FIFO, or priority with aging; or static batching,
+//      the baseline that admits only into an empty batch)
 //   4. build the step: one row per decoding slot first, then prefill chunks in admission order
 //      while the token budget lasts; write the layout the model step reads
 #pragma once
@@ -190,6 +191,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   uint32_t n_free = rl_exclusive_scan(free_rank, cfg.n_slots, sh);
   uint32_t n_live = rl_exclusive_scan(live_rank, n_pending, sh);
   uint32_t n_admit = n_free < n_live ? n_free : n_live;
+  // Static batching (a baseline): a new batch starts only once the whole last one has finished.
+  if (cfg.policy == RL_POLICY_STATIC && n_free < cfg.n_slots) n_admit = 0;
   bool by_priority = cfg.policy == RL_POLICY_PRIORITY && n_live > n_free;
   RL_FOR(j, n_pending) {
     const RlSqEntry& e = c.pending[j];

@@ -1,0 +1,178 @@
+"""`ringleader` command line: serve, generate, stats, bench, build-kernel."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """Options that shape a server; `bench` reuses them for the servers it starts."""
+    p.add_argument("--model", default="tiny", help="preset (tiny, llama-1b, llama-8b) or a local "
+                   "Hugging Face checkpoint directory (default: tiny)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--scheduler", default=None, choices=["device", "host"],
+                   help="CUDA: where sched_step runs (default device); the CPU backend is host-only")
+    p.add_argument("--launch", default="resident", choices=["resident", "pump"],
+                   help="CUDA launch mode of the device scheduler")
+    p.add_argument("--policy", default="fifo", choices=["fifo", "priority", "static"],
+                   help="admission: fifo, priority with aging, or static batching (a baseline)")
+    p.add_argument("--slots", type=int, default=32, help="batch slots (max concurrent sequences)")
+    p.add_argument("--max-ctx", type=int, default=2048, help="tokens of KV cache per slot")
+    p.add_argument("--token-budget", type=int, default=256, help="max token rows per step")
+    p.add_argument("--aging-steps", type=int, default=64,
+                   help="priority policy: a waiting request gains one level per this many steps")
+    p.add_argument("--max-queue", type=int, default=4096,
+                   help="requests held on the host when the rings are full; beyond: overloaded")
+    p.add_argument("--watchdog-s", type=float, default=None,
+                   help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def open_configured_backend(args):
+    from device.backends import open_backend  # the one place hostctl reaches into device/
+    options = dict(n_slots=args.slots, max_ctx=args.max_ctx, token_budget=args.token_budget,
+                   policy=args.policy, aging_steps=args.aging_steps, seed=args.seed,
+                   threads=args.threads)
+    return open_backend(args.model, device=args.device, scheduler=args.scheduler,
+                        launch=args.launch, **options)
+
+
+def cmd_serve(args) -> int:
+    from hostctl.server import Server
+    backend = open_configured_backend(args)
+    watchdog = args.watchdog_s or (60.0 if backend.description["device"] == "cpu" else 2.0)
+    server = Server(backend, args.bind, max_queued=args.max_queue, watchdog_s=watchdog,
+                    drain_timeout_s=args.drain_timeout)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.request_stop())
+    print(f"ringleader: serving {backend.model.name} on {server.address} "
+          f"({json.dumps(backend.description)})", file=sys.stderr, flush=True)
+    server.serve_forever()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from ipc.client import Client
+    if (args.prompt is None) == (args.prompt_ids is None):
+        print("give a prompt or --prompt-ids (one of them)", file=sys.stderr)
+        return 2
+    with Client(args.connect, timeout=args.timeout) as client:
+        stream = client.generate(
+            args.prompt, prompt_ids=args.prompt_ids, max_tokens=args.max_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos,
+            priority=args.priority)
+        show_ids = args.prompt_ids is not None or args.ids
+        try:
+            for chunk in stream:
+                if show_ids or chunk.text is None:
+                    if chunk.token_ids:
+                        print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+                else:
+                    print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:
+            stream.abort()
+            stream.wait(timeout=5)
+        done = stream.done
+        print()
+        print(f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
+              f"completion tokens]" + (f" {done.error_code}: {done.error_message}"
+                                       if done.error_code else ""), file=sys.stderr)
+        return 0 if done.finish_reason != "error" else 1
+
+
+def cmd_stats(args) -> int:
+    from ipc.client import Client
+    with Client(args.connect, timeout=args.timeout) as client:
+        print(json.dumps(client.stats(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_build_kernel(args) -> int:
+    from device.sched.build import compile_kernel
+    build = compile_kernel(args.arch, threads=args.threads)
+    print(f"scheduler kernel for {build.arch}: {len(build.cubin)} bytes of CUBIN, "
+          f"{build.registers} registers/thread, {build.shared_bytes} bytes shared memory, "
+          f"{build.spill_bytes} bytes spilled, {build.stack_bytes} bytes stack, "
+          f"{args.threads} threads/block")
+    if args.verbose:
+        print(build.log)
+    if args.output:
+        with open(args.output, "wb") as f:
+            f.write(build.cubin)
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    from bench.cli import main as bench_main
+    return bench_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringleader", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the server")
+    add_server_options(p)
+    p.add_argument("--bind", default=DEFAULT_ADDRESS)
+    p.add_argument("--drain-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish")
+
+    p = sub.add_parser("generate", help="stream one completion from a running server")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--prompt-ids", type=_int_list)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", type=_int_list)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
+    p.add_argument("--connect", default=DEFAULT_ADDRESS)
+    p.add_argument("--timeout", type=float, default=120.0)
+
+    p = sub.add_parser("stats", help="print a running server's stats")
+    p.add_argument("--connect", default=DEFAULT_ADDRESS)
+    p.add_argument("--timeout", type=float, default=10.0)
+
+    p = sub.add_parser("build-kernel", help="compile the scheduler kernel with NVRTC (no GPU needed)")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--threads", type=int, default=256, help="threads per block of the kernel")
+    p.add_argument("--output", help="write the CUBIN here")
+    p.add_argument("--verbose", action="store_true", help="print the full ptxas log")
+
+    sub.add_parser("bench", help="benchmark (see `ringleader bench --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv[:1] == ["bench"]:
+        logging.basicConfig(level="WARNING")
+        return cmd_bench(None, argv[1:])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats,
+                "build-kernel": cmd_build_kernel}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
