@@ -49,13 +49,14 @@ class StepTimer:
 
 
 def ring_config_for(model: LlamaModel, *, n_slots: int, max_ctx: int, token_budget: int,
-                    policy: str, aging_steps: int, pending_cap: int = 1024) -> RingConfig:
+                    policy: str, aging_steps: int, sq_size: int = 1024,
+                    pending_cap: int = 1024) -> RingConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
     cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
     return RingConfig(n_slots=n_slots, max_ctx=max_ctx, token_budget=max(token_budget, n_slots),
-                      sq_size=1024, cq_size=max(cq, 8192), arena_size=arena,
+                      sq_size=sq_size, cq_size=max(cq, 8192), arena_size=arena,
                       pending_cap=pending_cap, policy=POLICIES[policy], aging_steps=aging_steps,
                       eos_ids=tuple(model.config.eos_token_ids[:layout.MAX_EOS_IDS]))
 
@@ -71,7 +72,8 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
 class CpuBackend(Backend):
     def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int = 2048,
                  token_budget: int = 256, policy: str = "fifo", aging_steps: int = 64,
-                 seed: int = 0, threads: int | None = None):
+                 seed: int = 0, threads: int | None = None, sq_size: int = 1024,
+                 pending_cap: int = 1024):
         if threads:
             torch.set_num_threads(threads)
         self._model = LlamaModel.from_spec(spec, torch.float32, "cpu", seed)
@@ -80,7 +82,7 @@ class CpuBackend(Backend):
         self._model.prepare(max_ctx)
         self._memory = HostMemory(ring_config_for(
             self._model, n_slots=n_slots, max_ctx=max_ctx, token_budget=token_budget,
-            policy=policy, aging_steps=aging_steps))
+            policy=policy, aging_steps=aging_steps, sq_size=sq_size, pending_cap=pending_cap))
         self.rings = self._memory.rings
         self.model = model_info(spec, self._model, max_ctx)
         self.description = {"device": "cpu", "scheduler": "host-thread", "launch": "none",

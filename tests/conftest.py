@@ -1,0 +1,80 @@
+"""Shared fixtures: an in-process server on 127.0.0.1 with the CPU backend, and raw DEALER sockets."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from device.backends.cpu import CpuBackend
+from hostctl.server import BackgroundServer, Server
+
+
+@contextlib.contextmanager
+def running_server(model="tiny", *, server_options=None, backend_cls=CpuBackend, **backend_options):
+    backend_options.setdefault("n_slots", 8)
+    backend_options.setdefault("max_ctx", 512)
+    backend_options.setdefault("token_budget", 64)
+    backend = backend_cls(model, **backend_options)
+    opts = dict(watchdog_s=10.0, drain_timeout_s=0.5)
+    opts.update(server_options or {})
+    server = Server(backend, "tcp://127.0.0.1:0", **opts)
+    with BackgroundServer(server) as bg:
+        yield bg
+
+
+class RawPeer:
+    """A DEALER socket speaking the wire protocol by hand, as docs/protocol.md describes."""
+
+    def __init__(self, address: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, msg) -> None:
+        self.sock.send(msgpack.packb(msg, use_bin_type=True))
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 30.0) -> dict:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no reply within %.1f s" % timeout)
+        return msgpack.unpackb(self.sock.recv(), raw=False)
+
+    def recv_until(self, pred, timeout: float = 60.0) -> list[dict]:
+        out, deadline = [], time.monotonic() + timeout
+        while True:
+            msg = self.recv(max(0.01, deadline - time.monotonic()))
+            out.append(msg)
+            if pred(msg):
+                return out
+
+    def quiet_for(self, seconds: float) -> list[dict]:
+        """Everything that arrives within `seconds` (to catch duplicates after the last done)."""
+        out = []
+        while self.sock.poll(int(seconds * 1000)):
+            out.append(msgpack.unpackb(self.sock.recv(), raw=False))
+        return out
+
+    def ping(self) -> None:
+        self.send({"op": "ping"})
+        self.recv_until(lambda m: m.get("op") == "pong", timeout=30)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with running_server() as bg:
+        yield bg
+
+
+@pytest.fixture
+def peer(tiny_server):
+    p = RawPeer(tiny_server.address)
+    yield p
+    p.close()

@@ -1,0 +1,120 @@
+"""Drives the real CPU-built sched_step over real rings, with a deterministic stand-in for the
+model's sampler (the token is a function of handle and index), so scheduler properties can be
+checked over many steps without running a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from device.backends.host_memory import HostMemory
+from device.sched.build import CpuScheduler
+from ipc import layout
+from ipc.rings import HostRings, RingConfig
+
+_SCHED = None
+
+
+def scheduler() -> CpuScheduler:
+    global _SCHED
+    if _SCHED is None:
+        _SCHED = CpuScheduler()
+    return _SCHED
+
+
+def token_for(handle: int, index: int, vocab: int = 1000) -> int:
+    return (handle * 7919 + index * 104729) % vocab
+
+
+@dataclass
+class Record:
+    handle: int
+    prompt: np.ndarray
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    done: list[int] = field(default_factory=list)  # finish reasons (must end with exactly one)
+    arena_offset: int = 0
+
+
+class Driver:
+    def __init__(self, cfg: RingConfig, start_index: int = 0):
+        """start_index: where the free-running u32 ring indices begin (to test the wrap)."""
+        self.cfg = cfg
+        self.mem = HostMemory(cfg)
+        self.a = self.mem.arrays
+        if start_index:
+            ctl = self.a["ctl"][0]
+            for name in ("sq_tail", "sq_head", "cq_tail", "cq_head"):
+                ctl[name] = start_index
+            self.mem.rings = HostRings(self.a, cfg)
+        self.rings = self.mem.rings
+        self.records: dict[int, Record] = {}
+        self.steps: list[dict] = []
+        self._next = 1
+        assert scheduler().init(self.mem.context_address) == layout.RL_ERR_NONE
+
+    def submit(self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0) -> int | None:
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if self.rings.submissions.free_entries() < 1 or not self.rings.arena.can_allocate(len(prompt)):
+            return None
+        off = self.rings.arena.allocate(prompt)
+        handle = self._next
+        self._next += 1
+        self.rings.submissions.push(layout.RL_OP_GENERATE, handle, prompt_off=off,
+                                    prompt_len=len(prompt), max_tokens=max_tokens,
+                                    priority=priority, stop_ids=stop_ids, flags=flags)
+        self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
+        return handle
+
+    def abort(self, handle: int) -> bool:
+        if self.rings.submissions.free_entries() < 1:
+            return False
+        self.rings.submissions.push(layout.RL_OP_ABORT, handle)
+        return True
+
+    def step(self, *, drain: bool = True) -> int:
+        self.rings.submissions.publish()
+        status = scheduler().step(self.mem.context_address)
+        if status == layout.RL_STEP_RUN:
+            h = self.a["step"][0]
+            n, ns, nseg = int(h["n_tokens"]), int(h["n_samples"]), int(h["n_segments"])
+            self.steps.append({
+                "n_tokens": n, "n_decode": int(h["n_decode"]), "n_samples": ns,
+                "seg": [(int(self.a["seg_slot"][g]), int(self.a["seg_row_start"][g]),
+                         int(self.a["seg_n_rows"][g])) for g in range(nseg)],
+                "tokens": self.a["token_ids"][:n].copy(), "positions": self.a["positions"][:n].copy(),
+                "slot_of": self.a["slot_of"][:n].copy(),
+                "sample_slot": self.a["sample_slot"][:ns].copy(),
+                "sample_row": self.a["sample_row"][:ns].copy(),
+                "counter": self.a["sample_counter"][:ns].copy(),
+            })
+            slots = self.a["slots"]
+            for q in range(ns):
+                s = int(self.a["sample_slot"][q])
+                self.a["next_token"][s] = token_for(int(slots[s]["handle"]), int(self.a["sample_counter"][q]))
+        if drain:
+            self.drain_cq()
+        return status
+
+    def drain_cq(self) -> int:
+        events = self.rings.completions.take()
+        for e in events:
+            rec = self.records[int(e["handle"])]
+            assert not rec.done, f"event after DONE for handle {rec.handle}"
+            if e["kind"] == layout.RL_EV_TOKEN:
+                if not rec.tokens:
+                    self.rings.arena.release(rec.arena_offset)
+                rec.tokens.append(int(e["token"]))
+                rec.indices.append(int(e["index"]))
+            else:
+                rec.done.append(int(e["finish_reason"]))
+                if not rec.tokens:
+                    self.rings.arena.release(rec.arena_offset)
+        return len(events)
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if self.step() == layout.RL_STEP_IDLE and self.rings.completions.pending() == 0:
+                return
+        raise AssertionError("scheduler never went idle")

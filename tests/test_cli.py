@@ -1,0 +1,95 @@
+"""The installed command line, as a user runs it: serve, generate (text and ids), stats,
+graceful stop on SIGTERM and SIGINT, build-kernel."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import RawPeer
+
+CLI = [sys.executable, "-m", "hostctl.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(CLI + ["serve", "--model", "tiny", "--bind", addr, "--slots", "4",
+                                   "--max-ctx", "256"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = subprocess.run(CLI + ["stats", "--connect", addr, "--timeout", "1"], capture_output=True, text=True)
+        if r.returncode == 0:
+            break
+        assert proc.poll() is None, proc.stderr.read()
+    yield addr, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_generate_streams_text_and_ids(served):
+    addr, _ = served
+    r = subprocess.run(CLI + ["generate", "Hello", "--max-tokens", "12", "--ignore-eos", "--connect", addr],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "[length: 6 prompt + 12 completion tokens]" in r.stderr
+    r = subprocess.run(CLI + ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--ignore-eos",
+                              "--connect", addr], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ids = [int(x) for x in r.stdout.split()]
+    assert len(ids) == 8 and all(0 <= i < 264 for i in ids)
+
+
+def test_stats_prints_json(served):
+    addr, _ = served
+    r = subprocess.run(CLI + ["stats", "--connect", addr], capture_output=True, text=True, timeout=30)
+    stats = json.loads(r.stdout)
+    assert stats["model"] == "tiny" and stats["backend"]["device"] == "cpu"
+    assert stats["process_cpu_s"] > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_gracefully_with_requests_in_flight(sig):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(CLI + ["serve", "--bind", addr, "--max-ctx", "1024", "--drain-timeout", "0.3"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        peer = RawPeer(addr)
+        peer.ping()
+        for i in range(3):
+            peer.send({"op": "generate", "id": i, "prompt_ids": [1], "max_tokens": 1000, "ignore_eos": True})
+        peer.recv_until(lambda m: m["op"] == "token")
+        proc.send_signal(sig)
+        dones = {}
+        deadline = time.monotonic() + 30
+        while len(dones) < 3 and time.monotonic() < deadline:
+            m = peer.recv(30)
+            if m["op"] == "done":
+                assert m["id"] not in dones
+                dones[m["id"]] = m
+        assert set(dones) == {0, 1, 2}
+        assert {d["error"]["code"] for d in dones.values()} == {"shutdown"}
+        assert proc.wait(timeout=30) == 0
+        peer.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_build_kernel_reports_resources():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    r = subprocess.run(CLI + ["build-kernel", "--arch", "sm_90"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "registers/thread" in r.stdout and "0 bytes spilled" in r.stdout

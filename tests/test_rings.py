@@ -1,0 +1,66 @@
+"""Ring mechanics: wrap-around, full and empty, for the SQ, the CQ and the prompt arena."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from device.backends.host_memory import HostMemory
+from ipc import layout
+from ipc.rings import PromptArena, RingConfig
+from tests.sched_driver import Driver, token_for
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 10**6)), max_size=80))
+def test_arena_never_hands_out_live_tokens_and_reclaims_in_order(ops):
+    arena = PromptArena(np.zeros(64, dtype=np.int32))
+    live = {}  # start -> tokens
+    for is_alloc, n, pick in ops:
+        if is_alloc or not live:
+            tokens = np.arange(n, dtype=np.int32) + pick
+            fits = arena.can_allocate(n)
+            start = arena.allocate(tokens)
+            assert (start is not None) == fits
+            if start is not None:
+                live[start] = tokens
+        else:
+            start = sorted(live)[pick % len(live)]
+            arena.release(start)
+            del live[start]
+        for s, toks in live.items():  # every live prompt still reads back intact, across the wrap
+            idx = (s + np.arange(len(toks))) % 64
+            assert (arena._arena[idx] == toks).all()
+        assert arena.used() >= sum(len(t) for t in live.values())
+        assert arena.used() <= 64
+    for s in list(live):
+        arena.release(s)
+    assert arena.used() == 0 and arena.can_allocate(64) and not arena.can_allocate(65)
+
+
+def test_sq_full_and_empty():
+    mem = HostMemory(RingConfig(n_slots=1, token_budget=4, sq_size=4, cq_size=64, pending_cap=2,
+                                arena_size=64, max_ctx=32))
+    sq = mem.rings.submissions
+    assert sq.free_entries() == 4
+    for h in range(4):
+        sq.push(layout.RL_OP_GENERATE, h + 1)
+    assert sq.free_entries() == 0
+    assert not mem.rings.completions.take().size  # empty CQ reads nothing
+    assert mem.rings.completions.pending() == 0
+    assert sq.publish() and not sq.publish()  # nothing new the second time
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_indices_wrap_at_32_bits(start):
+    """Ring indices are free-running u32 counters: start them anywhere, including just below the
+    wrap, and everything still arrives."""
+    cfg = RingConfig(n_slots=2, token_budget=4, sq_size=4, cq_size=64, pending_cap=4,
+                     arena_size=64, max_ctx=32)
+    d = Driver(cfg, start_index=start or 1)
+    for _ in range(6):
+        assert d.submit([1, 2, 3], 5) is not None
+        d.step()
+    d.run_until_idle()
+    for rec in d.records.values():
+        assert rec.tokens == [token_for(rec.handle, i) for i in range(5)]
+        assert rec.done == [layout.RL_FINISH_LENGTH]

@@ -1,0 +1,237 @@
+"""The real sched_step (CPU build) over real rings: continuous batching, budgets, policies, aborts."""
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipc import layout
+from ipc.rings import RingConfig
+from tests.sched_driver import Driver, token_for
+
+
+def small_config(**kw) -> RingConfig:
+    base = dict(n_slots=4, max_ctx=64, token_budget=8, sq_size=4, cq_size=64, arena_size=128,
+                pending_cap=8, aging_steps=4)
+    base.update(kw)
+    return RingConfig(**base)
+
+
+def check_step_layout(d: Driver, step: dict) -> None:
+    budget = d.cfg.token_budget
+    assert 0 < step["n_tokens"] <= budget
+    segs = step["seg"]
+    slots = [s for s, _, _ in segs]
+    assert len(slots) == len(set(slots)), "a slot appears twice in one step"
+    row = 0
+    for g, (slot, start, n) in enumerate(segs):
+        assert start == row and n >= 1
+        if g < step["n_decode"]:
+            assert n == 1, "decode rows come first, one per decoding slot"
+        assert (step["slot_of"][start:start + n] == slot).all()
+        pos = step["positions"][start:start + n]
+        assert (np.diff(pos) == 1).all()
+        row += n
+    assert row == step["n_tokens"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_request_gets_its_tokens_and_one_done(data):
+    n_slots = data.draw(st.integers(1, 4), label="n_slots")
+    budget = data.draw(st.integers(n_slots, 12), label="budget")
+    d = Driver(small_config(n_slots=n_slots, token_budget=budget))
+    arrivals = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 3)),
+                                  min_size=1, max_size=24), label="requests")
+    queue = list(arrivals)
+    for _ in range(5000):
+        while queue:  # submit as many as the SQ and arena take: exercises full rings and wrap
+            plen, max_tokens, _ = queue[0]
+            prompt = np.arange(plen, dtype=np.int32) + 1000 * (len(d.records) + 1)
+            if d.submit(prompt, max_tokens) is None:
+                break
+            queue.pop(0)
+        d.step()
+        if not queue and all(r.done for r in d.records.values()):
+            break
+    assert not queue
+    for rec in d.records.values():
+        assert rec.done == [layout.RL_FINISH_LENGTH]
+        assert rec.indices == list(range(rec.max_tokens))
+        assert rec.tokens == [token_for(rec.handle, i) for i in range(rec.max_tokens)]
+    for step in d.steps:
+        check_step_layout(d, step)
+    # every prompt token was fed exactly once, at its own position, before the first decode row
+    assert d.rings.arena.used() == 0
+    ctl = d.rings.counters()
+    assert ctl["finished"] == len(d.records) and ctl["active_slots"] == 0 and ctl["pending"] == 0
+
+
+def test_prefill_is_chunked_under_the_budget_and_rows_carry_the_prompt():
+    d = Driver(small_config(n_slots=2, token_budget=8, arena_size=256, max_ctx=128))
+    prompt = np.arange(50, 70, dtype=np.int32)  # 20 tokens: chunks of 8, 8, 4
+    h = d.submit(prompt, 3)
+    d.run_until_idle()
+    first = d.steps[:3]
+    assert [s["n_tokens"] for s in first] == [8, 8, 4]
+    fed = np.concatenate([s["tokens"] for s in first])
+    assert (fed == prompt).all()
+    assert [s["n_samples"] for s in first] == [0, 0, 1]
+    # decode rows feed back the previous token at the next position
+    rec = d.records[h]
+    decode = d.steps[3:]
+    assert [int(s["tokens"][0]) for s in decode] == rec.tokens[:-1]
+    assert [int(s["positions"][0]) for s in decode] == [20, 21]
+
+
+def test_decode_rows_go_first_and_prefill_takes_the_rest_of_the_budget():
+    d = Driver(small_config(n_slots=3, token_budget=6, arena_size=256, max_ctx=128))
+    d.submit(np.arange(3, dtype=np.int32), 10)
+    d.step()  # prefill of the first
+    d.submit(np.arange(30, dtype=np.int32), 2)
+    d.step()
+    s = d.steps[-1]
+    assert s["n_decode"] == 1 and s["seg"][0][2] == 1
+    assert s["seg"][1][2] == 5, "the prefill chunk takes what the decode row left"
+
+
+def test_fifo_admits_in_arrival_order():
+    d = Driver(small_config(n_slots=1))
+    handles = [d.submit([1, 2], 2) for _ in range(4)]
+    assert _completion_order(d) == handles
+    assert all(r.done == [layout.RL_FINISH_LENGTH] for r in d.records.values())
+
+
+def _completion_order(d: Driver) -> list[int]:
+    """Handles in the order their DONE appeared (records keep insertion order of completion)."""
+    done_order = []
+    while True:
+        before = {h for h, r in d.records.items() if r.done}
+        status = d.step()
+        after = {h for h, r in d.records.items() if r.done}
+        done_order.extend(sorted(after - before))
+        if status == layout.RL_STEP_IDLE:
+            return done_order
+
+
+def test_priority_admits_higher_first():
+    d = Driver(small_config(n_slots=1, aging_steps=1000, policy=layout.RL_POLICY_PRIORITY))
+    busy = d.submit([1], 3)
+    d.step()  # busy takes the only slot
+    low = d.submit([2], 1, priority=0)
+    high = d.submit([3], 1, priority=5)
+    order = _completion_order(d)
+    assert order.index(high) < order.index(low)
+    assert order[0] == busy
+
+
+def test_priority_aging_lets_old_requests_through():
+    # A low-priority request waits while high-priority ones keep coming; aging must admit it.
+    d = Driver(small_config(n_slots=1, sq_size=8, aging_steps=1, policy=layout.RL_POLICY_PRIORITY))
+    d.submit([1], 2)
+    d.step()
+    low = d.submit([2], 1, priority=0)
+    for i in range(30):
+        d.submit([3], 2, priority=3)
+        d.step()
+        d.step()
+        if d.records[low].done:
+            break
+    assert d.records[low].done == [layout.RL_FINISH_LENGTH], "starved despite aging"
+
+
+def test_static_batching_waits_for_the_whole_batch():
+    d = Driver(small_config(n_slots=2, policy=layout.RL_POLICY_STATIC))
+    short = d.submit([1], 1)
+    long = d.submit([2], 6)
+    third = d.submit([3], 1)
+    while not d.records[short].done:
+        d.step()
+    # the short one's slot is free, but a static batch admits nothing until long finishes
+    while not d.records[long].done:
+        assert not d.records[third].tokens
+        d.step()
+    d.run_until_idle()
+    assert d.records[third].done == [layout.RL_FINISH_LENGTH]
+
+
+def test_stop_token_and_eos():
+    eos = token_for(1, 2)
+    d = Driver(small_config(eos_ids=(eos,)))
+    h = d.submit([5, 6], 10)  # handle 1: its third token is eos
+    stop = token_for(2, 1)
+    h2 = d.submit([5], 10, stop_ids=(stop,))
+    h3 = d.submit([5], 4, flags=layout.RL_FLAG_IGNORE_EOS)
+    d.run_until_idle()
+    assert d.records[h].done == [layout.RL_FINISH_STOP] and len(d.records[h].tokens) == 3
+    assert d.records[h2].done == [layout.RL_FINISH_STOP] and d.records[h2].tokens[-1] == stop
+    assert d.records[h3].done == [layout.RL_FINISH_LENGTH]
+
+
+def test_abort_pending_and_running_requests():
+    d = Driver(small_config(n_slots=1, sq_size=8))
+    running = d.submit([1, 2], 50)
+    waiting = d.submit([3], 50)
+    d.step()
+    d.step()
+    assert d.abort(running) and d.abort(waiting)
+    d.run_until_idle()
+    assert d.records[running].done == [layout.RL_FINISH_ABORT]
+    assert d.records[waiting].done == [layout.RL_FINISH_ABORT] and not d.records[waiting].tokens
+    assert len(d.records[running].tokens) < 50
+    assert d.rings.counters()["active_slots"] == 0
+    # an abort for a finished request is ignored
+    assert d.abort(running)
+    d.run_until_idle()
+    assert d.records[running].done == [layout.RL_FINISH_ABORT]
+
+
+def test_full_cq_makes_the_scheduler_wait_not_drop():
+    cfg = small_config(n_slots=4, token_budget=4, cq_size=16, pending_cap=8)
+    d = Driver(cfg)
+    for _ in range(4):
+        d.submit([1], 30)
+    # the host does not read the CQ for a while: the scheduler must stall, then resume
+    t = threading.Thread(target=lambda: [d.step(drain=False) for _ in range(12)])
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "the scheduler should be waiting for CQ space"
+    assert d.rings.counters()["cq_stalls"] >= 1
+    while t.is_alive():
+        d.drain_cq()
+        time.sleep(0.01)
+    t.join()
+    d.run_until_idle()
+    for rec in d.records.values():
+        assert rec.tokens == [token_for(rec.handle, i) for i in range(30)]
+        assert rec.done == [layout.RL_FINISH_LENGTH]
+
+
+def test_shutdown_while_waiting_for_cq_space_returns():
+    d = Driver(small_config(n_slots=4, token_budget=4, cq_size=16))
+    for _ in range(4):
+        d.submit([1], 30)
+    t = threading.Thread(target=lambda: [d.step(drain=False) for _ in range(12)])
+    t.start()
+    time.sleep(0.2)
+    d.rings.request_shutdown()
+    t.join(timeout=5)
+    assert not t.is_alive()
+
+
+def test_init_rejects_a_foreign_layout():
+    d = Driver(small_config())
+    d.a["cfg"][0]["magic"] = 0xDEADBEEF
+    from tests.sched_driver import scheduler
+    assert scheduler().init(d.mem.context_address) == layout.RL_ERR_BAD_MAGIC
+    d.a["cfg"][0]["magic"] = layout.MAGIC
+    d.a["cfg"][0]["layout_fingerprint"] ^= 1
+    assert scheduler().init(d.mem.context_address) == layout.RL_ERR_BAD_FINGERPRINT
+
+
+@pytest.mark.parametrize("bad", [dict(sq_size=6), dict(token_budget=2, n_slots=4)])
+def test_ring_config_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError):
+        small_config(**bad)
