@@ -53,8 +53,7 @@ def open_configured_backend(args):
 def cmd_serve(args) -> int:
     from hostctl.server import Server
     backend = open_configured_backend(args)
-    watchdog = args.watchdog_s or (60.0 if backend.description["device"] == "cpu" else 2.0)
-    server = Server(backend, args.bind, max_queued=args.max_queue, watchdog_s=watchdog,
+    server = Server(backend, args.bind, max_queued=args.max_queue, watchdog_s=args.watchdog_s,
                     drain_timeout_s=args.drain_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())

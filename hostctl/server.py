@@ -34,7 +34,7 @@ MAX_BACKLOG_FRAMES = 65536   # per client; beyond it the client is treated as go
 class Server:
     def __init__(self, backend: Backend, bind: str = "tcp://127.0.0.1:5555", *,
                  max_queued: int = 4096, max_frame_bytes: int = 1 << 20,
-                 max_tokens_cap: int | None = None, watchdog_s: float = 2.0,
+                 max_tokens_cap: int | None = None, watchdog_s: float | None = None,
                  drain_timeout_s: float = 5.0):
         self.backend = backend
         model = backend.model
@@ -63,6 +63,8 @@ class Server:
         self._wake_lock = threading.Lock()
         self._wake_pending = False
         self.outbox = Outbox(self._notify_frontend)
+        if watchdog_s is None:  # a CPU step of a big model can take seconds; a GPU step cannot
+            watchdog_s = 60.0 if backend.description.get("device") == "cpu" else 2.0
         self.completions = CompletionRouter(backend, self.table, self.outbox, self.metrics,
                                             watchdog_s)
         self._poller = zmq.Poller()
@@ -157,10 +159,10 @@ class Server:
         elif isinstance(request, protocol.PingRequest):
             self._send(client, protocol.encode(protocol.pong_msg()))
 
-    def _reject(self, client: bytes, request_id, code: str, message: str, prompt_tokens: int = 0):
+    def _reject(self, client: bytes, request_id, code: str, message: str) -> None:
+        """A `done` for a generate that is never accepted (usage is zero by the protocol)."""
         self._send(client, protocol.encode(protocol.done_msg(
-            request_id, protocol.FINISH_ERROR, prompt_tokens, 0, error_code=code,
-            error_message=message)))
+            request_id, protocol.FINISH_ERROR, 0, 0, error_code=code, error_message=message)))
 
     def _on_generate(self, client: bytes, r: protocol.GenerateRequest) -> None:
         if self.table.contains(client, r.id):
@@ -193,8 +195,7 @@ class Server:
             self.admission.rejected += 1
             self.metrics.rejected_overloaded += 1
             self._reject(client, r.id, protocol.ERR_OVERLOADED,
-                         f"overloaded: {self.admission.queued} requests already wait for a slot",
-                         prompt_tokens=len(prompt_ids))
+                         f"overloaded: {self.admission.queued} requests already wait for a slot")
             return
         seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
         req = self.table.add(

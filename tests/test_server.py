@@ -193,3 +193,48 @@ def test_shutdown_with_requests_in_flight_gives_each_one_done():
         peer.close()
     assert len(dones) == 5 and all(len(v) == 1 for v in dones.values())
     assert {d[0]["error"]["code"] for d in dones.values()} == {"shutdown"}
+
+
+class HangingBackend(CpuBackend):
+    """Fault injection: the step stops making progress (a hung device), past the watchdog."""
+    hang_after = 3
+
+    def _run_model_step(self):
+        self.hang_after -= 1
+        if self.hang_after == 0:
+            time.sleep(3.0)
+        super()._run_model_step()
+
+
+def test_a_stalled_heartbeat_ends_every_request_with_engine_dead():
+    with running_server(backend_cls=HangingBackend, server_options={"watchdog_s": 0.5}) as bg:
+        peer = RawPeer(bg.address)
+        for i in range(4):
+            peer.send({"op": "generate", "id": i, "prompt_ids": [1], "max_tokens": 100, "ignore_eos": True})
+        tokens, dones, _ = collect(peer, 4, timeout=30)
+        assert {d[0]["error"]["code"] for d in dones.values()} == {"engine_dead"}
+        assert "heartbeat" in dones[0][0]["error"]["message"]
+        assert all(len(v) == 1 for v in dones.values())  # late device events are dropped
+        peer.close()
+
+
+def test_async_client_streams_concurrently(tiny_server):
+    import asyncio
+
+    from ipc.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(tiny_server.address, timeout=60) as c:
+            streams = [await c.generate(prompt_ids=[i + 1], max_tokens=5 + i, ignore_eos=True)
+                       for i in range(16)]
+
+            async def drain(s):
+                n = 0
+                async for chunk in s:
+                    n += len(chunk.token_ids)
+                return n, await s.wait()
+            return await asyncio.gather(*(drain(s) for s in streams))
+
+    results = asyncio.run(main())
+    for i, (n, done) in enumerate(results):
+        assert n == 5 + i and done.finish_reason == "length" and done.completion_tokens == 5 + i
