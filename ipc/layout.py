@@ -104,6 +104,7 @@ CONFIG = Struct("RlConfig", (
     _f("aging_steps", "u32"),
     _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
     _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
+    _f("trace_len", "u32"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -154,7 +155,7 @@ SCHED = Struct("RlSchedState", (
 # The step the scheduler built, read by the model step.
 STEP = Struct("RlStepHeader", (
     _f("n_tokens", "u32"), _f("bucket", "u32"), _f("n_segments", "u32"), _f("n_samples", "u32"),
-    _f("n_decode", "u32"), _f("_pad", "u32", 3),
+    _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
 STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, CQ_EVENT, SLOT, SCHED, STEP)
@@ -180,6 +181,8 @@ ARRAYS = (
     ("work_c", "uint32_t", "work_len"), ("pending_tmp", "RlSqEntry", "pending_cap"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
     ("turn", "uint32_t", "1"),
+    # device timeline: per step (seq % trace_len) RL_TRACE_FIELDS stamps in ns
+    ("trace", "uint64_t", "trace_words"),
 )
 
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
@@ -197,6 +200,8 @@ ENUMS = {
     "RL_ERR_NONE": 0, "RL_ERR_BAD_MAGIC": 1, "RL_ERR_BAD_VERSION": 2,
     "RL_ERR_BAD_CONFIG": 3, "RL_ERR_BAD_FINGERPRINT": 4,
     "RL_TURN_SCHED": 0, "RL_TURN_COMPUTE": 1, "RL_TURN_EXIT": 2,
+    "RL_TRACE_SCHED_BEGIN": 0, "RL_TRACE_SCHED_END": 1, "RL_TRACE_STEP_BEGIN": 2,
+    "RL_TRACE_STEP_END": 3, "RL_TRACE_FIELDS": 4,
     "RL_STEP_IDLE": 0, "RL_STEP_RUN": 1, "RL_STEP_SHUTDOWN": 2, "RL_STEP_ERROR": 3,
 }
 globals().update(ENUMS)

@@ -41,6 +41,7 @@ class RingConfig:
     aging_steps: int = 64
     eos_ids: tuple[int, ...] = ()
     buckets: tuple[int, ...] = ()
+    trace_len: int = 4096  # steps kept in the device timeline ring
 
     def __post_init__(self):
         for name in ("sq_size", "cq_size", "arena_size"):
@@ -52,6 +53,8 @@ class RingConfig:
             raise ValueError(f"at most {layout.MAX_EOS_IDS} eos ids")
         if len(self.buckets) > layout.MAX_BUCKETS or list(self.buckets) != sorted(self.buckets):
             raise ValueError(f"buckets: ascending, at most {layout.MAX_BUCKETS}")
+        if not _pow2(self.trace_len):
+            raise ValueError(f"trace_len must be a power of two, got {self.trace_len}")
         if self.cq_size < 2 * self.n_slots + self.pending_cap:
             raise ValueError("cq_size must hold one step's events: >= 2*n_slots + pending_cap")
 
@@ -60,7 +63,8 @@ class RingConfig:
         return max(self.n_slots, self.pending_cap)
 
     def lengths(self) -> dict[str, int]:
-        return layout.array_lengths({**self.__dict__, "work_len": self.work_len})
+        return layout.array_lengths({**self.__dict__, "work_len": self.work_len,
+                                     "trace_words": self.trace_len * layout.RL_TRACE_FIELDS})
 
 
 @dataclass
@@ -105,7 +109,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
     c = cfg_view[0]
     c["magic"], c["version"] = layout.MAGIC, layout.LAYOUT_VERSION
     for name in ("n_slots", "max_ctx", "token_budget", "sq_size", "cq_size", "arena_size",
-                 "pending_cap", "policy", "aging_steps"):
+                 "pending_cap", "policy", "aging_steps", "trace_len"):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
     c["n_eos"] = len(cfg.eos_ids)

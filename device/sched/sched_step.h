@@ -397,7 +397,8 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
 // One scheduler iteration.  Returns RL_STEP_RUN when the layout holds rows for the model step,
 // RL_STEP_IDLE when there is nothing to run, RL_STEP_SHUTDOWN when the host asked to stop.
 RL_FN uint32_t sched_step(const RlContext& c, RlShared* sh) {
-  if (RL_LEADER) c.ctl->heartbeat_ns = rl_now_ns();
+  uint64_t began = rl_now_ns();
+  if (RL_LEADER) c.ctl->heartbeat_ns = began;
   if (rl_shutdown_requested(c)) return RL_STEP_SHUTDOWN;
   rl_drain_sq(c, sh);
   if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
@@ -406,6 +407,11 @@ RL_FN uint32_t sched_step(const RlContext& c, RlShared* sh) {
   if (RL_LEADER) {
     RlControl& ctl = *c.ctl;
     if (n_rows > 0) {
+      // the timeline row of this step: the step kernels stamp the other two fields
+      uint64_t* t = c.trace + (c.sched->step & (c.cfg->trace_len - 1)) * RL_TRACE_FIELDS;
+      t[RL_TRACE_SCHED_BEGIN] = began;
+      t[RL_TRACE_SCHED_END] = rl_now_ns();
+      c.step->seq = (uint32_t)c.sched->step;
       c.sched->step += 1;
       ctl.steps += 1;
       ctl.step_tokens += n_rows;
@@ -433,7 +439,8 @@ RL_FN uint32_t sched_init(const RlContext& c) {
            (cfg.sq_size & (cfg.sq_size - 1)) || (cfg.cq_size & (cfg.cq_size - 1)) ||
            (cfg.arena_size & (cfg.arena_size - 1)) || cfg.work_len < cfg.n_slots ||
            cfg.work_len < cfg.pending_cap || cfg.n_buckets > RL_MAX_BUCKETS ||
-           cfg.n_eos > RL_MAX_EOS_IDS)
+           cfg.n_eos > RL_MAX_EOS_IDS || cfg.trace_len == 0 ||
+           (cfg.trace_len & (cfg.trace_len - 1)))
     err = RL_ERR_BAD_CONFIG;
   if (RL_LEADER) {
     c.ctl->error_code = err;
