@@ -103,10 +103,11 @@ def cmd_stats(args) -> int:
 def cmd_build_kernel(args) -> int:
     from device.sched.build import compile_kernel
     build = compile_kernel(args.arch, threads=args.threads)
-    print(f"scheduler kernel for {build.arch}: {len(build.cubin)} bytes of CUBIN, "
-          f"{build.registers} registers/thread, {build.shared_bytes} bytes shared memory, "
-          f"{build.spill_bytes} bytes spilled, {build.stack_bytes} bytes stack, "
+    print(f"{len(build.cubin)} bytes of CUBIN for {build.arch}; the scheduler kernel runs "
           f"{args.threads} threads/block")
+    for name, r in build.resources.items():
+        print(f"  {name}: {r.registers} registers/thread, {r.shared_bytes} bytes shared memory, "
+              f"{r.spill_bytes} bytes spilled, {r.stack_bytes} bytes stack")
     if args.verbose:
         print(build.log)
     if args.output:

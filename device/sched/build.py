@@ -47,15 +47,41 @@ class CpuScheduler:
         return self._lib.rl_sched_step(context_address)
 
 
+KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_signal")
+
+
+@dataclass
+class KernelResources:
+    registers: int | None
+    shared_bytes: int | None
+    spill_bytes: int | None
+    stack_bytes: int | None
+
+
 @dataclass
 class KernelBuild:
     arch: str
     cubin: bytes
     log: str
-    registers: int | None
-    shared_bytes: int | None
-    spill_bytes: int | None
-    stack_bytes: int | None
+    resources: dict[str, KernelResources]  # per entry function, from ptxas -v
+
+    def __getattr__(self, name):  # registers, shared_bytes, ... of the scheduler kernel
+        if name in KernelResources.__dataclass_fields__:
+            return getattr(self.resources[KERNEL_NAME], name)
+        raise AttributeError(name)
+
+
+def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
+    out = {}
+    for block in log.split("Compiling entry function '")[1:]:
+        name = block.split("'", 1)[0]
+
+        def grab(pattern):
+            m = re.search(pattern, block)
+            return int(m.group(1)) if m else None
+        out[name] = KernelResources(grab(r"Used (\d+) registers"), grab(r"(\d+) bytes smem") or 0,
+                                    grab(r"(\d+) bytes spill stores"), grab(r"(\d+) bytes stack frame"))
+    return out
 
 
 def _check(result, what: str):
@@ -90,9 +116,4 @@ def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     nvrtc.nvrtcDestroyProgram(prog)
 
-    def grab(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else None
-    return KernelBuild(arch, cubin, log, grab(r"Used (\d+) registers"),
-                       grab(r"(\d+) bytes smem"), grab(r"(\d+) bytes spill stores"),
-                       grab(r"(\d+) bytes stack frame"))
+    return KernelBuild(arch, cubin, log, parse_ptxas_log(log))
