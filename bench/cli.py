@@ -1,0 +1,334 @@
+"""`ringleader bench`: drive servers over the wire protocol and report what they cost.
+
+With no arguments it runs the quick comparison of the README (QUICK_ARGS): the tiny preset on
+the best device here, device vs host vs static scheduling (host vs static on a CPU), closed loop
+at concurrency 1 and 16, written under ./ringleader-bench/.
+
+For every variant of `--compare` (or the one server at `--connect`), for every load point
+(each `--concurrency`, then each `--request-rate`), and with `--cpu-interference N` once
+without and once with N busy processes, one run: a few warm-up requests, the server's stats,
+the measured requests, the stats again.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+from bench import servers as S
+from bench.interference import CpuInterference
+from bench.loadgen import Load, SendOptions, measure
+from bench.report import (build_document, format_degradation, format_table, loadgen_warnings,
+                          make_run_entry, markdown_summary, run_label, write_json)
+from bench.workloads import LENGTH_DISTS, WorkloadConfig, arrival_times, make_requests, parse_rate
+
+QUICK_ARGS = ["--concurrency", "1,16", "--requests", "48", "--input-len", "32", "--output-len", "32",
+              "--ignore-eos", "--out", "ringleader-bench"]
+DEFAULT_COMPARE = "device,host,static"
+DEFAULT_MAX_CTX = 2048  # the server's default --max-ctx
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return [parse_rate(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringleader bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("servers")
+    g.add_argument("--connect", metavar="ADDR", help="benchmark the server at ADDR instead of starting servers")
+    g.add_argument("--label", help="with --connect: the scheduler name to report (default: from its stats)")
+    g.add_argument("--compare", type=_names, default=None,
+                   help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})")
+    g.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--launch", choices=["resident", "pump"], help="CUDA launch mode of the device scheduler")
+    g.add_argument("--slots", type=int, help="server batch slots (server default 32)")
+    g.add_argument("--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})")
+    g.add_argument("--token-budget", type=int, help="server max token rows per step (server default 256)")
+    g.add_argument("--threads", type=int, help="server torch CPU threads")
+    g.add_argument("--max-queue", type=int, help="server host queue bound")
+    g.add_argument("--weights-seed", type=int, help="seed of the preset's random weights (server --seed)")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `ringleader serve` (repeat for several)")
+    g.add_argument("--hf-on-cpu", action="store_true", help=argparse.SUPPRESS)  # harness tests only
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--concurrency", type=_ints, help="closed loop: requests in flight, comma list sweeps "
+                   "(default 1,16 when no --request-rate is given)")
+    g.add_argument("--request-rate", type=_rates, help="open loop: requests/s (inf: all at once), comma list sweeps")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="shape of the gamma inter-arrival gaps; 1.0 = Poisson, lower = burstier")
+    g.add_argument("--requests", type=int, default=48, help="measured requests per run (default 48)")
+    g.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
+    g.add_argument("--output-len", type=int, default=32, help="mean max_tokens (default 32)")
+    g.add_argument("--length-dist", choices=LENGTH_DISTS, default="fixed")
+    g.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in L*(1 +- ratio)")
+    g.add_argument("--seed", type=int, default=0, help="workload seed (lengths, prompts, arrivals)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (no EOS stop)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
+    g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is cut")
+    g.add_argument("--cpu-interference", type=int, default=0, metavar="N",
+                   help="also run each point with N busy processes and report the degradation")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR", help="write results.json, summary.md, console.txt and PNGs here")
+    g.add_argument("--json", metavar="FILE", help="write the JSON here (default DIR/results.json)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--quiet", action="store_true", help="print only the final table")
+    return p
+
+
+class Console:
+    """print() that also keeps the text for console.txt."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.lines = quiet, []
+
+    def __call__(self, text: str = "", *, always: bool = False) -> None:
+        self.lines.append(text)
+        if always or not self.quiet:
+            print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv or list(QUICK_ARGS)
+    args = build_parser().parse_args(command)
+    say = Console(args.quiet)
+    try:
+        problems = _check(args)
+    except ValueError as exc:
+        problems = [str(exc)]
+    if problems:
+        for msg in problems:
+            print(f"ringleader bench: {msg}", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _raise_exit) if _main_thread() else None
+    try:
+        return _run(args, command, say)
+    except S.ServerError as exc:
+        print(f"ringleader bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ringleader bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _check(args) -> list[str]:
+    out = []
+    if args.requests < 1:
+        out.append("--requests must be >= 1")
+    if args.input_len < 1 or args.output_len < 1:
+        out.append("--input-len and --output-len must be >= 1")
+    if args.burstiness <= 0:
+        out.append("--burstiness must be > 0")
+    if args.cpu_interference < 0:
+        out.append("--cpu-interference must be >= 0")
+    if args.warmup < 0:
+        out.append("--warmup must be >= 0")
+    if args.connect and args.compare:
+        out.append("--connect benchmarks one running server; --compare starts servers (choose one)")
+    if args.compare is not None:
+        S.plan_variants(args.compare, "cuda")  # raises on unknown names
+    return out
+
+
+def _loads(args, n: int) -> list[Load]:
+    loads = []
+    concurrency = args.concurrency if args.concurrency or args.request_rate else [1, 16]
+    for c in concurrency or []:
+        loads.append(Load(concurrency=c))
+    for rate in args.request_rate or []:
+        times = arrival_times(n, rate, args.burstiness, args.seed)
+        loads.append(Load(request_rate=rate, arrival_s=times.tolist()))
+    return loads
+
+
+def _run(args, command: list[str], say: Console) -> int:
+    notes: list[str] = []
+    max_ctx = args.max_ctx or DEFAULT_MAX_CTX
+    wl = WorkloadConfig(args.requests, args.input_len, args.output_len, args.length_dist,
+                        args.range_ratio, args.seed, max_context=max_ctx)
+    specs = make_requests(wl)
+    warm = make_requests(WorkloadConfig(args.warmup, min(args.input_len, 64), min(args.output_len, 16),
+                                        "fixed", seed=args.seed + 1, max_context=max_ctx)) if args.warmup else []
+    loads = _loads(args, len(specs))
+    options = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed)
+    busy_levels = [0, args.cpu_interference] if args.cpu_interference else [0]
+
+    requested = args.compare or _names(DEFAULT_COMPARE)
+    if args.connect:
+        device, model = "?", args.model
+        targets = [("connected", None)]
+    else:
+        device = S.resolve_device(args.device)
+        variants, skipped = S.plan_variants(requested, device, hf_on_cpu=args.hf_on_cpu)
+        for note in skipped:
+            say(f"note: {note}", always=True)
+        notes += skipped
+        if not variants:
+            print("ringleader bench: nothing to run on this device", file=sys.stderr)
+            return 2
+        model = args.model
+        targets = [(v.name, v) for v in variants]
+    if "hf" in [name for name, _ in targets]:
+        notes.append("hf: transformers continuous batching in the benchmark process; unverified on a GPU; "
+                     "its CPU figure is the whole benchmark process and loadgen CPU is not separable")
+    notes.append("queue time is not separated from prefill: the protocol carries no server timestamps; "
+                 "TTFT (queue + prefill) and decode_ms (E2E - TTFT) are reported apart")
+    if not args.connect and device == "cpu":
+        notes.append("CPU backend: the server's CPU time includes the model's compute, and the load "
+                     "generator shares the host's cores with the server")
+    say(f"ringleader bench: model {model}, device {device}, variants {', '.join(n for n, _ in targets)}; "
+        f"{len(loads)} load point(s) x {len(specs)} requests"
+        + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else ""))
+
+    runs: list[dict] = []
+    t_start = time.perf_counter()
+    for name, variant in targets:
+        runs += _run_target(args, name, variant, device, model, specs, warm, loads, options, busy_levels, say)
+    if args.connect and runs:
+        device = (runs[0].get("backend") or {}).get("device", "?")
+        model = runs[0]["model"]
+        for r in runs:
+            r["device"] = device
+
+    settings = {k: v for k, v in vars(args).items() if k != "hf_on_cpu" or v}
+    settings.update(resolved_device=device, max_context=max_ctx, variants=[n for n, _ in targets],
+                    skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
+                    elapsed_s=time.perf_counter() - t_start)
+    doc = build_document(command=command, settings=settings, model=model, device=device, runs=runs, notes=notes)
+    say()
+    say(format_table(runs), always=True)
+    deg = format_degradation(doc["degradation"])
+    if deg:
+        say(deg, always=True)
+    for w in loadgen_warnings(runs):
+        say(w, always=True)
+    _write_outputs(args, doc, say)
+    bad = [r for r in runs if r["failed"] or r["completed"] < r["requests"]]
+    return 1 if bad else 0
+
+
+def _run_target(args, name, variant, device, model, specs, warm, loads, options, busy_levels, say) -> list[dict]:
+    runs = []
+    server = runner = None
+    try:
+        if variant is None:
+            address = args.connect
+        elif variant.kind == "hf":
+            from bench.hf_baseline import HfRunner, build_hf_model
+            say(f"[{name}] building the transformers model ...")
+            hf_model, _ = build_hf_model(args.model, device, args.weights_seed or 0)
+            runner = HfRunner(hf_model, slots=args.slots, token_budget=args.token_budget, options=options,
+                              timeout_s=args.timeout)
+        else:
+            opts = S.ServerOptions(model=args.model, device=device, launch=args.launch, slots=args.slots,
+                                   max_ctx=args.max_ctx, token_budget=args.token_budget, threads=args.threads,
+                                   weights_seed=args.weights_seed, max_queue=args.max_queue,
+                                   extra=list(args.server_arg))
+            server = S.ServerProcess(opts.args() + list(variant.server_args))
+            t0 = time.perf_counter()
+            address = server.start()
+            say(f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s: "
+                f"{' '.join(server.serve_args)}")
+        for load in loads:
+            for busy in busy_levels:
+                with CpuInterference(busy) as spinners:
+                    if runner is not None:
+                        result = runner.measure(specs, load, warm)
+                    else:
+                        result = measure(address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
+                after = result.stats_after
+                label = name if variant is not None else (args.label or _label_from(after))
+                entry = make_run_entry(scheduler=label, device=device, model=after.get("model", model), load=load,
+                                       result=result, burstiness=args.burstiness, busy=spinners.describe(),
+                                       backend=after.get("backend"))
+                runs.append(entry)
+                say(f"  {run_label(entry):<28} {entry['completed']}/{entry['requests']} ok, "
+                    f"{_fmt(entry['output_tokens_per_s'], '{:.0f}')} tok/s, "
+                    f"TTFT p50 {_fmt(entry['ttft_ms']['p50'], '{:.1f}')} ms, "
+                    f"TPOT p50 {_fmt(entry['tpot_ms']['p50'], '{:.2f}')} ms, "
+                    f"CPU {_fmt(entry['cpu_s_per_1k_tokens'], '{:.3f}')} s/1k tok, "
+                    f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s")
+                if entry["failed"]:
+                    say(f"    failures: {entry['errors']}", always=True)
+    finally:
+        if server is not None:
+            code = server.stop()
+            if code not in (0, None, -signal.SIGTERM):
+                say(f"[{name}] server exited with code {code}:\n{server.output_tail()}", always=True)
+        if runner is not None:
+            runner.close()
+    return runs
+
+
+def _label_from(stats: dict) -> str:
+    backend = stats.get("backend") or {}
+    if backend.get("policy") == "static":
+        return "static"
+    sched = str(backend.get("scheduler", "connected"))
+    return "host" if sched.startswith("host") else sched
+
+
+def _write_outputs(args, doc: dict, say: Console) -> None:
+    out_dir = Path(args.out) if args.out else None
+    json_path = Path(args.json) if args.json else (out_dir / "results.json" if out_dir else None)
+    if json_path is not None:
+        write_json(doc, json_path)
+        say(f"wrote {json_path}", always=True)
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots: list[str] = []
+    if not args.no_plots:
+        try:
+            from bench.plots import write_all
+            plots = write_all(doc, out_dir)
+        except ImportError as exc:  # matplotlib is an optional dependency (pip install .[bench])
+            say(f"note: no plots ({exc}); install matplotlib", always=True)
+    (out_dir / "summary.md").write_text(markdown_summary(doc, plots))
+    say(f"wrote {out_dir / 'summary.md'}" + (f" and {len(plots)} plots" if plots else ""), always=True)
+    (out_dir / "console.txt").write_text("\n".join(say.lines) + "\n")
+
+
+def _fmt(x, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The servers under test: which variants to run, and a `ringleader serve` subprocess per variant.
+
+Variants (`--compare`):
+- device: the product, `--scheduler device` (persistent scheduler kernel; CUDA only).
+- host:   `--scheduler host`, the scheduler on a host thread (the only placement of the CPU
+          backend, which gets no `--scheduler` flag and schedules on its engine thread).
+- static: `--policy static`, classic static batching: a batch is admitted only when the
+          previous one has fully drained. It keeps the server's default placement (device on
+          CUDA, host thread on CPU).
+- hf:     transformers' continuous batching in this process (bench/hf_baseline.py); GPU only.
+
+A server is `python -m hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>`, ready when it
+answers `ping`. It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
+stops any that are left, so no server outlives the benchmark.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from bench.loadgen import read_stats, wait_ready
+
+VARIANTS = ("device", "host", "static", "hf")
+STARTUP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str                      # "server" or "hf"
+    server_args: tuple[str, ...] = ()
+
+
+@dataclass
+class ServerOptions:
+    """Flags of `ringleader serve` shared by every variant of one invocation."""
+    model: str = "tiny"
+    device: str = "cpu"            # already resolved: cpu or cuda
+    launch: str | None = None
+    slots: int | None = None
+    max_ctx: int | None = None
+    token_budget: int | None = None
+    threads: int | None = None
+    weights_seed: int | None = None
+    max_queue: int | None = None
+    extra: list[str] = field(default_factory=list)
+
+    def args(self) -> list[str]:
+        out = ["--model", self.model, "--device", self.device]
+        for flag, value in (("--launch", self.launch), ("--slots", self.slots),
+                            ("--max-ctx", self.max_ctx), ("--token-budget", self.token_budget),
+                            ("--threads", self.threads), ("--seed", self.weights_seed),
+                            ("--max-queue", self.max_queue)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out + list(self.extra)
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu (the rule the server itself applies)."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - no usable torch: the CPU is all there is
+        return "cpu"
+
+
+def plan_variants(names: list[str], device: str, *, hf_on_cpu: bool = False) -> tuple[list[Variant], list[str]]:
+    """The variants that can run on `device`, and a note for each one skipped."""
+    variants, notes = [], []
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; --compare takes a list of {', '.join(VARIANTS)}")
+        if any(v.name == name for v in variants):
+            continue
+        if name == "device":
+            if device != "cuda":
+                notes.append("skipping 'device': the CPU backend has no device-side scheduler "
+                             "(--scheduler device needs CUDA); its scheduler runs on a host thread, "
+                             "which is the 'host' variant")
+                continue
+            variants.append(Variant("device", "server", ("--scheduler", "device", "--policy", "fifo")))
+        elif name == "host":
+            args = ("--scheduler", "host") if device == "cuda" else ()
+            variants.append(Variant("host", "server", args + ("--policy", "fifo")))
+        elif name == "static":
+            variants.append(Variant("static", "server", ("--policy", "static")))
+        elif name == "hf":
+            if device != "cuda" and not hf_on_cpu:
+                notes.append("skipping 'hf': the transformers continuous-batching baseline runs on "
+                             "CUDA only (it is not meaningful on this CPU)")
+                continue
+            variants.append(Variant("hf", "hf"))
+    return variants, notes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+_live: set["ServerProcess"] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_live):
+        server.stop()
+
+
+class ServerProcess:
+    """`with ServerProcess(args) as srv:` starts `ringleader serve`, waits for ping, stops it."""
+
+    def __init__(self, serve_args: list[str], *, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.serve_args = list(serve_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.address: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "hostctl.cli", "serve", *self.serve_args, "--bind", self.address]
+
+    def start(self) -> str:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self._log = tempfile.TemporaryFile(mode="w+b", prefix="ringleader-bench-server-")
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        _live.add(self)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                out = self.output_tail()
+                self.stop()
+                raise ServerError(f"server exited with code {self.proc.returncode} while starting:\n"
+                                  f"$ {' '.join(self.command)}\n{out}")
+            if wait_ready(self.address, timeout=min(1.0, max(0.1, deadline - time.monotonic()))):
+                return self.address
+        out = self.output_tail()
+        self.stop()
+        raise ServerError(f"server did not answer ping within {self.startup_timeout_s:.0f} s:\n"
+                          f"$ {' '.join(self.command)}\n{out}")
+
+    def stats(self) -> dict:
+        return read_stats(self.address)
+
+    def output_tail(self, limit: int = 4000) -> str:
+        if self._log is None:
+            return ""
+        try:
+            self._log.flush()
+            self._log.seek(0, os.SEEK_END)
+            size = self._log.tell()
+            self._log.seek(max(0, size - limit))
+            return self._log.read().decode("utf-8", errors="replace")
+        except (OSError, ValueError):
+            return ""
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, wait, SIGKILL if it does not exit; returns the exit code."""
+        proc = self.proc
+        _live.discard(self)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def cpu_deltas(before: dict, after: dict) -> dict:
+    """Server CPU over a run from two `stats` replies: whole process and per thread, and tokens."""
+    out_tokens = _num(after.get("output_tokens")) - _num(before.get("output_tokens"))
+    proc = None
+    if before.get("process_cpu_s") is not None and after.get("process_cpu_s") is not None:
+        proc = float(after["process_cpu_s"]) - float(before["process_cpu_s"])
+    threads = {}
+    tb, ta = before.get("thread_cpu_s") or {}, after.get("thread_cpu_s") or {}
+    for name in ta:
+        if name in tb and ta[name] is not None and tb[name] is not None:
+            threads[name] = float(ta[name]) - float(tb[name])
+    per_1k = (lambda s: s / (out_tokens / 1000.0)) if out_tokens > 0 else (lambda s: None)
+    return {
+        "server_output_tokens": out_tokens,
+        "process_cpu_s": proc,
+        "cpu_s_per_1k_tokens": per_1k(proc) if proc is not None else None,
+        "thread_cpu_s": threads,
+        "thread_cpu_s_per_1k_tokens": {k: per_1k(v) for k, v in threads.items()},
+    }
+
+
+DEVICE_COUNTERS = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls", "cq_stalls")
+DEVICE_TIMINGS = ("bubble_us_p50", "bubble_us_p99", "step_us_p50", "step_us_p99",
+                  "sched_step_us_p50", "sched_step_us_p99", "model_step_us_p50", "model_step_us_p99")
+
+
+def device_deltas(before: dict, after: dict) -> dict:
+    """The backend's counters over the run, and its step timings as of the end of the run.
+
+    The timings are the backend's own percentiles over its recent steps (the CPU backend keeps
+    the last 4096), so for long runs they describe the end of the run. Absent keys stay absent.
+    """
+    db, da = before.get("device") or {}, after.get("device") or {}
+    out: dict = {}
+    for key in DEVICE_COUNTERS:
+        if isinstance(da.get(key), (int, float)) and isinstance(db.get(key), (int, float)):
+            out[key] = da[key] - db[key]
+    if out.get("steps"):
+        out["tokens_per_step"] = out.get("step_tokens", 0) / out["steps"]
+        out["generated_per_step"] = out.get("generated", 0) / out["steps"]
+    for key in DEVICE_TIMINGS:
+        if da.get(key) is not None:
+            out[key] = float(da[key])
+    return out
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0
