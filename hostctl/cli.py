@@ -39,6 +39,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                    help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--trace", default=None, help="CUDA: write the device timeline as Chrome-trace "
+                   "JSON to this file at shutdown")
 
 
 def open_configured_backend(args):
@@ -46,6 +48,8 @@ def open_configured_backend(args):
     options = dict(n_slots=args.slots, max_ctx=args.max_ctx, token_budget=args.token_budget,
                    policy=args.policy, aging_steps=args.aging_steps, seed=args.seed,
                    threads=args.threads)
+    if args.trace:
+        options["trace_path"] = args.trace
     return open_backend(args.model, device=args.device, scheduler=args.scheduler,
                         launch=args.launch, **options)
 

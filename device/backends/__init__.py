@@ -13,9 +13,12 @@ def open_backend(model: str = "tiny", *, device: str = "auto", scheduler: str | 
         if scheduler not in (None, "host"):
             raise ValueError("the cpu backend schedules on a host thread; --scheduler device needs CUDA")
         from device.backends.cpu import CpuBackend
+        if options.pop("trace_path", None):
+            raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
         return CpuBackend(model, **options)
     if device == "cuda":
-        raise NotImplementedError("the CUDA backend is not built yet (see issue: GPU backend)")
+        from device.backends.cuda import CudaBackend  # unverified on a GPU so far
+        return CudaBackend(model, scheduler=scheduler or "device", launch=launch, **options)
     raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
 
 
