@@ -375,6 +375,14 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
         prog = call(nvrtc.nvrtcCreateProgram, src.encode(), f"gpu_limits_{group}.cu".encode(), 0, [], [])
         ob = [o.encode() for o in opts]
         res = nvrtc.nvrtcCompileProgram(prog, len(ob), ob)
+        if res[0] == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION:
+            # an NVRTC without --ptxas-options: compile anyway, resources unknown
+            call(nvrtc.nvrtcDestroyProgram, prog)
+            prog = call(nvrtc.nvrtcCreateProgram, src.encode(), f"gpu_limits_{group}.cu".encode(), 0, [], [])
+            opts = [o for o in opts if not o.startswith("--ptxas-options")]
+            info["options"] = opts
+            ob = [o.encode() for o in opts]
+            res = nvrtc.nvrtcCompileProgram(prog, len(ob), ob)
         try:
             info["log"] = _program_log(prog)
         except Exception as e:  # noqa: BLE001
