@@ -914,6 +914,12 @@ class Probe:
                 out[key] = f"error: {e}"
         return out
 
+    def thread_init(self) -> None:
+        """A new thread: our context current, torch on our device."""
+        self.dev.make_current()
+        if self.torch is not None:
+            self.torch.cuda.set_device(self.args.device)
+
     def fn(self, name: str):
         if name in self.funcs:
             return self.funcs[name]
@@ -941,15 +947,15 @@ class Probe:
         return ok
 
 
-def run_in_thread(fn, timeout_s: float, ctx_dev: Dev | None = None, name: str = "op"):
-    """Run fn() in a daemon thread; returns (record, thread, box)."""
+def run_in_thread(fn, timeout_s: float, init=None, name: str = "op"):
+    """Run init() then fn() in a daemon thread; returns (record, thread, box)."""
     box: dict = {}
 
     def target():
         t0 = time.perf_counter_ns()
         try:
-            if ctx_dev is not None:
-                ctx_dev.make_current()
+            if init is not None:
+                init()
             box["value"] = fn()
             box["status"] = "completed"
         except BaseException as e:  # noqa: BLE001
@@ -1780,7 +1786,7 @@ def probe_blocking(P: Probe) -> dict:
             out["ops"][name] = errdict(e)
             break
         hb0 = int(ctl.w[CTL_HEARTBEAT])
-        rec, th, box = run_in_thread(op, B.t(B.op_timeout), dev, name=f"op-{name}")
+        rec, th, box = run_in_thread(op, B.t(B.op_timeout), P.thread_init, name=f"op-{name}")
         time.sleep(0.005)
         rec["kernel_still_running"] = bool(int(ctl.w[CTL_EXIT]) == 0 and int(ctl.w[CTL_HEARTBEAT]) != hb0)
         if rec["status"] == "completed" and rec["elapsed_ms"] > 1000 * B.t(B.op_timeout):
@@ -2479,7 +2485,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.monotonic()
         timeout = B.t(B.probe_timeout[num])
-        rec, th, box = run_in_thread(lambda n=num: PROBE_FUNCS[n](P), timeout, dev, name=f"probe{num}")
+        rec, th, box = run_in_thread(lambda n=num: PROBE_FUNCS[n](P), timeout, P.thread_init, name=f"probe{num}")
         if rec["status"] == "blocked":
             shutdown_all()
             th.join(B.t(10))
