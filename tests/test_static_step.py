@@ -1,0 +1,287 @@
+"""The static-shape step (CUDA-graph form) against the eager ragged step, on the CPU.
+
+The Triton kernel runs under the Triton interpreter, which has to be switched on before triton
+is first imported (triton.language's own helpers are @triton.jit functions). So those checks
+run in a child process started with TRITON_INTERPRET=1 (`run_interpreted_checks`); the test
+skips when triton is not installed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from device.model import LlamaModel, StepBatch, sample
+from device.model.static_step import StaticStep, StepLayout
+from device.model.triton_attention import HAVE_TRITON, ragged_attention_reference
+from ipc import layout as L
+from ipc.rings import RingConfig
+from tests.sched_driver import Driver, Record, scheduler
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_triton_under_interpreter():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import tests.test_static_step as t; t.run_interpreted_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "interpreted checks passed" in proc.stdout
+
+
+def run_interpreted_checks() -> None:
+    """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
+    from device.model import triton_attention as ta
+
+    assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+    for shape in KERNEL_SHAPES:
+        check_kernel_matches_reference(ta.ragged_attention_triton, *shape)
+    # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
+    # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
+    check_kernel_matches_reference(ta.ragged_attention_triton, 8, 2, 64, torch.float16)
+    model = LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
+    _, seen = _drive(model, ta.ragged_attention_triton, max_steps=7)
+    assert seen["mixed"] and seen["padded"], seen
+    print("interpreted checks passed")
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+def _rows(spec):
+    """spec: [(slot, first_pos, n_rows)] -> slot_of, positions (int32); slot -1 = pad rows."""
+    slot_of, pos = [], []
+    for slot, p0, n in spec:
+        slot_of += [slot] * n
+        pos += [0] * n if slot < 0 else list(range(p0, p0 + n))
+    return torch.tensor(slot_of, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
+
+
+KERNEL_SHAPES = [(8, 2, 32), (4, 4, 16), (6, 2, 24), (16, 1, 64)]  # heads, kv heads, head_dim
+
+
+def check_kernel_matches_reference(attention, n_heads, n_kv, head_dim, dtype=torch.float32):
+    """`attention` (the Triton kernel) against the reference on rows of every kind, reading a
+    cache poisoned with NaN wherever no row may read."""
+    gen = torch.Generator().manual_seed(n_heads * 100 + head_dim)
+    n_slots, max_ctx = 5, 150  # slot 5 = scratch
+    shape = (n_slots + 1, max_ctx, n_kv, head_dim)
+    k, v = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    slot_of, positions = _rows([
+        (0, 0, 1),             # first token of a request
+        (1, 63, 1), (2, 64, 1), (3, 128, 1),  # around BLOCK_N = 64 boundaries
+        (-1, 0, 2),            # pad rows in the middle
+        (4, 60, 9),            # prefill chunk crossing a block boundary
+        (1, max_ctx - 1, 1),   # the last position
+        (2, 5, 3),
+        (-1, 0, 3),            # bucket padding at the end
+    ])
+    T = slot_of.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    ref = ragged_attention_reference(q, k, v, slot_of, positions, scale)
+
+    # poison everything no row may read: positions past each slot's furthest row, and scratch
+    kp, vp = k.clone(), v.clone()
+    for s in range(n_slots + 1):
+        mine = positions[slot_of == s]
+        end = int(mine.max()) + 1 if mine.numel() else 0
+        kp[s, end:] = float("nan")
+        vp[s, end:] = float("nan")
+    out = attention(q, kp, vp, slot_of, positions, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    # half precision: p is rounded to v's dtype before p @ v, as on the GPU
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.all(out[slot_of < 0] == 0)
+    # a decode row over one cached position returns that position's v exactly (GQA mapping)
+    g = n_heads // n_kv
+    torch.testing.assert_close(out[0], v[0, 0].repeat_interleave(g, dim=0), atol=1e-6, rtol=1e-6)
+
+
+def test_reference_matches_eager_ragged_attention():
+    from device.model.llama import ragged_attention
+
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(4, 40, 2, 16, generator=gen)
+    v = torch.randn(4, 40, 2, 16, generator=gen)
+    batch = StepBatch.from_segments([(2, [0] * 1, 7), (0, [0] * 1, 30), (1, [0] * 6, 10), (3, [0] * 1, 0)])
+    q = torch.randn(batch.n_rows, 4, 16, generator=gen)
+    eager = ragged_attention(q, batch, batch.get_plan(), k, v)
+    ref = ragged_attention_reference(q, k, v, batch.slot_of.int(), batch.positions.int(), 16 ** -0.5)
+    torch.testing.assert_close(ref, eager, atol=1e-5, rtol=1e-5)
+
+
+# ---- the step against the eager model, driven by the real scheduler ---------------------------
+
+N_SLOTS, MAX_CTX, BUDGET, BUCKETS = 4, 96, 16, (4, 8, 16)
+REQUESTS = [  # prompt length, max_tokens, temperature, top_p, top_k, seed
+    (21, 5, 0.0, 1.0, 0, 0), (3, 6, 0.8, 0.9, 0, 11), (9, 4, 1.0, 1.0, 20, 12),
+    (2, 3, 0.0, 1.0, 0, 0), (17, 4, 0.7, 0.95, 50, 13), (5, 5, 1.2, 1.0, 0, 14),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
+
+
+def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> None:
+    prompt = np.asarray(prompt, dtype=np.int32)
+    off = d.rings.arena.allocate(prompt)
+    handle = d._next
+    d._next += 1
+    d.rings.submissions.push(L.RL_OP_GENERATE, handle, prompt_off=off, prompt_len=len(prompt),
+                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, flags=L.RL_FLAG_IGNORE_EOS)
+    d.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
+
+
+def _eager_step(model, kv, a):
+    """What the CPU backend does with the layout: eager step + sample."""
+    h = a["step"][0]
+    n, nseg, ns = int(h["n_tokens"]), int(h["n_segments"]), int(h["n_samples"])
+    batch = StepBatch.from_numpy(a["token_ids"][:n], a["positions"][:n], a["slot_of"][:n],
+                                 a["seg_slot"][:nseg], a["seg_row_start"][:nseg],
+                                 a["seg_n_rows"][:nseg], a["sample_row"][:ns])
+    logits = model.step(batch, kv)
+    tokens = sample(logits, torch.from_numpy(a["sample_temperature"][:ns]),
+                    torch.from_numpy(a["sample_top_k"][:ns]), torch.from_numpy(a["sample_top_p"][:ns]),
+                    torch.from_numpy(a["sample_seed"][:ns].view(np.int64)),
+                    torch.from_numpy(a["sample_counter"][:ns]))
+    return logits, tokens.numpy().astype(np.int32)
+
+
+def _drive(model, attention, max_steps):
+    cfg = RingConfig(n_slots=N_SLOTS, max_ctx=MAX_CTX, token_budget=BUDGET, buckets=BUCKETS,
+                     sq_size=64, cq_size=2048, arena_size=1 << 12, pending_cap=64)
+    d = Driver(cfg)
+    rng = np.random.default_rng(5)
+    for plen, *params in REQUESTS:
+        _submit(d, rng.integers(3, 250, plen), *params)
+    kv_eager = model.new_kv_cache(N_SLOTS, MAX_CTX)
+    kv_static = StaticStep.new_kv_cache(model, N_SLOTS, MAX_CTX)
+    step = StaticStep(model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention)
+    a = d.a
+    lay = StepLayout.from_arrays(a, "cpu")  # views: the step writes the scheduler's next_token
+    seen = {"mixed": 0, "padded": 0, "stale": 0}
+    for _ in range(max_steps):
+        d.rings.submissions.publish()
+        status = scheduler().step(d.mem.context_address)
+        if status == L.RL_STEP_IDLE:
+            d.drain_cq()  # the DONE events of the last step's outputs
+            break
+        assert status == L.RL_STEP_RUN
+        h = a["step"][0]
+        n, bucket, ns = int(h["n_tokens"]), int(h["bucket"]), int(h["n_samples"])
+        ndec, seg_rows = int(h["n_decode"]), a["seg_n_rows"][: int(h["n_segments"])]
+        seen["mixed"] += ndec > 0 and bool(np.any(seg_rows > 1))
+        seen["padded"] += bucket > n
+        seen["stale"] += ns < N_SLOTS
+        assert np.all(a["slot_of"][n:bucket] == -1)
+
+        logits_e, tokens_e = _eager_step(model, kv_eager, a)
+        before = a["next_token"].copy()
+        logits_s = step.run(bucket, lay)
+        torch.testing.assert_close(logits_s[:ns], logits_e, atol=1e-4, rtol=1e-4)
+        expected = before.copy()
+        expected[a["sample_slot"][:ns]] = tokens_e
+        np.testing.assert_array_equal(a["next_token"], expected)
+        # the real slots' caches agree; pad rows only ever wrote the scratch slot
+        torch.testing.assert_close(kv_static.k[:, :N_SLOTS], kv_eager.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv_static.v[:, :N_SLOTS], kv_eager.v, atol=1e-5, rtol=1e-5)
+        d.drain_cq()
+    return d, seen
+
+
+def test_static_step_torch_matches_eager(model):
+    d, seen = _drive(model, "torch", max_steps=200)
+    assert all(r.done for r in d.records.values()), "every request finished"
+    assert all(len(r.tokens) == r.max_tokens for r in d.records.values())
+    assert seen["mixed"] and seen["padded"] and seen["stale"], seen
+
+
+# ---- masked sample writes ----------------------------------------------------------------------
+
+def _hand_layout(n_slots, budget):
+    lay = StepLayout.allocate(n_slots, budget, "cpu")
+    # bucket 8: decode rows for slots 1 and 3, then a 3-row chunk of slot 2 (positions 4-6; a
+    # zero cache before it), then pad rows; slot 0 is idle
+    rows = [(5, 1, 0), (7, 3, 0), (9, 2, 4), (10, 2, 5), (11, 2, 6)]
+    for r, (tok, slot, pos) in enumerate(rows):
+        lay.token_ids[r], lay.slot_of[r], lay.positions[r] = tok, slot, pos
+    lay.sample_row[:] = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    lay.next_token[:] = torch.tensor([100, 101, 102, 103], dtype=torch.int32)
+    return lay
+
+
+def test_stale_sample_entries_never_write(model):
+    n_slots, budget = 4, 16
+    kv = StaticStep.new_kv_cache(model, n_slots, 32)
+    step = StaticStep(model, kv, n_slots, 32, budget, attention="torch")
+    lay = _hand_layout(n_slots, budget)
+    # entries 2, 3 are stale: they collide with live slot 1 and name slot 2; wild parameters
+    lay.sample_slot[:] = torch.tensor([1, 3, 1, 2], dtype=torch.int32)
+    lay.sample_temperature[:] = torch.tensor([0.0, 0.0, float("nan"), -1.0])
+    lay.sample_row[3] = 1000  # out of range: must be clamped, not read
+    lay.n_samples[0] = 2
+    logits = step.run(8, lay)
+    greedy = logits.argmax(-1).int()
+    assert greedy[2] != greedy[0], "the stale entry must want a different token to be a real test"
+    assert lay.next_token.tolist() == [100, int(greedy[0]), 102, int(greedy[1])]
+
+    lay.next_token[:] = torch.tensor([100, 101, 102, 103], dtype=torch.int32)
+    lay.n_samples[0] = 0
+    step.run(8, lay)
+    assert lay.next_token.tolist() == [100, 101, 102, 103]
+
+
+def test_pad_rows_touch_only_the_scratch_slot(model):
+    n_slots, budget = 4, 16
+    kv = StaticStep.new_kv_cache(model, n_slots, 32)
+    gen = torch.Generator().manual_seed(3)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    step = StaticStep(model, kv, n_slots, 32, budget, attention="torch")
+    lay = _hand_layout(n_slots, budget)
+    lay.n_samples[0] = 2
+    step.run(16, lay)
+    written = torch.zeros(kv.k.shape[1:3], dtype=torch.bool)  # [slots, positions]
+    written[1, 0] = written[3, 0] = True
+    written[2, 4:7] = True
+    written[n_slots, 0] = True  # the scratch row the pad rows share
+    assert torch.equal(kv.k[:, ~written], k0[:, ~written])
+    assert torch.equal(kv.v[:, ~written], v0[:, ~written])
+    assert not torch.equal(kv.k[:, 1, 0], k0[:, 1, 0])
+
+
+# ---- the layout views ----------------------------------------------------------------------------
+
+def test_layout_views_alias_the_scheduler_arrays():
+    cfg = RingConfig(n_slots=4, max_ctx=64, token_budget=8, sq_size=64, cq_size=2048,
+                     arena_size=1 << 12, pending_cap=64)
+    d = Driver(cfg)
+    lay = StepLayout.from_arrays(d.a, "cpu")
+    d.a["step"][0]["n_samples"] = 3
+    d.a["sample_seed"][1] = np.uint64(2**63 + 5)
+    assert int(lay.n_samples[0]) == 3 and lay.n_samples.shape == (1,)
+    assert int(lay.sample_seed[1]) == -(2**63) + 5
+    lay.next_token[2] = 77
+    assert d.a["next_token"][2] == 77
+    assert lay.token_ids.shape == (8,) and lay.sample_row.shape == (4,)
+
+
+def test_rejects_a_cache_without_scratch_slot(model):
+    with pytest.raises(ValueError, match="n_slots \\+ 1"):
+        StaticStep(model, model.new_kv_cache(4, 32), 4, 32, 16, attention="torch")
+    step = StaticStep(model, StaticStep.new_kv_cache(model, 4, 32), 4, 32, 16, attention="torch")
+    with pytest.raises(ValueError, match="bucket"):
+        step.run(17, StepLayout.allocate(4, 16, "cpu"))
