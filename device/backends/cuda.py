@@ -103,7 +103,7 @@ class CudaBackend(Backend):
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
         max_ctx = min(max_ctx, self._model.config.max_position_embeddings)
         self._model.prepare(max_ctx)
-        self._kv = self._model.new_kv_cache(n_slots + 1, max_ctx)  # + a scratch slot for pad rows
+        self._kv = StaticStep.new_kv_cache(self._model, n_slots, max_ctx)  # + a scratch slot for pad rows
         ring_cfg = ring_config_for(self._model, n_slots=n_slots, max_ctx=max_ctx,
                                    token_budget=token_budget, policy=policy,
                                    aging_steps=aging_steps, sq_size=sq_size, pending_cap=pending_cap)
@@ -148,17 +148,16 @@ class CudaBackend(Backend):
             n_samples=step_header[3:4], next_token=t("next_token", torch.int32))
 
     def _capture_graphs(self, buckets) -> dict[int, torch.cuda.CUDAGraph]:
-        """One graph per bucket, captured on our compute stream before any persistent kernel."""
-        self._layout.slot_of.fill_(-1)
-        graphs = {}
+        """One graph per bucket, captured on our compute stream before any persistent kernel
+        (capture may synchronise; nothing persistent runs yet)."""
+        graphs, self._graph_outputs = {}, {}
         with torch.cuda.stream(self._compute):
+            self._step.warmup(self._layout, buckets)  # compiles kernels, inits libraries
+            self._compute.synchronize()
             for b in buckets:
-                for _ in range(2):  # compile / autotune outside the capture
-                    self._step.run(b, self._layout)
-                self._compute.synchronize()
                 g = torch.cuda.CUDAGraph(keep_graph=True)
                 g.capture_begin(capture_error_mode="thread_local")
-                self._step.run(b, self._layout)
+                self._graph_outputs[b] = self._step.run(b, self._layout)  # kept alive with g
                 g.capture_end()
                 graphs[b] = g
         torch.cuda.synchronize()
@@ -296,16 +295,8 @@ class CudaBackend(Backend):
                     self._doorbell.wait(0.05)
                     continue
                 t1 = time.perf_counter()
-                head = a["step"][0]
-                bucket = int(head["bucket"])
-                for name in ("token_ids", "positions", "slot_of"):
-                    getattr(lay, name)[:bucket].copy_(torch.from_numpy(a[name][:bucket]), non_blocking=False)
-                for name in ("sample_row", "sample_slot", "sample_temperature", "sample_top_p",
-                             "sample_top_k", "sample_counter"):
-                    getattr(lay, name).copy_(torch.from_numpy(a[name]))
-                lay.sample_seed.copy_(torch.from_numpy(a["sample_seed"].view(np.int64)))
-                lay.n_samples.fill_(int(head["n_samples"]))
-                self._graphs[bucket].replay()
+                lay.copy_from_arrays(a)  # H2D: the layout the CPU just built
+                self._graphs[int(a["step"][0]["bucket"])].replay()
                 next_host.copy_(lay.next_token)  # D2H; synchronises this stream only
                 self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
 
