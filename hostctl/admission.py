@@ -6,6 +6,7 @@ decides what runs in a step: it only forwards requests and aborts in arrival ord
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -100,6 +101,7 @@ class Admission:
                 priority=req.priority, seed=req.seed, stop_ids=req.stop_ids)
         req.arena_offset = offset
         req.in_device = True
+        req.submit_ns = time.perf_counter_ns()
         return True
 
     def _write_abort(self, req: InFlight) -> bool:

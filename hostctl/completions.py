@@ -40,10 +40,23 @@ class Outbox:
         return out
 
 
+def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
+    """Where the request's time went, as the server saw it (an extra field of `done`):
+    queue = waiting on the host for ring space + waiting on the device for a slot."""
+    now = time.perf_counter_ns()
+    out = {"e2e_ms": (now - req.arrival_ns) / 1e6}
+    if req.first_token_ns:
+        out["ttft_ms"] = (req.first_token_ns - req.arrival_ns) / 1e6
+    if req.submit_ns and device_queued_us is not None:
+        out["queue_ms"] = (req.submit_ns - req.arrival_ns) / 1e6 + device_queued_us / 1e3
+    return out
+
+
 def done_frame(req: InFlight, finish_reason: str, code: str | None = None,
-               message: str | None = None) -> tuple[bytes, bytes]:
+               message: str | None = None, device_queued_us: int | None = None) -> tuple[bytes, bytes]:
     msg = protocol.done_msg(req.id, finish_reason, req.prompt_len, req.completion_tokens,
                             error_code=code, error_message=message)
+    msg["timing"] = server_timing(req, device_queued_us)
     return req.client, protocol.encode(msg)
 
 
@@ -109,15 +122,18 @@ class CompletionRouter:
         order: list[int] = []  # handles in first-event order, so frames keep event order
         dones: dict[int, int] = {}
         now = time.perf_counter_ns()
-        for handle, kind, reason, token in zip(events["handle"].tolist(), events["kind"].tolist(),
-                                               events["finish_reason"].tolist(),
-                                               events["token"].tolist()):
+        queued: dict[int, int] = {}
+        for handle, kind, reason, token, waited in zip(
+                events["handle"].tolist(), events["kind"].tolist(),
+                events["finish_reason"].tolist(), events["token"].tolist(),
+                events["queued_us"].tolist()):
             if handle not in tokens and handle not in dones:
                 order.append(handle)
             if kind == layout.RL_EV_TOKEN:
                 tokens.setdefault(handle, []).append(token)
             else:
                 dones[handle] = reason
+                queued[handle] = waited
         for handle in order:
             req = self._table.get(handle)
             if req is None:
@@ -144,6 +160,6 @@ class CompletionRouter:
                 override = self.abort_as.pop(handle, None)
                 if reason == protocol.FINISH_ABORT and override is not None:
                     reason, (code, message) = protocol.FINISH_ERROR, override
-                frames.append(done_frame(req, reason, code, message))
+                frames.append(done_frame(req, reason, code, message, queued[handle]))
                 self._metrics.finished(req, reason)
         self._outbox.put_many(frames)

@@ -47,6 +47,7 @@ class Done:
     completion_tokens: int
     error_code: str | None = None
     error_message: str | None = None
+    timing: dict | None = None  # the server's view: queue_ms, ttft_ms, e2e_ms (when it sends them)
 
     @property
     def ok(self) -> bool:
@@ -105,6 +106,7 @@ def _event_from_reply(obj: dict) -> TokenChunk | Done | None:
             completion_tokens=usage.get("completion_tokens", 0),
             error_code=error.get("code"),
             error_message=error.get("message"),
+            timing=obj.get("timing") if isinstance(obj.get("timing"), dict) else None,
         )
     except (AttributeError, KeyError, TypeError):
         pass

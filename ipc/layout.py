@@ -129,12 +129,14 @@ SQ_ENTRY = Struct("RlSqEntry", (
     _f("max_tokens", "u32"), _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"),
     _f("top_k", "i32"), _f("priority", "i32"), _f("seed", "u64"),
     _f("n_stop", "u32"), _f("arrival", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+    _f("drained_ns", "u64"),  # device clock when the scheduler took it from the SQ (device-set)
 ))
 
 # Completion queue event (device -> host).
 CQ_EVENT = Struct("RlCqEvent", (
     _f("handle", "u32"), _f("kind", "u8"), _f("finish_reason", "u8"), _f("_pad", "u16"),
     _f("token", "i32"), _f("index", "u32"), _f("time_ns", "u64"),
+    _f("queued_us", "u32"),  # on DONE: microseconds the request waited in the pending queue
 ))
 
 # Device-private: one batch slot's request.
@@ -144,6 +146,7 @@ SLOT = Struct("RlSlot", (
     _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"), _f("top_k", "i32"),
     _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
     _f("admit_seq", "u32"), _f("abort", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+    _f("queued_us", "u32"),
 ))
 
 # Device-private scheduler bookkeeping.

@@ -238,3 +238,21 @@ def test_async_client_streams_concurrently(tiny_server):
     results = asyncio.run(main())
     for i, (n, done) in enumerate(results):
         assert n == 5 + i and done.finish_reason == "length" and done.completion_tokens == 5 + i
+
+
+def test_done_reports_the_server_timing_split(tiny_server):
+    with Client(tiny_server.address, timeout=60) as c:
+        s = c.complete(prompt_ids=[1, 2, 3], max_tokens=6, ignore_eos=True)
+    t = s.done.timing
+    assert t is not None and 0 <= t["queue_ms"] <= t["ttft_ms"] <= t["e2e_ms"]
+
+
+def test_queue_time_grows_when_slots_are_busy():
+    with running_server(n_slots=1) as bg:
+        with Client(bg.address, timeout=60) as c:
+            first = c.generate(prompt_ids=[1], max_tokens=40, ignore_eos=True)
+            second = c.generate(prompt_ids=[2], max_tokens=2, ignore_eos=True)
+            first.wait()
+            second.wait()
+    assert second.done.timing["queue_ms"] > first.done.timing["queue_ms"]
+    assert second.done.timing["queue_ms"] >= 0.5 * (first.done.timing["e2e_ms"] - first.done.timing["ttft_ms"])

@@ -33,7 +33,8 @@ RL_FN uint32_t rl_finish_reason(const RlConfig& cfg, const RlSlot& s, int32_t to
 }
 
 RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint32_t kind,
-                        uint32_t reason, int32_t token, uint32_t index, uint64_t now) {
+                        uint32_t reason, int32_t token, uint32_t index, uint64_t now,
+                        uint32_t queued_us = 0) {
   RlCqEvent& e = c.cq[pos & (c.cfg->cq_size - 1)];
   e.handle = handle;
   e.kind = (uint8_t)kind;
@@ -42,6 +43,7 @@ RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint3
   e.token = token;
   e.index = index;
   e.time_ns = now;
+  e.queued_us = queued_us;
 }
 
 // Phase 1: copy new SQ entries into pending, then apply ABORT entries.  Returns false on shutdown.
@@ -55,9 +57,11 @@ RL_FN void rl_drain_sq(const RlContext& c, RlShared* sh) {
   uint32_t room = cfg.pending_cap - n_pending;
   uint32_t n_take = tail - head;
   if (n_take > room) n_take = room;  // backpressure: the rest stays in the SQ
+  uint64_t now = rl_now_ns();
   RL_FOR(i, n_take) {
     RlSqEntry e = c.sq[(head + i) & (cfg.sq_size - 1)];
     e.arrival = (uint32_t)st.step;
+    e.drained_ns = now;
     c.pending[n_pending + i] = e;
   }
   rl_fence_system();
@@ -147,7 +151,7 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     }
     sl.sampled = 0;
     if (why != RL_FINISH_NONE) {
-      rl_put_event(c, pos, sl.handle, RL_EV_DONE, why, -1, sl.n_generated, now);
+      rl_put_event(c, pos, sl.handle, RL_EV_DONE, why, -1, sl.n_generated, now, sl.queued_us);
       sl.state = RL_SLOT_FREE;
       sl.abort = 0;
     }
@@ -155,8 +159,9 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   RL_FOR(j, n_pending) {
     RlSqEntry& e = c.pending[j];
     if (e.op != RL_OP_CANCELLED) continue;
+    uint64_t waited = (now - e.drained_ns) / 1000u;
     rl_put_event(c, tail + n_slot_events + pcount[j], e.handle, RL_EV_DONE, RL_FINISH_ABORT,
-                 -1, 0, now);
+                 -1, 0, now, waited > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)waited);
     e.op = RL_OP_NONE;
   }
   rl_fence_system();
@@ -214,6 +219,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     order[j] = rank;
   }
   RL_SYNC();
+  uint64_t admit_now = rl_now_ns();
   uint32_t* slot_for = c.work_b;  // live_rank is spent: reuse as "k-th free slot"
   RL_FOR(s, cfg.n_slots)
     if (c.slots[s].state == RL_SLOT_FREE && free_rank[s] < n_admit) slot_for[free_rank[s]] = s;
@@ -240,6 +246,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.sampled = 0;
     sl.abort = 0;
     sl.admit_seq = st.admit_seq + k;
+    uint64_t waited = (admit_now - e.drained_ns) / 1000u;
+    sl.queued_us = waited > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)waited;
     sl.state = RL_SLOT_PREFILL;
   }
   RL_SYNC();
