@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import time
@@ -199,8 +200,8 @@ def _run(args, command: list[str], say: Console) -> int:
     if "hf" in [name for name, _ in targets]:
         notes.append("hf: transformers continuous batching in the benchmark process; unverified on a GPU; "
                      "its CPU figure is the whole benchmark process and loadgen CPU is not separable")
-    notes.append("queue time is not separated from prefill: the protocol carries no server timestamps; "
-                 "TTFT (queue + prefill) and decode_ms (E2E - TTFT) are reported apart")
+    notes.append("queue time comes from the server's done.timing.queue_ms; ttft_after_queue_ms is "
+                 "TTFT minus it (prefill + transport), decode_ms is E2E - TTFT")
     if not args.connect and device == "cpu":
         notes.append("CPU backend: the server's CPU time includes the model's compute, and the load "
                      "generator shares the host's cores with the server")
@@ -210,6 +211,7 @@ def _run(args, command: list[str], say: Console) -> int:
 
     runs: list[dict] = []
     t_start = time.perf_counter()
+    loadavg_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for name, variant in targets:
         runs += _run_target(args, name, variant, device, model, specs, warm, loads, options, busy_levels, say)
     if args.connect and runs:
@@ -221,7 +223,7 @@ def _run(args, command: list[str], say: Console) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "hf_on_cpu" or v}
     settings.update(resolved_device=device, max_context=max_ctx, variants=[n for n, _ in targets],
                     skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
-                    elapsed_s=time.perf_counter() - t_start)
+                    elapsed_s=time.perf_counter() - t_start, host_loadavg_at_start=loadavg_start)
     doc = build_document(command=command, settings=settings, model=model, device=device, runs=runs, notes=notes)
     say()
     say(format_table(runs), always=True)

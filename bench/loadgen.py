@@ -250,6 +250,12 @@ class LoadGenerator:
 
     def _dispatch(self, frame: bytes, t: float) -> None:
         try:
+            self._handle(frame, t)
+        except Exception:  # noqa: BLE001 - keep receiving; the run's counts show what was lost
+            log.exception("load generator failed to handle a reply")
+
+    def _handle(self, frame: bytes, t: float) -> None:
+        try:
             msg = msgpack.unpackb(frame, raw=False)
             op = msg["op"]
         except Exception:  # noqa: BLE001 - a malformed reply is logged and skipped
@@ -271,6 +277,9 @@ class LoadGenerator:
             rec.completion_tokens = (msg.get("usage") or {}).get("completion_tokens", 0)
             err = msg.get("error") or {}
             rec.error_code, rec.error_message = err.get("code"), err.get("message")
+            timing = msg.get("timing")
+            if isinstance(timing, dict) and isinstance(timing.get("queue_ms"), (int, float)):
+                rec.server_queue_ms = float(timing["queue_ms"])
             on_done(rec)
         elif op in ("stats", "pong"):
             while self._waiters:

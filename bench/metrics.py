@@ -6,8 +6,10 @@ tokens it carried, when its `done` arrived and what it said.
 
 Definitions (all per request, in milliseconds in the run summary):
 - TTFT: first token message's arrival - send time. It includes the time the request waited
-  for a batch slot (queue time) and its prefill; the client cannot separate the two (the wire
-  protocol carries no server timestamps), so the run reports TTFT and decode time apart.
+  for a batch slot (queue time) and its prefill.
+- queue time: from the server's `done.timing.queue_ms` (waiting for ring space on the host plus
+  waiting in the device's pending queue for a slot, on the server's clocks); TTFT - queue is
+  prefill plus transport ("ttft_after_queue_ms").
 - decode time: E2E - TTFT (from the first token to the done message).
 - Only messages that carry tokens count as arrivals (the server may flush leftover text in a
   token message with no token ids just before `done`).
@@ -44,6 +46,7 @@ class RequestRecord:
     error_code: str | None = None
     error_message: str | None = None
     completion_tokens: int = 0  # as reported by the server's done.usage
+    server_queue_ms: float | None = None  # done.timing.queue_ms, when the server sends it
 
     @property
     def ok(self) -> bool:
@@ -115,6 +118,9 @@ def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
         "itl_ms": [g * ms for r in ok for g in r.itl()],
         "e2e_ms": [r.e2e() * ms for r in ok],
         "decode_ms": [r.decode_time() * ms for r in ok if r.decode_time() is not None],
+        "queue_ms": [r.server_queue_ms for r in ok if r.server_queue_ms is not None],
+        "ttft_after_queue_ms": [r.ttft() * ms - r.server_queue_ms for r in ok
+                                if r.server_queue_ms is not None and r.ttft() is not None],
     }
 
 

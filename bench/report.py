@@ -135,7 +135,8 @@ def git_commit(repo: str | os.PathLike | None = None) -> dict:
 
 def environment() -> dict:
     env = {"git": git_commit(), "python": platform.python_version(), "platform": platform.platform(),
-           "cpu_count": os.cpu_count(), "cpu_model": _cpu_model()}
+           "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
+           "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     try:
         import torch
         env["torch"] = torch.__version__
@@ -203,6 +204,10 @@ def _finite_or_str(x):
 
 # ---------------------------------------------------------------- tables
 
+def _loadavg(v) -> str:
+    return "?" if not v else "/".join(f"{x:.2f}" for x in v)
+
+
 def _f(x, fmt="{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -210,7 +215,7 @@ def _f(x, fmt="{:.1f}") -> str:
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
     has_bubbles = any(r.get("bubble_us_p50") is not None for r in runs)
     head = ["scheduler", "load", "busy", "ok/fail", "req/s", "out tok/s", "TTFT p50/p99 ms",
-            "TPOT p50/p99 ms", "ITL p99 ms", "E2E p50/p99 ms", "CPU s/1k tok", "loadgen CPU"]
+            "queue p50/p99 ms", "TPOT p50/p99 ms", "ITL p99 ms", "E2E p50/p99 ms", "CPU s/1k tok", "loadgen CPU"]
     if has_bubbles:
         head += ["bubble p50/p99 us", "step p50 us"]
     rows = []
@@ -219,6 +224,7 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
                f"{r['completed']}/{r['failed']}", _f(r["request_throughput"], "{:.2f}"),
                _f(r["output_tokens_per_s"], "{:.0f}"),
                f"{_f(r['ttft_ms']['p50'])}/{_f(r['ttft_ms']['p99'])}",
+               f"{_f((r.get('queue_ms') or {}).get('p50'))}/{_f((r.get('queue_ms') or {}).get('p99'))}",
                f"{_f(r['tpot_ms']['p50'], '{:.2f}')}/{_f(r['tpot_ms']['p99'], '{:.2f}')}",
                _f(r["itl_ms"]["p99"], "{:.2f}"),
                f"{_f(r['e2e_ms']['p50'], '{:.0f}')}/{_f(r['e2e_ms']['p99'], '{:.0f}')}",
@@ -265,7 +271,8 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
            f"- git commit: `{git.get('commit')}`" + (" (uncommitted changes)" if git.get("dirty") else ""),
            f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs)"
            + (f", GPU {env['gpu']}" if env.get("gpu") else "")
-           + f"; python {env.get('python')}, torch {env.get('torch')}",
+           + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
+           f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
            f"- workload: {s.get('requests')} requests per run, input {s.get('input_len')}, "
            f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
            f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
@@ -288,8 +295,8 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
                        f"| x{_f(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')} |")
         out.append("")
     out += ["## How to read it", "",
-            "- TTFT includes queueing for a batch slot and prefill; the wire protocol carries no server "
-            "timestamps, so the client cannot split the two. `decode_ms` in the JSON is E2E - TTFT.",
+            "- TTFT includes queueing for a batch slot and prefill; queue is the server's `done.timing."
+            "queue_ms` (host ring wait + device pending-queue wait); `decode_ms` in the JSON is E2E - TTFT.",
             "- ITL: a token message carrying k tokens counts as one gap and k-1 zero gaps.",
             "- CPU s/1k tok: the server process's CPU-seconds (all threads) per 1000 output tokens, from "
             "`process_cpu_s` in its `stats` before and after the run; per-thread figures are in the JSON. "

@@ -44,6 +44,7 @@ def test_compare_host_static_closed_loop(tmp_path):
         assert r["output_tokens_per_s"] > 0
         assert r["cpu_s_per_1k_tokens"] > 0
         assert r["loadgen_cpu_s"] >= 0 and r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert 0 <= r["queue_ms"]["p50"] <= r["ttft_ms"]["p99"]  # the server's queue time
         assert r["device_stats"]["admitted"] == 8
     assert [r["backend"]["policy"] for r in runs if r["scheduler"] == "static"] == ["static", "static"]
     for name in ("summary.md", "console.txt", "throughput_vs_concurrency.png", "latency_cdf.png",
