@@ -15,6 +15,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory
 from device.model import LlamaModel, StepBatch, sample
 from device.sched.build import CpuScheduler
@@ -69,7 +70,7 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
         new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None)
 
 
-class CpuBackend(Backend):
+class CpuBackend(Doorbells, Backend):
     def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int = 2048,
                  token_budget: int = 256, policy: str = "fifo", aging_steps: int = 64,
                  seed: int = 0, threads: int | None = None, sq_size: int = 1024,
@@ -90,8 +91,7 @@ class CpuBackend(Backend):
                             "token_budget": self._memory.config.token_budget, "policy": policy,
                             "torch_threads": torch.get_num_threads()}
         self._scheduler = CpuScheduler()
-        self._doorbell = threading.Event()
-        self._events = threading.Event()
+        Doorbells.__init__(self)
         self._failure: str | None = None
         self._timer = StepTimer()
         self._thread = threading.Thread(target=self._run, name="rl-engine", daemon=True)
@@ -102,13 +102,6 @@ class CpuBackend(Backend):
         if err != layout.RL_ERR_NONE:
             raise RuntimeError(f"scheduler rejected its configuration (error {err})")
         self._thread.start()
-
-    def wake(self) -> None:
-        self._doorbell.set()
-
-    def wait_for_events(self, timeout: float) -> None:
-        self._events.wait(timeout)
-        self._events.clear()
 
     def failure(self) -> str | None:
         if self._failure is None and self._thread.ident is not None and not self._thread.is_alive() \

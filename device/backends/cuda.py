@@ -24,6 +24,7 @@ import torch
 
 from device.backends import cuda_driver as drv
 from device.backends.cpu import POLICIES, StepTimer, model_info, ring_config_for
+from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory, context_table
 from device.model import LlamaModel
 from device.sched.build import KERNEL_NAME, CpuScheduler, compile_kernel
@@ -88,7 +89,7 @@ class DeviceMemory:
         self.buffer = None
 
 
-class CudaBackend(Backend):
+class CudaBackend(Doorbells, Backend):
     def __init__(self, spec: str = "llama-1b", *, scheduler: str = "device", launch: str = "resident",
                  n_slots: int = 256, max_ctx: int = 4096, token_budget: int = 512,
                  policy: str = "fifo", aging_steps: int = 64, seed: int = 0, threads=None,
@@ -130,8 +131,7 @@ class CudaBackend(Backend):
                             "policy": policy, "buckets": list(ring_cfg.buckets)}
         self._failure: str | None = None
         self._timer = StepTimer()
-        self._events = threading.Event()
-        self._doorbell = threading.Event()
+        Doorbells.__init__(self)
         self._threads: list[threading.Thread] = []
 
     # ---- construction helpers --------------------------------------------------------------
@@ -299,13 +299,6 @@ class CudaBackend(Backend):
                 self._graphs[int(a["step"][0]["bucket"])].replay()
                 next_host.copy_(lay.next_token)  # D2H; synchronises this stream only
                 self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
-
-    def wake(self) -> None:
-        self._doorbell.set()
-
-    def wait_for_events(self, timeout: float) -> None:
-        self._events.wait(timeout)
-        self._events.clear()
 
     def failure(self) -> str | None:
         return self._failure
