@@ -24,7 +24,6 @@ class Admission:
         self._queued_tokens = 0
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
-        self.rejected = 0
 
     @property
     def queued(self) -> int:
@@ -39,7 +38,6 @@ class Admission:
     def submit(self, req: InFlight) -> bool:
         """Queues or writes the request; False means rejected (overloaded)."""
         if not self.can_accept(req.prompt_len):
-            self.rejected += 1
             return False
         if not self._queue and self._write_generate(req):
             return True

@@ -192,7 +192,6 @@ class Server:
             self._reject(client, r.id, protocol.ERR_BAD_REQUEST, str(exc))
             return
         if not self.admission.can_accept(len(prompt_ids)):
-            self.admission.rejected += 1
             self.metrics.rejected_overloaded += 1
             self._reject(client, r.id, protocol.ERR_OVERLOADED,
                          f"overloaded: {self.admission.queued} requests already wait for a slot")

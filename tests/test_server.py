@@ -107,10 +107,8 @@ def test_seeded_sampling_is_unchanged_by_concurrency(tiny_server):
         again = c.complete(**params).token_ids
         for s in crowd:
             s.wait()
-        unseeded = c.complete(**{**params, "seed": None}).token_ids
     assert alone == again and len(alone) == 24
     assert len(set(alone)) > 3, "sampling at temperature 0.9 should vary"
-    assert unseeded != alone or True  # unseeded draws a random seed; equality is merely unlikely
 
 
 def test_duplicate_in_flight_id_is_rejected_and_the_first_goes_on(tiny_server, peer):
@@ -120,8 +118,7 @@ def test_duplicate_in_flight_id_is_rejected_and_the_first_goes_on(tiny_server, p
     assert msgs[-1]["error"]["code"] == "duplicate_id"
     msgs = peer.recv_until(lambda m: m["op"] == "done")
     assert msgs[-1]["finish_reason"] == "length"
-    assert sum(len(m["token_ids"]) for m in msgs if m["op"] == "token") + sum(
-        0 for _ in ()) <= 60
+    assert sum(len(m["token_ids"]) for m in msgs if m["op"] == "token") <= 60
 
 
 def test_prompt_longer_than_the_context_is_a_bad_request(tiny_server, peer):

@@ -27,7 +27,7 @@ from device.backends.cpu import POLICIES, StepTimer, model_info, ring_config_for
 from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory, context_table
 from device.model import LlamaModel
-from device.sched.build import KERNEL_NAME, CpuScheduler, compile_kernel
+from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
 from ipc import layout
 from ipc.backend import Backend
 from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
@@ -173,8 +173,7 @@ class CudaBackend(Doorbells, Backend):
             return
         build = compile_kernel(device_arch(), threads=SCHED_THREADS)
         self._module = drv.load_cubin(build.cubin, build.arch)
-        fn = {name: drv.get_function(self._module, name)
-              for name in (KERNEL_NAME, "rl_step_wait", "rl_step_signal")}
+        fn = {name: drv.get_function(self._module, name) for name in KERNELS}
         self._fn = fn
         self._sched_stream = drv.create_stream(highest_priority=True)
         self._graph_stream = drv.create_stream(highest_priority=False)

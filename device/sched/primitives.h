@@ -94,12 +94,3 @@ RL_FN uint32_t rl_exclusive_scan(uint32_t* a, uint32_t n, RlShared* sh) {
   return run;
 #endif
 }
-
-// Leader writes a scalar, everyone reads it after the barrier.
-RL_FN uint32_t rl_broadcast(RlShared* sh, uint32_t index, uint32_t value_on_leader) {
-  if (RL_LEADER) sh->u[index] = value_on_leader;
-  RL_SYNC();
-  uint32_t v = sh->u[index];
-  RL_SYNC();
-  return v;
-}
