@@ -10,7 +10,11 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.sq_head        device writes (release) after copying entries out of the SQ; host reads (acquire)
   Control.cq_tail        device writes (release) after the CQ events; host reads (acquire)
   Control.cq_head        host writes (release) after reading CQ events; device reads (acquire)
-  Control.shutdown       host writes; device reads
+  Control.shutdown       host writes; device reads (the leader thread, once per step, then broadcast
+                         to the block through shared memory so no two threads disagree)
+  Control.stop_grace_ns,
+  Control.run_budget_ns  host writes before the scheduler starts; device reads once at sched_init
+  Control.exit_reason    device writes once, before state = EXITED (release); host reads after
   Control counters,
   heartbeat, error_code  device writes; host reads (monitoring only, no ordering attached)
 The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
 MAX_EOS_IDS = 4
@@ -112,10 +116,14 @@ CONFIG = Struct("RlConfig", (
 CONTROL = Struct("RlControl", (
     # line 0: host writes
     _f("magic", "u32"), _f("version", "u32"), _f("shutdown", "u32"), _f("sq_tail", "u32"),
-    _f("cq_head", "u32"), _f("_host_pad", "u32", 11),
+    _f("cq_head", "u32"), _f("_host_pad0", "u32"),
+    # how long the scheduler waits for compute to hand back its turn once told to stop, and the
+    # most it runs at all (0: no limit); both in device ns, read once at start
+    _f("stop_grace_ns", "u64"), _f("run_budget_ns", "u64"), _f("_host_pad", "u32", 6),
     # line 1: device writes, ring indices and liveness
     _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("error_code", "u32"), _f("state", "u32"),
-    _f("heartbeat_ns", "u64"), _f("_dev_pad", "u64", 5),
+    _f("exit_reason", "u32"), _f("_dev_pad0", "u32"),
+    _f("heartbeat_ns", "u64"), _f("_dev_pad", "u64", 4),
     # line 2-3: device writes, counters
     _f("steps", "u64"), _f("step_tokens", "u64"), _f("generated", "u64"),
     _f("admitted", "u64"), _f("finished", "u64"), _f("idle_polls", "u64"),
@@ -153,6 +161,7 @@ SLOT = Struct("RlSlot", (
 SCHED = Struct("RlSchedState", (
     _f("step", "u64"), _f("n_pending", "u32"), _f("admit_seq", "u32"),
     _f("sq_head", "u32"), _f("cq_tail", "u32"),
+    _f("started_ns", "u64"), _f("stop_grace_ns", "u64"), _f("run_budget_ns", "u64"),
 ))
 
 # The step the scheduler built, read by the model step.
@@ -200,6 +209,9 @@ ENUMS = {
     "RL_SLOT_FREE": 0, "RL_SLOT_PREFILL": 1, "RL_SLOT_DECODE": 2,
     "RL_POLICY_FIFO": 0, "RL_POLICY_PRIORITY": 1, "RL_POLICY_STATIC": 2,
     "RL_STATE_INIT": 0, "RL_STATE_RUNNING": 1, "RL_STATE_EXITED": 2, "RL_STATE_FAILED": 3,
+    # why the scheduler loop ended: asked to (shutdown), compute kept its turn past the grace
+    # after shutdown (deadline), or the run budget ran out (budget)
+    "RL_EXIT_NONE": 0, "RL_EXIT_SHUTDOWN": 1, "RL_EXIT_DEADLINE": 2, "RL_EXIT_BUDGET": 3,
     "RL_ERR_NONE": 0, "RL_ERR_BAD_MAGIC": 1, "RL_ERR_BAD_VERSION": 2,
     "RL_ERR_BAD_CONFIG": 3, "RL_ERR_BAD_FINGERPRINT": 4,
     "RL_TURN_SCHED": 0, "RL_TURN_COMPUTE": 1, "RL_TURN_EXIT": 2,
@@ -208,6 +220,17 @@ ENUMS = {
     "RL_STEP_IDLE": 0, "RL_STEP_RUN": 1, "RL_STEP_SHUTDOWN": 2, "RL_STEP_ERROR": 3,
 }
 globals().update(ENUMS)
+
+def _names(prefix: str, **names: str) -> dict[int, str]:
+    """{value: name} for ENUMS entries prefix + KEY (written against ENUMS so tools see it)."""
+    return {ENUMS[prefix + key]: name for key, name in names.items()}
+
+
+EXIT_REASON_NAMES = _names("RL_EXIT_", NONE="running", SHUTDOWN="shutdown", DEADLINE="deadline",
+                           BUDGET="budget")
+STATE_NAMES = _names("RL_STATE_", INIT="init", RUNNING="running", EXITED="exited", FAILED="failed")
+ERROR_NAMES = _names("RL_ERR_", NONE="none", BAD_MAGIC="bad magic", BAD_VERSION="bad layout version",
+                     BAD_CONFIG="bad config", BAD_FINGERPRINT="layout fingerprint mismatch")
 
 FINISH_REASON_NAMES = {RL_FINISH_STOP: "stop", RL_FINISH_LENGTH: "length",
                        RL_FINISH_ABORT: "abort"}

@@ -255,9 +255,12 @@ class HostRings:
     def request_shutdown(self) -> None:
         self._shutdown.store_release(1)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict:
         c = self.control[0]
         names = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls",
                  "cq_stalls", "pending", "active_slots", "last_step_tokens", "heartbeat_ns",
-                 "error_code", "state")
-        return {n: int(c[n]) for n in names}
+                 "error_code", "state", "exit_reason")
+        out = {n: int(c[n]) for n in names}
+        out["state_name"] = layout.STATE_NAMES.get(out["state"], str(out["state"]))
+        out["exit_reason_name"] = layout.EXIT_REASON_NAMES.get(out["exit_reason"], str(out["exit_reason"]))
+        return out

@@ -11,17 +11,39 @@ __device__ __forceinline__ void rl_store_turn(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
+#define RL_SH_TURN_EXIT 3
+#define RL_STOP_POLL_ROUNDS 256u  // polls of `turn` between two looks at shutdown (PCIe reads)
+
+// Leader only: waits for the step graph to hand the turn back.  Returns RL_EXIT_NONE once it
+// has, or RL_EXIT_DEADLINE when a stop was asked and compute kept the turn past the grace.
+__device__ uint32_t rl_wait_for_turn(const RlContext& ctx) {
+  uint32_t round = 0;
+  uint64_t stop_seen = 0;
+  while (rl_load_turn(ctx.turn) != RL_TURN_SCHED) {
+    if ((round % RL_STOP_POLL_ROUNDS) == RL_STOP_POLL_ROUNDS - 1) {
+      uint64_t now = rl_now_ns();
+      if (rl_stop_reason_leader(ctx, now) != RL_EXIT_NONE) {
+        if (stop_seen == 0) stop_seen = now;
+        else if (now - stop_seen > ctx.sched->stop_grace_ns) return RL_EXIT_DEADLINE;
+      }
+    }
+    rl_backoff(round++);
+  }
+  return RL_EXIT_NONE;
+}
+
 extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS)
 rl_scheduler_persistent(RlContext ctx) {
   __shared__ RlShared sh;
   if (sched_init(ctx) != RL_ERR_NONE) return;
   for (;;) {
-    if (threadIdx.x == 0) {
-      uint32_t round = 0;
-      while (rl_load_turn(ctx.turn) != RL_TURN_SCHED) rl_backoff(round++);
-    }
+    if (threadIdx.x == 0) sh.u[RL_SH_TURN_EXIT] = rl_wait_for_turn(ctx);
     __syncthreads();
-    uint32_t r = sched_step(ctx, &sh);
+    if (sh.u[RL_SH_TURN_EXIT] != RL_EXIT_NONE) {  // every thread saw the same value
+      rl_mark_exited(ctx, sh.u[RL_SH_TURN_EXIT]);
+      break;
+    }
+    uint32_t r = sched_step(ctx, &sh);  // marks the exit itself when it returns SHUTDOWN
     if (r == RL_STEP_SHUTDOWN) break;
     if (r == RL_STEP_RUN) {
       __threadfence();
@@ -32,11 +54,8 @@ rl_scheduler_persistent(RlContext ctx) {
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    rl_store_turn(ctx.turn, RL_TURN_EXIT);
-    ctx.ctl->state = RL_STATE_EXITED;
-    rl_fence_system();
-  }
+  // The step graph's wait kernel ends on EXIT (or on state EXITED, whichever it sees first).
+  if (threadIdx.x == 0) rl_store_turn(ctx.turn, RL_TURN_EXIT);
 }
 
 // ---- the compute side's two small kernels, nodes of the step graph -----------------------------
@@ -48,7 +67,9 @@ extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
     cudaGraphConditionalHandle handle, unsigned int value);
 
 // Waits until the scheduler hands over a step; picks the bucket's branch of the SWITCH node.
-// On exit (scheduler gone or host shutdown) it selects no branch and ends the WHILE loop.
+// The scheduler alone decides the end: it answers shutdown by writing EXIT, and then this
+// selects no branch and ends the WHILE loop.  It also ends when no scheduler runs to answer
+// (state EXITED, or shutdown before it ever started), so a graph launch never outlives it.
 extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandle switch_handle,
                                         cudaGraphConditionalHandle while_handle,
                                         unsigned int use_while) {
@@ -56,7 +77,13 @@ extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandl
   for (;;) {
     turn = rl_load_turn(ctx.turn);
     if (turn != RL_TURN_SCHED) break;
-    if ((round & 1023u) == 1023u && rl_load_acquire(&ctx.ctl->shutdown)) { turn = RL_TURN_EXIT; break; }
+    if ((round & 1023u) == 1023u) {
+      uint32_t state = rl_load_acquire(&ctx.ctl->state);
+      if (state == RL_STATE_EXITED || (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown))) {
+        turn = RL_TURN_EXIT;
+        break;
+      }
+    }
     rl_backoff(round++);
   }
   const RlConfig& cfg = *ctx.cfg;
@@ -73,9 +100,10 @@ extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandl
   cudaGraphSetConditional(switch_handle, branch);
 }
 
-// Hands the turn back to the scheduler once the step graph has written next_token.
-extern "C" __global__ void rl_step_signal(RlContext ctx, cudaGraphConditionalHandle while_handle,
-                                          unsigned int use_while) {
+// Hands the turn back to the scheduler once the step graph has written next_token.  It never
+// ends the WHILE loop itself: only the wait kernel does, on the scheduler's EXIT, so a stop that
+// lands mid-step cannot leave the scheduler holding a built step that nobody will run.
+extern "C" __global__ void rl_step_signal(RlContext ctx) {
   uint32_t turn = rl_load_turn(ctx.turn);
   if (turn != RL_TURN_COMPUTE) return;  // exit path: rl_step_wait already ended the loop
   const RlConfig& cfg = *ctx.cfg;
@@ -83,5 +111,4 @@ extern "C" __global__ void rl_step_signal(RlContext ctx, cudaGraphConditionalHan
       rl_now_ns();
   __threadfence();
   rl_store_turn(ctx.turn, RL_TURN_SCHED);
-  if (use_while) cudaGraphSetConditional(while_handle, rl_load_acquire(&ctx.ctl->shutdown) ? 0u : 1u);
 }

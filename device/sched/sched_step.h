@@ -15,9 +15,32 @@
 
 #define RL_SH_SQ_TAIL 0
 #define RL_SH_CQ_OK 1
+#define RL_SH_STOP 2
 
-RL_FN bool rl_shutdown_requested(const RlContext& c) {
-  return rl_load_acquire(&c.ctl->shutdown) != 0;
+// Why the scheduler should stop now (RL_EXIT_*), or RL_EXIT_NONE.  Leader thread only: the host
+// may write shutdown between two threads' reads, so one thread reads and the block is told.
+RL_FN uint32_t rl_stop_reason_leader(const RlContext& c, uint64_t now) {
+  if (rl_load_acquire(&c.ctl->shutdown) != 0) return RL_EXIT_SHUTDOWN;
+  const RlSchedState& st = *c.sched;
+  if (st.run_budget_ns != 0 && now - st.started_ns > st.run_budget_ns) return RL_EXIT_BUDGET;
+  return RL_EXIT_NONE;
+}
+
+// The stop decision for this step, read once by the leader and broadcast to every thread.
+RL_FN uint32_t rl_poll_stop(const RlContext& c, RlShared* sh, uint64_t now) {
+  if (RL_LEADER) sh->u[RL_SH_STOP] = rl_stop_reason_leader(c, now);
+  RL_SYNC();
+  uint32_t why = sh->u[RL_SH_STOP];
+  RL_SYNC();  // nobody reuses sh->u before every thread has read it
+  return why;
+}
+
+// Records why the loop ended; `state = EXITED` is published after it (release).
+RL_FN void rl_mark_exited(const RlContext& c, uint32_t why) {
+  if (!RL_LEADER) return;
+  c.ctl->exit_reason = why;
+  rl_fence_system();
+  rl_store_release(&c.ctl->state, RL_STATE_EXITED);
 }
 
 // Stop checks for a slot that just received `tok`; returns an RL_FINISH_* code.
@@ -90,7 +113,7 @@ RL_FN void rl_drain_sq(const RlContext& c, RlShared* sh) {
 }
 
 // Phase 2: events for last step's samples, finished slots and cancelled pending requests.
-// Returns false if shutdown arrived while waiting for CQ space.
+// Returns false if a stop arrived while waiting for CQ space (its reason in sh->u[RL_SH_STOP]).
 RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
@@ -131,7 +154,8 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     bool ok = true;
     while (tail + total - rl_load_acquire(&c.ctl->cq_head) > cfg.cq_size) {
       if (round == 0) c.ctl->cq_stalls += 1;
-      if (rl_shutdown_requested(c)) { ok = false; break; }
+      uint32_t why = rl_stop_reason_leader(c, rl_now_ns());
+      if (why != RL_EXIT_NONE) { sh->u[RL_SH_STOP] = why; ok = false; break; }
       rl_backoff(round++);
     }
     sh->u[RL_SH_CQ_OK] = ok;
@@ -403,13 +427,21 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
 }
 
 // One scheduler iteration.  Returns RL_STEP_RUN when the layout holds rows for the model step,
-// RL_STEP_IDLE when there is nothing to run, RL_STEP_SHUTDOWN when the host asked to stop.
+// RL_STEP_IDLE when there is nothing to run, RL_STEP_SHUTDOWN when the loop must end (the host
+// asked, or the run budget is spent; ctl->exit_reason says which and state becomes EXITED).
 RL_FN uint32_t sched_step(const RlContext& c, RlShared* sh) {
   uint64_t began = rl_now_ns();
   if (RL_LEADER) c.ctl->heartbeat_ns = began;
-  if (rl_shutdown_requested(c)) return RL_STEP_SHUTDOWN;
+  uint32_t stop = rl_poll_stop(c, sh, began);
+  if (stop != RL_EXIT_NONE) {
+    rl_mark_exited(c, stop);
+    return RL_STEP_SHUTDOWN;
+  }
   rl_drain_sq(c, sh);
-  if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
+  if (!rl_emit_events(c, sh)) {
+    rl_mark_exited(c, sh->u[RL_SH_STOP]);
+    return RL_STEP_SHUTDOWN;
+  }
   rl_admit(c, sh);
   uint32_t n_rows = rl_build_step(c, sh);
   if (RL_LEADER) {
@@ -466,6 +498,10 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     c.sched->admit_seq = 0;
     c.sched->sq_head = c.ctl->sq_head;
     c.sched->cq_tail = c.ctl->cq_tail;
+    c.sched->started_ns = rl_now_ns();
+    c.sched->stop_grace_ns = c.ctl->stop_grace_ns;
+    c.sched->run_budget_ns = c.ctl->run_budget_ns;
+    c.ctl->exit_reason = RL_EXIT_NONE;
   }
   RL_SYNC();
   return err;
