@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})")
     g.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--launch", choices=["resident", "pump"], help="CUDA launch mode of the device scheduler")
+    g.add_argument("--launch", choices=["auto", "resident", "pump"],
+                   help="CUDA launch mode of the device scheduler (the server's default: auto); the "
+                   "mode that ran is in each run's backend.launch")
     g.add_argument("--slots", type=int, help="server batch slots (server default 32)")
     g.add_argument("--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})")
     g.add_argument("--token-budget", type=int, help="server max token rows per step (server default 256)")
@@ -257,8 +259,9 @@ def _run_target(args, name, variant, device, model, specs, warm, loads, options,
             server = S.ServerProcess(opts.args() + list(variant.server_args))
             t0 = time.perf_counter()
             address = server.start()
-            say(f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s: "
-                f"{' '.join(server.serve_args)}")
+            launch = (server.stats().get("backend") or {}).get("launch")
+            say(f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s"
+                + (f", launch {launch}" if launch else "") + f": {' '.join(server.serve_args)}")
         for load in loads:
             for busy in busy_levels:
                 with CpuInterference(busy) as spinners:

@@ -1,4 +1,4 @@
-"""`ringleader` command line: serve, generate, stats, bench, build-kernel."""
+"""`ringleader` command line: serve, generate, stats, bench, build-kernel, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -24,12 +24,18 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--scheduler", default=None, choices=["device", "host"],
                    help="CUDA: where sched_step runs (default device); the CPU backend is host-only")
-    p.add_argument("--launch", default="resident", choices=["resident", "pump"],
-                   help="CUDA launch mode of the device scheduler")
+    p.add_argument("--launch", default="auto", choices=["auto", "resident", "pump"],
+                   help="CUDA launch mode of the device scheduler: resident (one WHILE graph; "
+                   "fails start-up if it cannot run), pump, or auto (resident, else pump; the "
+                   "mode that runs is in the log and in stats)")
     p.add_argument("--policy", default="fifo", choices=["fifo", "priority", "static"],
                    help="admission: fifo, priority with aging, or static batching (a baseline)")
     p.add_argument("--slots", type=int, default=32, help="batch slots (max concurrent sequences)")
-    p.add_argument("--max-ctx", type=int, default=2048, help="tokens of KV cache per slot")
+    p.add_argument("--max-ctx", type=int, default=None, help="tokens of KV cache per slot "
+                   "(default: 2048 on cpu; on cuda the longest that fits --gpu-memory-fraction, "
+                   "up to the model's limit)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="CUDA: share of device memory for weights, KV cache and workspace")
     p.add_argument("--token-budget", type=int, default=256, help="max token rows per step")
     p.add_argument("--aging-steps", type=int, default=64,
                    help="priority policy: a waiting request gains one level per this many steps")
@@ -47,7 +53,7 @@ def open_configured_backend(args):
     from device.backends import open_backend  # the one place hostctl reaches into device/
     options = dict(n_slots=args.slots, max_ctx=args.max_ctx, token_budget=args.token_budget,
                    policy=args.policy, aging_steps=args.aging_steps, seed=args.seed,
-                   threads=args.threads)
+                   threads=args.threads, gpu_memory_fraction=args.gpu_memory_fraction)
     if args.trace:
         options["trace_path"] = args.trace
     return open_backend(args.model, device=args.device, scheduler=args.scheduler,
@@ -55,15 +61,25 @@ def open_configured_backend(args):
 
 
 def cmd_serve(args) -> int:
+    from device.backends.cuda_preflight import UnsafeEnvironment
     from hostctl.server import Server
-    backend = open_configured_backend(args)
+    from ipc.backend import EngineDead
+    try:
+        backend = open_configured_backend(args)
+    except (UnsafeEnvironment, MemoryError) as exc:  # the message says what to change
+        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
+        return 2
     server = Server(backend, args.bind, max_queued=args.max_queue, watchdog_s=args.watchdog_s,
                     drain_timeout_s=args.drain_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
     print(f"ringleader: serving {backend.model.name} on {server.address} "
           f"({json.dumps(backend.description)})", file=sys.stderr, flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except EngineDead as exc:
+        print(f"ringleader: the engine did not stop cleanly: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -120,6 +136,16 @@ def cmd_build_kernel(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from device.doctor import Doctor, format_report
+    report = Doctor(args.arch).run()
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0 if report["cuda_ready"] else 1
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     from bench.cli import main as bench_main
     return bench_main(rest)
@@ -161,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the CUBIN here")
     p.add_argument("--verbose", action="store_true", help="print the full ptxas log")
 
+    p = sub.add_parser("doctor", help="versions, GPU, scheduler kernel build; exits 1 when a "
+                       "CUDA run would fail here, naming why")
+    p.add_argument("--arch", default=None, help="compile for this arch (default: the GPU's, else sm_90)")
+    p.add_argument("--json", help="also write the report here")
+
     sub.add_parser("bench", help="benchmark (see `ringleader bench --help`)", add_help=False)
     return parser
 
@@ -174,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats,
-                "build-kernel": cmd_build_kernel}
+                "build-kernel": cmd_build_kernel, "doctor": cmd_doctor}
     return handlers[args.command](args)
 
 

@@ -295,10 +295,12 @@ class Server:
         self._send_all(self.outbox.take_all())
         self._retry_backlog()
         self.completions.stop()
-        self.backend.stop()
-        self._router.close(linger=1000)
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        try:
+            self.backend.stop()  # raises EngineDead if the device did not stop: never silent
+        finally:
+            self._router.close(linger=1000)
+            self._wake_rx.close(0)
+            self._wake_tx.close(0)
         log.info("server stopped")
 
 
@@ -307,7 +309,15 @@ class BackgroundServer:
 
     def __init__(self, server: Server):
         self.server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="rl-frontend", daemon=True)
+        self.error: BaseException | None = None  # what ended serve_forever, if not a clean stop
+        self._thread = threading.Thread(target=self._serve, name="rl-frontend", daemon=True)
+
+    def _serve(self) -> None:
+        try:
+            self.server.serve_forever()
+        except BaseException as exc:  # kept for stop() to raise on the caller's thread
+            self.error = exc
+            log.error("server ended with an error: %r", exc)
 
     @property
     def address(self) -> str:
@@ -321,5 +331,11 @@ class BackgroundServer:
         self.stop()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stops the server; re-raises what ended it badly (EngineDead from a device that did not
+        stop), and raises TimeoutError if it is still running after `timeout` seconds."""
         self.server.request_stop()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the server did not stop within {timeout} s")
+        if self.error is not None:
+            raise self.error

@@ -5,8 +5,9 @@ from ipc.backend import Backend
 
 
 def open_backend(model: str = "tiny", *, device: str = "auto", scheduler: str | None = None,
-                 launch: str = "resident", **options) -> Backend:
-    """device: auto | cpu | cuda.  scheduler (CUDA only): device | host."""
+                 launch: str = "auto", **options) -> Backend:
+    """device: auto | cpu | cuda.  scheduler (CUDA only): device | host.  launch (device
+    scheduler only): resident | pump | auto (resident, else pump; the only mode that falls back)."""
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     if device == "cpu":
@@ -15,10 +16,12 @@ def open_backend(model: str = "tiny", *, device: str = "auto", scheduler: str | 
         from device.backends.cpu import CpuBackend
         if options.pop("trace_path", None):
             raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
+        options.pop("gpu_memory_fraction", None)
         return CpuBackend(model, **options)
     if device == "cuda":
-        from device.backends.cuda import CudaBackend  # unverified on a GPU so far
-        return CudaBackend(model, scheduler=scheduler or "device", launch=launch, **options)
+        from device.backends.cuda import CudaBackend
+        return CudaBackend(model, scheduler=scheduler or "device", launch=launch,
+                           **{k: v for k, v in options.items() if v is not None})
     raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
 
 

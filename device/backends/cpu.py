@@ -21,7 +21,7 @@ from device.model import LlamaModel, StepBatch, sample
 from device.sched.build import CpuScheduler
 from device.tokenizer import IncrementalDetokenizer, tokenizer_for
 from ipc import layout
-from ipc.backend import Backend, ModelInfo
+from ipc.backend import Backend, EngineDead, ModelInfo
 from ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cpu")
@@ -29,6 +29,8 @@ log = logging.getLogger("ringleader.cpu")
 POLICIES = {"fifo": layout.RL_POLICY_FIFO, "priority": layout.RL_POLICY_PRIORITY,
             "static": layout.RL_POLICY_STATIC}
 IDLE_WAIT_S = 0.05  # also bounds how stale the heartbeat gets while idle
+DEFAULT_MAX_CTX = 2048
+STOP_TIMEOUT_S = 30.0  # one model step of a big model on a slow CPU can take seconds
 
 
 def percentile(values, q: float) -> float | None:
@@ -71,14 +73,14 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
 
 
 class CpuBackend(Doorbells, Backend):
-    def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int = 2048,
+    def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int | None = None,
                  token_budget: int = 256, policy: str = "fifo", aging_steps: int = 64,
                  seed: int = 0, threads: int | None = None, sq_size: int = 1024,
                  pending_cap: int = 1024):
         if threads:
             torch.set_num_threads(threads)
         self._model = LlamaModel.from_spec(spec, torch.float32, "cpu", seed)
-        max_ctx = min(max_ctx, self._model.config.max_position_embeddings)
+        max_ctx = min(max_ctx or DEFAULT_MAX_CTX, self._model.config.max_position_embeddings)
         self._kv = self._model.new_kv_cache(n_slots, max_ctx)
         self._model.prepare(max_ctx)
         self._memory = HostMemory(ring_config_for(
@@ -120,7 +122,10 @@ class CpuBackend(Doorbells, Backend):
         self.rings.request_shutdown()
         self._doorbell.set()
         if self._thread.ident is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                self._failure = f"stop: the engine thread still runs {STOP_TIMEOUT_S:.0f} s after shutdown"
+                raise EngineDead(self._failure)
 
     # ---- the engine loop ---------------------------------------------------------------------
     def _run(self) -> None:

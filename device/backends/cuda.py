@@ -2,8 +2,13 @@
 or the CPU build on a host thread with the layout copied every step (`--scheduler host`, the
 baseline); the model step as CUDA graphs captured per token-count bucket before anything starts.
 
-UNVERIFIED: written and compiled (NVRTC) on a machine without a GPU; no line of the launch,
-graph or memory code below has run on a GPU yet.  See the GPU backend issue for what remains.
+UNVERIFIED until the bring-up (bench/gpu_bringup.py) has run on a GPU: written and compiled
+(NVRTC) on machines without one.
+
+Construction does everything that can fail or synchronise: refuses settings that break a
+persistent kernel, sizes the KV cache from free memory, captures, checks, instantiates and
+uploads every graph (the launch graph too) and loads the scheduler module.  start() only
+launches; after it nothing allocates or frees device memory until stop().
 
 Memory: the host-shared rings (ctl, sq, arena, cq) live in pinned host memory that the kernel
 reaches at system scope; everything else (config copy, slots, pending queue, the step layout,
@@ -13,8 +18,7 @@ COMPUTE -> SCHED by the step graph's signal kernel; EXIT ends both.
 """
 from __future__ import annotations
 
-import ctypes
-import json
+import gc
 import logging
 import threading
 import time
@@ -23,20 +27,32 @@ import numpy as np
 import torch
 
 from device.backends import cuda_driver as drv
-from device.backends.cpu import POLICIES, StepTimer, model_info, ring_config_for
+from device.backends.cpu import StepTimer, model_info, ring_config_for
+from device.backends.cuda_preflight import (plan_kv_cache, refuse_unsafe_environment,
+                                            step_workspace_bytes)
+from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
+from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
 from device.backends.doorbells import Doorbells
-from device.backends.host_memory import HostMemory, context_table
+from device.backends.host_memory import HostMemory
+from device.backends.launch_graph import LaunchGraph
+from device.backends.step_graphs import StepGraphs
 from device.model import LlamaModel
+from device.model.kv_cache import KVCache
 from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
 from ipc import layout
-from ipc.backend import Backend
-from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
+from ipc.backend import Backend, EngineDead
+from ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cuda")
 
 SCHED_THREADS = 256
-PINNED = ("ctl", "sq", "arena", "cq")
-PUMP_STEPS_PER_LAUNCH = 8
+LAUNCHES = ("auto", "resident", "pump")
+START_TIMEOUT_S = 10.0   # the scheduler kernel reports RUNNING (or FAILED) within this
+STOP_MARGIN_S = 3.0      # beyond the kernel's own grace, before stop() calls it stuck
+
+
+class LaunchUnavailable(RuntimeError):
+    """The asked launch mode cannot run here; the message carries the CUDA error."""
 
 
 def default_buckets(token_budget: int) -> tuple[int, ...]:
@@ -52,149 +68,165 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
-class DeviceMemory:
-    """Pinned host arrays for the rings, one device buffer for the rest, and the RlContext."""
-
-    def __init__(self, cfg: RingConfig):
-        names = [n for n, _, _ in layout.ARRAYS]
-        pinned_plan = plan_memory(cfg, set(PINNED))
-        self.pinned = drv.PinnedBuffer(pinned_plan.total)
-        self.host = map_arrays(self.pinned.array, pinned_plan, cfg)
-        dev_plan = plan_memory(cfg, set(names) - set(PINNED))
-        self.buffer = torch.zeros(dev_plan.total + ALIGN, dtype=torch.uint8, device="cuda")
-        base = (-self.buffer.data_ptr()) % ALIGN
-        self.device_offsets = {n: base + off for n, off in dev_plan.offsets.items()}
-        self.device_nbytes = dev_plan.nbytes
-        cfg_host = np.zeros(1, dtype=layout.CONFIG.numpy_dtype())
-        write_config(cfg_host, cfg)
-        self.tensor("cfg", torch.uint8).copy_(torch.from_numpy(cfg_host.view(np.uint8)))
-        ctl = self.host["ctl"][0]
-        ctl["magic"], ctl["version"] = layout.MAGIC, layout.LAYOUT_VERSION
-        addresses = {n: self.pinned.device_ptr + pinned_plan.offsets[n] for n in PINNED}
-        addresses.update({n: self.buffer.data_ptr() + off for n, off in self.device_offsets.items()})
-        self.context = context_table(addresses)
-        self.rings = HostRings(self.host, cfg)
-        self.config = cfg
-        torch.cuda.synchronize()  # allowed: nothing persistent runs yet
-
-    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        off, n = self.device_offsets[name], self.device_nbytes[name]
-        return self.buffer[off:off + n].view(dtype)
-
-    def context_bytes(self) -> bytes:
-        return bytes(self.context)
-
-    def free(self) -> None:
-        self.pinned.free()
-        self.buffer = None
-
-
 class CudaBackend(Doorbells, Backend):
-    def __init__(self, spec: str = "llama-1b", *, scheduler: str = "device", launch: str = "resident",
-                 n_slots: int = 256, max_ctx: int = 4096, token_budget: int = 512,
+    def __init__(self, spec: str = "llama-1b", *, scheduler: str = "device", launch: str = "auto",
+                 n_slots: int = 32, max_ctx: int | None = None, token_budget: int = 256,
                  policy: str = "fifo", aging_steps: int = 64, seed: int = 0, threads=None,
                  sq_size: int = 1024, pending_cap: int = 1024, dtype=torch.bfloat16,
-                 trace_path: str | None = None, attention: str = "triton"):
+                 trace_path: str | None = None, attention: str = "triton",
+                 gpu_memory_fraction: float = 0.9, stop_grace_s: float = 2.0,
+                 run_budget_s: float | None = None):
         from device.model.static_step import StaticStep, StepLayout
-        if scheduler not in ("device", "host") or launch not in ("resident", "pump"):
-            raise ValueError("scheduler: device|host; launch: resident|pump")
+        if scheduler not in ("device", "host"):
+            raise ValueError(f"scheduler must be device or host, got {scheduler!r}")
+        if launch not in LAUNCHES:
+            raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
+        if scheduler == "device":
+            refuse_unsafe_environment()  # before CUDA is touched: some of these hang at once
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda needs a CUDA GPU that torch can see")
         torch.cuda.init()
+        if scheduler == "device":
+            refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())
         self._model = LlamaModel.from_spec(spec, dtype, "cuda", seed)
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
-        max_ctx = min(max_ctx, self._model.config.max_position_embeddings)
+        self._memory_plan = self._plan_memory(n_slots, max_ctx, token_budget, dtype, gpu_memory_fraction)
+        max_ctx = self._memory_plan.max_ctx
         self._model.prepare(max_ctx)
         self._kv = StaticStep.new_kv_cache(self._model, n_slots, max_ctx)  # + a scratch slot for pad rows
         ring_cfg = ring_config_for(self._model, n_slots=n_slots, max_ctx=max_ctx,
                                    token_budget=token_budget, policy=policy,
                                    aging_steps=aging_steps, sq_size=sq_size, pending_cap=pending_cap)
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
-        self._scheduler_mode, self._launch_mode = scheduler, launch
+        self._scheduler_mode = scheduler
         self._trace_path = trace_path
+        self._stop_grace_s, self._run_budget_s = stop_grace_s, run_budget_s
         self._mem = DeviceMemory(ring_cfg)
-        if scheduler == "host":  # the baseline: the CPU build schedules over host arrays
-            self._host_mem = HostMemory(ring_cfg)
+        self._compute = torch.cuda.Stream(priority=0)
+        self._compute_cu = drv.cu.CUstream(self._compute.cuda_stream)
+        if scheduler == "host":  # the baseline: the CPU build schedules over pinned host arrays
+            self._host_mem = HostMemory(ring_cfg, pinned=drv.PinnedBuffer)
+            self._layout_copy = PackedLayoutCopy(self._host_mem, self._mem)
             self.rings = self._host_mem.rings
             self._cpu_scheduler = CpuScheduler()
         else:
             self.rings = self._mem.rings
         self.model = model_info(spec, self._model, max_ctx)
-        self._layout = StepLayout(**self._layout_views(ring_cfg))
+        self._layout = StepLayout(**self._mem.layout_views())
         self._step = StaticStep(self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget,
                                 attention=attention)
-        self._compute = torch.cuda.Stream(priority=0)
-        self._graphs = self._capture_graphs(ring_cfg.buckets)
+        try:
+            self._graphs = StepGraphs(self._step, self._layout, ring_cfg.buckets, self._compute)
+        except torch.OutOfMemoryError as exc:
+            raise MemoryError(f"capturing the step graphs ran out of device memory after the KV "
+                              f"cache took {self._memory_plan.kv_bytes / 2**30:.2f} GiB; lower "
+                              f"--gpu-memory-fraction, --slots or --max-ctx ({exc})") from exc
+        self._graphs.instantiate_all()
+        torch.cuda.empty_cache()  # the warm-up's eager memory; safe: nothing persistent runs yet
         self.description = {"device": torch.cuda.get_device_name(), "scheduler": scheduler,
-                            "launch": launch if scheduler == "device" else "host-loop",
+                            "launch": "host-loop", "launch_requested": launch,
                             "dtype": str(dtype).replace("torch.", ""), "n_slots": n_slots,
                             "max_ctx": max_ctx, "token_budget": ring_cfg.token_budget,
-                            "policy": policy, "buckets": list(ring_cfg.buckets)}
+                            "policy": policy, "buckets": list(ring_cfg.buckets),
+                            "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
+                            "gpu_memory_fraction": gpu_memory_fraction}
+        if scheduler == "device":
+            self._prepare_device_scheduler(launch)
         self._failure: str | None = None
         self._timer = StepTimer()
         Doorbells.__init__(self)
         self._threads: list[threading.Thread] = []
+        self._stopping = False
 
     # ---- construction helpers --------------------------------------------------------------
-    def _layout_views(self, cfg: RingConfig) -> dict:
-        t = self._mem.tensor
-        step_header = t("step", torch.int32)  # RlStepHeader: n_tokens, bucket, n_segments, n_samples, ...
-        return dict(
-            token_ids=t("token_ids", torch.int32), positions=t("positions", torch.int32),
-            slot_of=t("slot_of", torch.int32), sample_row=t("sample_row", torch.int32),
-            sample_slot=t("sample_slot", torch.int32),
-            sample_temperature=t("sample_temperature", torch.float32),
-            sample_top_p=t("sample_top_p", torch.float32), sample_top_k=t("sample_top_k", torch.int32),
-            sample_seed=t("sample_seed", torch.int64), sample_counter=t("sample_counter", torch.int32),
-            n_samples=step_header[3:4], next_token=t("next_token", torch.int32))
+    def _plan_memory(self, n_slots, max_ctx, token_budget, dtype, fraction):
+        c = self._model.config
+        free, total = torch.cuda.mem_get_info()
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        workspace = step_workspace_bytes(
+            hidden=c.hidden_size, intermediate=c.intermediate_size,
+            q_kv_width=(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, vocab=c.vocab_size,
+            n_slots=n_slots, token_budget=max(token_budget, n_slots), dtype_bytes=dtype_bytes)
+        plan = plan_kv_cache(n_slots=n_slots, max_ctx=max_ctx, model_max_ctx=c.max_position_embeddings,
+                             bytes_per_token=KVCache.bytes_needed(c, 1, 1, dtype), free_bytes=free,
+                             total_bytes=total, fraction=fraction, workspace_bytes=workspace)
+        log.info("KV cache: %d slots x %d tokens = %.2f GiB (%.2f GiB left after weights and "
+                 "workspace at fraction %.2f)", n_slots, plan.max_ctx, plan.kv_bytes / 2**30,
+                 plan.budget_bytes / 2**30, fraction)
+        return plan
 
-    def _capture_graphs(self, buckets) -> dict[int, torch.cuda.CUDAGraph]:
-        """One graph per bucket, captured on our compute stream before any persistent kernel
-        (capture may synchronise; nothing persistent runs yet)."""
-        graphs, self._graph_outputs = {}, {}
-        with torch.cuda.stream(self._compute):
-            self._step.warmup(self._layout, buckets)  # compiles kernels, inits libraries
-            self._compute.synchronize()
-            for b in buckets:
-                g = torch.cuda.CUDAGraph(keep_graph=True)
-                g.capture_begin(capture_error_mode="thread_local")
-                self._graph_outputs[b] = self._step.run(b, self._layout)  # kept alive with g
-                g.capture_end()
-                graphs[b] = g
-        torch.cuda.synchronize()
-        return graphs
+    def _prepare_device_scheduler(self, launch: str) -> None:
+        """Module, kernels, streams and the launch graph: everything but the launches."""
+        self._graphs.check_embeddable()  # raises naming the bucket and node type; no mode can embed it
+        build = compile_kernel(device_arch(), threads=SCHED_THREADS)
+        module, loaded_as = drv.load_module(build)
+        self._fn = {name: drv.get_function(module, name) for name in KERNELS}
+        self._sched_stream = drv.create_stream(highest_priority=True)
+        self._graph_stream = drv.create_stream(highest_priority=False)
+        self._sched_args = drv.KernelArgs(self._mem.context_bytes())
+        self._launch_graph = self._build_launch_graph(launch)
+        self._pump_events = [drv.BlockingEvent(), drv.BlockingEvent()]
+        self._timeline = TimelineReader(self._mem)
+        self.description.update(launch=self._launch_graph.mode, module=loaded_as,
+                                step_graph_nodes=self._graphs.describe())
+
+    def _build_launch_graph(self, launch: str) -> LaunchGraph:
+        def build(mode):
+            return LaunchGraph(mode, self._graphs, self._fn, self._mem.context_bytes(), self._ctx,
+                               self._graph_stream)
+        if launch == "pump":
+            return build("pump")
+        try:
+            return build("resident")
+        except drv.CudaError as exc:
+            if launch == "resident":
+                raise LaunchUnavailable(f"--launch resident: the WHILE/SWITCH graph could not be "
+                                        f"built or instantiated: {exc}; --launch pump or auto runs "
+                                        f"without it") from exc
+            log.warning("--launch auto: resident launch unavailable, running pump instead",
+                        exc_info=True)
+            self.description["launch_fallback"] = str(exc)
+            return build("pump")
 
     # ---- Backend ---------------------------------------------------------------------------
     def start(self) -> None:
+        ctl = self.rings.control[0]
         if self._scheduler_mode == "host":
             err = self._cpu_scheduler.init(self._host_mem.context_address)
             if err != layout.RL_ERR_NONE:
-                raise RuntimeError(f"scheduler rejected its configuration (error {err})")
+                raise RuntimeError(f"scheduler rejected its configuration: {layout.ERROR_NAMES[err]}")
             self._spawn(self._host_loop, "rl-host-sched")
             return
-        build = compile_kernel(device_arch(), threads=SCHED_THREADS)
-        self._module = drv.load_cubin(build.cubin, build.arch)
-        fn = {name: drv.get_function(self._module, name) for name in KERNELS}
-        self._fn = fn
-        self._sched_stream = drv.create_stream(highest_priority=True)
-        self._graph_stream = drv.create_stream(highest_priority=False)
-        ctx_arg = self._mem.context_bytes()
-        self._sched_args = drv.KernelArgs(ctx_arg)
-        mode = self._launch_mode
-        if mode == "resident":
-            try:
-                self._exec = self._build_resident_graph(ctx_arg)
-            except drv.CudaError as exc:
-                log.warning("resident launch unavailable (%s); falling back to pump", exc)
-                mode = self._launch_mode = "pump"
-                self.description["launch"] = "pump (resident failed: %s)" % exc
-        if mode == "pump":
-            self._exec = self._build_pump_graph(ctx_arg)
-        drv.launch(fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=SCHED_THREADS)
-        if mode == "resident":
-            drv.check(drv.cu.cuGraphLaunch(self._exec, self._graph_stream), "cuGraphLaunch")
-        else:
+        ctl["stop_grace_ns"] = int(self._stop_grace_s * 1e9)
+        ctl["run_budget_ns"] = int((self._run_budget_s or 0) * 1e9)
+        # The graph first: its wait kernel spins until the scheduler hands over a step, and a
+        # launch made beside a running persistent kernel is the one that risks waiting on it.
+        self._launch_graph.launch(self._graph_stream)
+        self._pump_events[0].record(self._graph_stream)
+        drv.launch(self._fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=SCHED_THREADS)
+        self._wait_until_running(ctl)
+        log.info("device scheduler running: launch %s, module from %s", self._launch_graph.mode,
+                 self.description["module"])
+        if self._launch_graph.mode == "pump":
             self._spawn(self._pump_loop, "rl-pump")
         self._spawn(self._event_poller, "rl-cq-poll")
+
+    def _wait_until_running(self, ctl) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while int(ctl["state"]) == layout.RL_STATE_INIT and time.monotonic() < deadline:
+            time.sleep(0.001)
+        state = int(ctl["state"])
+        if state == layout.RL_STATE_FAILED:
+            raise RuntimeError(f"the scheduler kernel rejected its configuration: "
+                               f"{layout.ERROR_NAMES.get(int(ctl['error_code']), ctl['error_code'])}")
+        if state != layout.RL_STATE_RUNNING:
+            why = f"the scheduler kernel did not start within {START_TIMEOUT_S} s"
+            try:
+                self.stop()
+            except EngineDead as exc:
+                raise RuntimeError(f"{why}, and did not stop either: {exc}") from exc
+            raise RuntimeError(why)
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=self._guard(target), name=name, daemon=True)
@@ -203,8 +235,7 @@ class CudaBackend(Doorbells, Backend):
 
     def _guard(self, target):
         def run():
-            if self._ctx is not None:
-                drv.bind_context(self._ctx)
+            drv.bind_context(self._ctx)
             try:
                 target()
             except Exception as exc:  # becomes engine_dead for every request
@@ -214,52 +245,19 @@ class CudaBackend(Doorbells, Backend):
                 self._events.set()
         return run
 
-    def _step_body(self, graph, deps, ctx_arg, while_handle, use_while: int):
-        """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps`; returns last node."""
-        n = len(self._graphs)
-        switch = drv.conditional_handle(graph, self._ctx, n)
-        wait_args = drv.KernelArgs(ctx_arg, drv.handle_arg(switch), drv.handle_arg(while_handle or 0),
-                                   ctypes.c_uint32(use_while))
-        sig_args = drv.KernelArgs(ctx_arg, drv.handle_arg(while_handle or 0), ctypes.c_uint32(use_while))
-        self._keep_args += [wait_args, sig_args]
-        wait = drv.add_kernel_node(graph, deps, self._fn["rl_step_wait"], wait_args)
-        node, bodies = drv.add_conditional_node(
-            graph, [wait], switch, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH,
-            n, self._ctx)
-        for body, bucket in zip(bodies, sorted(self._graphs)):
-            raw = self._graphs[bucket].raw_cuda_graph()
-            drv.check(drv.cu.cuGraphAddChildGraphNode(body, None, 0, drv.cu.CUgraph(int(raw))),
-                      "cuGraphAddChildGraphNode")
-        return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], sig_args)
-
-    def _build_resident_graph(self, ctx_arg):
-        self._keep_args = []
-        graph = drv.check(drv.cu.cuGraphCreate(0), "cuGraphCreate")
-        loop = drv.conditional_handle(graph, self._ctx, 1)
-        _, (body,) = drv.add_conditional_node(
-            graph, [], loop, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1, self._ctx)
-        self._step_body(body, [], ctx_arg, loop, 1)
-        return drv.check(drv.cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate(resident)")
-
-    def _build_pump_graph(self, ctx_arg):
-        self._keep_args = []
-        graph = drv.check(drv.cu.cuGraphCreate(0), "cuGraphCreate")
-        last = []
-        for _ in range(PUMP_STEPS_PER_LAUNCH):
-            last = [self._step_body(graph, last, ctx_arg, None, 0)]
-        return drv.check(drv.cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate(pump)")
-
     def _pump_loop(self) -> None:
-        """At most two launches queued; never reads slot state, only whether the kernel exited."""
-        queued = []
+        """At most two launches queued; never reads slot state, only whether the kernel exited
+        (it keeps launching through a stop, so a step the scheduler has handed over still runs).
+        Launch k records event k % 2, and waits for launch k - 2 (the same event) first."""
         ctl = self.rings.control
+        k = 1  # start() made launch 0
         while int(ctl[0]["state"]) != layout.RL_STATE_EXITED:
-            while len(queued) >= 2:
-                drv.check(drv.cu.cuEventSynchronize(queued.pop(0)), "cuEventSynchronize")
-            drv.check(drv.cu.cuGraphLaunch(self._exec, self._graph_stream), "cuGraphLaunch")
-            ev = drv.check(drv.cu.cuEventCreate(drv.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            drv.check(drv.cu.cuEventRecord(ev, self._graph_stream), "cuEventRecord")
-            queued.append(ev)
+            ev = self._pump_events[k % 2]
+            if k >= 2:
+                ev.synchronize()  # sleeps in the driver: blocking-sync event
+            self._launch_graph.launch(self._graph_stream)
+            ev.record(self._graph_stream)
+            k += 1
 
     def _event_poller(self) -> None:
         """Device mode: wakes the completion thread when the kernel has published CQ events."""
@@ -273,12 +271,12 @@ class CudaBackend(Doorbells, Backend):
             time.sleep(20e-6)
 
     def _host_loop(self) -> None:
-        """The classic host-driven design: schedule on the CPU, copy the layout in, replay the
-        step graph, copy the tokens out, synchronise, every step."""
+        """The classic host-driven design: schedule on the CPU, copy the packed layout in (one
+        async copy from pinned memory), replay the step graph, copy next_token back into pinned
+        memory and wait on a blocking-sync event (no spinning core), every step."""
         a = self._host_mem.arrays
         ctx = self._host_mem.context_address
-        lay = self._layout
-        next_host = torch.from_numpy(a["next_token"])
+        io, stream = self._layout_copy, self._compute_cu
         with torch.cuda.stream(self._compute):
             while True:
                 self._doorbell.clear()
@@ -294,22 +292,26 @@ class CudaBackend(Doorbells, Backend):
                     self._doorbell.wait(0.05)
                     continue
                 t1 = time.perf_counter()
-                lay.copy_from_arrays(a)  # H2D: the layout the CPU just built
-                self._graphs[int(a["step"][0]["bucket"])].replay()
-                next_host.copy_(lay.next_token)  # D2H; synchronises this stream only
+                io.upload(stream)
+                self._graphs.replay(int(a["step"][0]["bucket"]))
+                io.download(stream)
+                io.wait()
                 self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
 
     def failure(self) -> str | None:
+        if self._failure is None and self._scheduler_mode == "device" and not self._stopping:
+            ctl = self.rings.control[0]
+            if int(ctl["state"]) == layout.RL_STATE_EXITED:
+                why = layout.EXIT_REASON_NAMES.get(int(ctl["exit_reason"]), ctl["exit_reason"])
+                return f"the scheduler kernel exited on its own (exit reason: {why})"
         return self._failure
 
     def device_timeline(self) -> np.ndarray:
-        """[trace_len, 4] ns stamps, read on a side stream (no device-wide synchronisation)."""
+        """[trace_len, 4] ns stamps, copied on a stream of our own into pinned memory allocated
+        at start-up (no allocation, no device-wide synchronisation)."""
         if self._scheduler_mode == "host":
             return np.zeros((0, layout.RL_TRACE_FIELDS), dtype=np.uint64)
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            host = self._mem.tensor("trace", torch.int64).to("cpu", non_blocking=False)
-        return host.numpy().view(np.uint64).reshape(-1, layout.RL_TRACE_FIELDS)
+        return self._timeline.read()
 
     def stats(self) -> dict:
         out = self.rings.counters()
@@ -319,44 +321,49 @@ class CudaBackend(Doorbells, Backend):
         return out
 
     def stop(self) -> None:
+        """Asks the scheduler to stop and waits, bounded, for the kernel, the step graph and our
+        threads to end.  Raises EngineDead (and failure() says why) if any did not."""
+        self._stopping = True
         self.rings.request_shutdown()
         self._doorbell.set()
-        deadline = time.monotonic() + 10
-        for stream in (getattr(self, "_sched_stream", None), getattr(self, "_graph_stream", None)):
-            while stream is not None and not drv.stream_done(stream) and time.monotonic() < deadline:
-                time.sleep(0.001)
+        deadline = time.monotonic() + self._stop_grace_s + STOP_MARGIN_S
+        stuck = self._wait_for_device_exit(deadline) if self._scheduler_mode == "device" else []
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        stuck += [f"thread {t.name}" for t in self._threads if t.is_alive()]
+        if stuck:
+            ctl = self.rings.control[0]
+            self._failure = (f"stop: {', '.join(stuck)} still running {self._stop_grace_s + STOP_MARGIN_S:.1f} s "
+                             f"after shutdown (scheduler state "
+                             f"{layout.STATE_NAMES.get(int(ctl['state']), ctl['state'])})")
+            log.error(self._failure)
+            raise EngineDead(self._failure)
         if self._trace_path:
             write_chrome_trace(self._trace_path, self.device_timeline())
+        self._release()
 
+    def _wait_for_device_exit(self, deadline: float) -> list[str]:
+        ctl = self.rings.control[0]
+        streams = {"the scheduler kernel": getattr(self, "_sched_stream", None),
+                   "the step graph launch": getattr(self, "_graph_stream", None)}
+        while time.monotonic() < deadline:
+            busy = [n for n, s in streams.items() if s is not None and not drv.stream_done(s)]
+            if not busy and int(ctl["state"]) != layout.RL_STATE_RUNNING:
+                return []
+            time.sleep(0.001)
+        return [n for n, s in streams.items() if s is not None and not drv.stream_done(s)] or \
+            ["the scheduler kernel (state never reached EXITED)"]
 
-def timeline_summary(trace: np.ndarray) -> dict:
-    """Bubble = next step's compute start minus this step's compute end, over complete rows."""
-    rows = trace[(trace != 0).all(axis=1)].astype(np.int64)
-    if len(rows) < 2:
-        return {}
-    rows = rows[np.argsort(rows[:, layout.RL_TRACE_SCHED_BEGIN])]
-    step = (rows[:, layout.RL_TRACE_STEP_END] - rows[:, layout.RL_TRACE_STEP_BEGIN]) / 1e3
-    sched = (rows[:, layout.RL_TRACE_SCHED_END] - rows[:, layout.RL_TRACE_SCHED_BEGIN]) / 1e3
-    bubble = (rows[1:, layout.RL_TRACE_STEP_BEGIN] - rows[:-1, layout.RL_TRACE_STEP_END]) / 1e3
-    bubble = bubble[bubble < 1e6]  # idle gaps between bursts are not bubbles
-    pct = lambda v, q: float(np.percentile(v, q)) if len(v) else None  # noqa: E731
-    return {"bubble_us_p50": pct(bubble, 50), "bubble_us_p99": pct(bubble, 99),
-            "step_us_p50": pct(step, 50), "step_us_p99": pct(step, 99),
-            "device_sched_us_p50": pct(sched, 50), "device_sched_us_p99": pct(sched, 99)}
+    def _release(self) -> None:
+        """Frees device memory once nothing persistent runs (a later backend in this process
+        sizes its KV cache from what is free)."""
+        for ev in getattr(self, "_pump_events", []):
+            ev.destroy()
+        if getattr(self, "_launch_graph", None) is not None:
+            self._launch_graph.destroy()
+        self._graphs = self._step = self._layout = self._kv = self._launch_graph = None
+        self._model = None
+        self._mem.release_device()
+        gc.collect()
+        torch.cuda.empty_cache()
 
-
-def write_chrome_trace(path: str, trace: np.ndarray) -> None:
-    rows = trace[(trace != 0).all(axis=1)].astype(np.int64)
-    if not len(rows):
-        return
-    t0 = rows.min()
-    events = []
-    for r in rows:
-        events.append({"name": "sched_step", "ph": "X", "pid": 0, "tid": "scheduler",
-                       "ts": (r[0] - t0) / 1e3, "dur": (r[1] - r[0]) / 1e3})
-        events.append({"name": "step", "ph": "X", "pid": 0, "tid": "compute",
-                       "ts": (r[2] - t0) / 1e3, "dur": (r[3] - r[2]) / 1e3})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)

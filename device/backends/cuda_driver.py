@@ -83,15 +83,107 @@ class PinnedBuffer:
             self.host_ptr = 0
 
 
-def load_cubin(cubin: bytes, arch: str):
-    """Loads a module, keeping a copy of the CUBIN in the cache for inspection (cuobjdump)."""
-    key = hashlib.sha256(cubin).hexdigest()[:16]
-    (cache_dir() / f"rlsched-{arch}-{key}.cubin").write_bytes(cubin)
-    return check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+def driver_version() -> tuple[int, int]:
+    """The CUDA version the installed driver supports, e.g. (13, 0) for an R580 driver."""
+    v = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    return v // 1000, (v % 1000) // 10
+
+
+def load_module(build, driver: tuple[int, int] | None = None):
+    """Loads the scheduler module from its CUBIN; if the driver refuses it, from its PTX, but
+    only when that PTX is no newer than the driver accepts.  Returns (module, how it loaded)."""
+    from device.sched.build import ptx_loadable
+    key = hashlib.sha256(build.cubin).hexdigest()[:16]
+    (cache_dir() / f"rlsched-{build.arch}-{key}.cubin").write_bytes(build.cubin)  # for cuobjdump
+    try:
+        return check(cu.cuModuleLoadData(build.cubin), "cuModuleLoadData(cubin)"), "cubin"
+    except CudaError as cubin_error:
+        driver = driver or driver_version()
+        ok, why = ptx_loadable(build.nvrtc_version, driver)
+        if not build.ptx or not ok:
+            raise CudaError(f"the driver refused the scheduler's {build.arch} CUBIN ({cubin_error}) "
+                            f"and the PTX fallback is not possible: {why or 'no PTX'}") from cubin_error
+        try:
+            module = check(cu.cuModuleLoadData(build.ptx), "cuModuleLoadData(ptx)")
+        except CudaError as ptx_error:
+            raise CudaError(f"the driver refused the scheduler's CUBIN ({cubin_error}) and its PTX "
+                            f"(ISA {build.ptx_isa}: {ptx_error})") from ptx_error
+        return module, f"ptx (ISA {build.ptx_isa}; the CUBIN was refused: {cubin_error})"
 
 
 def get_function(module, name: str):
-    return check(cu.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    """A kernel of the module, loaded now (not at first launch, when a persistent kernel may run)."""
+    fn = check(cu.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    check(cu.cuFuncLoad(fn), f"cuFuncLoad({name})")
+    return fn
+
+
+class BlockingEvent:
+    """An event whose synchronize sleeps in the driver instead of spinning a host core."""
+
+    def __init__(self):
+        flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(cu.cuEventCreate(int(flags)), "cuEventCreate")
+
+    def record(self, stream) -> None:
+        check(cu.cuEventRecord(self.handle, stream), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
+
+def copy_to_device(dst: int, src: int, nbytes: int, stream) -> None:
+    check(cu.cuMemcpyHtoDAsync(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def copy_to_host(dst: int, src: int, nbytes: int, stream) -> None:
+    check(cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
+
+
+def upload_graph(graph_exec, stream) -> None:
+    """Moves an instantiated graph's device work to the GPU now rather than at its first launch."""
+    check(cu.cuGraphUpload(graph_exec, stream), "cuGraphUpload")
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def read_graph(graph):
+    """The graph's nodes (GraphNode tree, child graphs expanded) and its programmatic edges."""
+    from device.backends.cuda_graph_rules import GraphNode
+    graph = cu.CUgraph(int(graph))
+    _, count = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+    nodes = []
+    if count:
+        handles, count = check(cu.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+        for h in list(handles)[:int(count)]:
+            kind = check(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType")
+            node = GraphNode(getattr(kind, "name", str(kind)))
+            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH:
+                child = check(cu.cuGraphChildGraphNodeGetGraph(h), "cuGraphChildGraphNodeGetGraph")
+                node.children, _ = read_graph(child)
+            nodes.append(node)
+    return nodes, _programmatic_edges(graph)
+
+
+def _programmatic_edges(graph) -> int:
+    """-1 when the driver or bindings cannot say (the count is informative, not a gate)."""
+    try:
+        return _count_programmatic_edges(graph)
+    except (CudaError, TypeError, AttributeError):
+        return -1
+
+
+def _count_programmatic_edges(graph) -> int:
+    _, _, _, n = check(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")
+    if not n:
+        return 0
+    _, _, data, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
+    programmatic = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    return sum(1 for d in list(data)[:int(n)] if d is not None and d.type == programmatic)
 
 
 class KernelArgs:

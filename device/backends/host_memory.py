@@ -21,10 +21,13 @@ def context_table(addresses: dict[str, int]) -> ctypes.Array:
 
 
 class HostMemory:
-    def __init__(self, cfg: RingConfig):
+    def __init__(self, cfg: RingConfig, pinned=None):
+        """pinned: a factory (nbytes -> object with .array, a uint8 numpy view) for page-locked
+        memory, which the CUDA host-scheduled baseline copies to and from asynchronously."""
         self.config = cfg
         plan = plan_memory(cfg, {name for name, _, _ in layout.ARRAYS})
-        self._buffer = aligned_host_buffer(plan.total)
+        self._pinned = pinned(plan.total) if pinned is not None else None
+        self._buffer = self._pinned.array if self._pinned is not None else aligned_host_buffer(plan.total)
         self.arrays: dict[str, np.ndarray] = map_arrays(self._buffer, plan, cfg)
         write_config(self.arrays["cfg"], cfg)
         ctl = self.arrays["ctl"][0]

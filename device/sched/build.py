@@ -64,6 +64,13 @@ class KernelBuild:
     cubin: bytes
     log: str
     resources: dict[str, KernelResources]  # per entry function, from ptxas -v
+    ptx: bytes = b""                  # the same program as PTX, for a driver that refuses the CUBIN
+    nvrtc_version: tuple[int, int] = (0, 0)
+
+    @property
+    def ptx_isa(self) -> str | None:
+        m = re.search(rb"^\.version\s+(\d+\.\d+)", self.ptx, re.M)
+        return m.group(1).decode() if m else None
 
     def __getattr__(self, name):  # registers, shared_bytes, ... of the scheduler kernel
         if name in KernelResources.__dataclass_fields__:
@@ -92,12 +99,29 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+    major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def ptx_loadable(nvrtc: tuple[int, int], driver: tuple[int, int]) -> tuple[bool, str]:
+    """Whether a driver can JIT the PTX this NVRTC wrote: PTX from CUDA X.Y needs a driver of
+    CUDA X.Y or newer (a newer PTX ISA ends in CUDA_ERROR_UNSUPPORTED_PTX_VERSION)."""
+    n, d = "%d.%d" % nvrtc, "%d.%d" % driver
+    if tuple(nvrtc) <= tuple(driver):
+        return True, f"PTX from NVRTC {n} is no newer than the driver's CUDA {d}"
+    return False, (f"PTX from NVRTC {n} is newer than the driver's CUDA {d} accepts; install "
+                   f"an NVRTC of CUDA {d} or older (cuda-toolkit[nvrtc]=={driver[0]}.{driver[1]}.*) "
+                   f"or a newer driver")
+
+
 def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     """Compile the persistent scheduler kernel with NVRTC; ptxas -v gives resource usage."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("NVRTC needs cuda-python: pip install 'ringleader[nvrtc]'") from exc
+        raise RuntimeError("NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'") from exc
     src = scheduler_source("kernel.cu").replace(
         "#define RL_MAX_THREADS 1024", f"#define RL_MAX_THREADS {threads}")
     prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"rl_scheduler.cu", 0, [], []),
@@ -114,6 +138,9 @@ def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     n = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
     cubin = b" " * n
     _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    n = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+    ptx = b" " * n
+    _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
     nvrtc.nvrtcDestroyProgram(prog)
-
-    return KernelBuild(arch, cubin, log, parse_ptxas_log(log))
+    return KernelBuild(arch, cubin, log, parse_ptxas_log(log), ptx.rstrip(b"\x00 ") + b"\x00",
+                       nvrtc_version())

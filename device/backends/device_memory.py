@@ -1,0 +1,99 @@
+"""CUDA-side memory of the scheduler: pinned host arrays for the rings the host shares, one
+device buffer for everything else, the RlContext pointer table, and (host-scheduled mode) the
+one-copy upload of the step layout the CPU scheduler builds."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from device.backends import cuda_driver as drv
+from device.backends.host_memory import HostMemory, context_table
+from ipc import layout
+from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
+
+PINNED = ("ctl", "sq", "arena", "cq")
+# The step layout, contiguous in ipc.layout.ARRAYS order from the header to the last sample
+# field: the host-scheduled baseline uploads this run of arrays in one copy.
+LAYOUT_RUN = ("step", "token_ids", "positions", "slot_of", "seg_slot", "seg_row_start",
+              "seg_n_rows", "sample_row", "sample_slot", "sample_temperature", "sample_top_p",
+              "sample_top_k", "sample_seed", "sample_counter")
+
+
+class DeviceMemory:
+    def __init__(self, cfg: RingConfig):
+        names = [n for n, _, _ in layout.ARRAYS]
+        pinned_plan = plan_memory(cfg, set(PINNED))
+        self.pinned = drv.PinnedBuffer(pinned_plan.total)
+        self.host = map_arrays(self.pinned.array, pinned_plan, cfg)
+        dev_plan = plan_memory(cfg, set(names) - set(PINNED))
+        self.buffer = torch.zeros(dev_plan.total + ALIGN, dtype=torch.uint8, device="cuda")
+        base = (-self.buffer.data_ptr()) % ALIGN
+        self.device_offsets = {n: base + off for n, off in dev_plan.offsets.items()}
+        self.device_nbytes = dev_plan.nbytes
+        cfg_host = np.zeros(1, dtype=layout.CONFIG.numpy_dtype())
+        write_config(cfg_host, cfg)
+        self.tensor("cfg", torch.uint8).copy_(torch.from_numpy(cfg_host.view(np.uint8)))
+        ctl = self.host["ctl"][0]
+        ctl["magic"], ctl["version"] = layout.MAGIC, layout.LAYOUT_VERSION
+        addresses = {n: self.pinned.device_ptr + pinned_plan.offsets[n] for n in PINNED}
+        addresses.update({n: self.address(n) for n in self.device_offsets})
+        self.context = context_table(addresses)
+        self.rings = HostRings(self.host, cfg)
+        self.config = cfg
+        torch.cuda.synchronize()  # allowed: nothing persistent runs yet
+
+    def address(self, name: str) -> int:
+        return self.buffer.data_ptr() + self.device_offsets[name]
+
+    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        off, n = self.device_offsets[name], self.device_nbytes[name]
+        return self.buffer[off:off + n].view(dtype)
+
+    def layout_views(self) -> dict:
+        """The StepLayout fields as views of the device buffer, where the scheduler writes them."""
+        t = self.tensor
+        step_header = t("step", torch.int32)  # RlStepHeader: n_tokens, bucket, n_segments, n_samples, ...
+        return dict(
+            token_ids=t("token_ids", torch.int32), positions=t("positions", torch.int32),
+            slot_of=t("slot_of", torch.int32), sample_row=t("sample_row", torch.int32),
+            sample_slot=t("sample_slot", torch.int32),
+            sample_temperature=t("sample_temperature", torch.float32),
+            sample_top_p=t("sample_top_p", torch.float32), sample_top_k=t("sample_top_k", torch.int32),
+            sample_seed=t("sample_seed", torch.int64), sample_counter=t("sample_counter", torch.int32),
+            n_samples=step_header[3:4], next_token=t("next_token", torch.int32))
+
+    def context_bytes(self) -> bytes:
+        return bytes(self.context)
+
+    def release_device(self) -> None:
+        """Drops the device buffer; the pinned rings stay (hostctl may still read counters)."""
+        self.buffer = None
+
+
+class PackedLayoutCopy:
+    """Host-scheduled mode: the CPU scheduler writes the layout into pinned host arrays planned
+    like their device copies, so the whole layout goes up in one async copy, and next_token
+    comes back into pinned memory; the host then sleeps on a blocking-sync event."""
+
+    def __init__(self, host: HostMemory, device: DeviceMemory):
+        a = host.arrays
+        first, last = LAYOUT_RUN[0], LAYOUT_RUN[-1]
+        host_base, dev_base = a[first].ctypes.data, device.address(first)
+        for name in LAYOUT_RUN:  # one copy is exact only if the two layouts match byte for byte
+            if a[name].ctypes.data - host_base != device.address(name) - dev_base:
+                raise AssertionError(f"host and device layouts differ at {name}")
+        self._src, self._dst = host_base, dev_base
+        self.nbytes = a[last].ctypes.data + a[last].nbytes - host_base
+        self._tokens_host, self._tokens_dev = a["next_token"].ctypes.data, device.address("next_token")
+        self._tokens_nbytes = a["next_token"].nbytes
+        self._done = drv.BlockingEvent()
+
+    def upload(self, stream) -> None:
+        drv.copy_to_device(self._dst, self._src, self.nbytes, stream)
+
+    def download(self, stream) -> None:
+        drv.copy_to_host(self._tokens_host, self._tokens_dev, self._tokens_nbytes, stream)
+        self._done.record(stream)
+
+    def wait(self) -> None:
+        self._done.synchronize()

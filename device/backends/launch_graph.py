@@ -1,0 +1,68 @@
+"""The graph the compute stream launches around the captured step graphs.
+
+resident: WHILE { rl_step_wait -> SWITCH(bucket) { step graph per bucket } -> rl_step_signal },
+launched once; the wait kernel ends the loop on exit.
+pump: the same three nodes unrolled PUMP_STEPS_PER_LAUNCH times; a host thread keeps two
+launches queued.
+
+Both are instantiated and uploaded here, before the scheduler kernel starts: a first launch that
+still has upload or lazy-loading work to do could otherwise wait on a device that the
+persistent kernel never lets go idle.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from device.backends import cuda_driver as drv
+from device.backends.step_graphs import StepGraphs
+
+PUMP_STEPS_PER_LAUNCH = 8
+LAUNCH_MODES = ("resident", "pump")
+
+
+class LaunchGraph:
+    def __init__(self, mode: str, graphs: StepGraphs, functions: dict, ctx_arg: bytes, cu_ctx,
+                 stream):
+        if mode not in LAUNCH_MODES:
+            raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
+        self.mode = mode
+        self._graphs, self._fn, self._ctx_arg, self._cu_ctx = graphs, functions, ctx_arg, cu_ctx
+        self._keep_args: list[drv.KernelArgs] = []  # kernel node parameters must outlive the graph
+        self._graph = drv.check(drv.cu.cuGraphCreate(0), "cuGraphCreate")
+        if mode == "resident":
+            loop = drv.conditional_handle(self._graph, cu_ctx, 1)
+            _, (body,) = drv.add_conditional_node(
+                self._graph, [], loop, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE,
+                1, cu_ctx)
+            self._step_body(body, [], loop, use_while=1)
+        else:
+            last = []
+            for _ in range(PUMP_STEPS_PER_LAUNCH):
+                last = [self._step_body(self._graph, last, None, use_while=0)]
+        self.exec = drv.check(drv.cu.cuGraphInstantiate(self._graph, 0), f"cuGraphInstantiate({mode})")
+        drv.upload_graph(self.exec, stream)
+
+    def _step_body(self, graph, deps, while_handle, use_while: int):
+        """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps`; returns the last node."""
+        buckets = self._graphs.buckets
+        switch = drv.conditional_handle(graph, self._cu_ctx, len(buckets))
+        wait_args = drv.KernelArgs(self._ctx_arg, drv.handle_arg(switch),
+                                   drv.handle_arg(while_handle or 0), ctypes.c_uint32(use_while))
+        sig_args = drv.KernelArgs(self._ctx_arg)
+        self._keep_args += [wait_args, sig_args]
+        wait = drv.add_kernel_node(graph, deps, self._fn["rl_step_wait"], wait_args)
+        node, bodies = drv.add_conditional_node(
+            graph, [wait], switch, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH,
+            len(buckets), self._cu_ctx)
+        for body, bucket in zip(bodies, buckets):  # branch i runs bucket i (cfg.buckets order)
+            drv.check(drv.cu.cuGraphAddChildGraphNode(body, None, 0, drv.cu.CUgraph(int(self._graphs.raw(bucket)))),
+                      f"cuGraphAddChildGraphNode(bucket {bucket})")
+        return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], sig_args)
+
+    def launch(self, stream) -> None:
+        drv.check(drv.cu.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        """Only once no launch of it can still run."""
+        drv.check(drv.cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+        drv.check(drv.cu.cuGraphDestroy(self._graph), "cuGraphDestroy")

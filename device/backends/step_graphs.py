@@ -1,0 +1,87 @@
+"""The model step captured as one CUDA graph per token-count bucket, before anything persistent
+runs (capture may synchronise).
+
+Largest bucket first into one shared memory pool: the graphs only ever run one at a time on
+one stream, so the smaller ones can reuse the largest one's intermediates instead of each
+holding a private copy (at 256 slots and a 128k vocabulary the sampling scratch alone is about
+a gigabyte per bucket).  The serving path never reads a graph's returned logits, so they are
+dropped unless a check asks to keep them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from device.backends import cuda_driver as drv
+from device.backends.cuda_graph_rules import GraphReport, check_conditional_body, count_nodes
+
+log = logging.getLogger("ringleader.cuda")
+
+
+class StepGraphs:
+    def __init__(self, step, layout, buckets, stream: torch.cuda.Stream, keep_outputs: bool = False):
+        self.buckets = tuple(sorted(buckets))
+        self._stream = stream
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits its replays write (checks only)
+        with torch.cuda.stream(stream):
+            step.warmup(layout, self.buckets)  # compiles kernels, initialises libraries
+            stream.synchronize()
+            pool = torch.cuda.graph_pool_handle()
+            for b in sorted(self.buckets, reverse=True):
+                g = torch.cuda.CUDAGraph(keep_graph=True)
+                g.capture_begin(pool=pool, capture_error_mode="thread_local")
+                logits = step.run(b, layout)
+                g.capture_end()
+                if keep_outputs:
+                    self.outputs[b] = logits
+                self._graphs[b] = g
+            stream.synchronize()
+        self.reports: dict[int, GraphReport] = {}
+
+    def __getitem__(self, bucket: int) -> torch.cuda.CUDAGraph:
+        return self._graphs[bucket]
+
+    def raw(self, bucket: int):
+        """The cudaGraph_t of a bucket (torch keeps it alive as long as this object lives)."""
+        return self._graphs[bucket].raw_cuda_graph()
+
+    def read(self, bucket: int):
+        """The bucket's graph as the driver holds it: (GraphNode list, programmatic edges)."""
+        return drv.read_graph(self.raw(bucket))
+
+    def check_embeddable(self) -> dict[int, GraphReport]:
+        """Reads every bucket's graph back from the driver and refuses, naming the bucket and
+        the node types, anything a conditional body cannot hold."""
+        for b in self.buckets:
+            nodes, programmatic = self.read(b)
+            self.reports[b] = check_conditional_body(nodes, b, programmatic)
+            log.info("step graph of bucket %d: %s", b, self.reports[b].summary())
+        return self.reports
+
+    def describe(self) -> dict[int, str]:
+        """Node counts per bucket (for stats and the bring-up), read once."""
+        if not self.reports:
+            for b in self.buckets:
+                nodes, programmatic = self.read(b)
+                self.reports[b] = count_nodes(nodes)
+                self.reports[b].programmatic_edges = programmatic
+        return {b: r.summary() for b, r in self.reports.items()}
+
+    def instantiate_all(self) -> None:
+        """Instantiates, uploads and replays each graph once on the all-pad layout the warm-up
+        left (no samples, pad rows write the scratch slot), so neither instantiation nor a
+        first-launch upload happens later, inside a measured run or beside a running kernel."""
+        stream = drv.cu.CUstream(self._stream.cuda_stream)
+        with torch.cuda.stream(self._stream):
+            for b in self.buckets:
+                g = self._graphs[b]
+                if hasattr(g, "instantiate") and hasattr(g, "raw_cuda_graph_exec"):  # torch >= 2.7
+                    g.instantiate()
+                    drv.upload_graph(drv.cu.CUgraphExec(int(g.raw_cuda_graph_exec())), stream)
+                g.replay()  # instantiates here on an older torch
+            self._stream.synchronize()
+
+    def replay(self, bucket: int) -> None:
+        self._graphs[bucket].replay()
