@@ -66,20 +66,14 @@ def check_module() -> dict:
 
 # ---- graphs ---------------------------------------------------------------------------------
 def _submit_all(driver, rng) -> None:
+    """Prompts of every length class, greedy and sampled, all running to max_tokens."""
     from ipc import layout as L
-    from tests.sched_driver import Record
     requests = [(21, 5, 0.0, 1.0, 0, 0), (3, 6, 0.8, 0.9, 0, 11), (9, 4, 1.0, 1.0, 20, 12),
                 (2, 3, 0.0, 1.0, 0, 0), (40, 4, 0.7, 0.95, 50, 13), (5, 5, 1.2, 1.0, 0, 14),
                 (1, 8, 0.0, 1.0, 0, 0), (60, 3, 0.0, 1.0, 0, 0), (7, 9, 0.9, 0.8, 5, 15)]
     for plen, max_tokens, temperature, top_p, top_k, seed in requests:
-        prompt = rng.integers(3, 250, plen).astype(np.int32)
-        off = driver.rings.arena.allocate(prompt)
-        handle = driver._next
-        driver._next += 1
-        driver.rings.submissions.push(L.RL_OP_GENERATE, handle, prompt_off=off, prompt_len=plen,
-                                      max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, flags=L.RL_FLAG_IGNORE_EOS)
-        driver.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
+        driver.submit(rng.integers(3, 250, plen), max_tokens, flags=L.RL_FLAG_IGNORE_EOS,
+                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
 
 def _rel(a, b) -> float:

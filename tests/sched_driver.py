@@ -54,7 +54,9 @@ class Driver:
         self._next = 1
         assert scheduler().init(self.mem.context_address) == layout.RL_ERR_NONE
 
-    def submit(self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0) -> int | None:
+    def submit(self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0,
+               **sampling) -> int | None:
+        """sampling: temperature, top_p, top_k, seed, as SubmissionQueue.push takes them."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if self.rings.submissions.free_entries() < 1 or not self.rings.arena.can_allocate(len(prompt)):
             return None
@@ -63,7 +65,7 @@ class Driver:
         self._next += 1
         self.rings.submissions.push(layout.RL_OP_GENERATE, handle, prompt_off=off,
                                     prompt_len=len(prompt), max_tokens=max_tokens,
-                                    priority=priority, stop_ids=stop_ids, flags=flags)
+                                    priority=priority, stop_ids=stop_ids, flags=flags, **sampling)
         self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
         return handle
 

@@ -21,7 +21,7 @@ from device.model.static_step import StaticStep, StepLayout
 from device.model.triton_attention import HAVE_TRITON, ragged_attention_reference
 from ipc import layout as L
 from ipc.rings import RingConfig
-from tests.sched_driver import Driver, Record, scheduler
+from tests.sched_driver import Driver, scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,14 +134,8 @@ def model():
 
 
 def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> None:
-    prompt = np.asarray(prompt, dtype=np.int32)
-    off = d.rings.arena.allocate(prompt)
-    handle = d._next
-    d._next += 1
-    d.rings.submissions.push(L.RL_OP_GENERATE, handle, prompt_off=off, prompt_len=len(prompt),
-                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, flags=L.RL_FLAG_IGNORE_EOS)
-    d.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
+    d.submit(prompt, max_tokens, flags=L.RL_FLAG_IGNORE_EOS, temperature=temperature, top_p=top_p,
+             top_k=top_k, seed=seed)
 
 
 def _eager_step(model, kv, a):

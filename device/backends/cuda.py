@@ -122,7 +122,7 @@ class CudaBackend(Doorbells, Backend):
             raise MemoryError(f"capturing the step graphs ran out of device memory after the KV "
                               f"cache took {self._memory_plan.kv_bytes / 2**30:.2f} GiB; lower "
                               f"--gpu-memory-fraction, --slots or --max-ctx ({exc})") from exc
-        self._graphs.instantiate_all()
+        self._graphs.replay_each_once()
         torch.cuda.empty_cache()  # the warm-up's eager memory; safe: nothing persistent runs yet
         self.description = {"device": torch.cuda.get_device_name(), "scheduler": scheduler,
                             "launch": "host-loop", "launch_requested": launch,

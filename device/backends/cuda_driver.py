@@ -153,8 +153,12 @@ def upload_graph(graph_exec, stream) -> None:
 
 def read_graph(graph):
     """The graph's nodes (GraphNode tree, child graphs expanded) and its programmatic edges."""
-    from device.backends.cuda_graph_rules import GraphNode
     graph = cu.CUgraph(int(graph))
+    return _read_nodes(graph), _programmatic_edges(graph)
+
+
+def _read_nodes(graph) -> list:
+    from device.backends.cuda_graph_rules import GraphNode
     _, count = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes = []
     if count:
@@ -163,10 +167,10 @@ def read_graph(graph):
             kind = check(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType")
             node = GraphNode(getattr(kind, "name", str(kind)))
             if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH:
-                child = check(cu.cuGraphChildGraphNodeGetGraph(h), "cuGraphChildGraphNodeGetGraph")
-                node.children, _ = read_graph(child)
+                node.children = _read_nodes(check(cu.cuGraphChildGraphNodeGetGraph(h),
+                                                  "cuGraphChildGraphNodeGetGraph"))
             nodes.append(node)
-    return nodes, _programmatic_edges(graph)
+    return nodes
 
 
 def _programmatic_edges(graph) -> int:

@@ -12,20 +12,18 @@ from ipc import layout
 from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
 PINNED = ("ctl", "sq", "arena", "cq")
-# The step layout, contiguous in ipc.layout.ARRAYS order from the header to the last sample
-# field: the host-scheduled baseline uploads this run of arrays in one copy.
-LAYOUT_RUN = ("step", "token_ids", "positions", "slot_of", "seg_slot", "seg_row_start",
-              "seg_n_rows", "sample_row", "sample_slot", "sample_temperature", "sample_top_p",
-              "sample_top_k", "sample_seed", "sample_counter")
+# The step layout: ipc.layout.ARRAYS from the header to the last sample field, contiguous in
+# both memory plans, so the host-scheduled baseline uploads it in one copy.
+_NAMES = [name for name, _, _ in layout.ARRAYS]
+LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step"):_NAMES.index("sample_counter") + 1])
 
 
 class DeviceMemory:
     def __init__(self, cfg: RingConfig):
-        names = [n for n, _, _ in layout.ARRAYS]
         pinned_plan = plan_memory(cfg, set(PINNED))
         self.pinned = drv.PinnedBuffer(pinned_plan.total)
         self.host = map_arrays(self.pinned.array, pinned_plan, cfg)
-        dev_plan = plan_memory(cfg, set(names) - set(PINNED))
+        dev_plan = plan_memory(cfg, set(_NAMES) - set(PINNED))
         self.buffer = torch.zeros(dev_plan.total + ALIGN, dtype=torch.uint8, device="cuda")
         base = (-self.buffer.data_ptr()) % ALIGN
         self.device_offsets = {n: base + off for n, off in dev_plan.offsets.items()}

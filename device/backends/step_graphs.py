@@ -14,7 +14,7 @@ import logging
 import torch
 
 from device.backends import cuda_driver as drv
-from device.backends.cuda_graph_rules import GraphReport, check_conditional_body, count_nodes
+from device.backends.cuda_graph_rules import GraphReport, check_conditional_body
 
 log = logging.getLogger("ringleader.cuda")
 
@@ -61,26 +61,16 @@ class StepGraphs:
         return self.reports
 
     def describe(self) -> dict[int, str]:
-        """Node counts per bucket (for stats and the bring-up), read once."""
-        if not self.reports:
-            for b in self.buckets:
-                nodes, programmatic = self.read(b)
-                self.reports[b] = count_nodes(nodes)
-                self.reports[b].programmatic_edges = programmatic
+        """Node counts per bucket, as check_embeddable() read them (for stats and the bring-up)."""
         return {b: r.summary() for b, r in self.reports.items()}
 
-    def instantiate_all(self) -> None:
-        """Instantiates, uploads and replays each graph once on the all-pad layout the warm-up
-        left (no samples, pad rows write the scratch slot), so neither instantiation nor a
-        first-launch upload happens later, inside a measured run or beside a running kernel."""
-        stream = drv.cu.CUstream(self._stream.cuda_stream)
+    def replay_each_once(self) -> None:
+        """Replays each graph once on the all-pad layout the warm-up left (no samples; pad rows
+        write the scratch slot): a first replay instantiates and uploads the graph, so neither
+        happens later, inside a measured run or beside a running kernel."""
         with torch.cuda.stream(self._stream):
             for b in self.buckets:
-                g = self._graphs[b]
-                if hasattr(g, "instantiate") and hasattr(g, "raw_cuda_graph_exec"):  # torch >= 2.7
-                    g.instantiate()
-                    drv.upload_graph(drv.cu.CUgraphExec(int(g.raw_cuda_graph_exec())), stream)
-                g.replay()  # instantiates here on an older torch
+                self._graphs[b].replay()
             self._stream.synchronize()
 
     def replay(self, bucket: int) -> None:
