@@ -10,6 +10,8 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.sq_head        device writes (release) after copying entries out of the SQ; host reads (acquire)
   Control.cq_tail        device writes (release) after the CQ events; host reads (acquire)
   Control.cq_head        host writes (release) after reading CQ events; device reads (acquire)
+  Control.aq_tail        host writes (release) after the abort entries; device reads (acquire)
+  Control.aq_head        device writes (release) after reading abort entries; host reads (acquire)
   Control.shutdown       host writes; device reads (the leader thread, once per step, then broadcast
                          to the block through shared memory so no two threads disagree)
   Control.stop_grace_ns,
@@ -17,6 +19,12 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.exit_reason    device writes once, before state = EXITED (release); host reads after
   Control counters,
   heartbeat, error_code  device writes; host reads (monitoring only, no ordering attached)
+The SQ carries only GENERATE entries.  Aborts travel in their own ring (aq), which the device
+reads every step before it drains the SQ, so no queued GENERATE can hold an abort back: an abort
+names its request's handle and the SQ position of its GENERATE; one whose GENERATE is still in
+the SQ is parked in the device-private sq_cancel (per SQ position) and applied when that entry is
+drained, one whose request already finished is ignored.  The host may publish an abort before or
+after the GENERATE it names.
 The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
 free once its first TOKEN or its DONE event has been read: the device reads a prompt only before
 it samples that request's first token).
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 
 MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
 MAX_EOS_IDS = 4
@@ -104,7 +112,7 @@ CONFIG = Struct("RlConfig", (
     _f("magic", "u32"), _f("version", "u32"),
     _f("n_slots", "u32"), _f("max_ctx", "u32"), _f("token_budget", "u32"),
     _f("sq_size", "u32"), _f("cq_size", "u32"), _f("arena_size", "u32"),
-    _f("pending_cap", "u32"), _f("work_len", "u32"), _f("policy", "u32"),
+    _f("pending_cap", "u32"), _f("aq_size", "u32"), _f("work_len", "u32"), _f("policy", "u32"),
     _f("aging_steps", "u32"),
     _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
     _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
@@ -116,22 +124,24 @@ CONFIG = Struct("RlConfig", (
 CONTROL = Struct("RlControl", (
     # line 0: host writes
     _f("magic", "u32"), _f("version", "u32"), _f("shutdown", "u32"), _f("sq_tail", "u32"),
-    _f("cq_head", "u32"), _f("_host_pad0", "u32"),
+    _f("cq_head", "u32"), _f("aq_tail", "u32"),
     # how long the scheduler waits for compute to hand back its turn once told to stop, and the
     # most it runs at all (0: no limit); both in device ns, read once at start
     _f("stop_grace_ns", "u64"), _f("run_budget_ns", "u64"), _f("_host_pad", "u32", 6),
     # line 1: device writes, ring indices and liveness
     _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("error_code", "u32"), _f("state", "u32"),
-    _f("exit_reason", "u32"), _f("_dev_pad0", "u32"),
+    _f("exit_reason", "u32"), _f("aq_head", "u32"),
     _f("heartbeat_ns", "u64"), _f("_dev_pad", "u64", 4),
     # line 2-3: device writes, counters
     _f("steps", "u64"), _f("step_tokens", "u64"), _f("generated", "u64"),
     _f("admitted", "u64"), _f("finished", "u64"), _f("idle_polls", "u64"),
     _f("cq_stalls", "u64"), _f("pending", "u64"), _f("active_slots", "u64"),
-    _f("last_step_tokens", "u64"), _f("_ctr_pad", "u64", 6),
+    _f("last_step_tokens", "u64"),
+    _f("aborts", "u64"),  # requests ended by an abort (each also counts in finished)
+    _f("_ctr_pad", "u64", 5),
 ), align=64)
 
-# Submission queue entry (host -> device).
+# Submission queue entry (host -> device): a GENERATE; the device reuses `op` for its pending state.
 SQ_ENTRY = Struct("RlSqEntry", (
     _f("op", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("max_tokens", "u32"), _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"),
@@ -139,6 +149,10 @@ SQ_ENTRY = Struct("RlSqEntry", (
     _f("n_stop", "u32"), _f("arrival", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("drained_ns", "u64"),  # device clock when the scheduler took it from the SQ (device-set)
 ))
+
+# Abort ring entry (host -> device): the request's handle and the free-running u32 SQ index its
+# GENERATE was written at (which tells the device whether it has drained that GENERATE yet).
+ABORT_ENTRY = Struct("RlAbortEntry", (_f("handle", "u32"), _f("sq_pos", "u32")))
 
 # Completion queue event (device -> host).
 CQ_EVENT = Struct("RlCqEvent", (
@@ -160,7 +174,7 @@ SLOT = Struct("RlSlot", (
 # Device-private scheduler bookkeeping.
 SCHED = Struct("RlSchedState", (
     _f("step", "u64"), _f("n_pending", "u32"), _f("admit_seq", "u32"),
-    _f("sq_head", "u32"), _f("cq_tail", "u32"),
+    _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("aq_head", "u32"),
     _f("started_ns", "u64"), _f("stop_grace_ns", "u64"), _f("run_budget_ns", "u64"),
 ))
 
@@ -170,13 +184,13 @@ STEP = Struct("RlStepHeader", (
     _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
-STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, CQ_EVENT, SLOT, SCHED, STEP)
+STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, SCHED, STEP)
 
 # Pointer table handed to sched_step: names, element type, and length in terms of the config.
 ARRAYS = (
     ("cfg", "RlConfig", "1"), ("ctl", "RlControl", "1"),
     ("sq", "RlSqEntry", "sq_size"), ("arena", "int32_t", "arena_size"),
-    ("cq", "RlCqEvent", "cq_size"),
+    ("cq", "RlCqEvent", "cq_size"), ("aq", "RlAbortEntry", "aq_size"),
     ("slots", "RlSlot", "n_slots"), ("pending", "RlSqEntry", "pending_cap"),
     ("sched", "RlSchedState", "1"), ("step", "RlStepHeader", "1"),
     ("token_ids", "int32_t", "token_budget"), ("positions", "int32_t", "token_budget"),
@@ -191,6 +205,8 @@ ARRAYS = (
     # scheduler work space for scans and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
     ("work_c", "uint32_t", "work_len"), ("pending_tmp", "RlSqEntry", "pending_cap"),
+    # per SQ position: the handle of an abort that arrived before that entry was drained (0: none)
+    ("sq_cancel", "uint32_t", "sq_size"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
     ("turn", "uint32_t", "1"),
     # device timeline: per step (seq % trace_len) RL_TRACE_FIELDS stamps in ns
@@ -198,11 +214,11 @@ ARRAYS = (
 )
 
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
-HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq")
+HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "aq")
 
 # Enumerations shared by both sides.
 ENUMS = {
-    "RL_OP_NONE": 0, "RL_OP_GENERATE": 1, "RL_OP_ABORT": 2, "RL_OP_CANCELLED": 3,
+    "RL_OP_NONE": 0, "RL_OP_GENERATE": 1, "RL_OP_CANCELLED": 3,
     "RL_FLAG_IGNORE_EOS": 1,
     "RL_EV_TOKEN": 1, "RL_EV_DONE": 2,
     "RL_FINISH_NONE": 0, "RL_FINISH_STOP": 1, "RL_FINISH_LENGTH": 2, "RL_FINISH_ABORT": 3,

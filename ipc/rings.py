@@ -1,4 +1,5 @@
-"""Host-side views of the shared memory: the SQ producer, the CQ consumer and the prompt arena.
+"""Host-side views of the shared memory: the SQ and abort-ring producers, the CQ consumer and the
+prompt arena.
 
 Memory is planned from ipc.layout.ARRAYS: every array starts on a 128-byte boundary.  A backend
 allocates the bytes (plain host memory on the CPU, pinned host memory plus device memory on CUDA)
@@ -7,8 +8,10 @@ and hands the host-shared arrays to these classes; hostctl never touches the dev
 Ordering (the rules of ipc/layout.py): the SQ producer writes an entry, then its prompt tokens
 are already in the arena, then publishes sq_tail with a release store; the CQ consumer reads
 cq_tail with an acquire load, copies the events out, then publishes cq_head with a release store.
-Each class below is used from one thread only: SubmissionQueue by the frontend thread,
-CompletionQueue by the completion thread.  PromptArena is shared by both and locks.
+The abort producer writes an entry, then publishes aq_tail with a release store; it may do so before
+or after the SQ publish of the GENERATE it names (the device parks an abort for an undrained entry).
+Each class below is used from one thread only: SubmissionQueue and AbortQueue by the frontend
+thread, CompletionQueue by the completion thread.  PromptArena is shared by both and locks.
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ class RingConfig:
     cq_size: int = 8192
     arena_size: int = 1 << 20
     pending_cap: int = 1024
+    # abort ring entries; 0: the next power of two >= sq_size + pending_cap + n_slots, so every
+    # request the device can hold gets its abort in without waiting
+    aq_size: int = 0
     policy: int = layout.RL_POLICY_FIFO
     aging_steps: int = 64
     eos_ids: tuple[int, ...] = ()
@@ -44,7 +50,10 @@ class RingConfig:
     trace_len: int = 4096  # steps kept in the device timeline ring
 
     def __post_init__(self):
-        for name in ("sq_size", "cq_size", "arena_size"):
+        if self.aq_size == 0:  # frozen: resolve "auto" once, so every reader sees the real size
+            in_device = self.sq_size + self.pending_cap + self.n_slots
+            object.__setattr__(self, "aq_size", 1 << (in_device - 1).bit_length())
+        for name in ("sq_size", "cq_size", "arena_size", "aq_size"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
         if self.token_budget < self.n_slots:
@@ -109,7 +118,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
     c = cfg_view[0]
     c["magic"], c["version"] = layout.MAGIC, layout.LAYOUT_VERSION
     for name in ("n_slots", "max_ctx", "token_budget", "sq_size", "cq_size", "arena_size",
-                 "pending_cap", "policy", "aging_steps", "trace_len"):
+                 "pending_cap", "aq_size", "policy", "aging_steps", "trace_len"):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
     c["n_eos"] = len(cfg.eos_ids)
@@ -123,26 +132,44 @@ def _field_address(view: np.ndarray, struct: layout.Struct, name: str) -> int:
     return view.ctypes.data + dict((f.name, off) for f, off in struct.offsets())[name]
 
 
-class SubmissionQueue:
-    """Host end of the SQ: the only writer of sq_tail."""
+class _RingProducer:
+    """The host end of a ring the device consumes: entries are written at the private tail, and
+    publish() makes them visible with one release store of the shared tail index."""
 
-    def __init__(self, ctl: np.ndarray, sq: np.ndarray):
-        self._sq = sq
-        self._mask = len(sq) - 1
-        self._tail_word = AtomicU32(_field_address(ctl, layout.CONTROL, "sq_tail"))
-        self._head_word = AtomicU32(_field_address(ctl, layout.CONTROL, "sq_head"))
+    def __init__(self, ctl: np.ndarray, ring: np.ndarray, tail_field: str, head_field: str):
+        self._ring = ring
+        self._mask = len(ring) - 1
+        self._tail_word = AtomicU32(_field_address(ctl, layout.CONTROL, tail_field))
+        self._head_word = AtomicU32(_field_address(ctl, layout.CONTROL, head_field))
         self._tail = self._tail_word.load_acquire()
         self._published = self._tail
 
     def free_entries(self) -> int:
-        return len(self._sq) - (self._tail - self._head_word.load_acquire()) % (1 << 32)
+        return len(self._ring) - (self._tail - self._head_word.load_acquire()) % (1 << 32)
 
-    def push(self, op: int, handle: int, *, prompt_off: int = 0, prompt_len: int = 0,
+    def publish(self) -> bool:
+        """True if anything was new."""
+        if self._tail == self._published:
+            return False
+        self._tail_word.store_release(self._tail)
+        self._published = self._tail
+        return True
+
+
+class SubmissionQueue(_RingProducer):
+    """Host end of the SQ: the only writer of sq_tail."""
+
+    def __init__(self, ctl: np.ndarray, sq: np.ndarray):
+        super().__init__(ctl, sq, "sq_tail", "sq_head")
+
+    def push(self, handle: int, *, prompt_off: int = 0, prompt_len: int = 0,
              max_tokens: int = 0, flags: int = 0, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, priority: int = 0, seed: int = 0, stop_ids=()) -> None:
-        """Writes one entry; it becomes visible to the device at the next publish()."""
-        e = self._sq[self._tail & self._mask]
-        e["op"], e["handle"] = op, handle
+             top_k: int = 0, priority: int = 0, seed: int = 0, stop_ids=()) -> int:
+        """Writes one GENERATE; it becomes visible to the device at the next publish().  Returns
+        the free-running u32 position it went to: the sq_pos an abort of this request names."""
+        pos = self._tail
+        e = self._ring[pos & self._mask]
+        e["op"], e["handle"] = layout.RL_OP_GENERATE, handle
         e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
         e["max_tokens"], e["flags"] = max_tokens, flags
         e["temperature"], e["top_p"], e["top_k"] = temperature, top_p, top_k
@@ -150,13 +177,25 @@ class SubmissionQueue:
         e["n_stop"], e["arrival"] = len(stop_ids), 0
         e["stop_ids"][:] = -1
         e["stop_ids"][:len(stop_ids)] = stop_ids
-        self._tail = (self._tail + 1) & 0xFFFFFFFF
+        self._tail = (pos + 1) & 0xFFFFFFFF
+        return pos
 
-    def publish(self) -> bool:
-        if self._tail == self._published:
+
+class AbortQueue(_RingProducer):
+    """Host end of the abort ring: the only writer of aq_tail.  The device empties it every step,
+    whatever the SQ and the pending queue hold."""
+
+    def __init__(self, ctl: np.ndarray, aq: np.ndarray):
+        super().__init__(ctl, aq, "aq_tail", "aq_head")
+
+    def push(self, handle: int, sq_pos: int) -> bool:
+        """Writes one abort of the request whose GENERATE went to SQ position sq_pos (what
+        SubmissionQueue.push returned); visible at the next publish().  False when full."""
+        if self.free_entries() < 1:
             return False
-        self._tail_word.store_release(self._tail)
-        self._published = self._tail
+        e = self._ring[self._tail & self._mask]
+        e["handle"], e["sq_pos"] = handle, sq_pos & 0xFFFFFFFF
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
         return True
 
 
@@ -248,6 +287,7 @@ class HostRings:
         self.config = cfg
         self.control = arrays["ctl"]
         self.submissions = SubmissionQueue(arrays["ctl"], arrays["sq"])
+        self.aborts = AbortQueue(arrays["ctl"], arrays["aq"])
         self.completions = CompletionQueue(arrays["ctl"], arrays["cq"])
         self.arena = PromptArena(arrays["arena"])
         self._shutdown = AtomicU32(_field_address(arrays["ctl"], layout.CONTROL, "shutdown"))
@@ -258,7 +298,7 @@ class HostRings:
     def counters(self) -> dict:
         c = self.control[0]
         names = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls",
-                 "cq_stalls", "pending", "active_slots", "last_step_tokens", "heartbeat_ns",
+                 "cq_stalls", "pending", "active_slots", "last_step_tokens", "aborts", "heartbeat_ns",
                  "error_code", "state", "exit_reason")
         out = {n: int(c[n]) for n in names}
         out["state_name"] = layout.STATE_NAMES.get(out["state"], str(out["state"]))

@@ -45,11 +45,12 @@ class Driver:
         self.a = self.mem.arrays
         if start_index:
             ctl = self.a["ctl"][0]
-            for name in ("sq_tail", "sq_head", "cq_tail", "cq_head"):
+            for name in ("sq_tail", "sq_head", "cq_tail", "cq_head", "aq_tail", "aq_head"):
                 ctl[name] = start_index
             self.mem.rings = HostRings(self.a, cfg)
         self.rings = self.mem.rings
         self.records: dict[int, Record] = {}
+        self.sq_pos: dict[int, int] = {}  # handle -> the SQ position of its GENERATE
         self.steps: list[dict] = []
         self._next = 1
         assert scheduler().init(self.mem.context_address) == layout.RL_ERR_NONE
@@ -63,20 +64,19 @@ class Driver:
         off = self.rings.arena.allocate(prompt)
         handle = self._next
         self._next += 1
-        self.rings.submissions.push(layout.RL_OP_GENERATE, handle, prompt_off=off,
-                                    prompt_len=len(prompt), max_tokens=max_tokens,
-                                    priority=priority, stop_ids=stop_ids, flags=flags, **sampling)
+        self.sq_pos[handle] = self.rings.submissions.push(
+            handle, prompt_off=off, prompt_len=len(prompt), max_tokens=max_tokens,
+            priority=priority, stop_ids=stop_ids, flags=flags, **sampling)
         self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
         return handle
 
     def abort(self, handle: int) -> bool:
-        if self.rings.submissions.free_entries() < 1:
-            return False
-        self.rings.submissions.push(layout.RL_OP_ABORT, handle)
-        return True
+        """Queues an abort for the next step; False only when the abort ring is full."""
+        return self.rings.aborts.push(handle, self.sq_pos[handle])
 
     def step(self, *, drain: bool = True) -> int:
         self.rings.submissions.publish()
+        self.rings.aborts.publish()
         status = scheduler().step(self.mem.context_address)
         if status == layout.RL_STEP_RUN:
             h = self.a["step"][0]

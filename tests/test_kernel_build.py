@@ -43,3 +43,8 @@ def test_the_layout_run_uploads_in_one_copy():
         for n in LAYOUT_RUN:
             assert host.offsets[n] - host.offsets[LAYOUT_RUN[0]] == dev.offsets[n] - dev.offsets[LAYOUT_RUN[0]]
     assert "next_token" not in LAYOUT_RUN  # the step writes it; it comes back, not up
+
+
+def test_every_ring_the_host_shares_is_pinned():
+    """The host reaches these through pinned memory; cfg alone is copied up once, read-only."""
+    assert set(PINNED) == set(layout.HOST_SHARED) - {"cfg"}

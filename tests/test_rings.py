@@ -1,11 +1,13 @@
-"""Ring mechanics: wrap-around, full and empty, for the SQ, the CQ and the prompt arena."""
+"""Ring mechanics: wrap-around, full and empty, for the SQ, the abort ring, the CQ and the prompt
+arena."""
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device.backends.host_memory import HostMemory
 from ipc import layout
-from ipc.rings import PromptArena, RingConfig
+from ipc.rings import AbortQueue, PromptArena, RingConfig
 from tests.sched_driver import Driver, token_for
 
 
@@ -41,8 +43,8 @@ def test_sq_full_and_empty():
                                 arena_size=64, max_ctx=32))
     sq = mem.rings.submissions
     assert sq.free_entries() == 4
-    for h in range(4):
-        sq.push(layout.RL_OP_GENERATE, h + 1)
+    assert [sq.push(h + 1) for h in range(4)] == [0, 1, 2, 3]  # push returns the SQ position
+    assert (mem.arrays["sq"]["op"] == layout.RL_OP_GENERATE).all()
     assert sq.free_entries() == 0
     assert not mem.rings.completions.take().size  # empty CQ reads nothing
     assert mem.rings.completions.pending() == 0
@@ -64,3 +66,38 @@ def test_indices_wrap_at_32_bits(start):
     for rec in d.records.values():
         assert rec.tokens == [token_for(rec.handle, i) for i in range(5)]
         assert rec.done == [layout.RL_FINISH_LENGTH]
+
+
+def _abort_ring(start: int, aq_size: int = 4):
+    cfg = RingConfig(n_slots=1, token_budget=4, sq_size=4, cq_size=64, pending_cap=2,
+                     arena_size=64, max_ctx=32, aq_size=aq_size)
+    mem = HostMemory(cfg)
+    ctl = mem.arrays["ctl"][0]
+    ctl["aq_tail"] = ctl["aq_head"] = start
+    return AbortQueue(mem.arrays["ctl"], mem.arrays["aq"]), ctl, mem.arrays["aq"]
+
+
+def test_abort_ring_full_publish_and_wrap():
+    start = 2**32 - 2  # the free-running u32 index wraps after two entries
+    aq, ctl, entries = _abort_ring(start)
+    assert aq.free_entries() == 4 and not aq.publish()
+    assert all(aq.push(h, 100 + h) for h in range(1, 5))
+    assert aq.free_entries() == 0 and not aq.push(5, 105)  # full: refused, nothing overwritten
+    assert ctl["aq_tail"] == start, "nothing is visible before publish"
+    assert aq.publish() and not aq.publish()
+    assert ctl["aq_tail"] == (start + 4) % 2**32
+    slots = [(start + i) % 4 for i in range(4)]
+    assert [tuple(entries[i]) for i in slots] == [(h, 100 + h) for h in range(1, 5)]
+    ctl["aq_head"] = (start + 3) % 2**32  # the device consumed three
+    assert aq.free_entries() == 3
+    assert aq.push(6, 2**32 + 7)  # sq_pos is a u32
+    assert tuple(entries[(start + 4) % 4]) == (6, 7)
+
+
+def test_abort_ring_size_defaults_to_what_the_device_can_hold():
+    cfg = RingConfig(n_slots=3, token_budget=4, sq_size=16, cq_size=64, pending_cap=4)
+    assert cfg.aq_size == 32  # next power of two >= 16 + 4 + 3
+    assert RingConfig(sq_size=16, pending_cap=8, n_slots=8, token_budget=8).aq_size == 32
+    assert RingConfig(aq_size=8).aq_size == 8
+    with pytest.raises(ValueError):
+        RingConfig(aq_size=12)

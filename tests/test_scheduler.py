@@ -188,6 +188,168 @@ def test_abort_pending_and_running_requests():
     assert d.records[running].done == [layout.RL_FINISH_ABORT]
 
 
+def _in_sq(d: Driver, handle: int) -> bool:
+    """Whether the GENERATE of `handle` is still in the SQ (not drained by the device)."""
+    head = int(d.a["ctl"][0]["sq_head"])
+    return (d.sq_pos[handle] - head) % 2**32 < 2**31
+
+
+def _fill_device(d: Driver, max_tokens: int) -> list[int]:
+    """Submits until the slots, the pending queue and the SQ are all full."""
+    handles = []
+    while True:
+        h = d.submit([1, 2], max_tokens)
+        if h is None:
+            ctl = d.rings.counters()
+            if ctl["pending"] == d.cfg.pending_cap and ctl["active_slots"] == d.cfg.n_slots:
+                return handles
+            d.step()
+        else:
+            handles.append(h)
+
+
+def test_abort_of_a_request_still_in_the_sq():
+    """pending is full, so the GENERATE waits in the SQ; its abort must not wait behind it."""
+    d = Driver(small_config(n_slots=1, sq_size=16, pending_cap=4, cq_size=64))
+    handles = [d.submit([1, 2], 3) for _ in range(10)]
+    d.step()
+    d.step()
+    victim = handles[7]
+    assert _in_sq(d, victim) and d.rings.counters()["pending"] == 4
+    assert d.abort(victim)
+    d.step()
+    assert _in_sq(d, victim) and not d.records[victim].done  # marked, applied once drained
+    while _in_sq(d, victim):
+        d.step()
+    assert d.records[victim].done == [layout.RL_FINISH_ABORT], "DONE in the step that drains it"
+    d.run_until_idle()
+    assert d.records[victim].done == [layout.RL_FINISH_ABORT] and not d.records[victim].tokens
+    for h in handles:
+        if h != victim:
+            assert d.records[h].done == [layout.RL_FINISH_LENGTH]
+            assert d.records[h].tokens == [token_for(h, i) for i in range(3)]
+    assert d.rings.counters()["aborts"] == 1
+    assert not d.a["sq_cancel"].any()
+
+
+def test_abort_all_with_everything_full_ends_every_request_within_a_few_steps():
+    cfg = small_config(n_slots=2, sq_size=16, pending_cap=4, cq_size=64, arena_size=256)
+    d = Driver(cfg)
+    handles = _fill_device(d, max_tokens=1000)
+    assert d.rings.submissions.free_entries() == 0 and len(handles) == 16 + 4 + 2
+    drained = {h for h in handles if not _in_sq(d, h)}
+    assert len(drained) == 6
+    tokens_before = {h: len(d.records[h].tokens) for h in handles}
+    assert all(d.abort(h) for h in handles), "the abort ring holds every request the device can"
+    for n_steps in range(1, cfg.sq_size // cfg.pending_cap + 4):
+        d.step()
+        if n_steps == 1:
+            assert all(d.records[h].done for h in drained), "drained requests end in one step"
+        if all(d.records[h].done for h in handles):
+            break
+    assert n_steps <= cfg.sq_size // cfg.pending_cap + 1
+    for h in handles:
+        rec = d.records[h]
+        assert rec.done == [layout.RL_FINISH_ABORT]
+        assert len(rec.tokens) == tokens_before[h], "no token after the abort"
+    ctl = d.rings.counters()
+    assert ctl["aborts"] == ctl["finished"] == len(handles)
+    assert ctl["active_slots"] == 0 and ctl["pending"] == 0
+    assert d.step() == layout.RL_STEP_IDLE
+
+
+def test_a_stale_abort_is_ignored():
+    d = Driver(small_config(n_slots=1, sq_size=4))
+    old = d.submit([1, 2], 2)
+    d.run_until_idle()
+    for _ in range(3):  # the next request lands on the SQ entry the old one used
+        d.submit([5], 1)
+    d.run_until_idle()
+    later = d.submit([3, 4], 4)
+    assert d.sq_pos[later] % 4 == d.sq_pos[old] % 4
+    assert d.abort(old)
+    d.run_until_idle()
+    assert d.records[old].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[later].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[later].tokens == [token_for(later, i) for i in range(4)]
+    assert d.rings.counters()["aborts"] == 0
+    assert not d.a["sq_cancel"].any()
+
+
+def test_aborts_of_undrained_entries_across_the_u32_wrap():
+    """The SQ and abort-ring indices start 5 below 2**32; the aborted GENERATEs sit on both sides
+    of the wrap, still in the SQ (pending_cap 4), and one more is already pending."""
+    cfg = small_config(n_slots=1, sq_size=16, pending_cap=4, cq_size=64)
+    d = Driver(cfg, start_index=2**32 - 5)
+    handles = [d.submit([1, 2], 3) for _ in range(12)]
+    d.step()
+    undrained = [h for h in handles if _in_sq(d, h)]
+    assert {d.sq_pos[h] for h in undrained[:3]} == {2**32 - 1, 0, 1}
+    aborted = [handles[2]] + undrained[:3] + [undrained[5]]
+    assert all(d.abort(h) for h in aborted)
+    d.step()
+    late = undrained[-1]  # its abort crosses the abort ring's wrap
+    assert int(d.a["ctl"][0]["aq_head"]) == 0 and d.abort(late)
+    aborted.append(late)
+    d.run_until_idle()
+    for h in handles:
+        rec = d.records[h]
+        if h in aborted:
+            assert rec.done == [layout.RL_FINISH_ABORT] and not rec.tokens
+        else:
+            assert rec.done == [layout.RL_FINISH_LENGTH]
+            assert rec.tokens == [token_for(h, i) for i in range(3)]
+    assert d.rings.counters()["aborts"] == len(aborted)
+
+
+def test_a_step_whose_drained_entries_were_all_aborted_drains_more_instead_of_idling():
+    """Backends sleep on an idle step until the host rings; the SQ's remaining entries must not
+    wait for that."""
+    d = Driver(small_config(n_slots=1, sq_size=8, pending_cap=2))
+    first, second, third = (d.submit([1, 2], 2) for _ in range(3))
+    assert d.abort(first) and d.abort(second)
+    assert d.step() == layout.RL_STEP_RUN
+    assert d.records[first].done == d.records[second].done == [layout.RL_FINISH_ABORT]
+    assert d.a["slots"][0]["handle"] == third
+    d.run_until_idle()
+    assert d.records[third].done == [layout.RL_FINISH_LENGTH]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_aborts_at_random_times_end_each_request_once(data):
+    n_slots = data.draw(st.integers(1, 3), label="n_slots")
+    pending_cap = data.draw(st.sampled_from([2, 4, 8]), label="pending_cap")
+    d = Driver(small_config(n_slots=n_slots, token_budget=8, sq_size=8, pending_cap=pending_cap,
+                            cq_size=64, arena_size=256))
+    aborted: set[int] = set()
+    ops = data.draw(st.lists(st.tuples(st.sampled_from(["submit", "abort", "step"]),
+                                       st.integers(1, 12), st.integers(0, 10**6)),
+                             min_size=1, max_size=120), label="ops")
+    for op, n, pick in ops:
+        if op == "submit":
+            d.submit(np.arange(n % 5 + 1, dtype=np.int32), n)
+        elif op == "abort" and d.records:
+            h = sorted(d.records)[pick % len(d.records)]  # live, queued or long finished
+            if d.abort(h):
+                aborted.add(h)
+        else:
+            d.step(drain=pick % 4 != 0)  # sometimes the host reads the CQ a step late
+    d.run_until_idle()
+    for h, rec in d.records.items():
+        assert len(rec.done) == 1
+        assert rec.indices == list(range(len(rec.tokens)))
+        assert rec.tokens == [token_for(h, i) for i in range(len(rec.tokens))]
+        if rec.done == [layout.RL_FINISH_ABORT]:
+            assert h in aborted and len(rec.tokens) < rec.max_tokens
+        else:  # not aborted, or it finished before its abort was applied
+            assert rec.done == [layout.RL_FINISH_LENGTH] and len(rec.tokens) == rec.max_tokens
+    ctl = d.rings.counters()
+    assert ctl["finished"] == len(d.records)
+    assert ctl["aborts"] == sum(r.done == [layout.RL_FINISH_ABORT] for r in d.records.values())
+    assert not d.a["sq_cancel"].any()
+
+
 def test_full_cq_makes_the_scheduler_wait_not_drop():
     cfg = small_config(n_slots=4, token_budget=4, cq_size=16, pending_cap=8)
     d = Driver(cfg)

@@ -32,7 +32,9 @@ __device__ uint32_t rl_wait_for_turn(const RlContext& ctx) {
   return RL_EXIT_NONE;
 }
 
-extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS)
+// One block, ever: minBlocks 1 lets ptxas take the registers it needs rather than spill for
+// an occupancy this kernel never has.
+extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
 rl_scheduler_persistent(RlContext ctx) {
   __shared__ RlShared sh;
   if (sched_init(ctx) != RL_ERR_NONE) return;

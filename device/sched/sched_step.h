@@ -4,18 +4,24 @@
 // RL_FOR loops spread over its threads), the host C++ compiler into the CPU backend and the
 // host-scheduled baseline (RL_FOR is a plain loop).  Requires the generated layout header and
 // primitives.h.  Order of one step:
-//   1. drain the SQ into the pending queue (ABORTs mark pending entries cancelled / slots aborted)
+//   1. apply the abort ring (pending entries cancelled, slots aborted, or undrained SQ entries
+//      marked in sq_cancel), then drain the SQ into the pending queue
 //   2. consume the last step's samples: TOKEN events, stop checks, DONE events, free slots;
 //      DONE for cancelled pending requests; all events reserved and published at once
 //   3. admit pending requests into free slots (FIFO, or priority with aging; or static batching,
 //      the baseline that admits only into an empty batch)
 //   4. build the step: one row per decoding slot first, then prefill chunks in admission order
 //      while the token budget lasts; write the layout the model step reads
+// 1-4 repeat while the step has no rows, pending is empty and the SQ still holds entries.
 #pragma once
 
 #define RL_SH_SQ_TAIL 0
 #define RL_SH_CQ_OK 1
 #define RL_SH_STOP 2
+#define RL_SH_AQ_TAIL 4  // 3 is kernel.cu's RL_SH_TURN_EXIT
+#define RL_SH_ABORT_HANDLE 5
+#define RL_SH_ABORT_POS 6
+#define RL_SH_ABORT_HIT 7
 
 // Why the scheduler should stop now (RL_EXIT_*), or RL_EXIT_NONE.  Leader thread only: the host
 // may write shutdown between two threads' reads, so one thread reads and the block is told.
@@ -69,20 +75,71 @@ RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint3
   e.queued_us = queued_us;
 }
 
-// Phase 1: copy new SQ entries into pending, then apply ABORT entries.  Returns false on shutdown.
+// Phase 1a: applies every new abort entry.  Aborts are rare, so each is handled in turn: the
+// leader reads it from host memory once and the block searches pending entries and slots.
+RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  uint32_t head = st.aq_head, tail = sh->u[RL_SH_AQ_TAIL];
+  if (head == tail) return;
+  uint32_t sq_head = st.sq_head, n_pending = st.n_pending;
+  uint32_t slot_aborts = 0;  // leader's tally
+  for (uint32_t a = head; a != tail; ++a) {
+    if (RL_LEADER) {
+      RlAbortEntry e = c.aq[a & (cfg.aq_size - 1)];
+      sh->u[RL_SH_ABORT_HANDLE] = e.handle;
+      sh->u[RL_SH_ABORT_POS] = e.sq_pos;
+      sh->u[RL_SH_ABORT_HIT] = 0;
+    }
+    RL_SYNC();
+    uint32_t h = sh->u[RL_SH_ABORT_HANDLE], pos = sh->u[RL_SH_ABORT_POS];
+    if ((int32_t)(pos - sq_head) >= 0) {
+      // its GENERATE is still in the SQ, maybe not even published: the drain applies the mark
+      if (RL_LEADER) c.sq_cancel[pos & (cfg.sq_size - 1)] = h;
+    } else {  // drained: pending or running, or already finished (then nothing matches)
+      RL_FOR(j, n_pending)
+        if (c.pending[j].op == RL_OP_GENERATE && c.pending[j].handle == h)
+          c.pending[j].op = RL_OP_CANCELLED;
+      RL_FOR(s, cfg.n_slots) {
+        RlSlot& sl = c.slots[s];
+        if (sl.state != RL_SLOT_FREE && sl.handle == h && !sl.abort) {
+          sl.abort = 1;
+          sh->u[RL_SH_ABORT_HIT] = 1;  // a live handle is in at most one slot: one writer
+        }
+      }
+    }
+    RL_SYNC();
+    if (RL_LEADER) slot_aborts += sh->u[RL_SH_ABORT_HIT];
+  }
+  if (RL_LEADER) {
+    st.aq_head = tail;
+    c.ctl->aborts += slot_aborts;  // cancelled pending entries are counted as their DONE goes out
+    rl_store_release(&c.ctl->aq_head, tail);  // the host may now reuse those entries
+  }
+}
+
+// Phase 1: applies the abort ring, then copies new SQ entries into pending.  Aborts go first and
+// regardless of room, so a full SQ or pending queue never holds one back.
 RL_FN void rl_drain_sq(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
-  if (RL_LEADER) sh->u[RL_SH_SQ_TAIL] = rl_load_acquire(&c.ctl->sq_tail);
+  if (RL_LEADER) {
+    sh->u[RL_SH_AQ_TAIL] = rl_load_acquire(&c.ctl->aq_tail);
+    sh->u[RL_SH_SQ_TAIL] = rl_load_acquire(&c.ctl->sq_tail);
+  }
   RL_SYNC();
+  rl_apply_aborts(c, sh);
   uint32_t head = st.sq_head, tail = sh->u[RL_SH_SQ_TAIL];
   uint32_t n_pending = st.n_pending;
   uint32_t room = cfg.pending_cap - n_pending;
   uint32_t n_take = tail - head;
-  if (n_take > room) n_take = room;  // backpressure: the rest stays in the SQ
+  if (n_take > room) n_take = room;  // backpressure: the rest stays in the SQ, marks and all
   uint64_t now = rl_now_ns();
   RL_FOR(i, n_take) {
-    RlSqEntry e = c.sq[(head + i) & (cfg.sq_size - 1)];
+    uint32_t p = (head + i) & (cfg.sq_size - 1);
+    RlSqEntry e = c.sq[p];
+    if (c.sq_cancel[p] == e.handle) e.op = RL_OP_CANCELLED;  // aborted while in the SQ
+    c.sq_cancel[p] = 0;
     e.arrival = (uint32_t)st.step;
     e.drained_ns = now;
     c.pending[n_pending + i] = e;
@@ -94,20 +151,6 @@ RL_FN void rl_drain_sq(const RlContext& c, RlShared* sh) {
     st.sq_head = head + n_take;
     st.n_pending = n_pending + n_take;
     rl_store_release(&c.ctl->sq_head, head + n_take);  // the host may now reuse those entries
-  }
-  // ABORTs are rare: each is matched by a parallel search over pending entries and slots.
-  for (uint32_t i = 0; i < n_take; ++i) {
-    RlSqEntry& a = c.pending[n_pending + i];
-    if (a.op != RL_OP_ABORT) continue;
-    uint32_t h = a.handle;
-    RL_FOR(j, n_pending + i)
-      if (c.pending[j].op == RL_OP_GENERATE && c.pending[j].handle == h)
-        c.pending[j].op = RL_OP_CANCELLED;
-    RL_FOR(s, cfg.n_slots)
-      if (c.slots[s].state != RL_SLOT_FREE && c.slots[s].handle == h) c.slots[s].abort = 1;
-    RL_SYNC();
-    if (RL_LEADER) a.op = RL_OP_NONE;
-    RL_SYNC();
   }
   RL_SYNC();
 }
@@ -195,6 +238,7 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     rl_store_release(&c.ctl->cq_tail, tail + total);
     c.ctl->generated += n_tokens;
     c.ctl->finished += n_slot_dones + n_pending_events;
+    if (n_pending_events) c.ctl->aborts += n_pending_events;  // all of them are aborts
   }
   RL_SYNC();
   return true;
@@ -437,13 +481,18 @@ RL_FN uint32_t sched_step(const RlContext& c, RlShared* sh) {
     rl_mark_exited(c, stop);
     return RL_STEP_SHUTDOWN;
   }
-  rl_drain_sq(c, sh);
-  if (!rl_emit_events(c, sh)) {
-    rl_mark_exited(c, sh->u[RL_SH_STOP]);
-    return RL_STEP_SHUTDOWN;
-  }
-  rl_admit(c, sh);
-  uint32_t n_rows = rl_build_step(c, sh);
+  uint32_t n_rows;
+  do {
+    rl_drain_sq(c, sh);
+    if (!rl_emit_events(c, sh)) {
+      rl_mark_exited(c, sh->u[RL_SH_STOP]);
+      return RL_STEP_SHUTDOWN;
+    }
+    rl_admit(c, sh);
+    n_rows = rl_build_step(c, sh);
+    // Nothing to run and pending empty, yet the SQ holds more (all that fitted were aborted):
+    // take the next entries now, since an idle step sends the host-side loops to sleep.
+  } while (n_rows == 0 && c.sched->n_pending == 0 && sh->u[RL_SH_SQ_TAIL] != c.sched->sq_head);
   if (RL_LEADER) {
     RlControl& ctl = *c.ctl;
     if (n_rows > 0) {
@@ -480,7 +529,8 @@ RL_FN uint32_t sched_init(const RlContext& c) {
            (cfg.arena_size & (cfg.arena_size - 1)) || cfg.work_len < cfg.n_slots ||
            cfg.work_len < cfg.pending_cap || cfg.n_buckets > RL_MAX_BUCKETS ||
            cfg.n_eos > RL_MAX_EOS_IDS || cfg.trace_len == 0 ||
-           (cfg.trace_len & (cfg.trace_len - 1)))
+           (cfg.trace_len & (cfg.trace_len - 1)) || cfg.aq_size == 0 ||
+           (cfg.aq_size & (cfg.aq_size - 1)))
     err = RL_ERR_BAD_CONFIG;
   if (RL_LEADER) {
     c.ctl->error_code = err;
@@ -492,12 +542,14 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     c.slots[s].sampled = 0;
     c.slots[s].abort = 0;
   }
+  RL_FOR(p, cfg.sq_size) c.sq_cancel[p] = 0;
   if (RL_LEADER) {
     c.sched->step = 0;
     c.sched->n_pending = 0;
     c.sched->admit_seq = 0;
     c.sched->sq_head = c.ctl->sq_head;
     c.sched->cq_tail = c.ctl->cq_tail;
+    c.sched->aq_head = c.ctl->aq_head;
     c.sched->started_ns = rl_now_ns();
     c.sched->stop_grace_ns = c.ctl->stop_grace_ns;
     c.sched->run_budget_ns = c.ctl->run_budget_ns;
