@@ -54,8 +54,10 @@ def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
 
 def done_frame(req: InFlight, finish_reason: str, code: str | None = None,
                message: str | None = None, device_queued_us: int | None = None) -> tuple[bytes, bytes]:
-    msg = protocol.done_msg(req.id, finish_reason, req.prompt_len, req.completion_tokens,
-                            error_code=code, error_message=message)
+    # a request that timed out before its first token is billed nothing, like a rejected one
+    unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
+    msg = protocol.done_msg(req.id, finish_reason, 0 if unstarted_timeout else req.prompt_len,
+                            req.completion_tokens, error_code=code, error_message=message)
     msg["timing"] = server_timing(req, device_queued_us)
     return req.client, protocol.encode(msg)
 
@@ -70,7 +72,6 @@ class CompletionRouter:
         self._metrics = metrics
         self._watchdog_s = watchdog_s
         self._stop = threading.Event()
-        self.abort_as: dict[int, tuple[str, str]] = {}  # handle -> (code, message) for host-initiated aborts
         self.dead_reason: str | None = None
         self._thread = threading.Thread(target=self._run, name="rl-completions", daemon=True)
 
@@ -157,9 +158,8 @@ class CompletionRouter:
                                        protocol.encode(protocol.token_msg(req.id, [], tail))))
                 reason = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
                 code = message = None
-                override = self.abort_as.pop(handle, None)
-                if reason == protocol.FINISH_ABORT and override is not None:
-                    reason, (code, message) = protocol.FINISH_ERROR, override
+                if reason == protocol.FINISH_ABORT and req.end_as is not None:
+                    reason, (code, message) = protocol.FINISH_ERROR, req.end_as
                 frames.append(done_frame(req, reason, code, message, queued[handle]))
                 self._metrics.finished(req, reason)
         self._outbox.put_many(frames)

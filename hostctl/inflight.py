@@ -1,7 +1,15 @@
-"""Every accepted generate request until its one `done` is sent: the host's request table.
+"""A request from acceptance until its one `done` is sent: the host's request table.
 
-Written by the frontend thread (add) and the completion thread (finish); both go through the lock.
-A request leaves the table exactly once (`finish`), which is what makes its `done` unique.
+Written by the frontend thread (add, mark_in_sq) and the completion thread (finish); both go
+through the lock.  A request leaves the table exactly once (`finish`), which is what makes its
+`done` unique.  The table also keeps, under the same lock, what admission and fairness need in
+O(1): the requests of each client, and how many requests have entered the SQ and not ended.
+
+Fields of InFlight shared between threads, and their one writer:
+  in_sq, sq_pos, submit_ns, end_as,
+  abort_sent, deadline fields  frontend thread (end_as is written before the abort enters the ring)
+  first_token_ns,
+  completion_tokens            completion thread (the frontend only reads them, for timeouts)
 """
 from __future__ import annotations
 
@@ -27,16 +35,24 @@ class InFlight:
     priority: int
     detokenizer: Any = None
     arena_offset: int | None = None  # set once the prompt is in the arena
-    in_device: bool = False          # its GENERATE entry was written to the SQ
+    in_sq: bool = False              # its GENERATE entry was written to the SQ (the device owns it now)
+    sq_pos: int = 0                  # the SQ index of that entry, which its abort names
     abort_sent: bool = False
+    end_as: tuple[str, str] | None = None  # (code, message) that turns the device's abort into an error
     completion_tokens: int = 0
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     submit_ns: int = 0
     first_token_ns: int = 0
+    deadline_ns: int = 0             # perf_counter_ns by which it must end (0: none)
+    queue_deadline_ns: int = 0       # perf_counter_ns by which its first token must come (0: none)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def started(self) -> bool:
+        return self.first_token_ns != 0
 
 
 class RequestTable:
@@ -44,10 +60,17 @@ class RequestTable:
         self._lock = threading.Lock()
         self._by_handle: dict[int, InFlight] = {}
         self._by_key: dict[tuple[bytes, Any], InFlight] = {}
+        self._by_client: dict[bytes, dict[int, InFlight]] = {}
+        self._in_sq = 0
         self._next_handle = 1
 
     def __len__(self) -> int:
         return len(self._by_handle)
+
+    @property
+    def in_sq(self) -> int:
+        """Requests the device holds (written to the SQ, not ended): what the admission window bounds."""
+        return self._in_sq
 
     @staticmethod
     def key(client: bytes, request_id: Any) -> tuple:
@@ -66,7 +89,17 @@ class RequestTable:
             req = InFlight(handle=handle, client=client, id=request_id, **fields)
             self._by_handle[handle] = req
             self._by_key[self.key(client, request_id)] = req
+            self._by_client.setdefault(client, {})[handle] = req
             return req
+
+    def mark_in_sq(self, req: InFlight, sq_pos: int) -> bool:
+        """Records that its GENERATE entry is in the SQ; False if it ended meanwhile."""
+        with self._lock:
+            if self._by_handle.get(req.handle) is not req:
+                return False
+            req.in_sq, req.sq_pos = True, sq_pos
+            self._in_sq += 1
+            return True
 
     def get(self, handle: int) -> InFlight | None:
         with self._lock:
@@ -78,7 +111,11 @@ class RequestTable:
 
     def of_client(self, client: bytes) -> list[InFlight]:
         with self._lock:
-            return [r for r in self._by_handle.values() if r.client == client]
+            return list(self._by_client.get(client, {}).values())
+
+    def count_of(self, client: bytes) -> int:
+        with self._lock:
+            return len(self._by_client.get(client, ()))
 
     def all(self) -> list[InFlight]:
         with self._lock:
@@ -90,4 +127,11 @@ class RequestTable:
             req = self._by_handle.pop(handle, None)
             if req is not None:
                 self._by_key.pop(self.key(req.client, req.id), None)
+                mine = self._by_client.get(req.client)
+                if mine is not None:
+                    mine.pop(handle, None)
+                    if not mine:
+                        del self._by_client[req.client]
+                if req.in_sq:
+                    self._in_sq -= 1
             return req

@@ -1,13 +1,19 @@
 """The host process: a ROUTER frontend, admission into the rings, completion routing, shutdown.
 
-Threads: the frontend thread owns the ROUTER socket and the SQ (decode, validate, tokenize,
-admit, send); the completion thread owns the CQ (see completions.py); the backend runs the
-scheduler.  Every accepted generate gets exactly one `done`: from the device (stop, length,
-abort), from the watchdog (engine_dead), or from the host for requests the device never saw.
+Threads: the frontend thread owns the ROUTER socket, the SQ and the abort ring (decode, validate,
+tokenize, admit, abort, time out, send); the completion thread owns the CQ (see completions.py);
+the backend runs the scheduler.  Every accepted generate gets exactly one `done`: from the device
+(stop, length, abort, or an abort the host turned into an error such as timeout), from the
+watchdog (engine_dead), or from the host for requests the device never saw.
+
+Per-frame work is O(1) in the number of requests in flight: the request table indexes requests
+by client, a client found gone is handled once (its later frames are dropped, not re-examined),
+and deadlines sit in a heap.
 """
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import threading
@@ -29,13 +35,23 @@ log = logging.getLogger("ringleader.server")
 RECV_BATCH = 256           # frames taken per wake-up before admitting them together
 HARD_FRAME_LIMIT = 64 << 20  # zmq drops a connection that sends more than this in one frame
 MAX_BACKLOG_FRAMES = 65536   # per client; beyond it the client is treated as gone
+GONE_SWEEP_S = 1.0           # how often clients marked gone with nothing left in flight are forgotten
+ABORT_WAIT_S = 1.5           # at shutdown: how long the device gets to end what was aborted
+_QUEUE_DEADLINE, _REQUEST_DEADLINE = 0, 1
 
 
 class Server:
+    """max_inflight_per_client: requests one client may have accepted and not ended (0: no cap).
+    max_queue_ms: a request that has not produced its first token this long after arrival ends
+    with code `timeout` (0 or None: no limit); a request's own `timeout_ms` bounds its whole life.
+    curve: CURVE keys (ipc.curve.ServerCurve); then only clients whose public key is authorized
+    get through.  Shutdown takes at most drain_timeout_s + 5 s, whatever is in flight."""
+
     def __init__(self, backend: Backend, bind: str = "tcp://127.0.0.1:5555", *,
                  max_queued: int = 4096, max_frame_bytes: int = 1 << 20,
                  max_tokens_cap: int | None = None, watchdog_s: float | None = None,
-                 drain_timeout_s: float = 5.0):
+                 drain_timeout_s: float = 5.0, max_inflight_per_client: int = 1024,
+                 max_queue_ms: float | None = 60_000, curve=None):
         self.backend = backend
         model = backend.model
         self.limits = protocol.Limits(
@@ -44,10 +60,24 @@ class Server:
             max_tokens_cap=max_tokens_cap or model.max_context)
         self.table = RequestTable()
         self.metrics = ServerMetrics()
-        self.admission = Admission(backend.rings, max_queued=max_queued)
+        self.admission = Admission(backend.rings, self.table, max_queued=max_queued)
+        self.max_inflight_per_client = max_inflight_per_client
+        self._max_queue_ns = int(max_queue_ms * 1e6) if max_queue_ms else 0
         self._drain_timeout_s = drain_timeout_s
-        self._ctx = zmq.Context.instance()
+        self._deadlines: list[tuple[int, int, int]] = []  # (perf_counter_ns, handle, kind)
+        self.timed_out = 0
+        self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
+        self._own_ctx = curve is not None  # ZAP is per context: a CURVE server keeps its own
+        self._auth = None
         self._router = self._ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            from ipc.curve import secure_server_socket
+            self._auth = secure_server_socket(self._ctx, self._router, curve)
+        else:
+            from ipc.curve import is_loopback
+            if not is_loopback(bind):
+                log.warning("binding %s without CURVE keys: any host that reaches it can use this "
+                            "server (see `ringleader keygen` and --curve-secret-key)", bind)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.LINGER, 1000)
         self._router.setsockopt(zmq.SNDHWM, 100_000)
@@ -71,6 +101,8 @@ class Server:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._backlog: dict[bytes, deque] = defaultdict(deque)
+        self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
+        self._next_gone_sweep = 0.0
         self._stop_requested = threading.Event()
         self._frontend_tid: int | None = None
         self._accepting = True
@@ -93,7 +125,12 @@ class Server:
         self._stop_requested.set()
 
     def _poll_timeout_ms(self) -> int:
-        return 1 if (self.admission.queued or self._backlog) else 100
+        if self.admission.waits_for_ring_space() or self._backlog:
+            return 1
+        if self._deadlines:
+            until = (self._deadlines[0][0] - time.perf_counter_ns()) // 1_000_000
+            return int(min(100, max(1, until + 1)))
+        return 100
 
     def _notify_frontend(self) -> None:
         with self._wake_lock:
@@ -123,14 +160,17 @@ class Server:
                 except zmq.Again:
                     break
                 self._handle_parts(parts)
+        self._expire_deadlines()
         self.admission.pump()
         if self.admission.publish():
             self.backend.wake()
         self._send_all(self.outbox.take_all())
         self._retry_backlog()
+        self._sweep_gone()
 
     def _handle_parts(self, parts: list[bytes]) -> None:
         client = parts[0]
+        self._gone.discard(client)  # it is back (a client may reconnect under its identity)
         if len(parts) != 2:
             self.metrics.bad_frames += 1
             self._send(client, protocol.encode(protocol.error_msg(
@@ -175,6 +215,13 @@ class Server:
             self._reject(client, r.id, code, "server is not accepting requests: " +
                          ("shutting down" if not self._accepting else self.completions.dead_reason))
             return
+        cap = self.max_inflight_per_client
+        if cap and self.table.count_of(client) >= cap:
+            self.metrics.rejected_overloaded += 1
+            self._reject(client, r.id, protocol.ERR_OVERLOADED,
+                         f"overloaded: this client already has {cap} requests in flight "
+                         f"(the server's --max-inflight-per-client)")
+            return
         model = self.backend.model
         if r.prompt_ids is not None:
             prompt_ids = r.prompt_ids
@@ -203,17 +250,56 @@ class Server:
             top_k=int(r.top_k), seed=seed, stop_ids=tuple(r.stop_token_ids),
             ignore_eos=bool(r.ignore_eos), priority=int(r.priority),
             detokenizer=model.new_detokenizer() if model.new_detokenizer else None)
+        self._arm_deadlines(req, r.timeout_ms)
         self.admission.submit(req)  # can_accept was checked just above
         self.metrics.accepted += 1
 
+    # ---- ending requests early ---------------------------------------------------------------
     def _abort(self, req: InFlight, code: str | None = None, message: str | None = None) -> None:
-        if code is not None:
-            self.completions.abort_as[req.handle] = (code, message)
-        if self.admission.abort(req) and self.table.finish(req.handle) is req:
-            # never reached the device: end it here
-            reason = protocol.FINISH_ERROR if code else protocol.FINISH_ABORT
+        """Ends a request: at once if it is still on the host, else through the abort ring (its
+        `done` then comes from the device, as an error with `code` when one is given)."""
+        if self.admission.abort(req):
+            if code is None:
+                self._end_on_host(req, protocol.FINISH_ABORT)
+            else:
+                self._end_on_host(req, protocol.FINISH_ERROR, code, message)
+        elif code is not None and req.end_as is None:
+            req.end_as = (code, message)
+
+    def _end_on_host(self, req: InFlight, reason: str, code: str | None = None,
+                     message: str | None = None) -> None:
+        """The `done` of a request the device does not hold (or no longer answers for)."""
+        if self.table.finish(req.handle) is req:
             self._send(req.client, done_frame(req, reason, code, message)[1])
             self.metrics.finished(req, reason)
+
+    def _arm_deadlines(self, req: InFlight, timeout_ms: int | None) -> None:
+        if self._max_queue_ns:
+            req.queue_deadline_ns = req.arrival_ns + self._max_queue_ns
+            heapq.heappush(self._deadlines, (req.queue_deadline_ns, req.handle, _QUEUE_DEADLINE))
+        if timeout_ms is not None:
+            req.deadline_ns = req.arrival_ns + timeout_ms * 1_000_000
+            heapq.heappush(self._deadlines, (req.deadline_ns, req.handle, _REQUEST_DEADLINE))
+        if len(self._deadlines) > 2 * len(self.table) + 64:  # most belong to ended requests
+            self._deadlines = [d for d in self._deadlines if self.table.get(d[1]) is not None]
+            heapq.heapify(self._deadlines)
+
+    def _expire_deadlines(self) -> None:
+        now = time.perf_counter_ns()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            when, handle, kind = heapq.heappop(self._deadlines)
+            req = self.table.get(handle)
+            if req is None:
+                continue
+            if kind == _QUEUE_DEADLINE and when == req.queue_deadline_ns and not req.started:
+                message = (f"timeout: not started within the server's queue limit of "
+                           f"{self._max_queue_ns / 1e6:.0f} ms")
+            elif kind == _REQUEST_DEADLINE and when == req.deadline_ns:
+                message = f"timeout: timeout_ms of {(req.deadline_ns - req.arrival_ns) / 1e6:.0f} ms passed"
+            else:
+                continue  # started in time, or the handle now belongs to another request
+            self.timed_out += 1
+            self._abort(req, protocol.ERR_TIMEOUT, message)
 
     # ---- sending -----------------------------------------------------------------------------
     def _send_all(self, frames) -> None:
@@ -221,6 +307,8 @@ class Server:
             self._send(client, frame)
 
     def _send(self, client: bytes, frame: bytes) -> None:
+        if client in self._gone:
+            return  # nobody is there to read it; its requests were aborted when it went
         backlog = self._backlog.get(client)
         if backlog:  # keep per-client order behind frames that are already waiting
             backlog.append(frame)
@@ -246,7 +334,6 @@ class Server:
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
-                    q.clear()
                     self._client_gone(client, "client disconnected")
                     break
                 q.popleft()
@@ -254,16 +341,29 @@ class Server:
                 self._backlog.pop(client, None)
 
     def _client_gone(self, client: bytes, why: str) -> None:
-        """Aborts everything the client has in flight, so its slots go to others."""
+        """Aborts everything the client has in flight, once, so its slots go to others."""
         self._backlog.pop(client, None)
-        for req in self.table.of_client(client):
-            log.info("aborting %r: %s", req.id, why)
+        self._gone.add(client)
+        reqs = self.table.of_client(client)
+        if reqs:
+            log.info("client %s: %s; aborting its %d requests", client.hex(), why, len(reqs))
+        for req in reqs:
             self._abort(req)
+
+    def _sweep_gone(self) -> None:
+        """Forgets gone clients whose requests have all ended (bounds the set)."""
+        now = time.monotonic()
+        if now < self._next_gone_sweep or not self._gone:
+            return
+        self._next_gone_sweep = now + GONE_SWEEP_S
+        self._gone = {c for c in self._gone if self.table.count_of(c)}
 
     # ---- stats and shutdown ------------------------------------------------------------------
     def stats(self) -> dict:
         s = self.metrics.snapshot()
         s.update(in_flight=len(self.table), host_queue=self.admission.queued,
+                 in_device=self.table.in_sq, device_window=self.admission.device_window,
+                 timed_out=self.timed_out,
                  arena_used=self.backend.rings.arena.used(), model=self.backend.model.name,
                  backend=dict(self.backend.description), device=self.backend.stats())
         threads = {"frontend": thread_cpu_seconds(self._frontend_tid),
@@ -274,24 +374,23 @@ class Server:
         return s
 
     def _shutdown(self) -> None:
-        """Stop accepting, let in-flight requests finish for a while, then end the rest."""
+        """Stop accepting, let in-flight requests finish for drain_timeout_s, then end the rest:
+        those on the host at once, those on the device through the abort ring, and whatever the
+        device has not ended ABORT_WAIT_S later on the host.  Every step is bounded."""
         self._accepting = False
         deadline = time.monotonic() + self._drain_timeout_s
         while len(self.table) and time.monotonic() < deadline:
             self._frontend_iteration(timeout_ms=10)
         for req in self.admission.drop_queued():
-            if self.table.finish(req.handle) is req:
-                self._send(req.client, done_frame(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN,
-                                                  "server shut down before the request started")[1])
+            self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN,
+                              "server shut down before the request started")
         for req in self.table.all():
             self._abort(req, protocol.ERR_SHUTDOWN, "server shut down")
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + ABORT_WAIT_S
         while len(self.table) and time.monotonic() < deadline and self.completions.dead_reason is None:
             self._frontend_iteration(timeout_ms=10)
         for req in self.table.all():  # the device did not answer: end them on the host
-            if self.table.finish(req.handle) is req:
-                self._send(req.client, done_frame(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN,
-                                                  "server shut down")[1])
+            self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN, "server shut down")
         self._send_all(self.outbox.take_all())
         self._retry_backlog()
         self.completions.stop()
@@ -301,6 +400,10 @@ class Server:
             self._router.close(linger=1000)
             self._wake_rx.close(0)
             self._wake_tx.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            if self._own_ctx:
+                self._ctx.term()
         log.info("server stopped")
 
 

@@ -3,6 +3,12 @@
 One DEALER socket per client. Replies are demultiplexed by request id into per-request
 queues; `stats`/`pong` replies carry no id and are matched to callers in FIFO order
 (the server answers one connection's frames in order).
+
+Neither client hangs on a dead server: with work outstanding, a client that has no connection
+for `connect_timeout` seconds, or hears nothing (not even the pong to its keep-alive ping) for
+`reply_timeout` seconds, ends that work locally with code `disconnected`.  A stream that is
+dropped unfinished (garbage-collected, closed, or its consuming task cancelled) aborts its
+request on the server, so nobody pays for tokens no one reads.
 """
 
 from __future__ import annotations
@@ -15,14 +21,18 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import protocol as P
+
+if TYPE_CHECKING:
+    from ipc.curve import ClientCurve
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,10 @@ ERR_DISCONNECTED = "disconnected"
 ERR_CLIENT_CLOSED = "client_closed"
 ERR_BAD_REPLY = "bad_reply"
 _CLOSE_LINGER_MS = 200  # time to flush the aborts close() sends for requests still in flight
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_REPLY_TIMEOUT_S = 30.0
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass(slots=True)
@@ -68,7 +82,8 @@ def _check_request_id(request_id: Any) -> None:
 
 
 def _generate_fields(
-    prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority
+    prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+    timeout_ms,
 ) -> dict:
     """Request fields as given: values are judged by the server, only shaped here so they encode."""
     msg: dict[str, Any] = {}
@@ -86,6 +101,8 @@ def _generate_fields(
         ignore_eos=ignore_eos,
         priority=priority,
     )
+    if timeout_ms is not None:
+        msg["timeout_ms"] = timeout_ms
     return msg
 
 
@@ -149,11 +166,87 @@ def _local_done(code: str, message: str, stream: _StreamState) -> Done:
     return Done(P.FINISH_ERROR, 0, len(stream.token_ids), code, message)
 
 
+class _Liveness:
+    """When a client with work outstanding pings the server, and when it gives up on it.
+
+    Shared by both clients; driven by their I/O loop with monotonic times.  Idle clients are never
+    woken by it: `poll_interval` is None while nothing is outstanding.
+    """
+
+    def __init__(self, address: str, connect_timeout: float | None, reply_timeout: float | None):
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self.reply_timeout = reply_timeout
+        self.connected = False
+        self._quiet_since = time.monotonic()  # start of the current wait with nothing heard
+        self._pinged = False
+        self._busy = False
+
+    def heard(self, now: float) -> None:
+        self._quiet_since, self._pinged = now, False
+
+    def on_connected(self, now: float) -> None:
+        self.connected = True
+        self.heard(now)
+
+    def on_disconnected(self, now: float) -> None:
+        self.connected = False
+        self.heard(now)
+
+    def poll_interval(self, busy: bool) -> float | None:
+        limits = [t for t in (self.connect_timeout, self.reply_timeout) if t is not None]
+        if not busy or not limits:
+            return None
+        return min(1.0, max(0.05, min(limits) / 4))
+
+    def check(self, now: float, busy: bool) -> str | None:
+        """"ping" when a keep-alive ping is due, a failure message when the server is given up, else None."""
+        if busy and not self._busy:
+            self.heard(now)  # the clock starts when work starts, not at the last reply of long ago
+        self._busy = busy
+        if not busy:
+            return None
+        quiet = now - self._quiet_since
+        if not self.connected:
+            if self.connect_timeout is not None and quiet > self.connect_timeout:
+                self.heard(now)
+                return f"no connection to the server at {self.address} within {self.connect_timeout:g} s"
+            return None
+        if self.reply_timeout is None:
+            return None
+        if quiet > self.reply_timeout:
+            self.heard(now)
+            return f"no reply from the server at {self.address} within {self.reply_timeout:g} s"
+        if quiet > self.reply_timeout / 3 and not self._pinged:
+            self._pinged = True
+            return "ping"
+        return None
+
+
+def _monitor_failure(event: dict, liveness: _Liveness) -> str | None:
+    """Feeds a monitor event to the liveness clock; returns the message that ends outstanding
+    work, or None."""
+    kind = event["event"]
+    if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        liveness.on_connected(time.monotonic())
+        return None
+    if kind == zmq.EVENT_DISCONNECTED:
+        return "connection to the server was lost"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "the server refused this client's credentials (CURVE authentication failed)"
+    if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return "handshake with the server failed (is it a ringleader server, with matching CURVE keys?)"
+    return None
+
+
 # ---------------------------------------------------------------- sync client
 
 
 class Stream(_StreamState):
-    """Sync iterator of TokenChunk for one request; `done` is set when iteration ends."""
+    """Sync iterator of TokenChunk for one request; `done` is set when iteration ends.
+
+    Dropping an unfinished stream (close(), leaving a `with` block, or garbage collection) aborts
+    the request on the server."""
 
     def __init__(self, client: "Client", request_id: P.RequestId, timeout: float | None):
         super().__init__(request_id, timeout)
@@ -162,6 +255,12 @@ class Stream(_StreamState):
 
     def __iter__(self) -> "Stream":
         return self
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _next(self, timeout: float | None) -> TokenChunk:
         if self.done is not None:
@@ -196,6 +295,12 @@ class Stream(_StreamState):
         if self.done is None:
             self._client._send_msg(P.abort_msg(self.id))
 
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted and its later replies are dropped."""
+        if self.done is None:
+            self._client._abandon(self.id, None)
+            self.done = _local_done(ERR_CLIENT_CLOSED, "stream closed before its end", self)
+
 
 class _Waiter:
     """One pending stats/ping reply."""
@@ -213,40 +318,55 @@ class _Waiter:
 
 
 class Client:
-    """Thread-safe sync client; only the background I/O thread touches the ZeroMQ socket."""
+    """Thread-safe sync client; only the background I/O thread touches the ZeroMQ socket.
+
+    timeout: default wait of one call (a chunk, stats, ping), None waits on the liveness checks.
+    connect_timeout / reply_timeout: see the module docstring; None turns either check off.
+    curve: CURVE keys for a server started with --curve-secret-key (ipc.curve.ClientCurve).
+    """
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
         timeout: float | None = None,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+        reply_timeout: float | None = DEFAULT_REPLY_TIMEOUT_S,
         max_frame_bytes: int | None = P.DEFAULT_MAX_FRAME_BYTES,
+        curve: "ClientCurve | None" = None,
     ):
         self.address = address
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
         self.last_error: dict | None = None  # latest id-less `error` op from the server
         self._lock = threading.Lock()
-        self._streams: dict[P.RequestId, Stream] = {}
+        self._streams: dict[P.RequestId, weakref.ref[Stream]] = {}
+        self._abandoned: collections.deque[tuple[P.RequestId, Any]] = collections.deque()
         self._stats_waiters: collections.deque[_Waiter] = collections.deque()
-        self._ping_waiters: collections.deque[tuple[_Waiter, float]] = collections.deque()
+        # (waiter, sent); waiter None is the client's own keep-alive ping
+        self._ping_waiters: collections.deque[tuple[_Waiter | None, float]] = collections.deque()
         self._outgoing: collections.deque[bytes] = collections.deque()
         self._ids = itertools.count(1)
         self._closed = False
         self._stopping = False
+        self._liveness = _Liveness(address, connect_timeout, reply_timeout)
 
         self._ctx = zmq.Context()  # private context: close() can terminate it
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a ROUTER drops replies to a full pipe: never let ours fill
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # frames wait in our queue, not for a server that is not there
+        if curve is not None:
+            from ipc.curve import secure_client_socket
+            secure_client_socket(self._sock, curve)
+        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
             self._sock.connect(address)
         except zmq.ZMQError:
             self._ctx.destroy(linger=0)
             raise
-        # A socketpair wakes the I/O thread from any thread; zmq.Poller polls plain fds too.
+        # A socketpair wakes the I/O thread from any thread; zmq.Poller reports it by file descriptor.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -268,12 +388,15 @@ class Client:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         priority: int = 0,
+        timeout_ms: int | None = None,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
     ) -> Stream:
-        """Send a generate request and return its Stream (timeout: per chunk, default the client's)."""
+        """Send a generate request and return its Stream (timeout: per chunk, default the client's;
+        timeout_ms: the server ends the request with code `timeout` after this long)."""
         fields = _generate_fields(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority
+            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+            timeout_ms,
         )
         if request_id is not None:
             _check_request_id(request_id)
@@ -287,7 +410,7 @@ class Client:
                 raise ValueError(f"request id {request_id!r} is already in flight on this client")
             frame = self._encode({"op": P.OP_GENERATE, "id": request_id, **fields})
             stream = Stream(self, request_id, self.timeout if timeout is None else timeout)
-            self._streams[request_id] = stream
+            self._streams[request_id] = weakref.ref(stream, self._on_stream_collected(request_id))
             self._outgoing.append(frame)
         self._wake()
         return stream
@@ -368,6 +491,18 @@ class Client:
             self._outgoing.append(frame)
         self._wake()
 
+    def _on_stream_collected(self, request_id: P.RequestId):
+        # Runs wherever the garbage collector runs, maybe under our lock: only a deque append and a wake.
+        def collected(ref: weakref.ref) -> None:
+            self._abandoned.append((request_id, ref))
+            self._wake()
+        return collected
+
+    def _abandon(self, request_id: P.RequestId, ref: Any) -> None:
+        """Forget a stream nobody reads and abort its request (ref None: whatever stream has the id)."""
+        self._abandoned.append((request_id, ref))
+        self._wake()
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
@@ -382,15 +517,20 @@ class Client:
             raise waiter.error
         return waiter.value
 
+    def _busy(self) -> bool:
+        return bool(self._streams or self._stats_waiters or any(w for w, _ in self._ping_waiters))
+
     def _fail_pending(self, code: str, message: str, waiter_error: BaseException) -> None:
         with self._lock:
-            streams = list(self._streams.values())
+            streams = [ref() for ref in self._streams.values()]
             self._streams.clear()
-            waiters = list(self._stats_waiters) + [w for w, _ in self._ping_waiters]
+            waiters = list(self._stats_waiters) + [w for w, _ in self._ping_waiters if w is not None]
             self._stats_waiters.clear()
             self._ping_waiters.clear()
+            self._outgoing.clear()  # requests for a server that is gone must not reach its successor
         for stream in streams:
-            stream._queue.put(_local_done(code, message, stream))
+            if stream is not None:
+                stream._queue.put(_local_done(code, message, stream))
         for waiter in waiters:
             waiter.resolve(error=waiter_error)
 
@@ -400,14 +540,18 @@ class Client:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        poller.register(wake_fd, zmq.POLLIN)  # plain sockets come back from poll() as their fd
         poller.register(self._monitor, zmq.POLLIN)
         want_out = False
         try:
             while True:
-                events = dict(poller.poll())
-                if self._wake_r in events:
+                interval = self._liveness.poll_interval(self._busy())
+                events = dict(poller.poll(None if interval is None else interval * 1000))
+                if wake_fd in events:
                     self._drain_wake()
+                if self._abandoned:
+                    self._send_aborts_for_abandoned()
                 blocked = self._flush_outgoing()
                 if blocked != want_out:
                     want_out = blocked
@@ -416,6 +560,7 @@ class Client:
                     self._drain_socket()
                 if self._monitor in events:
                     self._drain_monitor()
+                self._check_liveness()
                 if self._stopping:
                     break
         except Exception:  # noqa: BLE001 - keep the reason; close() still runs its cleanup
@@ -427,6 +572,27 @@ class Client:
             self._monitor.close(linger=0)
             sock.close()
 
+    def _check_liveness(self) -> None:
+        with self._lock:
+            verdict = self._liveness.check(time.monotonic(), self._busy())
+            if verdict == "ping":
+                self._ping_waiters.append((None, time.monotonic()))
+                self._outgoing.append(P.encode(P.ping_msg()))
+        if verdict == "ping":
+            self._flush_outgoing()
+        elif verdict is not None:
+            self._fail_pending(ERR_DISCONNECTED, verdict, ConnectionError(verdict))
+
+    def _send_aborts_for_abandoned(self) -> None:
+        with self._lock:
+            while self._abandoned:
+                rid, ref = self._abandoned.popleft()
+                current = self._streams.get(rid)
+                if current is None or (ref is not None and current is not ref):
+                    continue  # finished already, or the id now belongs to a newer stream
+                del self._streams[rid]
+                self._outgoing.append(P.encode(P.abort_msg(rid)))
+
     def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -435,7 +601,7 @@ class Client:
             pass
 
     def _flush_outgoing(self) -> bool:
-        """Send queued frames; True if the socket pushed back (HWM) and frames remain."""
+        """Send queued frames; True if the socket pushed back (no connection yet) and frames remain."""
         while self._outgoing:
             frame = self._outgoing.popleft()
             try:
@@ -451,6 +617,7 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._liveness.heard(time.monotonic())
             self._dispatch(frame)
 
     def _drain_monitor(self) -> None:
@@ -459,10 +626,11 @@ class Client:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._fail_pending(
-                    ERR_DISCONNECTED, "connection to the server was lost", ConnectionError("connection lost")
-                )
+            failure = _monitor_failure(event, self._liveness)
+            if failure is not None:
+                self._drain_socket()  # what arrived before the connection went is still news
+                self._liveness.on_disconnected(time.monotonic())
+                self._fail_pending(ERR_DISCONNECTED, failure, ConnectionError(failure))
 
     def _dispatch(self, frame: bytes) -> None:
         try:
@@ -475,7 +643,8 @@ class Client:
             rid = _routable_id(obj)
             event = _event_from_reply(obj)
             with self._lock:
-                stream = self._streams.pop(rid, None) if op == P.OP_DONE else self._streams.get(rid)
+                ref = self._streams.pop(rid, None) if op == P.OP_DONE else self._streams.get(rid)
+            stream = ref() if ref is not None else None
             if stream is not None and event is not None:
                 stream._queue.put(event)
         elif op == P.OP_STATS:
@@ -487,7 +656,7 @@ class Client:
             now = time.monotonic()
             with self._lock:
                 entry = self._ping_waiters.popleft() if self._ping_waiters else None
-            if entry is not None:
+            if entry is not None and entry[0] is not None:
                 entry[0].resolve(now)
         elif op == P.OP_ERROR:
             self.last_error = obj
@@ -498,7 +667,10 @@ class Client:
 
 
 class AsyncStream(_StreamState):
-    """`async for chunk in stream`; `await stream.wait()` returns the Done."""
+    """`async for chunk in stream`; `await stream.wait()` returns the Done.
+
+    Cancelling the task that awaits it, `aclose()`, leaving an `async with` block, or garbage
+    collection of an unfinished stream aborts the request on the server."""
 
     def __init__(self, client: "AsyncClient", request_id: P.RequestId, timeout: float | None):
         super().__init__(request_id, timeout)
@@ -508,6 +680,12 @@ class AsyncStream(_StreamState):
     def __aiter__(self) -> "AsyncStream":
         return self
 
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
     async def _next(self, timeout: float | None) -> TokenChunk:
         if self.done is not None:
             raise StopAsyncIteration
@@ -515,6 +693,9 @@ class AsyncStream(_StreamState):
             item = await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:  # a distinct class before Python 3.11
             raise self._timeout_error(timeout) from None
+        except asyncio.CancelledError:
+            self._client._abandon(self.id, None)  # whoever wanted these tokens is gone
+            raise
         if isinstance(item, Done):
             self.done = item
             raise StopAsyncIteration
@@ -541,28 +722,44 @@ class AsyncStream(_StreamState):
         if self.done is None and not self._client._closed:
             await self._client._send_frame(P.encode(P.abort_msg(self.id)))
 
+    async def aclose(self) -> None:
+        """Stop reading: an unfinished request is aborted and its later replies are dropped."""
+        if self.done is None:
+            self._client._abandon(self.id, None)
+            self.done = _local_done(ERR_CLIENT_CLOSED, "stream closed before its end", self)
+
 
 class AsyncClient:
-    """asyncio client (zmq.asyncio); use from one event loop. The socket is created on first use."""
+    """asyncio client (zmq.asyncio); use from one event loop. The socket is created on first use.
+
+    The options mean what they mean for `Client`."""
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
         timeout: float | None = None,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+        reply_timeout: float | None = DEFAULT_REPLY_TIMEOUT_S,
         max_frame_bytes: int | None = P.DEFAULT_MAX_FRAME_BYTES,
+        curve: "ClientCurve | None" = None,
     ):
         self.address = address
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
         self.last_error: dict | None = None
+        self._curve = curve
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
-        self._streams: dict[P.RequestId, AsyncStream] = {}
+        self._streams: dict[P.RequestId, weakref.ref[AsyncStream]] = {}
         self._stats_waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._ping_waiters: collections.deque[asyncio.Future] = collections.deque()
+        # futures; None is the client's own keep-alive ping
+        self._ping_waiters: collections.deque[asyncio.Future | None] = collections.deque()
+        self._liveness = _Liveness(address, connect_timeout, reply_timeout)
+        self._kick = asyncio.Event()  # wakes the liveness task when work starts
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -581,12 +778,14 @@ class AsyncClient:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         priority: int = 0,
+        timeout_ms: int | None = None,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
     ) -> AsyncStream:
         self._ensure_started()
         fields = _generate_fields(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority
+            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+            timeout_ms,
         )
         if request_id is None:
             request_id = next(self._ids)
@@ -600,7 +799,9 @@ class AsyncClient:
         if self.max_frame_bytes is not None and len(frame) > self.max_frame_bytes:
             raise ValueError(f"request encodes to {len(frame)} bytes; frame limit is {self.max_frame_bytes}")
         stream = AsyncStream(self, request_id, self.timeout if timeout is None else timeout)
-        self._streams[request_id] = stream  # registered before sending so no reply can miss it
+        # registered before sending so no reply can miss it
+        self._streams[request_id] = weakref.ref(stream, self._on_stream_collected(request_id))
+        self._kick.set()
         await self._send_frame(frame)
         return stream
 
@@ -613,6 +814,7 @@ class AsyncClient:
         self._ensure_started()
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
+        self._kick.set()
         await self._send_frame(P.encode(P.stats_request_msg()))
         reply = await self._wait(fut, timeout, "stats")
         reply.pop("op", None)
@@ -622,6 +824,7 @@ class AsyncClient:
         self._ensure_started()
         fut = asyncio.get_running_loop().create_future()
         self._ping_waiters.append(fut)
+        self._kick.set()
         sent = time.monotonic()
         await self._send_frame(P.encode(P.ping_msg()))
         return await self._wait(fut, timeout, "ping") - sent
@@ -672,11 +875,15 @@ class AsyncClient:
         sock.setsockopt(zmq.RCVHWM, 0)  # a ROUTER drops replies to a full pipe: never let ours fill
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self._curve is not None:
+            from ipc.curve import secure_client_socket
+            secure_client_socket(sock, self._curve)
+        self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.address)
         self._sock = sock
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._monitor_loop())]
+        self._loop = asyncio.get_running_loop()
+        self._tasks = [self._loop.create_task(self._recv_loop()), self._loop.create_task(self._monitor_loop()),
+                       self._loop.create_task(self._liveness_loop())]
 
     async def _send_frame(self, frame: bytes) -> None:
         if self._closed:
@@ -690,14 +897,41 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise TimeoutError(f"{what}: no reply from the server within {timeout} s") from None
 
+    def _on_stream_collected(self, request_id: P.RequestId):
+        # The garbage collector may run on any thread: hand the abort to the client's loop.
+        def collected(ref: weakref.ref) -> None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._abandon, request_id, ref)
+                except RuntimeError:
+                    pass  # the loop closed in between: the server sees the disconnect instead
+        return collected
+
+    def _abandon(self, request_id: P.RequestId, ref: Any) -> None:
+        """Forget a stream nobody reads and abort its request (ref None: whatever stream has the id)."""
+        current = self._streams.get(request_id)
+        if current is None or (ref is not None and current is not ref):
+            return  # finished already, or the id now belongs to a newer stream
+        del self._streams[request_id]
+        if self._sock is not None and not self._closed:
+            try:
+                self._sock.send(P.encode(P.abort_msg(request_id)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # no connection: the server ends its requests when it sees the disconnect
+
+    def _busy(self) -> bool:
+        return bool(self._streams or self._stats_waiters or any(f is not None for f in self._ping_waiters))
+
     def _fail_pending(self, code: str, message: str, waiter_error: BaseException) -> None:
-        streams = list(self._streams.values())
+        streams = [ref() for ref in self._streams.values()]
         self._streams.clear()
-        waiters = list(self._stats_waiters) + list(self._ping_waiters)
+        waiters = list(self._stats_waiters) + [f for f in self._ping_waiters if f is not None]
         self._stats_waiters.clear()
         self._ping_waiters.clear()
         for stream in streams:
-            stream._queue.put_nowait(_local_done(code, message, stream))
+            if stream is not None:
+                stream._queue.put_nowait(_local_done(code, message, stream))
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(waiter_error)
@@ -705,13 +939,39 @@ class AsyncClient:
     async def _recv_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
+            self._liveness.heard(time.monotonic())
             self._dispatch(frame)
 
     async def _monitor_loop(self) -> None:
         while True:
             event = await recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._fail_pending(ERR_DISCONNECTED, "connection to the server was lost", ConnectionError("connection lost"))
+            failure = _monitor_failure(event, self._liveness)
+            if failure is not None:
+                # what arrived before the connection went is still news: let _recv_loop read it
+                for _ in range(1000):
+                    if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    await asyncio.sleep(0)
+                self._liveness.on_disconnected(time.monotonic())
+                self._fail_pending(ERR_DISCONNECTED, failure, ConnectionError(failure))
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            interval = self._liveness.poll_interval(self._busy())
+            if interval is None:  # idle: sleep until work starts
+                self._kick.clear()
+                await self._kick.wait()
+                continue
+            await asyncio.sleep(interval)
+            verdict = self._liveness.check(time.monotonic(), self._busy())
+            if verdict == "ping":
+                self._ping_waiters.append(None)
+                try:
+                    self._sock.send(P.encode(P.ping_msg()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    self._ping_waiters.pop()
+            elif verdict is not None:
+                self._fail_pending(ERR_DISCONNECTED, verdict, ConnectionError(verdict))
 
     def _dispatch(self, frame: bytes) -> None:
         try:
@@ -723,7 +983,8 @@ class AsyncClient:
         if op in (P.OP_TOKEN, P.OP_DONE):
             rid = _routable_id(obj)
             event = _event_from_reply(obj)
-            stream = self._streams.pop(rid, None) if op == P.OP_DONE else self._streams.get(rid)
+            ref = self._streams.pop(rid, None) if op == P.OP_DONE else self._streams.get(rid)
+            stream = ref() if ref is not None else None
             if stream is not None and event is not None:
                 stream._queue.put_nowait(event)
         elif op == P.OP_STATS:

@@ -15,6 +15,7 @@ from typing import Any, Union
 import msgpack
 
 PROTOCOL_VERSION = 1
+PROTOCOL_REVISION = 1  # 1.1 added generate.timeout_ms and the `timeout` error code
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -42,7 +43,9 @@ ERR_OVERLOADED = "overloaded"
 ERR_ENGINE_DEAD = "engine_dead"
 ERR_SHUTDOWN = "shutdown"
 ERR_DUPLICATE_ID = "duplicate_id"
-ERROR_CODES = frozenset({ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ENGINE_DEAD, ERR_SHUTDOWN, ERR_DUPLICATE_ID})
+ERR_TIMEOUT = "timeout"  # protocol 1.1: the request's timeout_ms or the server's queue limit passed
+ERROR_CODES = frozenset({ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ENGINE_DEAD, ERR_SHUTDOWN, ERR_DUPLICATE_ID,
+                         ERR_TIMEOUT})
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 INT64_MIN = -(1 << 63)
@@ -69,6 +72,7 @@ class Limits:
     max_priority: int = 1000
     min_seed: int = 0
     max_seed: int = UINT64_MAX
+    max_timeout_ms: int = 24 * 3600 * 1000
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class GenerateRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    timeout_ms: int | None = None  # from arrival at the server; None: only the server's limits
 
 
 @dataclass(slots=True)
@@ -271,6 +276,9 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
         raise BadRequest(rid, "ignore_eos", f"must be a bool, got {_show(ignore_eos)}")
 
     priority = _int_field(obj, rid, "priority", 0, limits.min_priority, limits.max_priority)
+    timeout_ms = obj.get("timeout_ms")
+    if timeout_ms is not None:
+        timeout_ms = _int_field(obj, rid, "timeout_ms", None, 1, limits.max_timeout_ms)
 
     return GenerateRequest(
         id=rid,
@@ -284,6 +292,7 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
         priority=priority,
+        timeout_ms=timeout_ms,
     )
 
 
@@ -349,6 +358,8 @@ def generate_msg(req: GenerateRequest) -> dict:
         ignore_eos=req.ignore_eos,
         priority=req.priority,
     )
+    if req.timeout_ms is not None:
+        msg["timeout_ms"] = req.timeout_ms
     return msg
 
 

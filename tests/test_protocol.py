@@ -122,6 +122,7 @@ def valid_generates(draw):
         stop_token_ids=draw(st.lists(token, max_size=LIMITS.max_stop_ids)),
         ignore_eos=draw(st.booleans()),
         priority=draw(st.integers(LIMITS.min_priority, LIMITS.max_priority)),
+        timeout_ms=draw(st.none() | st.integers(1, LIMITS.max_timeout_ms)),
     )
 
 
@@ -174,6 +175,7 @@ INVALID_FIELDS = [
     ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, None, {"a": 1}]),
     ("ignore_eos", [0, 1, "true", None]),
     ("priority", [1001, -1001, 0.5, True, None]),
+    ("timeout_ms", [0, -5, 24 * 3600 * 1000 + 1, 1.5, True, "100"]),
     ("prompt_ids", [[], [-1], [32000], [1, True], [1.5], "abc", {"a": 1}, [1] * 4096]),
 ]
 
@@ -332,7 +334,7 @@ def test_error_pong_stats_msgs():
 
 def test_constants():
     assert P.PROTOCOL_VERSION == 1
-    assert P.ERROR_CODES == {"bad_request", "overloaded", "engine_dead", "shutdown", "duplicate_id"}
+    assert P.ERROR_CODES == {"bad_request", "overloaded", "engine_dead", "shutdown", "duplicate_id", "timeout"}
     assert P.FINISH_REASONS == {"stop", "length", "abort", "error"}
 
 
