@@ -2,7 +2,8 @@
 
 CPU time is read for the whole process (what a deployment pays) and per thread from
 /proc/self/task/<tid>/stat where Linux provides it, so the cost of the IO and completion
-threads can be told apart from the CPU backend's compute thread.
+threads can be told apart from the CPU backend's compute thread.  The process's resident set
+(/proc/self/statm) is reported too, so a soak run can watch a server it did not start.
 """
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ import threading
 import time
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def process_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def process_rss_bytes() -> int | None:
+    """Resident set size of this process (None where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def thread_cpu_seconds(native_id: int | None) -> float | None:
@@ -59,4 +70,5 @@ class ServerMetrics:
                 "finished": dict(self.finished_by_reason),
                 "output_tokens": self.output_tokens,
                 "process_cpu_s": process_cpu_seconds(),
+                "process_rss_bytes": process_rss_bytes(),
             }

@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 import traceback
-from collections import deque
 
 import numpy as np
 import torch
@@ -34,15 +33,34 @@ STOP_TIMEOUT_S = 30.0  # one model step of a big model on a slow CPU can take se
 
 
 def percentile(values, q: float) -> float | None:
-    return float(np.percentile(np.fromiter(values, dtype=np.float64), q)) if values else None
+    return float(np.percentile(np.fromiter(values, dtype=np.float64), q)) if len(values) else None
+
+
+class RecentValues:
+    """The last `size` values in a preallocated array: appending allocates nothing, so the
+    memory held is the same from the first step on (a deque of floats grew for 4096 steps)."""
+
+    def __init__(self, size: int = 4096):
+        self._buf = np.zeros(size, dtype=np.float64)
+        self._n = 0  # values appended so far
+
+    def append(self, value: float) -> None:
+        self._buf[self._n % len(self._buf)] = value
+        self._n += 1
+
+    def __len__(self) -> int:
+        return min(self._n, len(self._buf))
+
+    def __iter__(self):
+        return iter(self._buf[:len(self)].copy())
 
 
 class StepTimer:
     """Recent step durations, for stats (the last 4096 steps)."""
 
     def __init__(self):
-        self.sched_us: deque[float] = deque(maxlen=4096)
-        self.model_us: deque[float] = deque(maxlen=4096)
+        self.sched_us = RecentValues(4096)
+        self.model_us = RecentValues(4096)
 
     def summary(self) -> dict:
         return {"sched_step_us_p50": percentile(self.sched_us, 50),
