@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 
-from ipc.curve import add_curve_client_options, add_curve_server_options
+from ipc.curve import (CurveError, add_curve_client_options, add_curve_server_options,
+                       client_curve_from_args, server_curve_from_args)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -82,12 +83,7 @@ def cmd_serve(args) -> int:
     from device.backends.cuda_preflight import UnsafeEnvironment
     from hostctl.server import Server
     from ipc.backend import EngineDead
-    from ipc.curve import CurveError, server_curve_from_args
-    try:
-        curve = server_curve_from_args(args)
-    except CurveError as exc:
-        print(f"ringleader: {exc}", file=sys.stderr)
-        return 2
+    curve = server_curve_from_args(args)  # before the (slow) backend: a bad key fails at once
     _limit_malloc_arenas()
     try:
         backend = open_configured_backend(args)
@@ -141,7 +137,6 @@ def cmd_generate(args) -> int:
 
 def _client(args):
     from ipc.client import Client
-    from ipc.curve import client_curve_from_args
     return Client(args.connect, timeout=args.timeout, connect_timeout=args.connect_timeout,
                   curve=client_curve_from_args(args))
 
@@ -179,7 +174,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from ipc.curve import CurveError, generate_keypair
+    from ipc.curve import generate_keypair
     try:
         public, secret = generate_keypair(args.directory, args.name)
     except (CurveError, OSError) as exc:
@@ -270,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats,
                 "build-kernel": cmd_build_kernel, "doctor": cmd_doctor, "keygen": cmd_keygen}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except CurveError as exc:  # the message names the option or file
+        print(f"ringleader: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

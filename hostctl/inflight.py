@@ -92,14 +92,12 @@ class RequestTable:
             self._by_client.setdefault(client, {})[handle] = req
             return req
 
-    def mark_in_sq(self, req: InFlight, sq_pos: int) -> bool:
-        """Records that its GENERATE entry is in the SQ; False if it ended meanwhile."""
+    def mark_in_sq(self, req: InFlight, sq_pos: int) -> None:
+        """Records that its GENERATE entry is in the SQ (not counted if it ended meanwhile)."""
         with self._lock:
-            if self._by_handle.get(req.handle) is not req:
-                return False
-            req.in_sq, req.sq_pos = True, sq_pos
-            self._in_sq += 1
-            return True
+            if self._by_handle.get(req.handle) is req:
+                req.in_sq, req.sq_pos = True, sq_pos
+                self._in_sq += 1
 
     def get(self, handle: int) -> InFlight | None:
         with self._lock:

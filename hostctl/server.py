@@ -29,6 +29,7 @@ from hostctl.inflight import InFlight, RequestTable
 from hostctl.metrics import ServerMetrics, thread_cpu_seconds
 from ipc import protocol
 from ipc.backend import Backend
+from ipc.curve import secure_server_socket, unauthenticated_bind_warning
 
 log = logging.getLogger("ringleader.server")
 
@@ -66,18 +67,13 @@ class Server:
         self._drain_timeout_s = drain_timeout_s
         self._deadlines: list[tuple[int, int, int]] = []  # (perf_counter_ns, handle, kind)
         self.timed_out = 0
+        # ZAP is per context: a CURVE server keeps its own (and terminates it at shutdown)
         self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
-        self._own_ctx = curve is not None  # ZAP is per context: a CURVE server keeps its own
-        self._auth = None
         self._router = self._ctx.socket(zmq.ROUTER)
-        if curve is not None:
-            from ipc.curve import secure_server_socket
-            self._auth = secure_server_socket(self._ctx, self._router, curve)
-        else:
-            from ipc.curve import is_loopback
-            if not is_loopback(bind):
-                log.warning("binding %s without CURVE keys: any host that reaches it can use this "
-                            "server (see `ringleader keygen` and --curve-secret-key)", bind)
+        self._auth = secure_server_socket(self._ctx, self._router, curve) if curve else None
+        warning = unauthenticated_bind_warning(bind, curve)
+        if warning:
+            log.warning(warning)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.LINGER, 1000)
         self._router.setsockopt(zmq.SNDHWM, 100_000)
@@ -402,7 +398,6 @@ class Server:
             self._wake_tx.close(0)
             if self._auth is not None:
                 self._auth.stop()
-            if self._own_ctx:
                 self._ctx.term()
         log.info("server stopped")
 

@@ -23,16 +23,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import protocol as P
-
-if TYPE_CHECKING:
-    from ipc.curve import ClientCurve
+from ipc.curve import HANDSHAKE_FAILED_EVENTS, ClientCurve, describe_handshake_failure, secure_client_socket
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +42,7 @@ ERR_BAD_REPLY = "bad_reply"
 _CLOSE_LINGER_MS = 200  # time to flush the aborts close() sends for requests still in flight
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REPLY_TIMEOUT_S = 30.0
-_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
 
 
 @dataclass(slots=True)
@@ -232,10 +229,8 @@ def _monitor_failure(event: dict, liveness: _Liveness) -> str | None:
         return None
     if kind == zmq.EVENT_DISCONNECTED:
         return "connection to the server was lost"
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "the server refused this client's credentials (CURVE authentication failed)"
-    if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-        return "handshake with the server failed (is it a ringleader server, with matching CURVE keys?)"
+    if kind & HANDSHAKE_FAILED_EVENTS:
+        return describe_handshake_failure(kind, event["value"])
     return None
 
 
@@ -333,7 +328,7 @@ class Client:
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
         reply_timeout: float | None = DEFAULT_REPLY_TIMEOUT_S,
         max_frame_bytes: int | None = P.DEFAULT_MAX_FRAME_BYTES,
-        curve: "ClientCurve | None" = None,
+        curve: ClientCurve | None = None,
     ):
         self.address = address
         self.timeout = timeout
@@ -358,7 +353,6 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # frames wait in our queue, not for a server that is not there
         if curve is not None:
-            from ipc.curve import secure_client_socket
             secure_client_socket(self._sock, curve)
         self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
@@ -742,7 +736,7 @@ class AsyncClient:
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
         reply_timeout: float | None = DEFAULT_REPLY_TIMEOUT_S,
         max_frame_bytes: int | None = P.DEFAULT_MAX_FRAME_BYTES,
-        curve: "ClientCurve | None" = None,
+        curve: ClientCurve | None = None,
     ):
         self.address = address
         self.timeout = timeout
@@ -876,7 +870,6 @@ class AsyncClient:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
-            from ipc.curve import secure_client_socket
             secure_client_socket(sock, self._curve)
         self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.address)

@@ -345,8 +345,9 @@ def unauthenticated_bind_warning(bind_address: str, curve: ServerCurve | None) -
     """The warning to log when a server binds beyond loopback without CURVE, else None."""
     if curve is not None or is_loopback(bind_address):
         return None
-    return (f"{bind_address} is reachable from other machines and CURVE authentication is off: "
-            "anyone who can connect can use this server (see `ringleader keygen`, "
+    return (f"{bind_address} is reachable from other machines and CURVE authentication is off "
+            "(bound without CURVE keys): anyone who can connect can use this server (see "
+            "`ringleader keygen`, "
             "--curve-secret-key and --authorized-keys)")
 
 
