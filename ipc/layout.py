@@ -9,16 +9,21 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.sq_tail        host writes (release) after the SQ entry and its prompt tokens; device reads (acquire)
   Control.sq_head        device writes (release) after copying entries out of the SQ; host reads (acquire)
   Control.cq_tail        device writes (release) after the CQ events; host reads (acquire)
-  Control.cq_head        host writes (release) after reading CQ events; device reads (acquire)
+  Control.cq_head        host writes (release) after reading CQ events; device reads (acquire) only
+                         when the last value it read leaves too little CQ room
   Control.aq_tail        host writes (release) after the abort entries; device reads (acquire)
   Control.aq_head        device writes (release) after reading abort entries; host reads (acquire)
-  Control.shutdown       host writes; device reads (the leader thread, once per step, then broadcast
-                         to the block through shared memory so no two threads disagree)
+  Control.shutdown       host writes; device reads (the leader thread, once per step in the
+                         overlapped phase, then broadcast to the block through shared memory so no
+                         two threads disagree; and rarely while waiting for a step to end)
   Control.stop_grace_ns,
   Control.run_budget_ns  host writes before the scheduler starts; device reads once at sched_init
   Control.exit_reason    device writes once, before state = EXITED (release); host reads after
   Control counters,
-  heartbeat, error_code  device writes; host reads (monitoring only, no ordering attached)
+  heartbeat, error_code  device writes (plain stores mirroring RlSchedState, see rl_mirror_counters);
+                         host reads (monitoring only, no ordering attached)
+Every device access to these arrays is in the scheduler's overlapped phase (or init and exit):
+the critical phase, which the GPU waits for between two steps, touches device memory only.
 The SQ carries only GENERATE entries.  Aborts travel in their own ring (aq), which the device
 reads every step before it drains the SQ, so no queued GENERATE can hold an abort back: an abort
 names its request's handle and the SQ position of its GENERATE; one whose GENERATE is still in
@@ -26,8 +31,8 @@ the SQ is parked in the device-private sq_cancel (per SQ position) and applied w
 drained, one whose request already finished is ignored.  The host may publish an abort before or
 after the GENERATE it names.
 The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
-free once its first TOKEN or its DONE event has been read: the device reads a prompt only before
-it samples that request's first token).
+free once its first TOKEN or its DONE event has been read: the device reads a prompt once, when
+it admits the request into a slot, copying it into device memory, before either event).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 
 MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
 MAX_EOS_IDS = 4
@@ -161,21 +166,34 @@ CQ_EVENT = Struct("RlCqEvent", (
     _f("queued_us", "u32"),  # on DONE: microseconds the request waited in the pending queue
 ))
 
-# Device-private: one batch slot's request.
+# Device-private: one batch slot's request.  ev_token and finish are the events the critical
+# phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
 SLOT = Struct("RlSlot", (
     _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),
     _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"), _f("top_k", "i32"),
     _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
-    _f("admit_seq", "u32"), _f("abort", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+    _f("ev_token", "u32"), _f("finish", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("queued_us", "u32"),
 ))
 
-# Device-private scheduler bookkeeping.
+# Device-private scheduler bookkeeping.  The counters live here, in device memory, and are
+# mirrored to the host control block with plain stores (every RL_MIRROR_STEPS steps, after
+# RL_MIRROR_NS, on going idle, on a CQ stall and at exit): no step reads host memory to count.
 SCHED = Struct("RlSchedState", (
-    _f("step", "u64"), _f("n_pending", "u32"), _f("admit_seq", "u32"),
-    _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("aq_head", "u32"),
-    _f("started_ns", "u64"), _f("stop_grace_ns", "u64"), _f("run_budget_ns", "u64"),
+    _f("step", "u64"), _f("started_ns", "u64"), _f("stop_grace_ns", "u64"),
+    _f("run_budget_ns", "u64"), _f("mirrored_ns", "u64"), _f("mirrored_step", "u64"),
+    _f("mirrored_finished", "u64"),
+    _f("step_tokens", "u64"), _f("generated", "u64"), _f("admitted", "u64"),
+    _f("finished", "u64"), _f("idle_polls", "u64"), _f("cq_stalls", "u64"), _f("aborts", "u64"),
+    _f("n_pending", "u32"), _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("aq_head", "u32"),
+    _f("cq_head_seen", "u32"),  # the last cq_head read; re-read only when the CQ looks full
+    _f("n_queued", "u32"),      # prefill_queue entries (admission order; compacted before admitting)
+    _f("n_active", "u32"),      # slots not FREE after the last overlapped phase
+    _f("last_step_tokens", "u32"),
+    _f("has_cancelled", "u32"),  # some pending entry is CANCELLED: its DONE is still to write
+    _f("chained", "u32"),  # a step was built and no idle pass came since (the bubble's condition)
+    _f("idle", "u32"),     # the last overlapped phase found nothing to do (the compute side's hint)
 ))
 
 # The step the scheduler built, read by the model step.
@@ -202,9 +220,15 @@ ARRAYS = (
     ("sample_top_k", "int32_t", "n_slots"), ("sample_seed", "uint64_t", "n_slots"),
     ("sample_counter", "int32_t", "n_slots"),
     ("next_token", "int32_t", "n_slots"),
-    # scheduler work space for scans and compaction; work_len = max(n_slots, pending_cap)
+    # scheduler work space for scans, sorts and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
-    ("work_c", "uint32_t", "work_len"), ("pending_tmp", "RlSqEntry", "pending_cap"),
+    ("work_c", "uint32_t", "work_len"), ("work_d", "uint32_t", "work_len"),
+    ("pending_tmp", "RlSqEntry", "pending_cap"),
+    # slots in PREFILL, in admission order (the order prefill chunks are given out)
+    ("prefill_queue", "uint32_t", "n_slots"),
+    # device copy of the prompt arena, same offsets: admission copies a prompt in, so the
+    # critical phase lays out prefill rows without reading host memory
+    ("prompt_copy", "int32_t", "arena_size"),
     # per SQ position: the handle of an abort that arrived before that entry was drained (0: none)
     ("sq_cancel", "uint32_t", "sq_size"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
@@ -222,7 +246,10 @@ ENUMS = {
     "RL_FLAG_IGNORE_EOS": 1,
     "RL_EV_TOKEN": 1, "RL_EV_DONE": 2,
     "RL_FINISH_NONE": 0, "RL_FINISH_STOP": 1, "RL_FINISH_LENGTH": 2, "RL_FINISH_ABORT": 3,
-    "RL_SLOT_FREE": 0, "RL_SLOT_PREFILL": 1, "RL_SLOT_DECODE": 2,
+    # ENDING: finished, its DONE not yet written (then FREE); ABORTED: its DONE written, but the
+    # step in flight may still use the slot (FREE at the next critical phase)
+    "RL_SLOT_FREE": 0, "RL_SLOT_PREFILL": 1, "RL_SLOT_DECODE": 2, "RL_SLOT_ENDING": 3,
+    "RL_SLOT_ABORTED": 4,
     "RL_POLICY_FIFO": 0, "RL_POLICY_PRIORITY": 1, "RL_POLICY_STATIC": 2,
     "RL_STATE_INIT": 0, "RL_STATE_RUNNING": 1, "RL_STATE_EXITED": 2, "RL_STATE_FAILED": 3,
     # why the scheduler loop ended: asked to (shutdown), compute kept its turn past the grace
@@ -231,8 +258,12 @@ ENUMS = {
     "RL_ERR_NONE": 0, "RL_ERR_BAD_MAGIC": 1, "RL_ERR_BAD_VERSION": 2,
     "RL_ERR_BAD_CONFIG": 3, "RL_ERR_BAD_FINGERPRINT": 4,
     "RL_TURN_SCHED": 0, "RL_TURN_COMPUTE": 1, "RL_TURN_EXIT": 2,
+    # device timeline, one row of RL_TRACE_FIELDS u64 per step: the critical phase that built
+    # it, the step itself (first kernel of its SWITCH branch, then the signal kernel), the
+    # overlapped phase that ran beside it, flags (RL_TRACE_CHAINED) and the step's seq + 1
     "RL_TRACE_SCHED_BEGIN": 0, "RL_TRACE_SCHED_END": 1, "RL_TRACE_STEP_BEGIN": 2,
-    "RL_TRACE_STEP_END": 3, "RL_TRACE_FIELDS": 4,
+    "RL_TRACE_STEP_END": 3, "RL_TRACE_OVERLAP_BEGIN": 4, "RL_TRACE_OVERLAP_END": 5,
+    "RL_TRACE_FLAGS": 6, "RL_TRACE_SEQ": 7, "RL_TRACE_FIELDS": 8, "RL_TRACE_CHAINED": 1,
     "RL_STEP_IDLE": 0, "RL_STEP_RUN": 1, "RL_STEP_SHUTDOWN": 2, "RL_STEP_ERROR": 3,
 }
 globals().update(ENUMS)

@@ -11,7 +11,7 @@ def test_scheduler_compiles_with_nvrtc_for_sm90():
     from device.sched.build import compile_kernel
     build = compile_kernel("sm_90")
     assert build.cubin[:4] == b"\x7fELF"
-    assert set(build.resources) == {"rl_scheduler_persistent", "rl_step_wait", "rl_step_signal"}
+    assert set(build.resources) == {"rl_scheduler_persistent", "rl_step_wait", "rl_step_begin", "rl_step_signal"}
     for r in build.resources.values():
         assert r.registers is not None and r.registers <= 255 and r.spill_bytes == 0
     assert build.shared_bytes > 0  # the scheduler's block-shared scratch

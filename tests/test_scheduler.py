@@ -91,6 +91,8 @@ def test_decode_rows_go_first_and_prefill_takes_the_rest_of_the_budget():
     d.submit(np.arange(3, dtype=np.int32), 10)
     d.step()  # prefill of the first
     d.submit(np.arange(30, dtype=np.int32), 2)
+    d.step()  # built before the SQ is read: admission runs beside this step, for the next
+    assert d.steps[-1]["n_decode"] == 1 and len(d.steps[-1]["seg"]) == 1
     d.step()
     s = d.steps[-1]
     assert s["n_decode"] == 1 and s["seg"][0][2] == 1
@@ -140,6 +142,33 @@ def test_priority_aging_lets_old_requests_through():
         if d.records[low].done:
             break
     assert d.records[low].done == [layout.RL_FINISH_LENGTH], "starved despite aging"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([-2**31, -5, -1, 0, 0, 1, 3, 3, 7, 2**31 - 1]), min_size=5, max_size=24))
+def test_priority_admits_the_highest_first_ties_in_arrival_order(priorities):
+    """The admission sort (a radix sort on the device) against a reference: with every request
+    waiting while the slots are busy, each batch of freed slots takes the next n_slots requests
+    by priority, equal priorities in arrival order."""
+    n_slots = 4
+    d = Driver(small_config(n_slots=n_slots, token_budget=8, sq_size=32, pending_cap=32, cq_size=256,
+                            arena_size=256, aging_steps=10**6, policy=layout.RL_POLICY_PRIORITY))
+    for _ in range(n_slots):
+        d.submit([1], 3)
+    d.step()  # the slots are busy for a few steps
+    handles = [d.submit([2], 1, priority=p) for p in priorities]
+    batches = []
+    while True:
+        before = {h for h in handles if d.records[h].done}
+        status = d.step()
+        ended = {h for h in handles if d.records[h].done} - before
+        if ended:
+            batches.append(ended)
+        if status == layout.RL_STEP_IDLE:
+            break
+    order = sorted(range(len(handles)), key=lambda i: (-priorities[i], i))
+    want = [{handles[i] for i in order[k:k + n_slots]} for k in range(0, len(order), n_slots)]
+    assert batches == want
 
 
 def test_static_batching_waits_for_the_whole_batch():
@@ -215,7 +244,7 @@ def test_abort_of_a_request_still_in_the_sq():
     d.step()
     d.step()
     victim = handles[7]
-    assert _in_sq(d, victim) and d.rings.counters()["pending"] == 4
+    assert _in_sq(d, victim) and int(d.a["sched"][0]["n_pending"]) == 4
     assert d.abort(victim)
     d.step()
     assert _in_sq(d, victim) and not d.records[victim].done  # marked, applied once drained
@@ -277,21 +306,22 @@ def test_a_stale_abort_is_ignored():
 
 
 def test_aborts_of_undrained_entries_across_the_u32_wrap():
-    """The SQ and abort-ring indices start 5 below 2**32; the aborted GENERATEs sit on both sides
+    """The SQ and abort-ring indices start 6 below 2**32; the aborted GENERATEs sit on both sides
     of the wrap, still in the SQ (pending_cap 4), and one more is already pending."""
     cfg = small_config(n_slots=1, sq_size=16, pending_cap=4, cq_size=64)
-    d = Driver(cfg, start_index=2**32 - 5)
+    d = Driver(cfg, start_index=2**32 - 6)
     handles = [d.submit([1, 2], 3) for _ in range(12)]
-    d.step()
+    d.step()  # drains 4, admits 1, then drains 1 more for the step it builds
     undrained = [h for h in handles if _in_sq(d, h)]
     assert {d.sq_pos[h] for h in undrained[:3]} == {2**32 - 1, 0, 1}
     aborted = [handles[2]] + undrained[:3] + [undrained[5]]
     assert all(d.abort(h) for h in aborted)
     d.step()
-    late = undrained[-1]  # its abort crosses the abort ring's wrap
-    assert int(d.a["ctl"][0]["aq_head"]) == 0 and d.abort(late)
+    late = undrained[-1]  # its abort takes the abort ring's last index before the wrap
+    assert int(d.a["ctl"][0]["aq_head"]) == 2**32 - 1 and d.abort(late)
     aborted.append(late)
     d.run_until_idle()
+    assert int(d.a["ctl"][0]["aq_head"]) == 0
     for h in handles:
         rec = d.records[h]
         if h in aborted:

@@ -26,16 +26,27 @@ def scheduler_source(entry: str) -> str:
     return "\n".join(parts)
 
 
+HOST_ACCESS_KINDS = ("acquire_loads", "release_stores", "system_fences", "loads", "stores")
+
+
 class CpuScheduler:
-    """The host-compiled sched_step, called through ctypes (the GIL is released during a step)."""
+    """The host-compiled scheduler, called through ctypes (the GIL is released during a call).
+
+    step() runs both phases serially; critical() and overlapped() run one each, for a caller
+    that overlaps the model step with the second.  host_accesses() counts, per calling thread,
+    every access the scheduler made to host-shared memory since reset_host_accesses()."""
 
     def __init__(self):
         lib = load_library("rlsched", scheduler_source("cpu_entry.cpp"))
         lib.rl_layout_fingerprint.restype = ctypes.c_uint64
-        lib.rl_sched_init.argtypes = [ctypes.c_void_p]
-        lib.rl_sched_init.restype = ctypes.c_uint32
-        lib.rl_sched_step.argtypes = [ctypes.c_void_p]
-        lib.rl_sched_step.restype = ctypes.c_uint32
+        for name in ("rl_sched_init", "rl_sched_step", "rl_sched_critical"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = ctypes.c_uint32
+        lib.rl_sched_overlapped.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.rl_sched_overlapped.restype = ctypes.c_uint32
+        lib.rl_host_access_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.rl_host_access_counts.restype = None
+        lib.rl_host_access_reset.restype = None
         if lib.rl_layout_fingerprint() != layout.fingerprint():
             raise RuntimeError("scheduler library was built for another layout")
         self._lib = lib
@@ -46,8 +57,22 @@ class CpuScheduler:
     def step(self, context_address: int) -> int:
         return self._lib.rl_sched_step(context_address)
 
+    def critical(self, context_address: int) -> int:
+        return self._lib.rl_sched_critical(context_address)
 
-KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_signal")
+    def overlapped(self, context_address: int, step_built: bool) -> int:
+        return self._lib.rl_sched_overlapped(context_address, 1 if step_built else 0)
+
+    def host_accesses(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * len(HOST_ACCESS_KINDS))()
+        self._lib.rl_host_access_counts(out)
+        return dict(zip(HOST_ACCESS_KINDS, (int(v) for v in out)))
+
+    def reset_host_accesses(self) -> None:
+        self._lib.rl_host_access_reset()
+
+
+KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_begin", "rl_step_signal")
 
 
 @dataclass

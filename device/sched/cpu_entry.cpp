@@ -1,13 +1,40 @@
-// CPU build of the scheduler: the same sched_step() text as the kernel, one thread, C ABI for ctypes.
+// CPU build of the scheduler: the same sched_step.h text as the kernel, one thread, C ABI for ctypes.
 extern "C" {
 
 uint64_t rl_layout_fingerprint() { return RL_LAYOUT_FINGERPRINT; }
 
 uint32_t rl_sched_init(const RlContext* ctx) { return sched_init(*ctx); }
 
+// Both phases, serially (the CPU backend and the tests).
 uint32_t rl_sched_step(const RlContext* ctx) {
   RlShared sh;
   return sched_step(*ctx, &sh);
 }
+
+// The phases one at a time, for a caller that overlaps the model step with the second (the
+// host-scheduled CUDA baseline, the microbenchmark).  A stop is marked as the exit here.
+uint32_t rl_sched_critical(const RlContext* ctx) {
+  RlShared sh;
+  return sched_critical(*ctx, &sh);
+}
+
+uint32_t rl_sched_overlapped(const RlContext* ctx, uint32_t step_built) {
+  RlShared sh;
+  uint32_t next = sched_overlapped(*ctx, &sh, step_built != 0);
+  if (next == RL_STEP_SHUTDOWN) rl_mark_exited(*ctx, sh.u[RL_SH_STOP]);
+  return next;
+}
+
+// This thread's host-shared accesses since its last reset: acquire loads, release stores,
+// system fences, plain loads, plain stores.
+void rl_host_access_counts(uint64_t* out) {
+  out[0] = rl_host_accesses.acquire_loads;
+  out[1] = rl_host_accesses.release_stores;
+  out[2] = rl_host_accesses.system_fences;
+  out[3] = rl_host_accesses.loads;
+  out[4] = rl_host_accesses.stores;
+}
+
+void rl_host_access_reset() { rl_host_accesses = RlHostAccesses(); }
 
 }  // extern "C"

@@ -1,5 +1,9 @@
 // The few primitives sched_step.h is written against, in a GPU form (one thread block, NVRTC)
 // and a CPU form (one thread, host C++ compiler).  Everything else in the scheduler is shared text.
+//
+// Host-shared memory (ctl, sq, arena, cq, aq) is touched only through the rl_load_acquire,
+// rl_store_release, rl_fence_system, rl_host_read and rl_host_write below; the CPU form counts
+// each call per thread, which is how the tests prove the critical phase makes none.
 #pragma once
 
 #ifdef __CUDACC_RTC__
@@ -13,6 +17,7 @@
 #define RL_FOR(i, n) for (uint32_t i = threadIdx.x; i < (uint32_t)(n); i += blockDim.x)
 #define RL_LEADER (threadIdx.x == 0)
 #define RL_MAX_THREADS 1024
+#define RL_FULL_WARP 0xFFFFFFFFu
 
 RL_FN uint32_t rl_load_acquire(const uint32_t* p) {
   uint32_t v;
@@ -22,6 +27,10 @@ RL_FN uint32_t rl_load_acquire(const uint32_t* p) {
 RL_FN void rl_store_release(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
+// Plain access to host-shared payload (entries, events, mirrored counters); the acquire or
+// release of the ring index around it does the ordering.
+template <typename T> RL_FN T rl_host_read(const T* p) { return *p; }
+template <typename T> RL_FN void rl_host_write(T* p, const T& v) { *p = v; }
 RL_FN uint64_t rl_now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -29,6 +38,7 @@ RL_FN uint64_t rl_now_ns() {
 }
 // Makes this thread's writes to host memory visible before a leader's release store.
 RL_FN void rl_fence_system() { __threadfence_system(); }
+// Waiting on the host (CQ room): it may be a while.
 RL_FN void rl_backoff(uint32_t round) { __nanosleep(round < 8 ? 64u : 1024u); }
 
 #else  // CPU form
@@ -43,14 +53,37 @@ RL_FN void rl_backoff(uint32_t round) { __nanosleep(round < 8 ? 64u : 1024u); }
 #define RL_FOR(i, n) for (uint32_t i = 0; i < (uint32_t)(n); ++i)
 #define RL_LEADER true
 
-RL_FN uint32_t rl_load_acquire(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-RL_FN void rl_store_release(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+// Host-shared accesses made by this thread, by kind (read by the benchmark and the tests).
+struct RlHostAccesses {
+  uint64_t acquire_loads, release_stores, system_fences, loads, stores;
+};
+static thread_local RlHostAccesses rl_host_accesses;
+
+RL_FN uint32_t rl_load_acquire(const uint32_t* p) {
+  rl_host_accesses.acquire_loads += 1;
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+RL_FN void rl_store_release(uint32_t* p, uint32_t v) {
+  rl_host_accesses.release_stores += 1;
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+template <typename T> RL_FN T rl_host_read(const T* p) {
+  rl_host_accesses.loads += 1;
+  return *p;
+}
+template <typename T> RL_FN void rl_host_write(T* p, const T& v) {
+  rl_host_accesses.stores += 1;
+  *p = v;
+}
 RL_FN uint64_t rl_now_ns() {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
-RL_FN void rl_fence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+RL_FN void rl_fence_system() {
+  rl_host_accesses.system_fences += 1;
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
 RL_FN void rl_backoff(uint32_t round) {
   if (round < 64) { sched_yield(); return; }
   struct timespec ts = {0, 50000};  // the host is behind: stop burning its core
@@ -58,34 +91,66 @@ RL_FN void rl_backoff(uint32_t round) {
 }
 #endif
 
-// Scratch the block shares: scalars broadcast from the leader, and the scan's staging area.
+// Scratch the block shares: scalars broadcast from the leader, and one word per warp for scans
+// and reductions (plus the chunk total).
 struct RlShared {
   uint32_t u[16];
   uint64_t w[4];
 #ifdef RL_GPU
-  uint32_t scan[RL_MAX_THREADS];
+  uint32_t warp[RL_MAX_THREADS / 32 + 1];
 #endif
 };
 
-// In-place exclusive prefix sum of a[0..n); every thread gets the total.
+#ifdef RL_GPU
+// Sum / or / and of one value per thread over the block; every thread gets the result.
+#define RL_BLOCK_REDUCE(name, op, identity)                                       \
+  RL_FN uint32_t name(uint32_t v, RlShared* sh) {                                 \
+    for (uint32_t d = 16; d > 0; d >>= 1) v = v op __shfl_xor_sync(RL_FULL_WARP, v, d); \
+    if ((RL_TID & 31u) == 0) sh->warp[RL_TID >> 5] = v;                           \
+    RL_SYNC();                                                                    \
+    uint32_t all = identity;                                                      \
+    for (uint32_t w = 0; w < (RL_NTHREADS + 31u) >> 5; ++w) all = all op sh->warp[w]; \
+    RL_SYNC();                                                                    \
+    return all;                                                                   \
+  }
+#else
+// One thread holds the whole block's share: its value is the result.
+#define RL_BLOCK_REDUCE(name, op, identity) \
+  RL_FN uint32_t name(uint32_t v, RlShared*) { return v; }
+#endif
+RL_BLOCK_REDUCE(rl_block_sum, +, 0u)
+RL_BLOCK_REDUCE(rl_block_or, |, 0u)
+RL_BLOCK_REDUCE(rl_block_and, &, 0xFFFFFFFFu)
+
+// In-place exclusive prefix sum of a[0..n); every thread gets the total.  GPU: per chunk of
+// one element per thread, a shuffle scan inside each warp, one over the warp totals, 2 barriers.
 RL_FN uint32_t rl_exclusive_scan(uint32_t* a, uint32_t n, RlShared* sh) {
 #ifdef RL_GPU
+  const uint32_t lane = RL_TID & 31u, warp = RL_TID >> 5, n_warps = (RL_NTHREADS + 31u) >> 5;
   uint32_t carry = 0;
   for (uint32_t base = 0; base < n; base += RL_NTHREADS) {
     uint32_t i = base + RL_TID;
-    uint32_t mine = i < n ? a[i] : 0u;
-    sh->scan[RL_TID] = mine;
-    RL_SYNC();
-    for (uint32_t d = 1; d < RL_NTHREADS; d <<= 1) {  // Hillis-Steele over the block
-      uint32_t add = RL_TID >= d ? sh->scan[RL_TID - d] : 0u;
-      RL_SYNC();
-      sh->scan[RL_TID] += add;
-      RL_SYNC();
+    uint32_t mine = i < n ? a[i] : 0u, incl = mine;
+    for (uint32_t d = 1; d < 32; d <<= 1) {
+      uint32_t up = __shfl_up_sync(RL_FULL_WARP, incl, d);
+      if (lane >= d) incl += up;
     }
-    if (i < n) a[i] = carry + sh->scan[RL_TID] - mine;
-    uint32_t chunk_total = sh->scan[RL_NTHREADS - 1];
+    if (lane == 31u) sh->warp[warp] = incl;
     RL_SYNC();
-    carry += chunk_total;
+    if (warp == 0) {  // warp totals -> each warp's offset; the chunk total after them
+      uint32_t total = lane < n_warps ? sh->warp[lane] : 0u, wincl = total;
+      for (uint32_t d = 1; d < 32; d <<= 1) {
+        uint32_t up = __shfl_up_sync(RL_FULL_WARP, wincl, d);
+        if (lane >= d) wincl += up;
+      }
+      __syncwarp();
+      if (lane < n_warps) sh->warp[lane] = wincl - total;
+      if (lane == 31u) sh->warp[RL_MAX_THREADS / 32] = wincl;
+    }
+    RL_SYNC();
+    if (i < n) a[i] = carry + sh->warp[warp] + incl - mine;
+    carry += sh->warp[RL_MAX_THREADS / 32];
+    RL_SYNC();  // the next chunk rewrites sh->warp
   }
   return carry;
 #else
@@ -93,4 +158,34 @@ RL_FN uint32_t rl_exclusive_scan(uint32_t* a, uint32_t n, RlShared* sh) {
   for (uint32_t i = 0; i < n; ++i) { uint32_t v = a[i]; a[i] = run; run += v; }
   return run;
 #endif
+}
+
+// Stable ascending sort of idx[0..n) by key[idx[i]]: a least-significant-bit-first radix sort
+// over only the bits where the keys differ, each bit one stable split (a scan), so O(n) per bit
+// and never an O(n^2) ranking.  tmp and zeros hold n entries each; returns the buffer (idx or
+// tmp) that holds the sorted order.
+RL_FN uint32_t* rl_radix_sort(const uint32_t* key, uint32_t* idx, uint32_t* tmp, uint32_t* zeros,
+                              uint32_t n, RlShared* sh) {
+  uint32_t any = 0, all = 0xFFFFFFFFu;
+  RL_FOR(i, n) {
+    uint32_t k = key[idx[i]];
+    any |= k;
+    all &= k;
+  }
+  uint32_t differ = rl_block_or(any, sh) & ~rl_block_and(all, sh);
+  for (uint32_t b = 0; b < 32; ++b) {
+    if (!((differ >> b) & 1u)) continue;
+    RL_FOR(i, n) zeros[i] = (key[idx[i]] >> b) & 1u ? 0u : 1u;
+    RL_SYNC();
+    uint32_t n_zero = rl_exclusive_scan(zeros, n, sh);  // zeros[i]: zero bits before i
+    RL_FOR(i, n) {
+      uint32_t dest = (key[idx[i]] >> b) & 1u ? n_zero + (i - zeros[i]) : zeros[i];
+      tmp[dest] = idx[i];
+    }
+    RL_SYNC();
+    uint32_t* t = idx;
+    idx = tmp;
+    tmp = t;
+  }
+  return idx;
 }
