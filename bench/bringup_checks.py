@@ -218,9 +218,12 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
         streams_tokens_ok=all(len(tokens[i]) == 16 + i % 16 for i in range(32)),
         exit_reason=counters["exit_reason_name"], state=counters["state_name"],
         device={k: dev.get(k) for k in ("steps", "generated", "finished", "cq_stalls", "idle_polls",
-                                        "bubble_us_p50", "bubble_us_p99", "step_us_p50",
-                                        "step_us_p99", "device_sched_us_p50", "device_sched_us_p99",
-                                        "sched_step_us_p50", "model_step_us_p50")},
+                                        "bubble_us_p50", "bubble_us_p99", "bubble_gaps", "idle_gaps",
+                                        "handoff_us_p50", "launch_us_p50", "overlap_overruns",
+                                        "step_us_p50", "step_us_p99", "device_sched_us_p50",
+                                        "device_sched_us_p99", "device_overlap_us_p50",
+                                        "sched_critical_us_p50", "sched_step_us_p50",
+                                        "model_step_us_p50")},
         thread_cpu_s=stats.get("thread_cpu_s"))
     expected_launch = "host-loop" if scheduler_mode == "host" else (None if launch == "auto" else launch)
     ok = figures["parity"] and figures["streams_one_done_each"] and figures["streams_tokens_ok"]

@@ -75,6 +75,14 @@ def builtin_stages() -> list[Stage]:
         Stage("backend-pump", checks + ["backend", "--scheduler", "device", "--launch", "pump"],
               240, ("module", "graphs-fp32"), EAGER),
         Stage("tests", [], 240, ("graphs-fp32",)),  # expands into one stage per GPU test
+        # the bubble at 1 and 64 streams, resident mode, each with its raw device timeline
+        *(Stage(f"bubble-c{c}", ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda",
+                                 "--model", "llama-1b", "--compare", "device", "--launch", "resident",
+                                 "--concurrency", str(c), "--requests", str(n), "--input-len", "128",
+                                 "--output-len", "128", "--ignore-eos", "--no-plots",
+                                 "--server-arg=--trace", "--server-arg={dir}/device-trace.json",
+                                 "--out", "{dir}"], 300, ("backend-resident",))
+          for c, n in ((1, 16), (64, 128))),
         Stage("perf", ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda", "--model", "llama-1b",
                        "--compare", "device,host", "--concurrency", "1,32", "--requests", "64",
                        "--input-len", "128", "--output-len", "128", "--ignore-eos", "--no-plots",
@@ -141,6 +149,11 @@ def perf_figures(stage_dir: Path) -> dict | None:
         out[key] = {k: run.get(k) for k in ("output_tokens_per_s", "cpu_s_per_1k_tokens", "completed", "failed")}
         out[key]["tpot_ms_p50"] = (run.get("tpot_ms") or {}).get("p50")
         out[key]["launch"] = (run.get("backend") or {}).get("launch")
+        dev = run.get("device_stats") or {}
+        out[key].update({k: dev.get(k) for k in ("bubble_us_p50", "bubble_us_p99", "bubble_gaps",
+                                                 "idle_gaps", "handoff_us_p50", "launch_us_p50",
+                                                 "device_sched_us_p50", "device_overlap_us_p50",
+                                                 "overlap_overruns", "step_us_p50") if k in dev})
     return out or None
 
 
@@ -155,7 +168,7 @@ def stage_figures(stage: Stage, stage_dir: Path, log_tail: str) -> dict | None:
             pass
     if stage.name == "probe":
         return probe_figures(stage_dir)
-    if stage.name == "perf":
+    if stage.name == "perf" or stage.name.startswith("bubble-"):
         return perf_figures(stage_dir)
     if stage.name.startswith("tests::"):
         lines = [ln for ln in log_tail.splitlines() if ln.strip()]

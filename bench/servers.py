@@ -222,9 +222,12 @@ def cpu_deltas(before: dict, after: dict) -> dict:
 
 
 DEVICE_COUNTERS = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls", "cq_stalls")
-DEVICE_TIMINGS = ("bubble_us_p50", "bubble_us_p99", "step_us_p50", "step_us_p99",
-                  "device_sched_us_p50", "device_sched_us_p99", "sched_step_us_p50", "sched_step_us_p99",
-                  "model_step_us_p50", "model_step_us_p99")
+DEVICE_TIMINGS = ("bubble_us_p50", "bubble_us_p99", "bubble_gaps", "idle_gaps", "overlap_overruns",
+                  "step_us_p50", "step_us_p99", "device_sched_us_p50", "device_sched_us_p99",
+                  "device_overlap_us_p50", "device_overlap_us_p99", "handoff_us_p50", "launch_us_p50",
+                  "sched_critical_us_p50", "sched_critical_us_p99",
+                  "sched_overlapped_us_p50", "sched_overlapped_us_p99",
+                  "sched_step_us_p50", "sched_step_us_p99", "model_step_us_p50", "model_step_us_p99")
 
 
 def device_deltas(before: dict, after: dict) -> dict:

@@ -28,20 +28,51 @@ def test_buckets_cover_the_budget():
     assert len(default_buckets(10**6)) <= layout.MAX_BUCKETS
 
 
-def test_timeline_summary_and_chrome_trace(tmp_path):
-    t = np.zeros((8, layout.RL_TRACE_FIELDS), dtype=np.uint64)
-    base = 1_000_000
-    for i in range(5):  # sched 2 us, step 10 us, bubble 3 us
-        s = base + i * 15_000
-        t[i] = (s, s + 2_000, s + 2_000, s + 12_000)
+def _row(seq, sched_begin, sched_us, launch_us, step_us, overlap_us, chained):
+    f, us = layout, 1_000
+    r = np.zeros(f.RL_TRACE_FIELDS, dtype=np.uint64)
+    r[f.RL_TRACE_SCHED_BEGIN] = sched_begin
+    r[f.RL_TRACE_SCHED_END] = sched_begin + sched_us * us
+    r[f.RL_TRACE_STEP_BEGIN] = r[f.RL_TRACE_SCHED_END] + launch_us * us
+    r[f.RL_TRACE_STEP_END] = r[f.RL_TRACE_STEP_BEGIN] + step_us * us
+    r[f.RL_TRACE_OVERLAP_BEGIN] = r[f.RL_TRACE_SCHED_END] + 100
+    r[f.RL_TRACE_OVERLAP_END] = r[f.RL_TRACE_OVERLAP_BEGIN] + overlap_us * us
+    r[f.RL_TRACE_FLAGS] = f.RL_TRACE_CHAINED if chained else 0
+    r[f.RL_TRACE_SEQ] = seq + 1
+    return r
+
+
+def test_timeline_bubble_counts_only_chained_gaps(tmp_path):
+    """Steps of 10 us, each built in 2 us and started 1 us after the hand-off, the scheduler
+    waking 1 us after a step ends: a 4 us bubble.  After step 4 the scheduler goes idle for a
+    millisecond (client think time): that gap is an idle gap, not a bubble.  Step 7's
+    overlapped phase (15 us) outlasts its step."""
+    t = np.zeros((16, layout.RL_TRACE_FIELDS), dtype=np.uint64)
+    at = 1_000_000
+    for seq in range(10):
+        chained = seq not in (0, 5)
+        if seq == 5:
+            at += 1_000_000
+        t[seq + 3] = _row(seq, at, 2, 1, 10, 15 if seq == 7 else 3, chained)  # ring offset: rows sort by seq
+        at = int(t[seq + 3][layout.RL_TRACE_STEP_END]) + 1_000
+        if seq == 7:
+            at += 5_000  # the overrun delays the next critical phase: a real bubble
+    t[15] = t[2]  # an all-zero row stays out
+    t[14, layout.RL_TRACE_SCHED_BEGIN] = 5  # a half-written row stays out
     summary = timeline_summary(t)
+    assert summary["timeline_steps"] == 10
     assert summary["step_us_p50"] == pytest.approx(10.0)
     assert summary["device_sched_us_p50"] == pytest.approx(2.0)
-    assert summary["bubble_us_p50"] == pytest.approx(5.0)  # 15 us period - 10 us step
+    assert summary["bubble_gaps"] == 8 and summary["idle_gaps"] == 1
+    assert summary["bubble_us_p50"] == pytest.approx(4.0)
+    assert summary["bubble_us_p99"] > 8.0  # the gap after the overrun: 4 + 5 us
+    assert summary["handoff_us_p50"] == pytest.approx(1.0) and summary["launch_us_p50"] == pytest.approx(1.0)
+    assert summary["overlap_overruns"] == 1
     path = tmp_path / "trace.json"
     write_chrome_trace(str(path), t)
     events = json.loads(path.read_text())["traceEvents"]
-    assert len(events) == 10 and {e["tid"] for e in events} == {"scheduler", "compute"}
+    assert len(events) == 30
+    assert {e["tid"] for e in events} == {"scheduler: critical", "scheduler: overlapped", "compute"}
 
 
 def _serve(**kw):

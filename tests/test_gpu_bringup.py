@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(REPO / "bench" / "gpu_bringup.py")]
 BUILTIN = ["env", "probe", "module", "graphs-fp32", "graphs-bf16", "backend-host", "backend-resident",
-           "backend-pump", "tests", "perf"]
+           "backend-pump", "tests", "bubble-c1", "bubble-c64", "perf"]
 
 
 def py(code: str) -> list[str]:

@@ -1,8 +1,10 @@
-"""CPU backend: the host-compiled sched_step on an engine thread, the model step in torch.
+"""CPU backend: the host-compiled scheduler on an engine thread, the model step in torch.
 
-The engine thread alternates sched_step() (releases the GIL, reads the SQ, writes CQ events and
-the step layout) and the model step (reads the layout, writes next_token).  It sleeps on a
-doorbell when the scheduler reports idle; the frontend rings it after publishing SQ entries.
+The engine thread runs the scheduler's two phases in the order the GPU kernel runs them: the
+critical phase (consumes next_token, builds the step layout), then the overlapped phase (reads
+the SQ, writes and publishes CQ events, admits), then the model step (reads the layout, writes
+next_token).  Each phase releases the GIL.  It sleeps on a doorbell when both phases report
+idle; the frontend rings it after publishing SQ entries.
 """
 from __future__ import annotations
 
@@ -56,17 +58,27 @@ class RecentValues:
 
 
 class StepTimer:
-    """Recent step durations, for stats (the last 4096 steps)."""
+    """Recent durations, for stats (the last 4096 of each): the scheduler's critical phase (what
+    the model step waits for), its overlapped phase, both (sched_step), and the model step."""
 
     def __init__(self):
+        self.critical_us = RecentValues(4096)
+        self.overlapped_us = RecentValues(4096)
         self.sched_us = RecentValues(4096)
         self.model_us = RecentValues(4096)
 
+    def add_sched(self, critical_us: float, overlapped_us: float) -> None:
+        self.critical_us.append(critical_us)
+        self.overlapped_us.append(overlapped_us)
+        self.sched_us.append(critical_us + overlapped_us)
+
     def summary(self) -> dict:
-        return {"sched_step_us_p50": percentile(self.sched_us, 50),
-                "sched_step_us_p99": percentile(self.sched_us, 99),
-                "model_step_us_p50": percentile(self.model_us, 50),
-                "model_step_us_p99": percentile(self.model_us, 99)}
+        out = {}
+        for name, values in (("sched_critical_us", self.critical_us),
+                             ("sched_overlapped_us", self.overlapped_us),
+                             ("sched_step_us", self.sched_us), ("model_step_us", self.model_us)):
+            out[name + "_p50"], out[name + "_p99"] = percentile(values, 50), percentile(values, 99)
+        return out
 
 
 def ring_config_for(model: LlamaModel, *, n_slots: int, max_ctx: int, token_budget: int,
@@ -154,18 +166,20 @@ class CpuBackend(Doorbells, Backend):
                 self._doorbell.clear()
                 tail_before = int(control[0]["cq_tail"])
                 t0 = time.perf_counter()
-                status = self._scheduler.step(ctx)
-                self._timer.sched_us.append((time.perf_counter() - t0) * 1e6)
+                built = self._scheduler.critical(ctx) == layout.RL_STEP_RUN
+                t1 = time.perf_counter()
+                following = self._scheduler.overlapped(ctx, built)
+                t2 = time.perf_counter()
+                self._timer.add_sched((t1 - t0) * 1e6, (t2 - t1) * 1e6)
                 if int(control[0]["cq_tail"]) != tail_before:
                     self._events.set()
-                if status == layout.RL_STEP_SHUTDOWN:
+                if following == layout.RL_STEP_SHUTDOWN:
                     break
-                if status == layout.RL_STEP_IDLE:
+                if built:
+                    self._run_model_step()
+                    self._timer.model_us.append((time.perf_counter() - t2) * 1e6)
+                elif following == layout.RL_STEP_IDLE:
                     self._doorbell.wait(IDLE_WAIT_S)
-                    continue
-                t1 = time.perf_counter()
-                self._run_model_step()
-                self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
         except Exception:  # the watchdog turns this into engine_dead for every request
             self._failure = "engine thread failed: " + traceback.format_exc(limit=3)
             log.error(self._failure)

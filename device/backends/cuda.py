@@ -271,9 +271,11 @@ class CudaBackend(Doorbells, Backend):
             time.sleep(20e-6)
 
     def _host_loop(self) -> None:
-        """The classic host-driven design: schedule on the CPU, copy the packed layout in (one
-        async copy from pinned memory), replay the step graph, copy next_token back into pinned
-        memory and wait on a blocking-sync event (no spinning core), every step."""
+        """The classic host-driven design, given the same overlap as the kernel: the critical
+        phase on the CPU, the packed layout copied in (one async copy from pinned memory), the
+        step graph replayed and next_token copied back into pinned memory; the overlapped phase
+        runs on the CPU while the GPU computes; then a wait on a blocking-sync event (no
+        spinning core)."""
         a = self._host_mem.arrays
         ctx = self._host_mem.context_address
         io, stream = self._layout_copy, self._compute_cu
@@ -282,21 +284,24 @@ class CudaBackend(Doorbells, Backend):
                 self._doorbell.clear()
                 tail = int(a["ctl"][0]["cq_tail"])
                 t0 = time.perf_counter()
-                status = self._cpu_scheduler.step(ctx)
-                self._timer.sched_us.append((time.perf_counter() - t0) * 1e6)
+                built = self._cpu_scheduler.critical(ctx) == layout.RL_STEP_RUN
+                t1 = time.perf_counter()
+                if built:
+                    io.upload(stream)
+                    self._graphs.replay(int(a["step"][0]["bucket"]))
+                    io.download(stream)
+                t2 = time.perf_counter()
+                following = self._cpu_scheduler.overlapped(ctx, built)
+                self._timer.add_sched((t1 - t0) * 1e6, (time.perf_counter() - t2) * 1e6)
                 if int(a["ctl"][0]["cq_tail"]) != tail:
                     self._events.set()
-                if status == layout.RL_STEP_SHUTDOWN:
+                if built:
+                    io.wait()  # the next critical phase reads next_token
+                    self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
+                if following == layout.RL_STEP_SHUTDOWN:
                     return
-                if status == layout.RL_STEP_IDLE:
+                if not built and following == layout.RL_STEP_IDLE:
                     self._doorbell.wait(0.05)
-                    continue
-                t1 = time.perf_counter()
-                io.upload(stream)
-                self._graphs.replay(int(a["step"][0]["bucket"]))
-                io.download(stream)
-                io.wait()
-                self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
 
     def failure(self) -> str | None:
         if self._failure is None and self._scheduler_mode == "device" and not self._stopping:
@@ -307,7 +312,7 @@ class CudaBackend(Doorbells, Backend):
         return self._failure
 
     def device_timeline(self) -> np.ndarray:
-        """[trace_len, 4] ns stamps, copied on a stream of our own into pinned memory allocated
+        """[trace_len, RL_TRACE_FIELDS] stamps, copied on a stream of our own into pinned memory allocated
         at start-up (no allocation, no device-wide synchronisation)."""
         if self._scheduler_mode == "host":
             return np.zeros((0, layout.RL_TRACE_FIELDS), dtype=np.uint64)

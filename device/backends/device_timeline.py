@@ -1,6 +1,6 @@
 """The device timeline: per step, the scheduler's and the step graph's %globaltimer stamps
-(ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time, or written as a Chrome
-trace."""
+(ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time (timeline_summary holds
+the bubble's definition), or written as a Chrome trace."""
 from __future__ import annotations
 
 import json
@@ -31,32 +31,72 @@ class TimelineReader:
             return self._host.array.view(np.uint64).reshape(-1, layout.RL_TRACE_FIELDS).copy()
 
 
+def complete_rows(trace: np.ndarray) -> np.ndarray:
+    """Rows whose step finished (both phases and both step stamps written), ordered by seq;
+    a row still being written, or never reached, has a zero stamp."""
+    core = [layout.RL_TRACE_SCHED_BEGIN, layout.RL_TRACE_SCHED_END, layout.RL_TRACE_STEP_BEGIN,
+            layout.RL_TRACE_STEP_END, layout.RL_TRACE_SEQ]
+    rows = trace[(trace[:, core] != 0).all(axis=1)].astype(np.int64)
+    return rows[np.argsort(rows[:, layout.RL_TRACE_SEQ])]
+
+
 def timeline_summary(trace: np.ndarray) -> dict:
-    """Bubble = next step's compute start minus this step's compute end, over complete rows."""
-    rows = trace[(trace != 0).all(axis=1)].astype(np.int64)
-    if len(rows) < 2:
-        return {}
-    rows = rows[np.argsort(rows[:, layout.RL_TRACE_SCHED_BEGIN])]
-    step = (rows[:, layout.RL_TRACE_STEP_END] - rows[:, layout.RL_TRACE_STEP_BEGIN]) / 1e3
-    sched = (rows[:, layout.RL_TRACE_SCHED_END] - rows[:, layout.RL_TRACE_SCHED_BEGIN]) / 1e3
-    bubble = (rows[1:, layout.RL_TRACE_STEP_BEGIN] - rows[:-1, layout.RL_TRACE_STEP_END]) / 1e3
-    bubble = bubble[bubble < 1e6]  # idle gaps between bursts are not bubbles
+    """The device timeline's figures, in microseconds.
+
+    Bubble: the GPU's idle time between two consecutive steps while work was ready, from the
+    previous step's end (its signal kernel) to the next step's start (the first kernel of its
+    SWITCH branch).  A gap counts only when the next step's row is chained: the scheduler built
+    a step, and no pass since found nothing to do, so idle time and client think time are never
+    counted (they show as idle_gaps).  Its parts: handoff (step end -> the critical phase
+    starts), device_sched (the critical phase) and launch (critical end -> the step's first
+    kernel).  overlap_overruns counts steps whose overlapped phase ended after the step did,
+    which delays the next critical phase."""
+    rows = complete_rows(trace)
+    out: dict = {}
+    if len(rows) == 0:
+        return out
     pct = lambda v, q: float(np.percentile(v, q)) if len(v) else None  # noqa: E731
-    return {"bubble_us_p50": pct(bubble, 50), "bubble_us_p99": pct(bubble, 99),
-            "step_us_p50": pct(step, 50), "step_us_p99": pct(step, 99),
-            "device_sched_us_p50": pct(sched, 50), "device_sched_us_p99": pct(sched, 99)}
+    f = layout
+    step = (rows[:, f.RL_TRACE_STEP_END] - rows[:, f.RL_TRACE_STEP_BEGIN]) / 1e3
+    sched = (rows[:, f.RL_TRACE_SCHED_END] - rows[:, f.RL_TRACE_SCHED_BEGIN]) / 1e3
+    has_overlap = (rows[:, f.RL_TRACE_OVERLAP_BEGIN] != 0) & (rows[:, f.RL_TRACE_OVERLAP_END] != 0)
+    overlap = (rows[has_overlap, f.RL_TRACE_OVERLAP_END] - rows[has_overlap, f.RL_TRACE_OVERLAP_BEGIN]) / 1e3
+    overruns = int((rows[has_overlap, f.RL_TRACE_OVERLAP_END] > rows[has_overlap, f.RL_TRACE_STEP_END]).sum())
+    prev, cur = rows[:-1], rows[1:]
+    consecutive = cur[:, f.RL_TRACE_SEQ] == prev[:, f.RL_TRACE_SEQ] + 1
+    chained = consecutive & ((cur[:, f.RL_TRACE_FLAGS] & f.RL_TRACE_CHAINED) != 0)
+    p, c = prev[chained], cur[chained]
+    bubble = (c[:, f.RL_TRACE_STEP_BEGIN] - p[:, f.RL_TRACE_STEP_END]) / 1e3
+    handoff = (c[:, f.RL_TRACE_SCHED_BEGIN] - p[:, f.RL_TRACE_STEP_END]) / 1e3
+    launch = (c[:, f.RL_TRACE_STEP_BEGIN] - c[:, f.RL_TRACE_SCHED_END]) / 1e3
+    for name, values in (("bubble_us", bubble), ("step_us", step), ("device_sched_us", sched),
+                         ("device_overlap_us", overlap), ("handoff_us", handoff),
+                         ("launch_us", launch)):
+        out[name + "_p50"], out[name + "_p99"] = pct(values, 50), pct(values, 99)
+    out.update(bubble_gaps=int(chained.sum()), idle_gaps=int((consecutive & ~chained).sum()),
+               overlap_overruns=overruns, timeline_steps=int(len(rows)))
+    return out
 
 
 def write_chrome_trace(path: str, trace: np.ndarray) -> None:
-    rows = trace[(trace != 0).all(axis=1)].astype(np.int64)
+    """Three tracks: the critical phase, the overlapped phase (both on the scheduler's SM) and
+    the step on the compute stream."""
+    rows = complete_rows(trace)
     if not len(rows):
         return
-    t0 = rows.min()
+    f = layout
+    t0 = rows[:, [f.RL_TRACE_SCHED_BEGIN, f.RL_TRACE_STEP_BEGIN]].min()
     events = []
+
+    def span(name, tid, begin, end, seq):
+        events.append({"name": name, "ph": "X", "pid": 0, "tid": tid, "ts": (begin - t0) / 1e3,
+                       "dur": (end - begin) / 1e3, "args": {"seq": int(seq) - 1}})
     for r in rows:
-        events.append({"name": "sched_step", "ph": "X", "pid": 0, "tid": "scheduler",
-                       "ts": (r[0] - t0) / 1e3, "dur": (r[1] - r[0]) / 1e3})
-        events.append({"name": "step", "ph": "X", "pid": 0, "tid": "compute",
-                       "ts": (r[2] - t0) / 1e3, "dur": (r[3] - r[2]) / 1e3})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
+        seq = r[f.RL_TRACE_SEQ]
+        span("critical", "scheduler: critical", r[f.RL_TRACE_SCHED_BEGIN], r[f.RL_TRACE_SCHED_END], seq)
+        if r[f.RL_TRACE_OVERLAP_BEGIN] and r[f.RL_TRACE_OVERLAP_END]:
+            span("overlapped", "scheduler: overlapped", r[f.RL_TRACE_OVERLAP_BEGIN],
+                 r[f.RL_TRACE_OVERLAP_END], seq)
+        span("step", "compute", r[f.RL_TRACE_STEP_BEGIN], r[f.RL_TRACE_STEP_END], seq)
+    with open(path, "w") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)

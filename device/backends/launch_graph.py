@@ -1,7 +1,8 @@
 """The graph the compute stream launches around the captured step graphs.
 
-resident: WHILE { rl_step_wait -> SWITCH(bucket) { step graph per bucket } -> rl_step_signal },
-launched once; the wait kernel ends the loop on exit.
+resident: WHILE { rl_step_wait -> SWITCH(bucket) { rl_step_begin -> step graph per bucket } ->
+rl_step_signal }, launched once; the wait kernel ends the loop on exit.  rl_step_begin stamps
+the step's start inside the branch, so the bubble includes the SWITCH and the branch launch.
 pump: the same three nodes unrolled PUMP_STEPS_PER_LAUNCH times; a host thread keeps two
 launches queued.
 
@@ -48,16 +49,17 @@ class LaunchGraph:
         switch = drv.conditional_handle(graph, self._cu_ctx, len(buckets))
         wait_args = drv.KernelArgs(self._ctx_arg, drv.handle_arg(switch),
                                    drv.handle_arg(while_handle or 0), ctypes.c_uint32(use_while))
-        sig_args = drv.KernelArgs(self._ctx_arg)
-        self._keep_args += [wait_args, sig_args]
+        ctx_args = drv.KernelArgs(self._ctx_arg)  # rl_step_begin and rl_step_signal take only ctx
+        self._keep_args += [wait_args, ctx_args]
         wait = drv.add_kernel_node(graph, deps, self._fn["rl_step_wait"], wait_args)
         node, bodies = drv.add_conditional_node(
             graph, [wait], switch, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH,
             len(buckets), self._cu_ctx)
         for body, bucket in zip(bodies, buckets):  # branch i runs bucket i (cfg.buckets order)
-            drv.check(drv.cu.cuGraphAddChildGraphNode(body, None, 0, drv.cu.CUgraph(int(self._graphs.raw(bucket)))),
+            begin = drv.add_kernel_node(body, [], self._fn["rl_step_begin"], ctx_args)
+            drv.check(drv.cu.cuGraphAddChildGraphNode(body, [begin], 1, drv.cu.CUgraph(int(self._graphs.raw(bucket)))),
                       f"cuGraphAddChildGraphNode(bucket {bucket})")
-        return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], sig_args)
+        return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], ctx_args)
 
     def launch(self, stream) -> None:
         drv.check(drv.cu.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
