@@ -140,12 +140,14 @@ def test_cancelling_the_consumer_task_aborts_the_request(tiny_server):
             base = aborts_seen(tiny_server)
             stream = await c.generate(**LONG)
 
+            first = asyncio.Event()
+
             async def consume(s):
                 async for _ in s:
-                    pass
+                    first.set()
 
             task = asyncio.create_task(consume(stream))
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(first.wait(), 30)  # cancel mid-stream, however fast tokens come
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
