@@ -51,32 +51,17 @@ if __package__ in (None, ""):  # `python bench/sched_micro.py`: this tree's pack
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device.backends.host_memory import HostMemory  # noqa: E402
-from device.sched.build import CpuScheduler  # noqa: E402
+# Only names the pre-split tree has too at module level: --before runs this file there.
+from device.sched import build  # noqa: E402
 from ipc import layout  # noqa: E402
 from ipc.rings import RingConfig  # noqa: E402
+from tests.sched_driver import scheduler, token_for  # noqa: E402  (the stand-in model)
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("decode-only", "mixed-prefill", "admission-heavy", "abort-storm")
 SIZES = (1, 32, 256)
-KINDS = ("acquire_loads", "release_stores", "system_fences", "loads", "stores")
-HOST_ONLY = ("ctl", "sq", "arena", "cq", "aq")  # host-shared; cfg is a device copy on the GPU
 LONG = 1 << 20  # max_tokens of requests that should outlive the run
 VOCAB = 1000
-
-_SCHED = None
-
-
-def scheduler() -> CpuScheduler:
-    global _SCHED
-    if _SCHED is None:
-        _SCHED = CpuScheduler()
-    return _SCHED
-
-
-def token_for(handle, index):
-    """The stand-in model's sample: a function of (handle, index), so the host can check it."""
-    return (handle * 7919 + index * 104729) % VOCAB
-
 
 def ring_config(n_slots: int) -> RingConfig:
     return RingConfig(n_slots=n_slots, max_ctx=1 << 24, token_budget=max(n_slots, 256),
@@ -119,7 +104,7 @@ def null_host_context(mem: HostMemory) -> ctypes.Array:
     """A copy of the RlContext table with every host-only pointer zeroed: touching one segfaults."""
     table = (ctypes.c_uint64 * len(mem._context))(*mem._context)
     for i, (name, _, _) in enumerate(layout.ARRAYS):
-        if name in HOST_ONLY:
+        if name in layout.HOST_RINGS:
             table[i] = 0
     return table
 
@@ -200,7 +185,7 @@ class Harness:
 
     def _accesses(self) -> np.ndarray:
         got = self.sched.host_accesses()
-        return np.array([got[k] for k in KINDS], np.int64)
+        return np.array([got[k] for k in build.HOST_ACCESS_KINDS], np.int64)
 
     def model_step(self) -> None:
         h = self.a["step"][0]
@@ -343,7 +328,7 @@ def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step:
             st["host_accesses_per_step"] = st["host_accesses_by_kind"] = None
         else:
             mean = np.mean([s[phase] for s in samples], axis=0)
-            st["host_accesses_by_kind"] = {k: float(v) for k, v in zip(KINDS, mean)}
+            st["host_accesses_by_kind"] = {k: float(v) for k, v in zip(build.HOST_ACCESS_KINDS, mean)}
             st["host_accesses_per_step"] = float(mean.sum())
         out["phases"][phase] = st
     out["exposed"] = _stats(np.array([s["exposed_ns"] for s in samples], np.float64))
@@ -373,12 +358,12 @@ def machine() -> dict:
             "numpy": np.__version__,
             "compiler": subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0] if cxx else None,
             "git_rev": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "source_root": str(Path(sys.modules[CpuScheduler.__module__].__file__).resolve().parents[2]),
+            "source_root": str(Path(sys.modules[build.__name__].__file__).resolve().parents[2]),
             "ctypes_call_us": float(np.median(calls)) / 1000.0}
 
 
 def run_all(args, whole_step: bool) -> dict:
-    if not whole_step and not hasattr(CpuScheduler, "critical"):
+    if not whole_step and not hasattr(build.CpuScheduler, "critical"):
         raise SystemExit("this tree's scheduler has no phases: run with --whole-step")
     doc = {"mode": "whole-step" if whole_step else "split", "steps": args.steps,
            "warmup": args.warmup, "machine": machine(), "scenarios": []}

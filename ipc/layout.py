@@ -239,6 +239,8 @@ ARRAYS = (
 
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
 HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "aq")
+# Of those, the ones shared while the scheduler runs (cfg is read-only, a device copy on CUDA).
+HOST_RINGS = tuple(name for name in HOST_SHARED if name != "cfg")
 
 # Enumerations shared by both sides.
 ENUMS = {

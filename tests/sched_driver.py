@@ -8,19 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from device.backends.host_memory import HostMemory
-from device.sched.build import CpuScheduler
+from device.sched.build import cpu_scheduler as scheduler
 from ipc import layout
 from ipc.rings import HostRings, RingConfig
-
-_SCHED = None
-
-
-def scheduler() -> CpuScheduler:
-    global _SCHED
-    if _SCHED is None:
-        _SCHED = CpuScheduler()
-    return _SCHED
-
 
 def token_for(handle: int, index: int, vocab: int = 1000) -> int:
     return (handle * 7919 + index * 104729) % vocab

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from bench import sched_micro
-from bench.sched_micro import KINDS, SCENARIOS, Harness
+from bench.sched_micro import SCENARIOS, Harness
+from device.sched.build import HOST_ACCESS_KINDS as KINDS
 from ipc import layout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from device.backends.host_memory import HostMemory, context_table
 from ipc import layout
 from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
-PINNED = ("ctl", "sq", "arena", "cq", "aq")
+PINNED = layout.HOST_RINGS
 # The step layout: ipc.layout.ARRAYS from the header to the last sample field, contiguous in
 # both memory plans, so the host-scheduled baseline uploads it in one copy.
 _NAMES = [name for name, _, _ in layout.ARRAYS]

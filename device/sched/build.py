@@ -7,6 +7,7 @@ Both get the same text: the layout header from ipc, primitives.h, sched_step.h, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,12 @@ class CpuScheduler:
 
     def reset_host_accesses(self) -> None:
         self._lib.rl_host_access_reset()
+
+
+@functools.cache
+def cpu_scheduler() -> CpuScheduler:
+    """The process's one CpuScheduler (its library loads once; it holds no per-ring state)."""
+    return CpuScheduler()
 
 
 KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_begin", "rl_step_signal")
