@@ -15,6 +15,7 @@ need) and reports:
   none of them, the slowest `stats` answer meanwhile; then the same again and SIGTERM: seconds
   until the process exits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,7 @@ class Peer:
 
 
 def generate(rid, n_out: int) -> dict:
-    return {"op": "generate", "id": rid, "prompt_ids": [1, 2, 3, 4], "max_tokens": n_out,
-            "ignore_eos": True}
+    return {"op": "generate", "id": rid, "prompt_ids": [1, 2, 3, 4], "max_tokens": n_out, "ignore_eos": True}
 
 
 def wait_in_flight(client: Client, pred, timeout: float = 120.0) -> tuple[float, float]:
@@ -95,8 +95,11 @@ def idle_client(address: str, idle_s: float) -> dict:
             await asyncio.sleep(idle_s)
             return thread_cpu_seconds(tid) - before
 
-    return {"idle_s": idle_s, "sync_io_thread_cpu_s": sync_cpu,
-            "async_loop_thread_cpu_s": asyncio.run(run_async())}
+    return {
+        "idle_s": idle_s,
+        "sync_io_thread_cpu_s": sync_cpu,
+        "async_loop_thread_cpu_s": asyncio.run(run_async()),
+    }
 
 
 def abort_all(address: str, n: int = 1100) -> dict:
@@ -116,8 +119,12 @@ def abort_all(address: str, n: int = 1100) -> dict:
     probe_s = time.monotonic() - t1
     owner.close()
     other.close()
-    return {"in_flight": n, "abort_all_s": seconds, "finish_reasons": dict(reasons),
-            "next_4_token_request_s": probe_s}
+    return {
+        "in_flight": n,
+        "abort_all_s": seconds,
+        "finish_reasons": dict(reasons),
+        "next_4_token_request_s": probe_s,
+    }
 
 
 def fairness(address: str, n: int = 1000, hog_tokens: int = 128) -> dict:
@@ -135,8 +142,13 @@ def fairness(address: str, n: int = 1000, hog_tokens: int = 128) -> dict:
         window = c.stats()["device_window"]
     hog.close()
     small.close()
-    return {"hog_requests": n, "hog_max_tokens": hog_tokens, "other_request_latency_s": latency,
-            "hog_requests_finished_meanwhile": finished, "device_window": window}
+    return {
+        "hog_requests": n,
+        "hog_max_tokens": hog_tokens,
+        "other_request_latency_s": latency,
+        "hog_requests_finished_meanwhile": finished,
+        "device_window": window,
+    }
 
 
 def vanished(address: str, server: ServerProcess, n: int = 1700) -> dict:
@@ -155,9 +167,13 @@ def vanished(address: str, server: ServerProcess, n: int = 1700) -> dict:
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     rc = server.proc.wait(timeout=120)
-    return {"in_flight": n, "ended_after_disconnect_s": cleared_s,
-            "slowest_stats_meanwhile_s": slowest_stats_s, "sigterm_exit_s": time.monotonic() - t0,
-            "exit_code": rc}
+    return {
+        "in_flight": n,
+        "ended_after_disconnect_s": cleared_s,
+        "slowest_stats_meanwhile_s": slowest_stats_s,
+        "sigterm_exit_s": time.monotonic() - t0,
+        "exit_code": rc,
+    }
 
 
 def main(argv=None) -> int:
@@ -168,13 +184,18 @@ def main(argv=None) -> int:
     p.add_argument("--idle-s", type=float, default=5.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    results = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-               "model": args.model, "date": time.strftime("%Y-%m-%d")}
+    results = {
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     extra = ["--max-inflight-per-client", "0", "--drain-timeout", str(args.drain_timeout)]
-    for name, run in (("idle_client", lambda a, _: idle_client(a, args.idle_s)),
-                      ("abort_all", lambda a, _: abort_all(a)),
-                      ("fairness", lambda a, _: fairness(a)),
-                      ("vanished", vanished)):
+    for name, run in (
+        ("idle_client", lambda a, _: idle_client(a, args.idle_s)),
+        ("abort_all", lambda a, _: abort_all(a)),
+        ("fairness", lambda a, _: fairness(a)),
+        ("vanished", vanished),
+    ):
         options = ServerOptions(model=args.model, slots=args.slots, extra=extra)
         with ServerProcess(options.args()) as server:
             results[name] = run(server.address, server)

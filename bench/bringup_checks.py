@@ -12,6 +12,7 @@ exits 1 when a check failed, so the runner can mark the stage and go on with the
            reference, 32 concurrent streams with exactly one done each, the launch mode that
            runs, the device counters and timeline, and a bounded stop
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,23 @@ def write_result(figures: dict) -> None:
 
 # ---- module ---------------------------------------------------------------------------------
 def check_module() -> dict:
+    import torch
+
     from device.backends import cuda_driver as drv
     from device.backends.cuda import SCHED_THREADS, device_arch
     from device.sched.build import KERNELS, compile_kernel
-    import torch
+
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # makes torch's primary context current
     arch = device_arch()
     build = compile_kernel(arch, threads=SCHED_THREADS)
-    figures = {"arch": arch, "nvrtc": "%d.%d" % build.nvrtc_version,
-               "driver": "%d.%d" % drv.driver_version(), "ptx_isa": build.ptx_isa,
-               "kernels": {n: vars(r) for n, r in build.resources.items()}}
+    figures = {
+        "arch": arch,
+        "nvrtc": "%d.%d" % build.nvrtc_version,
+        "driver": "%d.%d" % drv.driver_version(),
+        "ptx_isa": build.ptx_isa,
+        "kernels": {n: vars(r) for n, r in build.resources.items()},
+    }
     module, how = drv.load_module(build)
     figures["loaded_from"] = how
     for name in KERNELS:
@@ -68,12 +75,28 @@ def check_module() -> dict:
 def _submit_all(driver, rng) -> None:
     """Prompts of every length class, greedy and sampled, all running to max_tokens."""
     from ipc import layout as L
-    requests = [(21, 5, 0.0, 1.0, 0, 0), (3, 6, 0.8, 0.9, 0, 11), (9, 4, 1.0, 1.0, 20, 12),
-                (2, 3, 0.0, 1.0, 0, 0), (40, 4, 0.7, 0.95, 50, 13), (5, 5, 1.2, 1.0, 0, 14),
-                (1, 8, 0.0, 1.0, 0, 0), (60, 3, 0.0, 1.0, 0, 0), (7, 9, 0.9, 0.8, 5, 15)]
+
+    requests = [
+        (21, 5, 0.0, 1.0, 0, 0),
+        (3, 6, 0.8, 0.9, 0, 11),
+        (9, 4, 1.0, 1.0, 20, 12),
+        (2, 3, 0.0, 1.0, 0, 0),
+        (40, 4, 0.7, 0.95, 50, 13),
+        (5, 5, 1.2, 1.0, 0, 14),
+        (1, 8, 0.0, 1.0, 0, 0),
+        (60, 3, 0.0, 1.0, 0, 0),
+        (7, 9, 0.9, 0.8, 5, 15),
+    ]
     for plen, max_tokens, temperature, top_p, top_k, seed in requests:
-        driver.submit(rng.integers(3, 250, plen), max_tokens, flags=L.RL_FLAG_IGNORE_EOS,
-                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        driver.submit(
+            rng.integers(3, 250, plen),
+            max_tokens,
+            flags=L.SqFlag.IGNORE_EOS,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+        )
 
 
 def _rel(a, b) -> float:
@@ -81,10 +104,10 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cuda",
-                 graphs_cls=None) -> dict:
+def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cuda", graphs_cls=None) -> dict:
     """graphs_cls: StepGraphs unless a test passes a stand-in (CUDA graphs need a GPU)."""
     import torch
+
     from device.backends import cuda_driver as drv
     from device.backends.cuda import default_buckets
     from device.backends.cuda_graph_rules import GraphNotEmbeddable, check_conditional_body
@@ -108,11 +131,17 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     if graphs_cls is None:
         drv.check(drv.cu.cuInit(0), "cuInit")
     t0 = time.perf_counter()
-    graphs = (graphs_cls or StepGraphs)(step_g, lay_g, buckets,
-                                        torch.cuda.Stream() if device == "cuda" else None,
-                                        keep_outputs=True)
-    figures = {"dtype": dtype_name, "model": model_name, "buckets": list(buckets),
-               "capture_s": round(time.perf_counter() - t0, 2), "nodes": {}, "embeddable": True}
+    graphs = (graphs_cls or StepGraphs)(
+        step_g, lay_g, buckets, torch.cuda.Stream() if device == "cuda" else None, keep_outputs=True
+    )
+    figures = {
+        "dtype": dtype_name,
+        "model": model_name,
+        "buckets": list(buckets),
+        "capture_s": round(time.perf_counter() - t0, 2),
+        "nodes": {},
+        "embeddable": True,
+    }
     for b in buckets:
         nodes, programmatic = graphs.read(b)
         try:
@@ -126,15 +155,23 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     sync()
     figures["replay_alone_ok"] = bool((lay_g.next_token == -7).all())
 
-    cfg = RingConfig(n_slots=n_slots, max_ctx=max_ctx, token_budget=budget, buckets=buckets,
-                     sq_size=64, cq_size=4096, arena_size=1 << 12, pending_cap=64)
+    cfg = RingConfig(
+        n_slots=n_slots,
+        max_ctx=max_ctx,
+        token_budget=budget,
+        buckets=buckets,
+        sq_size=64,
+        cq_size=4096,
+        arena_size=1 << 12,
+        pending_cap=64,
+    )
     d = Driver(cfg)
     _submit_all(d, np.random.default_rng(5))
     worst, mismatched, decided, seen, n_steps = 0.0, 0, 0, set(), 0
     for _ in range(400):
         d.rings.submissions.publish()
         status = scheduler().step(d.mem.context_address)
-        if status == L.RL_STEP_IDLE:
+        if status == L.StepStatus.IDLE:
             d.drain_cq()  # the DONE events of the last step's outputs
             break
         h = d.a["step"][0]
@@ -153,7 +190,7 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
             worst = max(worst, _rel(logits_g[:ns], logits_e[:ns]))
             # a token may differ only where the two logit vectors nearly tie at the top
             top2 = logits_e[:ns].topk(2, dim=-1).values
-            margin = (top2[:, 0] - top2[:, 1])
+            margin = top2[:, 0] - top2[:, 1]
             noise = (logits_g[:ns] - logits_e[:ns]).abs().amax(dim=-1)
             firm = margin > 2 * noise
             greedy = torch.from_numpy(d.a["sample_temperature"][:ns]).to(device) == 0
@@ -164,13 +201,26 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
         d.a["next_token"][:] = lay_g.next_token.cpu().numpy()  # the graph's tokens drive the run
         d.drain_cq()
     tol = LOGIT_TOLERANCE[dtype_name]
-    figures.update(steps=n_steps, buckets_run=sorted(seen), logit_rel_err=worst,
-                   logit_tolerance=tol, kv_rel_err=max(_rel(kv_g.k, kv_e.k), _rel(kv_g.v, kv_e.v)),
-                   greedy_rows_decided=decided, greedy_rows_mismatched=mismatched,
-                   all_finished=all(r.done for r in d.records.values()))
-    figures["ok"] = bool(figures["embeddable"] and figures["replay_alone_ok"] and worst <= tol
-                         and figures["kv_rel_err"] <= tol and mismatched == 0 and decided > 0
-                         and figures["all_finished"] and len(seen) >= 3)
+    figures.update(
+        steps=n_steps,
+        buckets_run=sorted(seen),
+        logit_rel_err=worst,
+        logit_tolerance=tol,
+        kv_rel_err=max(_rel(kv_g.k, kv_e.k), _rel(kv_g.v, kv_e.v)),
+        greedy_rows_decided=decided,
+        greedy_rows_mismatched=mismatched,
+        all_finished=all(r.done for r in d.records.values()),
+    )
+    figures["ok"] = bool(
+        figures["embeddable"]
+        and figures["replay_alone_ok"]
+        and worst <= tol
+        and figures["kv_rel_err"] <= tol
+        and mismatched == 0
+        and decided > 0
+        and figures["all_finished"]
+        and len(seen) >= 3
+    )
     return figures
 
 
@@ -178,6 +228,7 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
 def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device: str = "cuda") -> dict:
     """backend_cls: CudaBackend unless a test passes another (the check's own logic on a CPU)."""
     import torch
+
     from device.backends.cuda import CudaBackend
     from device.model import LlamaModel, generate_greedy
     from ipc.client import Client
@@ -185,8 +236,15 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
     from tests.test_server import collect
 
     prompts = [[1, 2, 3], list(range(5, 60)), [7] * 9]
-    options = dict(scheduler=scheduler_mode, launch=launch, dtype=torch.float32, n_slots=16,
-                   max_ctx=512, token_budget=64, run_budget_s=240.0)
+    options = dict(
+        scheduler=scheduler_mode,
+        launch=launch,
+        dtype=torch.float32,
+        n_slots=16,
+        max_ctx=512,
+        token_budget=64,
+        run_budget_s=240.0,
+    )
     figures = {"scheduler": scheduler_mode, "launch_requested": launch}
     t0 = time.perf_counter()
     with running_server("tiny", backend_cls=backend_cls or CudaBackend, **options) as bg:
@@ -198,8 +256,15 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
             peer = RawPeer(bg.address)
             t1 = time.perf_counter()
             for i in range(32):
-                peer.send({"op": "generate", "id": i, "prompt_ids": [1 + i % 200] * (1 + i % 7),
-                           "max_tokens": 16 + i % 16, "ignore_eos": True})
+                peer.send(
+                    {
+                        "op": "generate",
+                        "id": i,
+                        "prompt_ids": [1 + i % 200] * (1 + i % 7),
+                        "max_tokens": 16 + i % 16,
+                        "ignore_eos": True,
+                    }
+                )
             tokens, dones, order_ok = collect(peer, 32, timeout=180)
             figures["streams_s"] = round(time.perf_counter() - t1, 3)
             peer.close()
@@ -212,19 +277,42 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
     want = [generate_greedy(ref_model, p, 24) for p in prompts]
     dev = stats["device"]
     figures.update(
-        launch_running=backend.description["launch"], parity=got == want,
+        launch_running=backend.description["launch"],
+        parity=got == want,
         mismatched_prompts=[i for i, (g, w) in enumerate(zip(got, want)) if g != w],
-        streams_one_done_each=bool(order_ok and len(dones) == 32 and all(len(v) == 1 for v in dones.values())),
+        streams_one_done_each=bool(
+            order_ok and len(dones) == 32 and all(len(v) == 1 for v in dones.values())
+        ),
         streams_tokens_ok=all(len(tokens[i]) == 16 + i % 16 for i in range(32)),
-        exit_reason=counters["exit_reason_name"], state=counters["state_name"],
-        device={k: dev.get(k) for k in ("steps", "generated", "finished", "cq_stalls", "idle_polls",
-                                        "bubble_us_p50", "bubble_us_p99", "bubble_gaps", "idle_gaps",
-                                        "handoff_us_p50", "launch_us_p50", "overlap_overruns",
-                                        "step_us_p50", "step_us_p99", "device_sched_us_p50",
-                                        "device_sched_us_p99", "device_overlap_us_p50",
-                                        "sched_critical_us_p50", "sched_step_us_p50",
-                                        "model_step_us_p50")},
-        thread_cpu_s=stats.get("thread_cpu_s"))
+        exit_reason=counters["exit_reason_name"],
+        state=counters["state_name"],
+        device={
+            k: dev.get(k)
+            for k in (
+                "steps",
+                "generated",
+                "finished",
+                "cq_stalls",
+                "idle_polls",
+                "bubble_us_p50",
+                "bubble_us_p99",
+                "bubble_gaps",
+                "idle_gaps",
+                "handoff_us_p50",
+                "launch_us_p50",
+                "overlap_overruns",
+                "step_us_p50",
+                "step_us_p99",
+                "device_sched_us_p50",
+                "device_sched_us_p99",
+                "device_overlap_us_p50",
+                "sched_critical_us_p50",
+                "sched_step_us_p50",
+                "model_step_us_p50",
+            )
+        },
+        thread_cpu_s=stats.get("thread_cpu_s"),
+    )
     expected_launch = "host-loop" if scheduler_mode == "host" else (None if launch == "auto" else launch)
     ok = figures["parity"] and figures["streams_one_done_each"] and figures["streams_tokens_ok"]
     ok &= expected_launch is None or figures["launch_running"] == expected_launch
@@ -237,8 +325,11 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bringup_checks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bringup_checks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="check", required=True)
     sub.add_parser("module")
     g = sub.add_parser("graphs")
@@ -255,7 +346,7 @@ def main(argv=None) -> int:
             figures = check_graphs(args.dtype, args.model)
         else:
             figures = check_backend(args.scheduler, args.launch)
-    except BaseException as exc:  # noqa: BLE001 - the stage records whatever ended it
+    except BaseException as exc:
         traceback.print_exc()
         figures = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     write_result(figures)

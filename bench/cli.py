@@ -9,6 +9,7 @@ For every variant of `--compare` (or the one server at `--connect`), for every l
 without and once with N busy processes, one run: a few warm-up requests, the server's stats,
 the measured requests, the stats again.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,31 @@ from pathlib import Path
 from bench import servers as S
 from bench.interference import CpuInterference
 from bench.loadgen import Load, SendOptions, measure
-from bench.report import (build_document, format_degradation, format_table, loadgen_warnings,
-                          make_run_entry, markdown_summary, run_label, write_json)
+from bench.report import (
+    build_document,
+    format_degradation,
+    format_table,
+    loadgen_warnings,
+    make_run_entry,
+    markdown_summary,
+    run_label,
+    write_json,
+)
 from bench.workloads import LENGTH_DISTS, WorkloadConfig, arrival_times, make_requests, parse_rate
 
-QUICK_ARGS = ["--concurrency", "1,16", "--requests", "48", "--input-len", "32", "--output-len", "32",
-              "--ignore-eos", "--out", "ringleader-bench"]
+QUICK_ARGS = [
+    "--concurrency",
+    "1,16",
+    "--requests",
+    "48",
+    "--input-len",
+    "32",
+    "--output-len",
+    "32",
+    "--ignore-eos",
+    "--out",
+    "ringleader-bench",
+]
 DEFAULT_COMPARE = "device,host,static"
 DEFAULT_MAX_CTX = 2048  # the server's default --max-ctx
 
@@ -55,33 +75,60 @@ def _names(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ringleader bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="ringleader bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("servers")
-    g.add_argument("--connect", metavar="ADDR", help="benchmark the server at ADDR instead of starting servers")
+    g.add_argument(
+        "--connect", metavar="ADDR", help="benchmark the server at ADDR instead of starting servers"
+    )
     g.add_argument("--label", help="with --connect: the scheduler name to report (default: from its stats)")
-    g.add_argument("--compare", type=_names, default=None,
-                   help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})")
+    g.add_argument(
+        "--compare",
+        type=_names,
+        default=None,
+        help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})",
+    )
     g.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--launch", choices=["auto", "resident", "pump"],
-                   help="CUDA launch mode of the device scheduler (the server's default: auto); the "
-                   "mode that ran is in each run's backend.launch")
+    g.add_argument(
+        "--launch",
+        choices=["auto", "resident", "pump"],
+        help="CUDA launch mode of the device scheduler (the server's default: auto); the "
+        "mode that ran is in each run's backend.launch",
+    )
     g.add_argument("--slots", type=int, help="server batch slots (server default 32)")
-    g.add_argument("--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})")
+    g.add_argument(
+        "--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})"
+    )
     g.add_argument("--token-budget", type=int, help="server max token rows per step (server default 256)")
     g.add_argument("--threads", type=int, help="server torch CPU threads")
     g.add_argument("--max-queue", type=int, help="server host queue bound")
     g.add_argument("--weights-seed", type=int, help="seed of the preset's random weights (server --seed)")
-    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for `ringleader serve` (repeat for several)")
+    g.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `ringleader serve` (repeat for several)",
+    )
     g.add_argument("--hf-on-cpu", action="store_true", help=argparse.SUPPRESS)  # harness tests only
 
     g = p.add_argument_group("workload")
-    g.add_argument("--concurrency", type=_ints, help="closed loop: requests in flight, comma list sweeps "
-                   "(default 1,16 when no --request-rate is given)")
-    g.add_argument("--request-rate", type=_rates, help="open loop: requests/s (inf: all at once), comma list sweeps")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="shape of the gamma inter-arrival gaps; 1.0 = Poisson, lower = burstier")
+    g.add_argument(
+        "--concurrency",
+        type=_ints,
+        help="closed loop: requests in flight, comma list sweeps "
+        "(default 1,16 when no --request-rate is given)",
+    )
+    g.add_argument(
+        "--request-rate", type=_rates, help="open loop: requests/s (inf: all at once), comma list sweeps"
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="shape of the gamma inter-arrival gaps; 1.0 = Poisson, lower = burstier",
+    )
     g.add_argument("--requests", type=int, default=48, help="measured requests per run (default 48)")
     g.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
     g.add_argument("--output-len", type=int, default=32, help="mean max_tokens (default 32)")
@@ -92,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is cut")
-    g.add_argument("--cpu-interference", type=int, default=0, metavar="N",
-                   help="also run each point with N busy processes and report the degradation")
+    g.add_argument(
+        "--cpu-interference",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run each point with N busy processes and report the degradation",
+    )
 
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write results.json, summary.md, console.txt and PNGs here")
@@ -175,11 +227,30 @@ def _loads(args, n: int) -> list[Load]:
 def _run(args, command: list[str], say: Console) -> int:
     notes: list[str] = []
     max_ctx = args.max_ctx or DEFAULT_MAX_CTX
-    wl = WorkloadConfig(args.requests, args.input_len, args.output_len, args.length_dist,
-                        args.range_ratio, args.seed, max_context=max_ctx)
+    wl = WorkloadConfig(
+        args.requests,
+        args.input_len,
+        args.output_len,
+        args.length_dist,
+        args.range_ratio,
+        args.seed,
+        max_context=max_ctx,
+    )
     specs = make_requests(wl)
-    warm = make_requests(WorkloadConfig(args.warmup, min(args.input_len, 64), min(args.output_len, 16),
-                                        "fixed", seed=args.seed + 1, max_context=max_ctx)) if args.warmup else []
+    warm = (
+        make_requests(
+            WorkloadConfig(
+                args.warmup,
+                min(args.input_len, 64),
+                min(args.output_len, 16),
+                "fixed",
+                seed=args.seed + 1,
+                max_context=max_ctx,
+            )
+        )
+        if args.warmup
+        else []
+    )
     loads = _loads(args, len(specs))
     options = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed)
     busy_levels = [0, args.cpu_interference] if args.cpu_interference else [0]
@@ -200,16 +271,24 @@ def _run(args, command: list[str], say: Console) -> int:
         model = args.model
         targets = [(v.name, v) for v in variants]
     if "hf" in [name for name, _ in targets]:
-        notes.append("hf: transformers continuous batching in the benchmark process; unverified on a GPU; "
-                     "its CPU figure is the whole benchmark process and loadgen CPU is not separable")
-    notes.append("queue time comes from the server's done.timing.queue_ms; ttft_after_queue_ms is "
-                 "TTFT minus it (prefill + transport), decode_ms is E2E - TTFT")
+        notes.append(
+            "hf: transformers continuous batching in the benchmark process; unverified on a GPU; "
+            "its CPU figure is the whole benchmark process and loadgen CPU is not separable"
+        )
+    notes.append(
+        "queue time comes from the server's done.timing.queue_ms; ttft_after_queue_ms is "
+        "TTFT minus it (prefill + transport), decode_ms is E2E - TTFT"
+    )
     if not args.connect and device == "cpu":
-        notes.append("CPU backend: the server's CPU time includes the model's compute, and the load "
-                     "generator shares the host's cores with the server")
-    say(f"ringleader bench: model {model}, device {device}, variants {', '.join(n for n, _ in targets)}; "
+        notes.append(
+            "CPU backend: the server's CPU time includes the model's compute, and the load "
+            "generator shares the host's cores with the server"
+        )
+    say(
+        f"ringleader bench: model {model}, device {device}, variants {', '.join(n for n, _ in targets)}; "
         f"{len(loads)} load point(s) x {len(specs)} requests"
-        + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else ""))
+        + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else "")
+    )
 
     runs: list[dict] = []
     t_start = time.perf_counter()
@@ -223,10 +302,17 @@ def _run(args, command: list[str], say: Console) -> int:
             r["device"] = device
 
     settings = {k: v for k, v in vars(args).items() if k != "hf_on_cpu" or v}
-    settings.update(resolved_device=device, max_context=max_ctx, variants=[n for n, _ in targets],
-                    skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
-                    elapsed_s=time.perf_counter() - t_start, host_loadavg_at_start=loadavg_start)
-    doc = build_document(command=command, settings=settings, model=model, device=device, runs=runs, notes=notes)
+    settings.update(
+        resolved_device=device,
+        max_context=max_ctx,
+        variants=[n for n, _ in targets],
+        skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
+        elapsed_s=time.perf_counter() - t_start,
+        host_loadavg_at_start=loadavg_start,
+    )
+    doc = build_document(
+        command=command, settings=settings, model=model, device=device, runs=runs, notes=notes
+    )
     say()
     say(format_table(runs), always=True)
     deg = format_degradation(doc["degradation"])
@@ -239,7 +325,9 @@ def _run(args, command: list[str], say: Console) -> int:
     return 1 if bad else 0
 
 
-def _run_target(args, name, variant, device, model, specs, warm, loads, options, busy_levels, say) -> list[dict]:
+def _run_target(
+    args, name, variant, device, model, specs, warm, loads, options, busy_levels, say
+) -> list[dict]:
     runs = []
     server = runner = None
     try:
@@ -247,40 +335,68 @@ def _run_target(args, name, variant, device, model, specs, warm, loads, options,
             address = args.connect
         elif variant.kind == "hf":
             from bench.hf_baseline import HfRunner, build_hf_model
+
             say(f"[{name}] building the transformers model ...")
             hf_model, _ = build_hf_model(args.model, device, args.weights_seed or 0)
-            runner = HfRunner(hf_model, slots=args.slots, token_budget=args.token_budget, options=options,
-                              timeout_s=args.timeout)
+            runner = HfRunner(
+                hf_model,
+                slots=args.slots,
+                token_budget=args.token_budget,
+                options=options,
+                timeout_s=args.timeout,
+            )
         else:
-            opts = S.ServerOptions(model=args.model, device=device, launch=args.launch, slots=args.slots,
-                                   max_ctx=args.max_ctx, token_budget=args.token_budget, threads=args.threads,
-                                   weights_seed=args.weights_seed, max_queue=args.max_queue,
-                                   extra=list(args.server_arg))
+            opts = S.ServerOptions(
+                model=args.model,
+                device=device,
+                launch=args.launch,
+                slots=args.slots,
+                max_ctx=args.max_ctx,
+                token_budget=args.token_budget,
+                threads=args.threads,
+                weights_seed=args.weights_seed,
+                max_queue=args.max_queue,
+                extra=list(args.server_arg),
+            )
             server = S.ServerProcess(opts.args() + list(variant.server_args))
             t0 = time.perf_counter()
             address = server.start()
             launch = (server.stats().get("backend") or {}).get("launch")
-            say(f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s"
-                + (f", launch {launch}" if launch else "") + f": {' '.join(server.serve_args)}")
+            say(
+                f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s"
+                + (f", launch {launch}" if launch else "")
+                + f": {' '.join(server.serve_args)}"
+            )
         for load in loads:
             for busy in busy_levels:
                 with CpuInterference(busy) as spinners:
                     if runner is not None:
                         result = runner.measure(specs, load, warm)
                     else:
-                        result = measure(address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
+                        result = measure(
+                            address, specs, load, warmup=warm, options=options, timeout_s=args.timeout
+                        )
                 after = result.stats_after
                 label = name if variant is not None else (args.label or _label_from(after))
-                entry = make_run_entry(scheduler=label, device=device, model=after.get("model", model), load=load,
-                                       result=result, burstiness=args.burstiness, busy=spinners.describe(),
-                                       backend=after.get("backend"))
+                entry = make_run_entry(
+                    scheduler=label,
+                    device=device,
+                    model=after.get("model", model),
+                    load=load,
+                    result=result,
+                    burstiness=args.burstiness,
+                    busy=spinners.describe(),
+                    backend=after.get("backend"),
+                )
                 runs.append(entry)
-                say(f"  {run_label(entry):<28} {entry['completed']}/{entry['requests']} ok, "
+                say(
+                    f"  {run_label(entry):<28} {entry['completed']}/{entry['requests']} ok, "
                     f"{_fmt(entry['output_tokens_per_s'], '{:.0f}')} tok/s, "
                     f"TTFT p50 {_fmt(entry['ttft_ms']['p50'], '{:.1f}')} ms, "
                     f"TPOT p50 {_fmt(entry['tpot_ms']['p50'], '{:.2f}')} ms, "
                     f"CPU {_fmt(entry['cpu_s_per_1k_tokens'], '{:.3f}')} s/1k tok, "
-                    f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s")
+                    f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s"
+                )
                 if entry["failed"]:
                     say(f"    failures: {entry['errors']}", always=True)
     finally:
@@ -314,6 +430,7 @@ def _write_outputs(args, doc: dict, say: Console) -> None:
     if not args.no_plots:
         try:
             from bench.plots import write_all
+
             plots = write_all(doc, out_dir)
         except ImportError as exc:  # matplotlib is an optional dependency (pip install .[bench])
             say(f"note: no plots ({exc}); install matplotlib", always=True)
@@ -332,6 +449,7 @@ def _raise_exit(signum, frame):
 
 def _main_thread() -> bool:
     import threading
+
     return threading.current_thread() is threading.main_thread()
 
 

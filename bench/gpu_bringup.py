@@ -12,6 +12,7 @@ stage, so a run cut short keeps what it learned.
 This process never imports torch or touches CUDA: a persistent kernel that will not stop can
 hang its own stage's process, never the runner.  Without a GPU it says so and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,23 +71,87 @@ def builtin_stages() -> list[Stage]:
         Stage("graphs-fp32", checks + ["graphs", "--dtype", "float32"], 300, env=EAGER),
         Stage("graphs-bf16", checks + ["graphs", "--dtype", "bfloat16"], 300, env=EAGER),
         Stage("backend-host", checks + ["backend", "--scheduler", "host"], 240, ("graphs-fp32",), EAGER),
-        Stage("backend-resident", checks + ["backend", "--scheduler", "device", "--launch", "resident"],
-              240, ("module", "graphs-fp32"), EAGER),
-        Stage("backend-pump", checks + ["backend", "--scheduler", "device", "--launch", "pump"],
-              240, ("module", "graphs-fp32"), EAGER),
+        Stage(
+            "backend-resident",
+            checks + ["backend", "--scheduler", "device", "--launch", "resident"],
+            240,
+            ("module", "graphs-fp32"),
+            EAGER,
+        ),
+        Stage(
+            "backend-pump",
+            checks + ["backend", "--scheduler", "device", "--launch", "pump"],
+            240,
+            ("module", "graphs-fp32"),
+            EAGER,
+        ),
         Stage("tests", [], 240, ("graphs-fp32",)),  # expands into one stage per GPU test
         # the bubble at 1 and 64 streams, resident mode, each with its raw device timeline
-        *(Stage(f"bubble-c{c}", ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda",
-                                 "--model", "llama-1b", "--compare", "device", "--launch", "resident",
-                                 "--concurrency", str(c), "--requests", str(n), "--input-len", "128",
-                                 "--output-len", "128", "--ignore-eos", "--no-plots",
-                                 "--server-arg=--trace", "--server-arg={dir}/device-trace.json",
-                                 "--out", "{dir}"], 300, ("backend-resident",))
-          for c, n in ((1, 16), (64, 128))),
-        Stage("perf", ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda", "--model", "llama-1b",
-                       "--compare", "device,host", "--concurrency", "1,32", "--requests", "64",
-                       "--input-len", "128", "--output-len", "128", "--ignore-eos", "--no-plots",
-                       "--out", "{dir}"], 540, ("backend-host", "backend-resident")),
+        *(
+            Stage(
+                f"bubble-c{c}",
+                [
+                    "{py}",
+                    "-m",
+                    "hostctl.cli",
+                    "bench",
+                    "--device",
+                    "cuda",
+                    "--model",
+                    "llama-1b",
+                    "--compare",
+                    "device",
+                    "--launch",
+                    "resident",
+                    "--concurrency",
+                    str(c),
+                    "--requests",
+                    str(n),
+                    "--input-len",
+                    "128",
+                    "--output-len",
+                    "128",
+                    "--ignore-eos",
+                    "--no-plots",
+                    "--server-arg=--trace",
+                    "--server-arg={dir}/device-trace.json",
+                    "--out",
+                    "{dir}",
+                ],
+                300,
+                ("backend-resident",),
+            )
+            for c, n in ((1, 16), (64, 128))
+        ),
+        Stage(
+            "perf",
+            [
+                "{py}",
+                "-m",
+                "hostctl.cli",
+                "bench",
+                "--device",
+                "cuda",
+                "--model",
+                "llama-1b",
+                "--compare",
+                "device,host",
+                "--concurrency",
+                "1,32",
+                "--requests",
+                "64",
+                "--input-len",
+                "128",
+                "--output-len",
+                "128",
+                "--ignore-eos",
+                "--no-plots",
+                "--out",
+                "{dir}",
+            ],
+            540,
+            ("backend-host", "backend-resident"),
+        ),
     ]
 
 
@@ -94,13 +159,18 @@ def load_stages(path: str | None) -> list[Stage]:
     if path is None:
         return builtin_stages()
     rows = json.loads(Path(path).read_text())
-    return [Stage(r["name"], list(r["argv"]), float(r["timeout"]), tuple(r.get("needs", ())),
-                  dict(r.get("env", {}))) for r in rows]
+    return [
+        Stage(
+            r["name"], list(r["argv"]), float(r["timeout"]), tuple(r.get("needs", ())), dict(r.get("env", {}))
+        )
+        for r in rows
+    ]
 
 
 def select(stages: list[Stage], only: list[str], skip: list[str]) -> list[Stage]:
     def hit(name, patterns):  # "tests*" also selects the tests::<node> stages it expands into
         return any(fnmatch.fnmatch(name, p) for p in patterns)
+
     return [s for s in stages if (not only or hit(s.name, only)) and not hit(s.name, skip)]
 
 
@@ -146,14 +216,30 @@ def perf_figures(stage_dir: Path) -> dict | None:
     out = {}
     for run in doc.get("runs", []) if isinstance(doc, dict) else []:
         key = f"{run.get('scheduler')} c={run.get('concurrency')} rate={run.get('request_rate')}"
-        out[key] = {k: run.get(k) for k in ("output_tokens_per_s", "cpu_s_per_1k_tokens", "completed", "failed")}
+        out[key] = {
+            k: run.get(k) for k in ("output_tokens_per_s", "cpu_s_per_1k_tokens", "completed", "failed")
+        }
         out[key]["tpot_ms_p50"] = (run.get("tpot_ms") or {}).get("p50")
         out[key]["launch"] = (run.get("backend") or {}).get("launch")
         dev = run.get("device_stats") or {}
-        out[key].update({k: dev.get(k) for k in ("bubble_us_p50", "bubble_us_p99", "bubble_gaps",
-                                                 "idle_gaps", "handoff_us_p50", "launch_us_p50",
-                                                 "device_sched_us_p50", "device_overlap_us_p50",
-                                                 "overlap_overruns", "step_us_p50") if k in dev})
+        out[key].update(
+            {
+                k: dev.get(k)
+                for k in (
+                    "bubble_us_p50",
+                    "bubble_us_p99",
+                    "bubble_gaps",
+                    "idle_gaps",
+                    "handoff_us_p50",
+                    "launch_us_p50",
+                    "device_sched_us_p50",
+                    "device_overlap_us_p50",
+                    "overlap_overruns",
+                    "step_us_p50",
+                )
+                if k in dev
+            }
+        )
     return out or None
 
 
@@ -178,8 +264,17 @@ def stage_figures(stage: Stage, stage_dir: Path, log_tail: str) -> dict | None:
 
 # ---- the runner ------------------------------------------------------------------------------
 class Runner:
-    def __init__(self, out: Path, stages: list[Stage], *, budget_s: float, timeout_scale: float,
-                 previous: list[dict], pythonpath: list[str], argv: list[str]):
+    def __init__(
+        self,
+        out: Path,
+        stages: list[Stage],
+        *,
+        budget_s: float,
+        timeout_scale: float,
+        previous: list[dict],
+        pythonpath: list[str],
+        argv: list[str],
+    ):
         self.out, self.stages = out, stages
         self.budget_s, self.scale = budget_s, timeout_scale
         self.started = time.monotonic()
@@ -199,7 +294,7 @@ class Runner:
 
     def run(self) -> int:
         for stage in self.stages:
-            for s in (self.expand_tests(stage) if stage.name == "tests" and not stage.argv else [stage]):
+            for s in self.expand_tests(stage) if stage.name == "tests" and not stage.argv else [stage]:
                 self.results.append(self.run_stage(s))
                 self.write()
         self.write()
@@ -216,15 +311,31 @@ class Runner:
         except subprocess.TimeoutExpired:
             nodes = []
         if not nodes:
-            return [Stage("tests", [sys.executable, "-m", "pytest", "-q", *files], stage.timeout * 4,
-                          stage.needs, stage.env)]
-        return [Stage(f"tests::{n}", ["{py}", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", n],
-                      stage.timeout, stage.needs, stage.env) for n in nodes]
+            return [
+                Stage(
+                    "tests",
+                    [sys.executable, "-m", "pytest", "-q", *files],
+                    stage.timeout * 4,
+                    stage.needs,
+                    stage.env,
+                )
+            ]
+        return [
+            Stage(
+                f"tests::{n}",
+                ["{py}", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", n],
+                stage.timeout,
+                stage.needs,
+                stage.env,
+            )
+            for n in nodes
+        ]
 
     def env(self, extra: dict, result_path: Path | None = None) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
-        env["PYTHONPATH"] = os.pathsep.join(self.pythonpath + [str(REPO)] +
-                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            self.pythonpath + [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
         if result_path is not None:
             env["RL_BRINGUP_RESULT"] = str(result_path)
         return env
@@ -247,9 +358,16 @@ class Runner:
         print(f"=== {stage.name}: {res.command} (timeout {timeout:.0f} s)", flush=True)
         t0 = time.monotonic()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(argv, cwd=REPO, env=self.env(stage.env, stage_dir / "result.json"),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, text=True, errors="replace")
+            proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=self.env(stage.env, stage_dir / "result.json"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+                errors="replace",
+            )
             self.current = proc
             tee = threading.Thread(target=copy_lines, args=(proc.stdout, log, stage.name), daemon=True)
             tee.start()
@@ -270,8 +388,11 @@ class Runner:
         return self.announce(res)
 
     def announce(self, res: StageResult) -> StageResult:
-        print(f"=== {res.name}: {res.status} in {res.seconds:.1f} s" +
-              (f" ({res.reason})" if res.reason else ""), flush=True)
+        print(
+            f"=== {res.name}: {res.status} in {res.seconds:.1f} s"
+            + (f" ({res.reason})" if res.reason else ""),
+            flush=True,
+        )
         return res
 
     def interrupt(self) -> None:
@@ -286,21 +407,35 @@ class Runner:
         mine = {r.name for r in self.results}
         carried = [r for n, r in self.previous.items() if n not in mine]
         stages = carried + [asdict(r) for r in self.results]
-        summary = {k: sum(1 for s in stages if s["status"] == k)
-                   for k in ("passed", "failed", "timeout", "skipped", "killed")}
-        doc = {"schema": SCHEMA, "started": self.started_at,
-               "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "seconds": round(time.monotonic() - self.started, 1),
-               "host": {"node": platform.node(), "platform": platform.platform(),
-                        "python": platform.python_version()},
-               "git_rev": git_rev(), "argv": self.argv, "stages": stages, "summary": summary}
+        summary = {
+            k: sum(1 for s in stages if s["status"] == k)
+            for k in ("passed", "failed", "timeout", "skipped", "killed")
+        }
+        doc = {
+            "schema": SCHEMA,
+            "started": self.started_at,
+            "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.monotonic() - self.started, 1),
+            "host": {
+                "node": platform.node(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
+            "git_rev": git_rev(),
+            "argv": self.argv,
+            "stages": stages,
+            "summary": summary,
+        }
         tmp = self.out / "bringup.json.tmp"
         tmp.write_text(json.dumps(doc, indent=2, default=str))
         tmp.replace(self.out / "bringup.json")
         with open(self.out / "bringup.log", "w") as f:
             for r in self.results:
-                f.write(f"\n##### {r.name}: {r.status} in {r.seconds:.1f} s"
-                        + (f" ({r.reason})" if r.reason else "") + f"\n##### $ {r.command}\n")
+                f.write(
+                    f"\n##### {r.name}: {r.status} in {r.seconds:.1f} s"
+                    + (f" ({r.reason})" if r.reason else "")
+                    + f"\n##### $ {r.command}\n"
+                )
                 log = self.out / safe_name(r.name) / "stage.log"
                 if log.exists():
                     f.write(log.read_text(errors="replace"))
@@ -333,15 +468,34 @@ def kill_group(proc: subprocess.Popen) -> None:
 def install_wheels(wheel_dir: str) -> tuple[list[str], StageResult | None]:
     site = Path(tempfile.gettempdir()) / "ringleader-bringup-site"
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--upgrade", "--target", str(site), *wheels]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(site),
+        *wheels,
+    ]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True) if wheels else None
     if r is None or r.returncode != 0:
         why = f"no wheels in {wheel_dir}" if r is None else f"pip exit code {r.returncode}"
-        return [], StageResult("wheels", "failed", round(time.monotonic() - t0, 2),
-                               None if r is None else r.returncode, shlex.join(cmd), reason=why,
-                               log_tail="" if r is None else (r.stdout + r.stderr)[-LOG_TAIL:])
+        return [], StageResult(
+            "wheels",
+            "failed",
+            round(time.monotonic() - t0, 2),
+            None if r is None else r.returncode,
+            shlex.join(cmd),
+            reason=why,
+            log_tail="" if r is None else (r.stdout + r.stderr)[-LOG_TAIL:],
+        )
     return [str(site)], None
 
 
@@ -356,18 +510,24 @@ def list_stages(stages: list[Stage]) -> None:
     for s in stages:
         cmd = shlex.join(s.argv) if s.argv else f"one pytest process per test of {TEST_FILES}"
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
-        print(f"{s.name:<18} {s.timeout:>6.0f}s  {','.join(s.needs) or '-':<28} {(env + ' ') if env else ''}{cmd}")
+        print(
+            f"{s.name:<18} {s.timeout:>6.0f}s  {','.join(s.needs) or '-':<28} {(env + ' ') if env else ''}{cmd}"
+        )
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="gpu_bringup.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="gpu_bringup.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", help="folder for bringup.json, bringup.log and each stage's files")
     p.add_argument("--list", action="store_true", help="print the stages and exit")
     p.add_argument("--only", default="", help="comma list of stage names or globs (tests* for the GPU tests)")
     p.add_argument("--skip", default="", help="comma list of stage names or globs to leave out")
-    p.add_argument("--previous", help="an earlier bringup.json: its records are kept and its passed "
-                   "stages satisfy `needs` (a bring-up split across device calls)")
+    p.add_argument(
+        "--previous",
+        help="an earlier bringup.json: its records are kept and its passed "
+        "stages satisfy `needs` (a bring-up split across device calls)",
+    )
     p.add_argument("--budget-s", type=float, default=1500.0, help="whole-run wall clock (default 1500)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every stage's timeout")
     p.add_argument("--wheels", help="install these wheels (pip --no-index --target) for every stage first")
@@ -404,22 +564,31 @@ def main(argv=None) -> int:
         print("gpu_bringup.py: --out DIR is required (or --list)", file=sys.stderr)
         return 2
     if not has_gpu():
-        print("gpu_bringup.py: no CUDA GPU here (nvidia-smi finds none); the bring-up needs an "
-              "H100/H200. `python3 bench/gpu_bringup.py --list` shows its stages.")
+        print(
+            "gpu_bringup.py: no CUDA GPU here (nvidia-smi finds none); the bring-up needs an "
+            "H100/H200. `python3 bench/gpu_bringup.py --list` shows its stages."
+        )
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads(Path(args.previous).read_text())["stages"] if args.previous else []
     pythonpath, wheel_failure = install_wheels(args.wheels) if args.wheels else ([], None)
-    runner = Runner(out, select(stages, names(args.only), names(args.skip)), budget_s=args.budget_s,
-                    timeout_scale=args.timeout_scale, previous=previous, pythonpath=pythonpath,
-                    argv=sys.argv[1:] if argv is None else list(argv))
+    runner = Runner(
+        out,
+        select(stages, names(args.only), names(args.skip)),
+        budget_s=args.budget_s,
+        timeout_scale=args.timeout_scale,
+        previous=previous,
+        pythonpath=pythonpath,
+        argv=sys.argv[1:] if argv is None else list(argv),
+    )
     if wheel_failure is not None:
         runner.results.append(wheel_failure)
 
     def on_signal(signum, _frame):
         runner.interrupt()
         sys.exit(128 + signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     code = runner.run()

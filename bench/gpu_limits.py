@@ -88,8 +88,13 @@ CTL_DONE1 = 10
 CTL_WORDS = 64  # 256 bytes per block: no two blocks share a 128-byte line
 DOORBELL_STOP = 0xFFFFFFFF
 EXIT_SHUTDOWN, EXIT_DEADLINE, EXIT_STOPWORD, EXIT_DONE = 1, 2, 3, 4
-EXIT_NAMES = {0: "still_running", EXIT_SHUTDOWN: "shutdown_word", EXIT_DEADLINE: "own_deadline",
-              EXIT_STOPWORD: "stop_word", EXIT_DONE: "done"}
+EXIT_NAMES = {
+    0: "still_running",
+    EXIT_SHUTDOWN: "shutdown_word",
+    EXIT_DEADLINE: "own_deadline",
+    EXIT_STOPWORD: "stop_word",
+    EXIT_DONE: "done",
+}
 
 KERNEL_GROUPS = {
     "core": ("rl_empty", "rl_doorbell", "rl_pingpong", "rl_stamp", "rl_timer_res"),
@@ -98,8 +103,15 @@ KERNEL_GROUPS = {
 ALL_KERNELS = tuple(k for g in KERNEL_GROUPS.values() for k in g)
 KERNEL_GROUP_OF = {k: g for g, ks in KERNEL_GROUPS.items() for k in ks}
 
-PROBE_NAMES = {1: "doorbell", 2: "handoff", 3: "launch", 4: "torchgraph", 5: "blocking",
-               6: "roofline", 7: "memops"}
+PROBE_NAMES = {
+    1: "doorbell",
+    2: "handoff",
+    3: "launch",
+    4: "torchgraph",
+    5: "blocking",
+    6: "roofline",
+    7: "memops",
+}
 TORCH_PROBES = {4, 5, 6}
 # Execution order: a broken conditional-graph builtin would end in a trap (a
 # sticky error that ends the context), so the probes that rely on
@@ -113,12 +125,21 @@ MIB = 1 << 20
 
 def kernel_defines() -> list[str]:
     d = {
-        "RL_CTL_SHUTDOWN": CTL_SHUTDOWN, "RL_CTL_DOORBELL": CTL_DOORBELL, "RL_CTL_ANSWER": CTL_ANSWER,
-        "RL_CTL_STARTED": CTL_STARTED, "RL_CTL_EXIT": CTL_EXIT, "RL_CTL_HANDLED": CTL_HANDLED,
-        "RL_CTL_POLLS_LO": CTL_POLLS_LO, "RL_CTL_POLLS_HI": CTL_POLLS_HI,
-        "RL_CTL_HEARTBEAT": CTL_HEARTBEAT, "RL_CTL_DONE0": CTL_DONE0, "RL_CTL_DONE1": CTL_DONE1,
-        "RL_EXIT_SHUTDOWN": EXIT_SHUTDOWN, "RL_EXIT_DEADLINE": EXIT_DEADLINE,
-        "RL_EXIT_STOPWORD": EXIT_STOPWORD, "RL_EXIT_DONE": EXIT_DONE,
+        "RL_CTL_SHUTDOWN": CTL_SHUTDOWN,
+        "RL_CTL_DOORBELL": CTL_DOORBELL,
+        "RL_CTL_ANSWER": CTL_ANSWER,
+        "RL_CTL_STARTED": CTL_STARTED,
+        "RL_CTL_EXIT": CTL_EXIT,
+        "RL_CTL_HANDLED": CTL_HANDLED,
+        "RL_CTL_POLLS_LO": CTL_POLLS_LO,
+        "RL_CTL_POLLS_HI": CTL_POLLS_HI,
+        "RL_CTL_HEARTBEAT": CTL_HEARTBEAT,
+        "RL_CTL_DONE0": CTL_DONE0,
+        "RL_CTL_DONE1": CTL_DONE1,
+        "RL_EXIT_SHUTDOWN": EXIT_SHUTDOWN,
+        "RL_EXIT_DEADLINE": EXIT_DEADLINE,
+        "RL_EXIT_STOPWORD": EXIT_STOPWORD,
+        "RL_EXIT_DONE": EXIT_DONE,
     }
     out = [f"-D{k}={v}" for k, v in d.items()]
     out.append(f"-DRL_DOORBELL_STOP={DOORBELL_STOP:#x}u")
@@ -127,6 +148,7 @@ def kernel_defines() -> list[str]:
 
 # ----------------------------------------------------------------------------
 # Repetitions and timeouts
+
 
 class Budget:
     """Repetition counts (full or --quick) and timeouts (seconds)."""
@@ -176,6 +198,7 @@ class Budget:
 
 # ----------------------------------------------------------------------------
 # Errors and checking
+
 
 class CudaError(RuntimeError):
     pass
@@ -272,12 +295,13 @@ def sub(fn, *args, **kw) -> dict:
         return {"status": "skipped", "reason": str(e)}
     except Timeout as e:
         return {"status": "timeout", "where": str(e)}
-    except Exception as e:  # noqa: BLE001 - every failure is a finding
+    except Exception as e:
         return errdict(e)
 
 
 # ----------------------------------------------------------------------------
 # Statistics
+
 
 def summarize(ns) -> dict:
     """median / p99 / min / max / mean in microseconds of samples in ns."""
@@ -286,8 +310,14 @@ def summarize(ns) -> dict:
     if a.size == 0:
         return {"n": 0}
     us = a * 1e-3
-    return {"n": int(us.size), "median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)),
-            "min_us": float(us.min()), "max_us": float(us.max()), "mean_us": float(us.mean())}
+    return {
+        "n": int(us.size),
+        "median_us": float(np.median(us)),
+        "p99_us": float(np.percentile(us, 99)),
+        "min_us": float(us.min()),
+        "max_us": float(us.max()),
+        "mean_us": float(us.mean()),
+    }
 
 
 def trow(metric: str, st: dict | None, unit: str = "us", note: str = "") -> list:
@@ -298,8 +328,11 @@ def trow(metric: str, st: dict | None, unit: str = "us", note: str = "") -> list
 
 def device_slug(name: str) -> str:
     n = name.lower()
-    m = re.search(r"\b(gh200|gb200|gb300|h200|h100|h800|h20|b300|b200|b100|a100|a800|a10g|a10|"
-                  r"l40s|l40|l4|t4|v100)\b", n)
+    m = re.search(
+        r"\b(gh200|gb200|gb300|h200|h100|h800|h20|b300|b200|b100|a100|a800|a10g|a10|"
+        r"l40s|l40|l4|t4|v100)\b",
+        n,
+    )
     if m:
         return m.group(1)
     n = re.sub(r"\b(nvidia|geforce|tesla|quadro)\b", " ", n)
@@ -315,8 +348,17 @@ def parse_ptxas(log: str) -> dict:
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             cur = m.group(1)
-            out.setdefault(cur, {"regs": None, "smem_bytes": 0, "stack_bytes": 0, "spill_store_bytes": 0,
-                                 "spill_load_bytes": 0, "cmem0_bytes": None})
+            out.setdefault(
+                cur,
+                {
+                    "regs": None,
+                    "smem_bytes": 0,
+                    "stack_bytes": 0,
+                    "spill_store_bytes": 0,
+                    "spill_load_bytes": 0,
+                    "cmem0_bytes": None,
+                },
+            )
             continue
         m = re.search(r"Function properties for (\S+)", line)
         if m:
@@ -343,11 +385,12 @@ def parse_ptxas(log: str) -> dict:
 # ----------------------------------------------------------------------------
 # NVRTC
 
+
 def nvrtc_version() -> str:
     try:
         major, minor = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
         return f"{major}.{minor}"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"unknown ({type(e).__name__}: {e})"
 
 
@@ -364,10 +407,25 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
     """Compile one kernel group to a CUBIN. Never raises; see 'ok'/'error'."""
     if src is None:
         src = KERNEL_SRC.read_text()
-    info = {"group": group, "arch": arch, "ok": False, "error": None, "log": "", "cubin": None,
-            "cubin_bytes": 0, "compile_s": None, "options": None, "kernels": {}}
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "--ptxas-options=-v",
-            f"-DRL_GROUP_{group.upper()}=1", *kernel_defines()]
+    info = {
+        "group": group,
+        "arch": arch,
+        "ok": False,
+        "error": None,
+        "log": "",
+        "cubin": None,
+        "cubin_bytes": 0,
+        "compile_s": None,
+        "options": None,
+        "kernels": {},
+    }
+    opts = [
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "--ptxas-options=-v",
+        f"-DRL_GROUP_{group.upper()}=1",
+        *kernel_defines(),
+    ]
     info["options"] = opts
     t0 = time.perf_counter()
     prog = None
@@ -385,7 +443,7 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
             res = nvrtc.nvrtcCompileProgram(prog, len(ob), ob)
         try:
             info["log"] = _program_log(prog)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             info["log"] = f"(no log: {e})"
         if int(res[0]) != 0:
             raise CudaError(f"nvrtcCompileProgram failed: {err_text(res[0])}\n{info['log']}")
@@ -403,8 +461,9 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
         info["ok"] = all(v["ok"] for v in info["kernels"].values())
         if not info["ok"]:
             info["error"] = "kernel(s) missing from the CUBIN: " + ", ".join(
-                k for k, v in info["kernels"].items() if not v["ok"])
-    except Exception as e:  # noqa: BLE001
+                k for k, v in info["kernels"].items() if not v["ok"]
+            )
+    except Exception as e:
         info["error"] = f"{type(e).__name__}: {e}"
         for k in KERNEL_GROUPS[group]:
             info["kernels"].setdefault(k, {"ok": False, "group": group})
@@ -412,7 +471,7 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
         if prog is not None:
             try:
                 call(nvrtc.nvrtcDestroyProgram, prog)
-            except Exception:  # noqa: BLE001 - nothing to do about it
+            except Exception:
                 pass
     info["compile_s"] = round(time.perf_counter() - t0, 3)
     return info
@@ -428,17 +487,33 @@ def compile_summary(groups: dict, arch: str) -> dict:
     for g in groups.values():
         kernels.update(g["kernels"])
     n_ok = sum(1 for v in kernels.values() if v.get("ok"))
-    return {"arch": arch, "nvrtc": nvrtc_version(), "n_expected": len(ALL_KERNELS), "n_compiled": n_ok,
-            "ok": n_ok == len(ALL_KERNELS),
-            "groups": {k: {"ok": v["ok"], "error": v["error"], "cubin_bytes": v["cubin_bytes"],
-                           "compile_s": v["compile_s"], "options": v["options"], "log": v["log"][-4000:]}
-                       for k, v in groups.items()},
-            "kernels": kernels}
+    return {
+        "arch": arch,
+        "nvrtc": nvrtc_version(),
+        "n_expected": len(ALL_KERNELS),
+        "n_compiled": n_ok,
+        "ok": n_ok == len(ALL_KERNELS),
+        "groups": {
+            k: {
+                "ok": v["ok"],
+                "error": v["error"],
+                "cubin_bytes": v["cubin_bytes"],
+                "compile_s": v["compile_s"],
+                "options": v["options"],
+                "log": v["log"][-4000:],
+            }
+            for k, v in groups.items()
+        },
+        "kernels": kernels,
+    }
 
 
 def print_kernel_table(summary: dict, loaded: dict | None = None) -> None:
-    print(f"\nkernels (NVRTC {summary['nvrtc']}, {summary['arch']}; ptxas -v"
-          + ("; driver attributes after load" if loaded else "") + ")")
+    print(
+        f"\nkernels (NVRTC {summary['nvrtc']}, {summary['arch']}; ptxas -v"
+        + ("; driver attributes after load" if loaded else "")
+        + ")"
+    )
     hdr = f"  {'kernel':<16}{'group':<7}{'ok':<4}{'regs':>5}{'smem':>6}{'stack':>6}{'spill_st':>9}{'spill_ld':>9}"
     if loaded:
         hdr += f"  {'drv_regs':>8}{'local':>6}{'smem':>6}"
@@ -448,9 +523,12 @@ def print_kernel_table(summary: dict, loaded: dict | None = None) -> None:
 
         def f(x):
             return "-" if x is None else str(x)
-        line = (f"  {name:<16}{k.get('group', '?'):<7}{'yes' if k.get('ok') else 'NO':<4}{f(k.get('regs')):>5}"
-                f"{f(k.get('smem_bytes')):>6}{f(k.get('stack_bytes')):>6}{f(k.get('spill_store_bytes')):>9}"
-                f"{f(k.get('spill_load_bytes')):>9}")
+
+        line = (
+            f"  {name:<16}{k.get('group', '?'):<7}{'yes' if k.get('ok') else 'NO':<4}{f(k.get('regs')):>5}"
+            f"{f(k.get('smem_bytes')):>6}{f(k.get('stack_bytes')):>6}{f(k.get('spill_store_bytes')):>9}"
+            f"{f(k.get('spill_load_bytes')):>9}"
+        )
         if loaded:
             a = loaded.get(name) or {}
             line += f"  {f(a.get('num_regs')):>8}{f(a.get('local_bytes')):>6}{f(a.get('shared_bytes')):>6}"
@@ -462,6 +540,7 @@ def print_kernel_table(summary: dict, loaded: dict | None = None) -> None:
 
 # ----------------------------------------------------------------------------
 # Kernel arguments
+
 
 def U32(v) -> ctypes.c_uint32:
     return ctypes.c_uint32(int(v) & 0xFFFFFFFF)
@@ -477,7 +556,7 @@ PTR = U64
 class KArgs:
     """void* kernelParams[] built from ctypes values (kept alive with it)."""
 
-    __slots__ = ("vals", "arr", "ptr")
+    __slots__ = ("arr", "ptr", "vals")
 
     def __init__(self, vals):
         self.vals = list(vals)
@@ -517,12 +596,13 @@ def shutdown_all() -> None:
     for fn in fns:
         try:
             fn()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
 # ----------------------------------------------------------------------------
 # Device
+
 
 class Pinned:
     """cuMemHostAlloc(PORTABLE|DEVICEMAP) buffer with numpy views."""
@@ -542,7 +622,7 @@ class Pinned:
         dt = np.dtype(dtype)
         if count is None:
             count = (self.nbytes - offset) // dt.itemsize
-        return self.u8[offset:offset + count * dt.itemsize].view(dt)
+        return self.u8[offset : offset + count * dt.itemsize].view(dt)
 
     def free(self) -> None:
         if not self.freed:
@@ -587,8 +667,10 @@ class Dev:
             raw = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
         self.name = str(raw).strip()
         A = driver.CUdevice_attribute
-        self.cc = (self.attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                   self.attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.cc = (
+            self.attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            self.attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        )
         self.props = {
             "name": self.name,
             "compute_capability": f"{self.cc[0]}.{self.cc[1]}",
@@ -607,7 +689,7 @@ class Dev:
         self.props["stream_priority_range"] = [int(self.prio_least), int(self.prio_greatest)]
         try:
             self.props["module_loading_mode"] = getattr(call(driver.cuModuleGetLoadingMode), "name", None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.props["module_loading_mode"] = f"unknown ({e})"
         self.props["CUDA_MODULE_LOADING"] = os.environ.get("CUDA_MODULE_LOADING")
         self._lock = threading.Lock()
@@ -670,7 +752,7 @@ class Dev:
                 call(driver.cuMemcpyDtoHAsync, self.staging.hptr, p + done, n, stream)
                 if not self.wait_stream(stream, timeout_s):
                     raise Timeout("device-to-host copy")
-                out[done:done + n] = self.staging.u8[:n]
+                out[done : done + n] = self.staging.u8[:n]
                 done += n
         return out
 
@@ -732,7 +814,7 @@ def try_init_device(ordinal: int):
     """(Dev, None), or (None, reason) when there is no usable CUDA device."""
     try:
         r = driver.cuInit(0)
-    except Exception as e:  # noqa: BLE001 - libcuda missing raises from the loader
+    except Exception as e:
         return None, f"cuInit unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     if int(r[0]) != 0:
         return None, f"cuInit failed: {err_text(r[0])}"
@@ -757,6 +839,7 @@ def wait_until(pred, timeout_s: float) -> bool:
 
 # ----------------------------------------------------------------------------
 # Graph helpers
+
 
 def graph_add_node(graph, deps: list, params):
     """cuGraphAddNode across bindings versions (13.x has dependencyData)."""
@@ -807,7 +890,7 @@ def graph_node_types(graph) -> list[str]:
         return []
     nodes, n = call(driver.cuGraphGetNodes, graph, n)
     out = []
-    for nd in list(nodes)[:int(n)]:
+    for nd in list(nodes)[: int(n)]:
         t = call(driver.cuGraphNodeGetType, nd)
         out.append(getattr(t, "name", str(t)))
     return out
@@ -834,12 +917,12 @@ class Graphs:
         for ge in self.execs:
             try:
                 call(driver.cuGraphExecDestroy, ge)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         for g in self.graphs:
             try:
                 call(driver.cuGraphDestroy, g)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self.graphs.clear()
         self.execs.clear()
@@ -847,6 +930,7 @@ class Graphs:
 
 # ----------------------------------------------------------------------------
 # Probe context
+
 
 class Probe:
     """What every probe gets: device, kernels, streams, torch, budget."""
@@ -883,7 +967,7 @@ class Probe:
             try:
                 mod = call(driver.cuModuleLoadData, info["cubin"])
                 self.modules[g] = mod
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 for k in KERNEL_GROUPS[g]:
                     self.func_err[k] = f"cuModuleLoadData failed: {e}"
                 continue
@@ -896,21 +980,23 @@ class Probe:
                         call(driver.cuFuncLoad, f)
                     self.funcs[k] = f
                     self.func_attrs[k] = self._func_attrs(f)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self.func_err[k] = str(e)
 
     @staticmethod
     def _func_attrs(f) -> dict:
         FA = driver.CUfunction_attribute
         out = {}
-        for key, name in (("num_regs", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
-                          ("local_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"),
-                          ("shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"),
-                          ("max_threads", "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK"),
-                          ("binary_version", "CU_FUNC_ATTRIBUTE_BINARY_VERSION")):
+        for key, name in (
+            ("num_regs", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
+            ("local_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"),
+            ("shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"),
+            ("max_threads", "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK"),
+            ("binary_version", "CU_FUNC_ATTRIBUTE_BINARY_VERSION"),
+        ):
             try:
                 out[key] = int(call(driver.cuFuncGetAttribute, getattr(FA, name), f))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out[key] = f"error: {e}"
         return out
 
@@ -958,7 +1044,7 @@ def run_in_thread(fn, timeout_s: float, init=None, name: str = "op"):
                 init()
             box["value"] = fn()
             box["status"] = "completed"
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             box["status"] = "error"
             box["error"] = f"{type(e).__name__}: {e}"
             if not isinstance(e, (CudaError, Timeout)):
@@ -980,6 +1066,7 @@ def run_in_thread(fn, timeout_s: float, init=None, name: str = "op"):
 
 # ----------------------------------------------------------------------------
 # Probe 1: host -> device doorbell
+
 
 def _doorbell_floor(ctl: Ctl, n: int) -> dict:
     """The Python host loop alone: answer already equal, no device involved."""
@@ -1033,13 +1120,18 @@ def _doorbell_variant(P: Probe, f, sleep_ns: int, use_sleep: int) -> dict:
         exited = P.stop_and_wait(ctl, s, "doorbell")
     handled = int(w[CTL_HANDLED])
     polls = int(w[CTL_POLLS_LO]) | (int(w[CTL_POLLS_HI]) << 32)
-    res["round_trip"] = summarize(samples[B.db_warm:done]) if done > B.db_warm else {"n": 0}
+    res["round_trip"] = summarize(samples[B.db_warm : done]) if done > B.db_warm else {"n": 0}
     res["warmup_discarded"] = B.db_warm
     res["device_polls"] = polls
     res["kernel_exit"] = ctl.exit_reason if exited else "did_not_exit"
     ok = done == total and handled == total and ctl.exit_reason in ("stop_word", "shutdown_word")
-    res["check"] = {"ok": ok, "echoed": done, "expected": total, "kernel_handled": handled,
-                    "what": "each doorbell sequence number echoed back exactly once"}
+    res["check"] = {
+        "ok": ok,
+        "echoed": done,
+        "expected": total,
+        "kernel_handled": handled,
+        "what": "each doorbell sequence number echoed back exactly once",
+    }
     if "status" not in res:
         res["status"] = "ok" if ok else "failed_check"
     return res
@@ -1047,28 +1139,41 @@ def _doorbell_variant(P: Probe, f, sleep_ns: int, use_sleep: int) -> dict:
 
 def probe_doorbell(P: Probe) -> dict:
     f = P.fn("rl_doorbell")
-    out: dict = {"what": "host writes a pinned word, a 1-thread persistent kernel (ld.acquire.sys) echoes it "
-                         "into another pinned word, host polls it; host-side perf_counter_ns round trip",
-                 "variants": {}, "table": []}
+    out: dict = {
+        "what": "host writes a pinned word, a 1-thread persistent kernel (ld.acquire.sys) echoes it "
+        "into another pinned word, host polls it; host-side perf_counter_ns round trip",
+        "variants": {},
+        "table": [],
+    }
     ctl = P.dev.new_ctl("doorbell floor")
     out["host_loop_floor"] = _doorbell_floor(ctl, P.B.db_reps)
     out["table"].append(trow("host loop floor (no device)", out["host_loop_floor"]))
-    for label, ns, use in (("spin", 0, 0), ("nanosleep_0", 0, 1), ("nanosleep_100", 100, 1),
-                           ("nanosleep_1000", 1000, 1)):
+    for label, ns, use in (
+        ("spin", 0, 0),
+        ("nanosleep_0", 0, 1),
+        ("nanosleep_100", 100, 1),
+        ("nanosleep_1000", 1000, 1),
+    ):
         if P.tainted:
             r = {"status": "skipped", "reason": P.tainted}
         else:
             r = sub(_doorbell_variant, P, f, ns, use)
         out["variants"][label] = r
         ok = (r.get("check") or {}).get("ok")
-        out["table"].append(trow(f"doorbell RTT, device {label}", r.get("round_trip"),
-                                 note=r["status"] if not ok else "echo ok"))
+        out["table"].append(
+            trow(
+                f"doorbell RTT, device {label}",
+                r.get("round_trip"),
+                note=r["status"] if not ok else "echo ok",
+            )
+        )
     out["status"] = "ok" if all(v.get("status") == "ok" for v in out["variants"].values()) else "partial"
     return out
 
 
 # ----------------------------------------------------------------------------
 # Probe 2: device -> device handoff between two resident kernels
+
 
 def _timer_resolution(P: Probe) -> dict:
     f = P.fn("rl_timer_res")
@@ -1083,9 +1188,14 @@ def _timer_resolution(P: Probe) -> dict:
     finally:
         P.dev.free(buf)
     minstep, changes, span = int(v[0]), int(v[1]), int(v[2])
-    return {"reads": P.B.timer_reads, "min_step_ns": minstep if changes else None, "changes": changes,
-            "span_ns": span, "mean_step_ns": (span / changes) if changes else None,
-            "check": {"ok": changes > 0 and span > 0}}
+    return {
+        "reads": P.B.timer_reads,
+        "min_step_ns": minstep if changes else None,
+        "changes": changes,
+        "span_ns": span,
+        "mean_step_ns": (span / changes) if changes else None,
+        "check": {"ok": changes > 0 and span > 0},
+    }
 
 
 def _pingpong(P: Probe) -> dict:
@@ -1116,8 +1226,12 @@ def _pingpong(P: Probe) -> dict:
             ea, eb = dev.wait_stream(sa, B.t(10)), dev.wait_stream(sb, B.t(10))
             if not (ea and eb):
                 P.taint("ping-pong kernels did not exit")
-            res.update(status="timeout", where="ping-pong did not finish",
-                       done=[int(ctl.w[CTL_DONE0]), int(ctl.w[CTL_DONE1])], kernel_exit=ctl.exit_reason)
+            res.update(
+                status="timeout",
+                where="ping-pong did not finish",
+                done=[int(ctl.w[CTL_DONE0]), int(ctl.w[CTL_DONE1])],
+                kernel_exit=ctl.exit_reason,
+            )
             return res
         ps = dev.read_u64(ping_send, n, s).astype(np.int64)
         pr = dev.read_u64(ping_recv, n, s).astype(np.int64)
@@ -1142,16 +1256,25 @@ def _pingpong(P: Probe) -> dict:
     span = float(pr[n - 1] - ps[warm])
     res["one_way_mean_from_total_ns"] = span / (2 * (n - warm)) if n > warm else None
     res["kernel_exit"] = ctl.exit_reason
-    res["check"] = {"ok": ok, "done": [d0, d1], "expected": n, "final_flag": final_flag,
-                    "expected_flag": 2 * n, "stamps_ordered": monotone, "stamps_written": nonzero}
+    res["check"] = {
+        "ok": ok,
+        "done": [d0, d1],
+        "expected": n,
+        "final_flag": final_flag,
+        "expected_flag": 2 * n,
+        "stamps_ordered": monotone,
+        "stamps_written": nonzero,
+    }
     res["status"] = "ok" if ok else "failed_check"
     return res
 
 
 def probe_handoff(P: Probe) -> dict:
-    out: dict = {"what": "two 1-thread kernels resident on two streams hand a device-memory flag back and forth "
-                         "(st.release.gpu / ld.acquire.gpu); one-way latency from %globaltimer stamps",
-                 "table": []}
+    out: dict = {
+        "what": "two 1-thread kernels resident on two streams hand a device-memory flag back and forth "
+        "(st.release.gpu / ld.acquire.gpu); one-way latency from %globaltimer stamps",
+        "table": [],
+    }
     out["globaltimer"] = sub(_timer_resolution, P)
     out["pingpong"] = pp = sub(_pingpong, P)
     gt = out["globaltimer"]
@@ -1169,6 +1292,7 @@ def probe_handoff(P: Probe) -> dict:
 
 # ----------------------------------------------------------------------------
 # Probe 3: launch costs and conditional graphs
+
 
 def _time_launches(P: Probe, launch, label: str) -> dict:
     """Host call cost, launch+sync latency, back-to-back device rate."""
@@ -1204,9 +1328,15 @@ def _time_launches(P: Probe, launch, label: str) -> dict:
     if not dev.wait_event(P.ev1, B.t(20)):
         raise Timeout(f"{label}: back-to-back launches did not finish")
     ms = dev.elapsed_ms(P.ev0, P.ev1)
-    return {"host_call": summarize(host), "launch_plus_sync": summarize(sync),
-            "back_to_back": {"n": B.b2b, "device_us_per_launch": ms * 1e3 / B.b2b,
-                             "host_enqueue_us_per_launch": t_enq / 1e3 / B.b2b}}
+    return {
+        "host_call": summarize(host),
+        "launch_plus_sync": summarize(sync),
+        "back_to_back": {
+            "n": B.b2b,
+            "device_us_per_launch": ms * 1e3 / B.b2b,
+            "host_enqueue_us_per_launch": t_enq / 1e3 / B.b2b,
+        },
+    }
 
 
 def _cuda_python_floor(P: Probe) -> dict:
@@ -1228,6 +1358,7 @@ def _empty_kernel(P: Probe) -> dict:
 
     def launch():
         check(L(f, 1, 1, 1, 1, 1, 1, 0, s, 0, 0), "cuLaunchKernel")
+
     return _time_launches(P, launch, "empty kernel")
 
 
@@ -1243,6 +1374,7 @@ def _one_node_graph(P: Probe, G: Graphs) -> dict:
 
     def launch():
         check(GL(ge, s), "cuGraphLaunch")
+
     r = _time_launches(P, launch, "one-node graph")
     # a chain of empty kernel nodes: the per-node cost inside one graph
     B = P.B
@@ -1306,13 +1438,19 @@ def _while_stats(P: Probe, ge, state: int, stamps: int, cap: int, stream, extra=
     st = P.dev.read_u64(stamps, min(cap, B.while_n), stream).astype(np.int64)
     d = np.diff(st)
     skip = min(10, d.size // 2)
-    return {"iterations": B.while_n, "graph_time_n1": summarize(np.array(small[1:]) * 1e6),
-            "graph_time_n": summarize(np.array(big[1:]) * 1e6),
-            "per_iteration_from_events": summarize(per_iter_ns),
-            "per_iteration_from_stamps": summarize(d[skip:]),
-            "stamps_ordered": bool(np.all(d >= 0)) if d.size else None,
-            "check": {"ok": not bad and (bool(np.all(d >= 0)) if d.size else False),
-                      "bad_counts": bad[:8], "what": "iteration counter == requested iterations"}}
+    return {
+        "iterations": B.while_n,
+        "graph_time_n1": summarize(np.array(small[1:]) * 1e6),
+        "graph_time_n": summarize(np.array(big[1:]) * 1e6),
+        "per_iteration_from_events": summarize(per_iter_ns),
+        "per_iteration_from_stamps": summarize(d[skip:]),
+        "stamps_ordered": bool(np.all(d >= 0)) if d.size else None,
+        "check": {
+            "ok": not bad and (bool(np.all(d >= 0)) if d.size else False),
+            "bad_counts": bad[:8],
+            "what": "iteration counter == requested iterations",
+        },
+    }
 
 
 def _while_graph(P: Probe, G: Graphs) -> dict:
@@ -1325,7 +1463,9 @@ def _while_graph(P: Probe, G: Graphs) -> dict:
     try:
         g = G.create()
         h = cond_handle(g, dev.ctx, 1, True)
-        _, (body,) = add_cond_node(g, [], dev.ctx, h, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1)
+        _, (body,) = add_cond_node(
+            g, [], dev.ctx, h, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1
+        )
         add_kernel_node(body, [], f, [U64(int(h)), PTR(state), PTR(stamps), U32(cap)])
         ge = G.instantiate(g)
         r = _while_stats(P, ge, state, stamps, cap, s)
@@ -1380,9 +1520,13 @@ def _switch_graph(P: Probe, G: Graphs) -> dict:
             want = [n // 4 + (1 if i < n % 4 else 0) for i in range(4)]
             if [int(x) for x in c] != want:
                 branch_bad.append({"n": n, "got": [int(x) for x in c], "want": want})
+
         r = _while_stats(P, ge, state, stamps, cap, s, extra=reset, after=after)
-        r["branch_check"] = {"ok": not branch_bad, "bad": branch_bad[:4],
-                             "what": "branch k ran exactly for iterations c with (c-1)%4 == k"}
+        r["branch_check"] = {
+            "ok": not branch_bad,
+            "bad": branch_bad[:4],
+            "what": "branch k ran exactly for iterations c with (c-1)%4 == k",
+        }
         r["check"]["ok"] = r["check"]["ok"] and not branch_bad
         r["status"] = "ok" if r["check"]["ok"] else "failed_check"
         return r
@@ -1393,8 +1537,11 @@ def _switch_graph(P: Probe, G: Graphs) -> dict:
 
 
 def probe_launch(P: Probe) -> dict:
-    out: dict = {"what": "host launch costs (cuda-python call included) and device-side per-iteration cost of "
-                         "conditional graphs", "table": []}
+    out: dict = {
+        "what": "host launch costs (cuda-python call included) and device-side per-iteration cost of "
+        "conditional graphs",
+        "table": [],
+    }
     G = Graphs()
     try:
         out["cuda_python_call_floor"] = sub(_cuda_python_floor, P)
@@ -1427,6 +1574,7 @@ def probe_launch(P: Probe) -> dict:
 # ----------------------------------------------------------------------------
 # Probe 4: a torch CUDA graph inside a WHILE body
 
+
 def probe_torchgraph(P: Probe) -> dict:
     torch = P.need_torch()
     P.require_clean()
@@ -1441,16 +1589,19 @@ def probe_torchgraph(P: Probe) -> dict:
 def _torchgraph(P: Probe, torch) -> dict:
     dev, B = P.dev, P.B
     f = P.fn("rl_while_body")
-    out: dict = {"what": "torch graph (2 matmuls + tanh, updating x in place) captured with "
-                         "CUDAGraph(keep_graph=True) on its own stream, embedded as a child node in a WHILE "
-                         "body that runs it K times; compared with K eager iterations", "table": []}
+    out: dict = {
+        "what": "torch graph (2 matmuls + tanh, updating x in place) captured with "
+        "CUDAGraph(keep_graph=True) on its own stream, embedded as a child node in a WHILE "
+        "body that runs it K times; compared with K eager iterations",
+        "table": [],
+    }
     tdev = torch.device("cuda", P.args.device)
     gen = torch.Generator(device=tdev)
     gen.manual_seed(1234)
     M, K = 256, 1024
     x0 = torch.randn(M, K, device=tdev, generator=gen)
-    w1 = torch.randn(K, K, device=tdev, generator=gen) / K ** 0.5
-    w2 = torch.randn(K, K, device=tdev, generator=gen) / K ** 0.5
+    w1 = torch.randn(K, K, device=tdev, generator=gen) / K**0.5
+    w2 = torch.randn(K, K, device=tdev, generator=gen) / K**0.5
     x = x0.clone()
 
     def body():
@@ -1481,8 +1632,9 @@ def _torchgraph(P: Probe, torch) -> dict:
     try:
         outer = G.create()
         h = cond_handle(outer, dev.ctx, 1, True)
-        _, (wbody,) = add_cond_node(outer, [], dev.ctx, h, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE,
-                                    1)
+        _, (wbody,) = add_cond_node(
+            outer, [], dev.ctx, h, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1
+        )
         child = call(driver.cuGraphAddChildGraphNode, wbody, [], 0, tg)
         add_kernel_node(wbody, [child], f, [U64(int(h)), PTR(state), PTR(stamps), U32(64)])
         ge = G.instantiate(outer)
@@ -1515,17 +1667,31 @@ def _torchgraph(P: Probe, torch) -> dict:
         rel64_eager = float((xe.double().cpu() - r64).norm() / r64.norm())
         finite = bool(torch.isfinite(xg).all())
         ok = count == iters and finite and rel < 1e-4 and rel64_graph < 1e-3
-        out.update({
-            "runs": True, "iterations": iters, "count": count,
-            "graph_ms": summarize(np.array(runs) * 1e6), "eager_ms": eager_ms,
-            "per_iteration_graph_us": float(np.median(runs)) * 1e3 / iters,
-            "per_iteration_eager_us": eager_ms * 1e3 / iters,
-            "rel_err_graph_vs_eager": rel, "bitwise_equal": bool(torch.equal(xg, xe)),
-            "rel_err_graph_vs_fp64": rel64_graph, "rel_err_eager_vs_fp64": rel64_eager,
-            "check": {"ok": ok, "what": "iteration count, finite output, graph == eager within 1e-4"},
-        })
-        out["table"].append(["torch child graph in WHILE: per iteration", out["per_iteration_graph_us"], None, "us",
-                             f"{'match' if ok else 'MISMATCH'} rel={rel:.1e}"])
+        out.update(
+            {
+                "runs": True,
+                "iterations": iters,
+                "count": count,
+                "graph_ms": summarize(np.array(runs) * 1e6),
+                "eager_ms": eager_ms,
+                "per_iteration_graph_us": float(np.median(runs)) * 1e3 / iters,
+                "per_iteration_eager_us": eager_ms * 1e3 / iters,
+                "rel_err_graph_vs_eager": rel,
+                "bitwise_equal": bool(torch.equal(xg, xe)),
+                "rel_err_graph_vs_fp64": rel64_graph,
+                "rel_err_eager_vs_fp64": rel64_eager,
+                "check": {"ok": ok, "what": "iteration count, finite output, graph == eager within 1e-4"},
+            }
+        )
+        out["table"].append(
+            [
+                "torch child graph in WHILE: per iteration",
+                out["per_iteration_graph_us"],
+                None,
+                "us",
+                f"{'match' if ok else 'MISMATCH'} rel={rel:.1e}",
+            ]
+        )
         out["table"].append(["same ops eager: per iteration", out["per_iteration_eager_us"], None, "us", ""])
         out["status"] = "ok" if ok else "failed_check"
     finally:
@@ -1539,6 +1705,7 @@ def _torchgraph(P: Probe, torch) -> dict:
 
 # ----------------------------------------------------------------------------
 # Probe 5: what blocks while a persistent kernel runs; process exit
+
 
 def _blocking_ops(P: Probe, torch) -> list:
     """(name, fn, needs_torch) tried one at a time while the kernel runs."""
@@ -1626,15 +1793,17 @@ def _blocking_ops(P: Probe, torch) -> list:
             torch.cuda.empty_cache()
             return {"reserved_after": torch.cuda.memory_reserved(tdev)}
 
-        ops += [("torch_empty_new_size", torch_empty_new_size),
-                ("torch_empty_then_kernel_other_stream", torch_empty_then_kernel_other_stream),
-                ("torch_kernel_default_stream", torch_kernel_default_stream),
-                ("torch_first_use_kernel", torch_first_use_kernel),
-                ("torch_pinned_alloc", torch_pinned_alloc),
-                ("pageable_cpu_copy", pageable_cpu_copy),
-                ("pinned_copy_non_blocking", pinned_copy_non_blocking),
-                ("torch_graph_capture", torch_graph_capture),
-                ("torch_free_empty_cache", torch_free_empty_cache)]
+        ops += [
+            ("torch_empty_new_size", torch_empty_new_size),
+            ("torch_empty_then_kernel_other_stream", torch_empty_then_kernel_other_stream),
+            ("torch_kernel_default_stream", torch_kernel_default_stream),
+            ("torch_first_use_kernel", torch_first_use_kernel),
+            ("torch_pinned_alloc", torch_pinned_alloc),
+            ("pageable_cpu_copy", pageable_cpu_copy),
+            ("pinned_copy_non_blocking", pinned_copy_non_blocking),
+            ("torch_graph_capture", torch_graph_capture),
+            ("torch_free_empty_cache", torch_free_empty_cache),
+        ]
 
     def cu_mem_host_alloc():
         p = Pinned(16 * MIB)
@@ -1660,8 +1829,12 @@ def _blocking_ops(P: Probe, torch) -> list:
         dev.launch(f, [], s)
         return {"ok": dev.wait_stream(s, 2.0)}
 
-    ops += [("cuMemHostAlloc", cu_mem_host_alloc), ("cuMemAlloc_cuMemFree", cu_mem_alloc_free),
-            ("cuModuleLoadData", cu_module_load), ("kernel_on_other_nonblocking_stream", cu_launch_other_stream)]
+    ops += [
+        ("cuMemHostAlloc", cu_mem_host_alloc),
+        ("cuMemAlloc_cuMemFree", cu_mem_alloc_free),
+        ("cuModuleLoadData", cu_module_load),
+        ("kernel_on_other_nonblocking_stream", cu_launch_other_stream),
+    ]
 
     def cu_mem_free_host():
         n = 0
@@ -1669,6 +1842,7 @@ def _blocking_ops(P: Probe, torch) -> list:
             p.free()
             n += 1
         return {"freed": n}
+
     ops.append(("cuMemFreeHost", cu_mem_free_host))
     return ops
 
@@ -1676,12 +1850,23 @@ def _blocking_ops(P: Probe, torch) -> list:
 def _exit_test(P: Probe, mode: str) -> dict:
     B = P.B
     budget = B.child_budget_s
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_exit-child", mode, "--device", str(P.args.device),
-           "--arch", P.arch, "--_child-budget-s", str(budget)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_exit-child",
+        mode,
+        "--device",
+        str(P.args.device),
+        "--arch",
+        P.arch,
+        "--_child-budget-s",
+        str(budget),
+    ]
     res: dict = {"mode": mode, "kernel_own_deadline_s": budget}
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     lines: list = []
     errs: list = []
     launched = threading.Event()
@@ -1697,6 +1882,7 @@ def _exit_test(P: Probe, mode: str) -> dict:
     def rd_err():
         for line in proc.stderr:
             errs.append(line.rstrip())
+
     th1 = threading.Thread(target=rd_out, daemon=True)
     th2 = threading.Thread(target=rd_err, daemon=True)
     th1.start()
@@ -1705,12 +1891,13 @@ def _exit_test(P: Probe, mode: str) -> dict:
     def kill():
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         try:
             proc.wait(10)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
+
     deadline = time.monotonic() + B.t(90)
     while not launched.is_set() and proc.poll() is None and time.monotonic() < deadline:
         launched.wait(0.05)
@@ -1733,8 +1920,10 @@ def _exit_test(P: Probe, mode: str) -> dict:
         if exit_s < 0.5 * budget:
             res["finding"] = "exits_promptly (context teardown ended the running kernel)"
         elif exit_s >= 0.8 * budget:
-            res["finding"] = ("exit_waited_for_kernel (returned only when the kernel hit its own deadline: "
-                              "without one, exit hangs)")
+            res["finding"] = (
+                "exit_waited_for_kernel (returned only when the kernel hit its own deadline: "
+                "without one, exit hangs)"
+            )
         else:
             res["finding"] = "slow_exit"
         res["status"] = "ok"
@@ -1753,16 +1942,21 @@ def probe_blocking(P: Probe) -> dict:
     f = P.fn("rl_doorbell")
     torch = P.torch
     s = P.sched_stream
-    out: dict = {"what": "a 1-thread persistent kernel polls on its own stream (cuStreamCreateWithPriority, "
-                         "CU_STREAM_NON_BLOCKING, highest priority); each operation runs in a thread with a "
-                         f"{B.op_timeout:.0f} s timeout; 'blocked' = still running at the timeout",
-                 "stream_priority": int(dev.prio_greatest), "torch": torch is not None,
-                 "ops": {}, "exit": {}, "table": []}
+    out: dict = {
+        "what": "a 1-thread persistent kernel polls on its own stream (cuStreamCreateWithPriority, "
+        "CU_STREAM_NON_BLOCKING, highest priority); each operation runs in a thread with a "
+        f"{B.op_timeout:.0f} s timeout; 'blocked' = still running at the timeout",
+        "stream_priority": int(dev.prio_greatest),
+        "torch": torch is not None,
+        "ops": {},
+        "exit": {},
+        "table": [],
+    }
     if torch is None:
         out["torch_error"] = P.torch_err
     try:
         ops = _blocking_ops(P, torch)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["setup_error"] = errdict(e)
         ops = []
     kern: list = []  # [ctl] while running
@@ -1782,7 +1976,7 @@ def probe_blocking(P: Probe) -> dict:
             continue
         try:
             ctl = kern[0] if kern else start()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out["ops"][name] = errdict(e)
             break
         hb0 = int(ctl.w[CTL_HEARTBEAT])
@@ -1798,7 +1992,9 @@ def probe_blocking(P: Probe) -> dict:
             P.stop_and_wait(ctl, s, f"blocking probe ({name})")
             kern.clear()
             th.join(B.t(15))
-            rec["after_kernel_shutdown"] = box.get("status", "still_blocked") if not th.is_alive() else "still_blocked"
+            rec["after_kernel_shutdown"] = (
+                box.get("status", "still_blocked") if not th.is_alive() else "still_blocked"
+            )
             if th.is_alive():
                 P.taint(f"operation {name} stayed blocked after the kernel exited")
             elif "elapsed_ms" in box:
@@ -1827,10 +2023,21 @@ def probe_blocking(P: Probe) -> dict:
             continue
         r = sub(_exit_test, P, mode)
         out["exit"][mode] = r
-        out["table"].append([f"process exit, kernel running ({mode})", r.get("exit_s"), None, "s",
-                             r.get("finding") or r.get("status", "")])
-    statuses = [r.get("status") for r in out["ops"].values()] + [r.get("status") for r in out["exit"].values()]
-    out["status"] = "ok" if all(st in ("completed", "blocked", "ok", "skipped") for st in statuses) else "partial"
+        out["table"].append(
+            [
+                f"process exit, kernel running ({mode})",
+                r.get("exit_s"),
+                None,
+                "s",
+                r.get("finding") or r.get("status", ""),
+            ]
+        )
+    statuses = [r.get("status") for r in out["ops"].values()] + [
+        r.get("status") for r in out["exit"].values()
+    ]
+    out["status"] = (
+        "ok" if all(st in ("completed", "blocked", "ok", "skipped") for st in statuses) else "partial"
+    )
     return out
 
 
@@ -1844,6 +2051,7 @@ def exit_child(args) -> int:
         return 3
     if args._exit_child == "torch":
         import torch
+
         torch.cuda.set_device(args.device)
         t = torch.ones(1024, device=f"cuda:{args.device}")
         float(t.sum().item())
@@ -1868,13 +2076,17 @@ def exit_child(args) -> int:
 # ----------------------------------------------------------------------------
 # Probe 6: roofline ceilings
 
+
 def probe_roofline(P: Probe) -> dict:
     torch = P.need_torch()
     P.require_clean()
     B = P.B
     tdev = torch.device("cuda", P.args.device)
-    out: dict = {"what": "device-to-device copy (bytes read + written) and bf16 matmul through torch, "
-                         "timed with CUDA events after warm-up, random data", "table": []}
+    out: dict = {
+        "what": "device-to-device copy (bytes read + written) and bf16 matmul through torch, "
+        "timed with CUDA events after warm-up, random data",
+        "table": [],
+    }
 
     def copy_bw():
         free, _total = torch.cuda.mem_get_info(tdev)
@@ -1898,8 +2110,13 @@ def probe_roofline(P: Probe) -> dict:
         torch.cuda.empty_cache()
         ms = np.array(times)
         tbs = 2 * nbytes / (ms * 1e-3) / 1e12
-        return {"bytes_per_buffer": nbytes, "ms": summarize(ms * 1e6), "tb_per_s_median": float(np.median(tbs)),
-                "tb_per_s_best": float(tbs.max()), "check": {"ok": ok, "what": "dst == src after the copy"}}
+        return {
+            "bytes_per_buffer": nbytes,
+            "ms": summarize(ms * 1e6),
+            "tb_per_s_median": float(np.median(tbs)),
+            "tb_per_s_best": float(tbs.max()),
+            "check": {"ok": ok, "what": "dst == src after the copy"},
+        }
 
     def matmul():
         n = B.mm_n
@@ -1924,18 +2141,38 @@ def probe_roofline(P: Probe) -> dict:
         del a, b, c
         torch.cuda.empty_cache()
         ms = np.array(times)
-        tf = 2 * n ** 3 / (ms * 1e-3) / 1e12
-        return {"n": n, "ms": summarize(ms * 1e6), "tflops_median": float(np.median(tf)), "tflops_best": float(tf.max()),
-                "rel_err_vs_fp64_block": rel, "check": {"ok": rel < 2e-2, "what": "64x64 block vs float64 CPU"}}
+        tf = 2 * n**3 / (ms * 1e-3) / 1e12
+        return {
+            "n": n,
+            "ms": summarize(ms * 1e6),
+            "tflops_median": float(np.median(tf)),
+            "tflops_best": float(tf.max()),
+            "rel_err_vs_fp64_block": rel,
+            "check": {"ok": rel < 2e-2, "what": "64x64 block vs float64 CPU"},
+        }
 
     out["copy"] = cp = sub(copy_bw)
     out["matmul_bf16"] = mm = sub(matmul)
-    out["table"].append(["d2d copy bandwidth (read+write)", cp.get("tb_per_s_median"), None, "TB/s",
-                         f"{cp.get('bytes_per_buffer', 0) / GIB:.0f} GiB buffers; "
-                         + ("ok" if (cp.get("check") or {}).get("ok") else cp.get("status", ""))])
-    out["table"].append([f"bf16 matmul {B.mm_n}^3", mm.get("tflops_median"), None, "TFLOP/s",
-                         ("ok" if (mm.get("check") or {}).get("ok") else mm.get("status", ""))
-                         + (f" rel={mm['rel_err_vs_fp64_block']:.1e}" if "rel_err_vs_fp64_block" in mm else "")])
+    out["table"].append(
+        [
+            "d2d copy bandwidth (read+write)",
+            cp.get("tb_per_s_median"),
+            None,
+            "TB/s",
+            f"{cp.get('bytes_per_buffer', 0) / GIB:.0f} GiB buffers; "
+            + ("ok" if (cp.get("check") or {}).get("ok") else cp.get("status", "")),
+        ]
+    )
+    out["table"].append(
+        [
+            f"bf16 matmul {B.mm_n}^3",
+            mm.get("tflops_median"),
+            None,
+            "TFLOP/s",
+            ("ok" if (mm.get("check") or {}).get("ok") else mm.get("status", ""))
+            + (f" rel={mm['rel_err_vs_fp64_block']:.1e}" if "rel_err_vs_fp64_block" in mm else ""),
+        ]
+    )
     okc = (cp.get("check") or {}).get("ok") and (mm.get("check") or {}).get("ok")
     out["status"] = "ok" if okc else "partial"
     return out
@@ -1943,6 +2180,7 @@ def probe_roofline(P: Probe) -> dict:
 
 # ----------------------------------------------------------------------------
 # Probe 7: stream memory operations
+
 
 def _memop_handoff(P: Probe, use_events: bool) -> dict:
     """Ping-pong between two streams through cuStreamWriteValue32/WaitValue32
@@ -1966,11 +2204,17 @@ def _memop_handoff(P: Probe, use_events: bool) -> dict:
     def rescue():
         go_ctl.w[CTL_DOORBELL] = release
         call(driver.cuMemsetD32Async, flags, release, 64, rescue_stream)
+
     add_rescuer(rescue)
     events: list = []
-    res: dict = {"iterations": n, "batches": nb, "gate_forced": 0,
-                 "mechanism": "events (cuEventRecord/cuStreamWaitEvent)" if use_events
-                 else "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ) on device flags"}
+    res: dict = {
+        "iterations": n,
+        "batches": nb,
+        "gate_forced": 0,
+        "mechanism": "events (cuEventRecord/cuStreamWaitEvent)"
+        if use_events
+        else "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ) on device flags",
+    }
     try:
         dev.memset32(flags, 0, 64, s)
         dev.memset32(t_send, 0, 2 * n, s)
@@ -2034,7 +2278,7 @@ def _memop_handoff(P: Probe, use_events: bool) -> dict:
         for ev in events:
             try:
                 call(driver.cuEventDestroy, ev)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if not P.tainted:
             for p in (flags, t_send, t_recv):
@@ -2053,11 +2297,16 @@ def _memop_handoff(P: Probe, use_events: bool) -> dict:
     if fl is not None:
         ok = ok and int(fl[0]) == n and int(fl[32]) == n
         res["final_flags"] = [int(fl[0]), int(fl[32])]
-    res.update({"a_to_b": summarize(a2b_a), "b_to_a": summarize(b2a_a),
-                "one_way_both": summarize(np.concatenate([a2b_a, b2a_a])) if a2b_a.size else {"n": 0},
-                "check": {"ok": ok, "stamps_written": written, "stamps_ordered": ordered},
-                "status": "ok" if ok else "failed_check",
-                "note": "one way = stamp kernel on A -> signal -> wait on B -> stamp kernel on B starts"})
+    res.update(
+        {
+            "a_to_b": summarize(a2b_a),
+            "b_to_a": summarize(b2a_a),
+            "one_way_both": summarize(np.concatenate([a2b_a, b2a_a])) if a2b_a.size else {"n": 0},
+            "check": {"ok": ok, "stamps_written": written, "stamps_ordered": ordered},
+            "status": "ok" if ok else "failed_check",
+            "note": "one way = stamp kernel on A -> signal -> wait on B -> stamp kernel on B starts",
+        }
+    )
     return res
 
 
@@ -2079,13 +2328,17 @@ def _memop_capture(P: Probe) -> dict:
             call(driver.cuStreamWriteValue32, s, buf, 42, 0)
             call(driver.cuStreamWaitValue32, s, buf, 42, EQ)
             dev.launch(f, [PTR(buf + 64), U32(0)], s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             cap_err = f"{type(e).__name__}: {e}"
         finally:
             r = driver.cuStreamEndCapture(s)
         if cap_err:
-            res.update(status="ok", captured=False, capture_error=cap_err,
-                       end_capture="ok" if int(r[0]) == 0 else err_text(r[0]))
+            res.update(
+                status="ok",
+                captured=False,
+                capture_error=cap_err,
+                end_capture="ok" if int(r[0]) == 0 else err_text(r[0]),
+            )
             return res
         graph = check(r, "cuStreamEndCapture")
         G.graphs.append(graph)
@@ -2099,7 +2352,11 @@ def _memop_capture(P: Probe) -> dict:
             raise Timeout("captured graph did not finish")
         v = dev.read_u32(buf, 1, s)[0]
         st = dev.read_u64(buf + 64, 1, s)[0]
-        res["captured_graph_runs"] = {"ok": int(v) == 42 and int(st) > 0, "flag": int(v), "stamp_written": int(st) > 0}
+        res["captured_graph_runs"] = {
+            "ok": int(v) == 42 and int(st) > 0,
+            "flag": int(v),
+            "stamp_written": int(st) > 0,
+        }
 
         # can such a graph sit inside a WHILE body (as a child graph)?
         def in_while():
@@ -2109,8 +2366,9 @@ def _memop_capture(P: Probe) -> dict:
             try:
                 outer = G.create()
                 h = cond_handle(outer, dev.ctx, 1, True)
-                _, (wb,) = add_cond_node(outer, [], dev.ctx, h,
-                                         driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1)
+                _, (wb,) = add_cond_node(
+                    outer, [], dev.ctx, h, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1
+                )
                 child = call(driver.cuGraphAddChildGraphNode, wb, [], 0, graph)
                 add_kernel_node(wb, [child], fw, [U64(int(h)), PTR(state), PTR(stamps), U32(8)])
                 ge2 = G.instantiate(outer)
@@ -2121,6 +2379,7 @@ def _memop_capture(P: Probe) -> dict:
                 if not P.tainted:
                     dev.free(state)
                     dev.free(stamps)
+
         res["mem_op_graph_in_while_body"] = sub(in_while)
         res["status"] = "ok"
         return res
@@ -2131,15 +2390,20 @@ def _memop_capture(P: Probe) -> dict:
 
 
 def probe_memops(P: Probe) -> dict:
-    out: dict = {"what": "stream memory operations as a cross-stream handoff, and whether stream capture "
-                         "records them as graph nodes", "table": []}
+    out: dict = {
+        "what": "stream memory operations as a cross-stream handoff, and whether stream capture "
+        "records them as graph nodes",
+        "table": [],
+    }
     out["handoff_memops"] = hm = sub(_memop_handoff, P, False)
     out["handoff_events"] = he = sub(_memop_handoff, P, True)
     out["capture"] = cap = sub(_memop_capture, P)
-    out["table"].append(trow("write->wait handoff one-way (memops)", hm.get("one_way_both"),
-                             note=hm.get("status", "")))
-    out["table"].append(trow("record->wait handoff one-way (events)", he.get("one_way_both"),
-                             note=he.get("status", "")))
+    out["table"].append(
+        trow("write->wait handoff one-way (memops)", hm.get("one_way_both"), note=hm.get("status", ""))
+    )
+    out["table"].append(
+        trow("record->wait handoff one-way (events)", he.get("one_way_both"), note=he.get("status", ""))
+    )
     note = cap.get("status", "")
     if "node_types" in cap:
         note = "nodes: " + ",".join(t.replace("CU_GRAPH_NODE_TYPE_", "") for t in cap["node_types"])
@@ -2154,12 +2418,20 @@ def probe_memops(P: Probe) -> dict:
     return out
 
 
-PROBE_FUNCS = {1: probe_doorbell, 2: probe_handoff, 3: probe_launch, 4: probe_torchgraph, 5: probe_blocking,
-               6: probe_roofline, 7: probe_memops}
+PROBE_FUNCS = {
+    1: probe_doorbell,
+    2: probe_handoff,
+    3: probe_launch,
+    4: probe_torchgraph,
+    5: probe_blocking,
+    6: probe_roofline,
+    7: probe_memops,
+}
 
 
 # ----------------------------------------------------------------------------
 # Output
+
 
 class Tee:
     """stdout/stderr copy into the log file (buffered until it is opened)."""
@@ -2206,7 +2478,7 @@ def install_tee() -> None:
 
 def open_log(path: Path) -> None:
     with _TEE["lock"]:
-        fh = open(path, "w", encoding="utf-8")
+        fh = open(path, "w", encoding="utf-8")  # noqa: SIM115 - the tee keeps it open for the run
         fh.write("".join(_TEE["buf"]))
         _TEE["buf"].clear()
         _TEE["fh"] = fh
@@ -2257,33 +2529,52 @@ def print_table(results: dict) -> None:
             rows.append([num, r[0], _fmt(r[1]), _fmt(r[2]), r[3], r[4]])
         if not tbl or pr.get("status") not in ("ok", "partial"):
             why = pr.get("error") or pr.get("reason") or pr.get("where") or ""
-            rows.append([num, f"[{PROBE_NAMES.get(int(num), key)}]", "-", "-", "",
-                         f"{pr.get('status')} {why}".strip()[:100]])
+            rows.append(
+                [
+                    num,
+                    f"[{PROBE_NAMES.get(int(num), key)}]",
+                    "-",
+                    "-",
+                    "",
+                    f"{pr.get('status')} {why}".strip()[:100],
+                ]
+            )
     hdr = ["#", "measurement", "median", "p99", "unit", "check / notes"]
     w = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(5)]
     print()
     print("  ".join(h.ljust(w[i]) if i < 5 else h for i, h in enumerate(hdr)))
     print("  ".join("-" * w[i] for i in range(5)) + "  " + "-" * 13)
     for r in rows:
-        print("  ".join((str(r[i]).rjust(w[i]) if i in (2, 3) else str(r[i]).ljust(w[i])) if i < 5 else str(r[i])
-                        for i in range(6)))
+        print(
+            "  ".join(
+                (str(r[i]).rjust(w[i]) if i in (2, 3) else str(r[i]).ljust(w[i])) if i < 5 else str(r[i])
+                for i in range(6)
+            )
+        )
 
 
 # ----------------------------------------------------------------------------
 # Main
 
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", default="", help="comma-separated probe numbers (1-7) to run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="compile every kernel with NVRTC (sm_90 unless --arch), print resources, exit")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile every kernel with NVRTC (sm_90 unless --arch), print resources, exit",
+    )
     ap.add_argument("--arch", default=None, help="override the target arch, e.g. sm_90")
     ap.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where the JSON and log go")
     ap.add_argument("--no-save", action="store_true", help="print only; write no files")
-    ap.add_argument("--max-seconds", type=float, default=None, help="whole-run watchdog (default 330, quick 240)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=None, help="whole-run watchdog (default 330, quick 240)"
+    )
     ap.add_argument("--_exit-child", dest="_exit_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_child-budget-s", dest="_child_budget_s", default="10", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -2305,22 +2596,28 @@ def _versions() -> dict:
     v = {"python": platform.python_version(), "numpy": np.__version__, "nvrtc": nvrtc_version()}
     try:
         from cuda.bindings import __version__ as cbv
+
         v["cuda_bindings"] = cbv
-    except Exception:  # noqa: BLE001
+    except Exception:
         try:
             import cuda  # noqa: F401
+
             v["cuda_bindings"] = getattr(sys.modules.get("cuda"), "__version__", "unknown")
-        except Exception:  # noqa: BLE001
+        except Exception:
             v["cuda_bindings"] = "unknown"
     return v
 
 
 def _git_rev() -> str | None:
     try:
-        r = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True, timeout=5)
+        r = subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return r.stdout.strip() or None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -2345,7 +2642,7 @@ def run_compile_only(arch: str, reason: str | None) -> int:
 def init_torch(ordinal: int, dev: Dev):
     try:
         import torch
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return None, f"import torch failed: {e}"
     try:
         if not torch.cuda.is_available():
@@ -2360,7 +2657,7 @@ def init_torch(ordinal: int, dev: Dev):
         if int(cur) != int(dev.ctx):
             return None, "torch is not on the device's primary context"
         return torch, None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return None, f"torch CUDA init failed: {type(e).__name__}: {e}"
 
 
@@ -2378,7 +2675,7 @@ def health_check(P: Probe) -> str | None:
         if int(v) != 1:
             return f"health check: memset readback {v}"
         return None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"health check: {type(e).__name__}: {e}"
 
 
@@ -2388,8 +2685,11 @@ def main(argv=None) -> int:
         return exit_child(args)
     install_tee()
     t_start = time.monotonic()
-    print(f"gpu_limits: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} "
-          f"python {platform.python_version()} nvrtc {nvrtc_version()}", flush=True)
+    print(
+        f"gpu_limits: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} "
+        f"python {platform.python_version()} nvrtc {nvrtc_version()}",
+        flush=True,
+    )
     if args.compile_only:
         return run_compile_only(args.arch or "sm_90", None)
     dev, why = try_init_device(args.device)
@@ -2399,12 +2699,16 @@ def main(argv=None) -> int:
     scale = float(os.environ.get("GPU_LIMITS_TIMEOUT_SCALE", "1") or 1)
     B = Budget(args.quick, scale)
     arch = args.arch or dev.arch
-    print(f"device {args.device}: {dev.name} (cc {dev.props['compute_capability']}, "
-          f"{dev.props['multiprocessors']} SMs), driver {dev.driver_version}, arch {arch}", flush=True)
+    print(
+        f"device {args.device}: {dev.name} (cc {dev.props['compute_capability']}, "
+        f"{dev.props['multiprocessors']} SMs), driver {dev.driver_version}, arch {arch}",
+        flush=True,
+    )
     slug = device_slug(dev.name)
     date = _dt.date.today().isoformat()
     suffix = ("-quick" if args.quick else "") + (
-        "-only-" + "-".join(map(str, sorted(args.selected))) if len(args.selected) < len(PROBE_NAMES) else "")
+        "-only-" + "-".join(map(str, sorted(args.selected))) if len(args.selected) < len(PROBE_NAMES) else ""
+    )
     json_path = log_path = None
     if not args.no_save:
         outdir = Path(args.out_dir)
@@ -2415,12 +2719,23 @@ def main(argv=None) -> int:
         open_log(log_path)
         print(f"writing {json_path} and {log_path.name}", flush=True)
 
-    results: dict = {"schema": SCHEMA, "meta": {
-        "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": dev.props, "device_slug": slug, "arch": arch, "versions": _versions(),
-        "git": _git_rev(), "argv": sys.argv[1:], "quick": args.quick, "selected": args.selected,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()}},
-        "kernels": {}, "probes": {}}
+    results: dict = {
+        "schema": SCHEMA,
+        "meta": {
+            "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": dev.props,
+            "device_slug": slug,
+            "arch": arch,
+            "versions": _versions(),
+            "git": _git_rev(),
+            "argv": sys.argv[1:],
+            "quick": args.quick,
+            "selected": args.selected,
+            "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        },
+        "kernels": {},
+        "probes": {},
+    }
     # watchdogs: a clean one that saves what there is, and faulthandler behind it
     max_s = args.max_seconds or B.total_s
     current = {"probe": None}
@@ -2429,8 +2744,10 @@ def main(argv=None) -> int:
     def on_watchdog():
         if done_evt.wait(max_s):
             return
-        print(f"\n!! WATCHDOG: run exceeded {max_s:.0f} s during probe {current['probe']}; shutting down",
-              flush=True)
+        print(
+            f"\n!! WATCHDOG: run exceeded {max_s:.0f} s during probe {current['probe']}; shutting down",
+            flush=True,
+        )
         shutdown_all()
         results["watchdog"] = {"fired_after_s": max_s, "probe": current["probe"]}
         if current["probe"]:
@@ -2442,6 +2759,7 @@ def main(argv=None) -> int:
         finally:
             sys.stdout.flush()
             os._exit(2)
+
     threading.Thread(target=on_watchdog, daemon=True, name="watchdog").start()
     faulthandler.dump_traceback_later(max_s + 60, exit=True)
     atexit.register(shutdown_all)
@@ -2449,10 +2767,11 @@ def main(argv=None) -> int:
     def _on_signal(signum, _frame):
         shutdown_all()
         raise KeyboardInterrupt(f"signal {signum}")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             signal.signal(sig, _on_signal)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     groups = compile_all(arch)
@@ -2485,12 +2804,13 @@ def main(argv=None) -> int:
             continue
         t0 = time.monotonic()
         timeout = B.t(B.probe_timeout[num])
-        rec, th, box = run_in_thread(lambda n=num: PROBE_FUNCS[n](P), timeout, P.thread_init, name=f"probe{num}")
+        rec, th, box = run_in_thread(
+            lambda n=num: PROBE_FUNCS[n](P), timeout, P.thread_init, name=f"probe{num}"
+        )
         if rec["status"] == "blocked":
             shutdown_all()
             th.join(B.t(10))
-            res = {"status": "timeout", "timeout_s": timeout,
-                   "finished_after_shutdown": not th.is_alive()}
+            res = {"status": "timeout", "timeout_s": timeout, "finished_after_shutdown": not th.is_alive()}
             if th.is_alive():
                 P.taint(f"probe {num} thread stuck after timeout")
             elif isinstance(box.get("value"), dict):
@@ -2503,9 +2823,15 @@ def main(argv=None) -> int:
             res = rec.get("result") or {"status": "error", "error": "probe returned nothing"}
         res["elapsed_s"] = round(time.monotonic() - t0, 2)
         results["probes"][key] = res
-        print(f"  -> {res.get('status')} in {res['elapsed_s']} s"
-              + (f": {res.get('error') or res.get('reason')}" if res.get("status") in ("error", "skipped") else ""),
-              flush=True)
+        print(
+            f"  -> {res.get('status')} in {res['elapsed_s']} s"
+            + (
+                f": {res.get('error') or res.get('reason')}"
+                if res.get("status") in ("error", "skipped")
+                else ""
+            ),
+            flush=True,
+        )
         for r in res.get("table") or []:
             print(f"     {r[0]}: {_fmt(r[1])} / p99 {_fmt(r[2])} {r[3]}  {r[4]}")
         if not P.tainted:

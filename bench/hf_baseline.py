@@ -17,6 +17,7 @@ generator uses), one token per "message"; `done` is when the result was taken fr
 Server CPU is this whole process's CPU (the "server" is in-process), so loadgen_cpu_s is not
 separable and reported as None.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,19 +33,27 @@ DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 def hf_config_for(config):
     """transformers LlamaConfig equivalent to a ringleader ModelConfig."""
     from transformers import LlamaConfig
+
     if config.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, **config.rope_scaling}
     else:
         rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     return LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-        rope_parameters=rope, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None)
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        rope_parameters=rope,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+    )
 
 
 def internal_to_hf(state: dict, config) -> dict:
@@ -75,8 +84,10 @@ def build_hf_model(spec: str, device: str, seed: int = 0):
     """(hf_model, ours): the HF model on `device`, and ringleader's model it was copied from (presets)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
     from device.model import LlamaModel
     from device.model.presets import PRESETS
+
     dtype = getattr(torch, DTYPES.get(device, "float32"))
     if spec not in PRESETS:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
@@ -86,14 +97,18 @@ def build_hf_model(spec: str, device: str, seed: int = 0):
     missing, unexpected = model.load_state_dict(internal_to_hf(ours.state_dict(), ours.config), strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise RuntimeError(f"weight copy into transformers failed: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise RuntimeError(
+            f"weight copy into transformers failed: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     return model, ours
 
 
 def logits_gap(hf_model, ours, prompt_ids: list[int]) -> float:
     """Max |difference| of the last position's logits, HF vs ringleader (a weight-copy check)."""
     import torch
+
     from device.model import StepBatch
+
     n = len(prompt_ids)
     kv = ours.new_kv_cache(1, max(64, n + 1))
     batch = StepBatch.from_numpy(*_single_prefill_layout(prompt_ids), device=ours.device)
@@ -105,10 +120,17 @@ def logits_gap(hf_model, ours, prompt_ids: list[int]) -> float:
 
 def _single_prefill_layout(prompt_ids: list[int]):
     import numpy as np
+
     n = len(prompt_ids)
-    return (np.asarray(prompt_ids, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
-            np.zeros(1, np.int32), np.zeros(1, np.int32), np.array([n], np.int32),
-            np.array([n - 1], np.int32))
+    return (
+        np.asarray(prompt_ids, np.int32),
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int32),
+        np.zeros(1, np.int32),
+        np.zeros(1, np.int32),
+        np.array([n], np.int32),
+        np.array([n - 1], np.int32),
+    )
 
 
 def _cpu_s() -> float:
@@ -119,17 +141,30 @@ def _cpu_s() -> float:
 class HfRunner:
     """Drives one ContinuousBatchingManager through runs shaped like the server runs."""
 
-    def __init__(self, model, *, slots: int | None, token_budget: int | None, options: SendOptions,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        model,
+        *,
+        slots: int | None,
+        token_budget: int | None,
+        options: SendOptions,
+        timeout_s: float = 600.0,
+    ):
         from transformers import GenerationConfig
+
         self.model, self.options, self.timeout_s = model, options, timeout_s
         o = options
         self._eos = model.config.eos_token_id
-        gen = GenerationConfig(do_sample=o.temperature > 0, temperature=o.temperature or None,
-                               max_new_tokens=256, eos_token_id=-1 if o.ignore_eos else self._eos)
+        gen = GenerationConfig(
+            do_sample=o.temperature > 0,
+            temperature=o.temperature or None,
+            max_new_tokens=256,
+            eos_token_id=-1 if o.ignore_eos else self._eos,
+        )
         cb = None
         try:
             from transformers import ContinuousBatchingConfig
+
             cb = ContinuousBatchingConfig(max_requests_per_batch=slots, max_batch_tokens=token_budget)
         except (ImportError, TypeError):
             pass
@@ -146,21 +181,32 @@ class HfRunner:
         self.manager.stop(block=True, timeout=30)
 
     def stats(self) -> dict:
-        return {"process_cpu_s": _cpu_s(), "output_tokens": self._tokens,
-                "backend": {"device": str(self.model.device.type), "scheduler": "transformers-cb",
-                            "dtype": str(self.model.dtype).replace("torch.", "")}}
+        return {
+            "process_cpu_s": _cpu_s(),
+            "output_tokens": self._tokens,
+            "backend": {
+                "device": str(self.model.device.type),
+                "scheduler": "transformers-cb",
+                "dtype": str(self.model.dtype).replace("torch.", ""),
+            },
+        }
 
-    def measure(self, specs: list[RequestSpec], load: Load, warmup: list[RequestSpec] | None = None) -> RunResult:
+    def measure(
+        self, specs: list[RequestSpec], load: Load, warmup: list[RequestSpec] | None = None
+    ) -> RunResult:
         warmup_failed = 0
         if warmup:
-            recs = self.run(warmup, Load(concurrency=max(1, min(len(warmup), load.concurrency or len(warmup)))))
+            recs = self.run(
+                warmup, Load(concurrency=max(1, min(len(warmup), load.concurrency or len(warmup))))
+            )
             warmup_failed = sum(1 for r in recs if not r.ok)
         before = self.stats()
         t0 = time.perf_counter()
         records = self.run(specs, load)
         wall = time.perf_counter() - t0
-        return RunResult(records, before, self.stats(), loadgen_cpu_s=None, wall_s=wall,
-                         warmup_failed=warmup_failed)
+        return RunResult(
+            records, before, self.stats(), loadgen_cpu_s=None, wall_s=wall, warmup_failed=warmup_failed
+        )
 
     def run(self, specs: list[RequestSpec], load: Load) -> list[RequestRecord]:
         mgr, o = self.manager, self.options
@@ -174,8 +220,13 @@ class HfRunner:
         def send(i: int) -> None:
             rec, spec = records[i], specs[i]
             rec.send_t = time.perf_counter()
-            rid = mgr.add_request(spec.prompt_ids, request_id=f"{stamp}{i}", max_new_tokens=spec.max_tokens,
-                                  record_timestamps=True, eos_token_id=-1 if o.ignore_eos else self._eos)
+            rid = mgr.add_request(
+                spec.prompt_ids,
+                request_id=f"{stamp}{i}",
+                max_new_tokens=spec.max_tokens,
+                record_timestamps=True,
+                eos_token_id=-1 if o.ignore_eos else self._eos,
+            )
             if rid is None:
                 rec.finish_reason, rec.error_code, rec.done_t = "error", "rejected", time.perf_counter()
             else:

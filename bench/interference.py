@@ -9,6 +9,7 @@ can show that they really were busy.
         ...run...
     busy.cpu_s  # CPU-seconds the spinners burned
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,7 +29,7 @@ def _spin(stop, started) -> None:
     os._exit(0)  # skip interpreter teardown: nothing to flush
 
 
-_live: set["CpuInterference"] = set()
+_live: set[CpuInterference] = set()
 
 
 @atexit.register
@@ -55,20 +56,22 @@ class CpuInterference:
             raise ValueError("the number of busy processes must be >= 0")
         self.n = n
         self.start_timeout_s = start_timeout_s
-        self.cpu_s: float | None = None     # CPU time the spinners used while running
+        self.cpu_s: float | None = None  # CPU time the spinners used while running
         self.wall_s: float | None = None
         self._procs: list = []
         self._stop = None
         self._t0 = 0.0
 
-    def start(self) -> "CpuInterference":
+    def start(self) -> CpuInterference:
         if self.n == 0:
             return self
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
         started = [ctx.Event() for _ in range(self.n)]
-        self._procs = [ctx.Process(target=_spin, args=(self._stop, ev), daemon=True,
-                                   name=f"rl-bench-busy-{i}") for i, ev in enumerate(started)]
+        self._procs = [
+            ctx.Process(target=_spin, args=(self._stop, ev), daemon=True, name=f"rl-bench-busy-{i}")
+            for i, ev in enumerate(started)
+        ]
         _live.add(self)
         for p in self._procs:
             p.start()
@@ -97,7 +100,7 @@ class CpuInterference:
     def describe(self) -> dict:
         return {"busy_processes": self.n, "busy_cpu_s": self.cpu_s, "busy_wall_s": self.wall_s}
 
-    def __enter__(self) -> "CpuInterference":
+    def __enter__(self) -> CpuInterference:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -13,6 +13,7 @@ Two ways to load the server:
   time is reported (`send_lag_ms`): a large lag means the generator could not keep up.
 Latencies are measured from the actual send time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,7 @@ log = logging.getLogger("ringleader.bench")
 @dataclass
 class Load:
     """How a run drives the server: closed loop at `concurrency`, or open loop at `request_rate`."""
+
     concurrency: int | None = None
     request_rate: float | None = None
     arrival_s: list[float] | None = None  # open loop: send time of each request from the start
@@ -88,7 +90,7 @@ class LoadGenerator:
         self._lags: list[float] = []  # open loop: actual - scheduled send time of each request
         self._pack = msgpack.Packer(use_bin_type=True).pack
 
-    async def __aenter__(self) -> "LoadGenerator":
+    async def __aenter__(self) -> LoadGenerator:
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -106,7 +108,7 @@ class LoadGenerator:
             self._recv_task.cancel()
             try:
                 await self._recv_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - tearing down
+            except (asyncio.CancelledError, Exception):
                 pass
         if self._sock is not None:
             self._sock.close(linger=100)
@@ -134,8 +136,9 @@ class LoadGenerator:
         return reply
 
     # ---- a measured run ---------------------------------------------------------------------
-    async def measure(self, specs: list[RequestSpec], load: Load,
-                      warmup: list[RequestSpec] | None = None) -> RunResult:
+    async def measure(
+        self, specs: list[RequestSpec], load: Load, warmup: list[RequestSpec] | None = None
+    ) -> RunResult:
         """Warm-up (excluded), stats, the run, stats again."""
         warmup_failed = 0
         if warmup:
@@ -223,9 +226,17 @@ class LoadGenerator:
 
     def _generate_frame(self, rid: int, spec: RequestSpec, index: int) -> bytes:
         o = self.options
-        return self._pack({"op": "generate", "id": rid, "prompt_ids": spec.prompt_ids,
-                           "max_tokens": spec.max_tokens, "temperature": o.temperature,
-                           "seed": (o.seed + index) % (1 << 63), "ignore_eos": o.ignore_eos})
+        return self._pack(
+            {
+                "op": "generate",
+                "id": rid,
+                "prompt_ids": spec.prompt_ids,
+                "max_tokens": spec.max_tokens,
+                "temperature": o.temperature,
+                "seed": (o.seed + index) % (1 << 63),
+                "ignore_eos": o.ignore_eos,
+            }
+        )
 
     # ---- socket I/O ---------------------------------------------------------------------------
     def _send_frame(self, frame: bytes) -> None:
@@ -251,14 +262,14 @@ class LoadGenerator:
     def _dispatch(self, frame: bytes, t: float) -> None:
         try:
             self._handle(frame, t)
-        except Exception:  # noqa: BLE001 - keep receiving; the run's counts show what was lost
+        except Exception:
             log.exception("load generator failed to handle a reply")
 
     def _handle(self, frame: bytes, t: float) -> None:
         try:
             msg = msgpack.unpackb(frame, raw=False)
             op = msg["op"]
-        except Exception:  # noqa: BLE001 - a malformed reply is logged and skipped
+        except Exception:
             log.warning("ignoring a malformed reply (%d bytes)", len(frame))
             return
         if op == "token":
@@ -292,13 +303,22 @@ class LoadGenerator:
             log.warning("server rejected a frame: %s: %s", msg.get("code"), msg.get("message"))
 
 
-def measure(address: str, specs: list[RequestSpec], load: Load, *, warmup: list[RequestSpec] | None = None,
-            options: SendOptions | None = None, timeout_s: float = 600.0) -> RunResult:
+def measure(
+    address: str,
+    specs: list[RequestSpec],
+    load: Load,
+    *,
+    warmup: list[RequestSpec] | None = None,
+    options: SendOptions | None = None,
+    timeout_s: float = 600.0,
+) -> RunResult:
     """Synchronous wrapper: one event loop and one socket for the whole measurement."""
+
     async def go() -> RunResult:
         async with LoadGenerator(address, timeout_s=timeout_s, options=options) as gen:
             await gen.ping(timeout=30.0)
             return await gen.measure(specs, load, warmup)
+
     return asyncio.run(go())
 
 
@@ -306,11 +326,13 @@ def read_stats(address: str, timeout: float = 10.0) -> dict:
     async def go() -> dict:
         async with LoadGenerator(address) as gen:
             return await gen.stats(timeout)
+
     return asyncio.run(go())
 
 
 def wait_ready(address: str, timeout: float) -> bool:
     """True once the server answers a ping (tried every 0.2 s until `timeout`)."""
+
     async def go() -> bool:
         async with LoadGenerator(address) as gen:
             deadline = time.monotonic() + timeout
@@ -321,4 +343,5 @@ def wait_ready(address: str, timeout: float) -> bool:
                 except TimeoutError:
                     pass
             return False
+
     return asyncio.run(go())

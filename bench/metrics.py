@@ -22,10 +22,11 @@ Definitions (all per request, in milliseconds in the run summary):
 - E2E: done arrival - send time.
 Percentiles are numpy's (linear interpolation); an empty sample set gives None for every field.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import numpy as np
 
@@ -39,8 +40,8 @@ class RequestRecord:
     prompt_tokens: int
     max_tokens: int
     send_t: float = 0.0
-    chunk_t: list[float] = field(default_factory=list)   # arrival time of each token message
-    chunk_n: list[int] = field(default_factory=list)     # tokens in that message
+    chunk_t: list[float] = field(default_factory=list)  # arrival time of each token message
+    chunk_n: list[int] = field(default_factory=list)  # tokens in that message
     done_t: float | None = None
     finish_reason: str | None = None
     error_code: str | None = None
@@ -119,8 +120,11 @@ def latency_samples(records: list[RequestRecord]) -> dict[str, list[float]]:
         "e2e_ms": [r.e2e() * ms for r in ok],
         "decode_ms": [r.decode_time() * ms for r in ok if r.decode_time() is not None],
         "queue_ms": [r.server_queue_ms for r in ok if r.server_queue_ms is not None],
-        "ttft_after_queue_ms": [r.ttft() * ms - r.server_queue_ms for r in ok
-                                if r.server_queue_ms is not None and r.ttft() is not None],
+        "ttft_after_queue_ms": [
+            r.ttft() * ms - r.server_queue_ms
+            for r in ok
+            if r.server_queue_ms is not None and r.ttft() is not None
+        ],
     }
 
 
@@ -151,5 +155,7 @@ def run_metrics(records: list[RequestRecord]) -> dict:
         "total_tokens_per_s": per_s(out_tokens + in_tokens),
         **{name: summarize(vals) for name, vals in samples.items()},
         "itl_zero_gaps": sum(1 for v in samples["itl_ms"] if v == 0.0),
-        "tokens_per_message": (out_tokens / sum(len(r.token_times()) for r in ok)) if ok and out_tokens else None,
+        "tokens_per_message": (out_tokens / sum(len(r.token_times()) for r in ok))
+        if ok and out_tokens
+        else None,
     }

@@ -7,6 +7,7 @@
 - bubbles.png: GPU bubble p50/p99 and step time, only when a backend reported them.
 Each function returns the path it wrote, or None when the document has nothing to plot.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,10 @@ _STYLES = ["-", "--", ":", "-."]
 
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -67,7 +70,11 @@ def throughput_vs_concurrency(doc: dict, out_dir: Path) -> Path | None:
 
 
 def rate_sweep(doc: dict, out_dir: Path) -> Path | None:
-    runs = [r for r in doc["runs"] if r.get("concurrency") is None and isinstance(r.get("request_rate"), (int, float))]
+    runs = [
+        r
+        for r in doc["runs"]
+        if r.get("concurrency") is None and isinstance(r.get("request_rate"), (int, float))
+    ]
     if not runs:
         return None
     plt = _plt()
@@ -79,8 +86,14 @@ def rate_sweep(doc: dict, out_dir: Path) -> Path | None:
         xs = [r["request_rate"] for r in sel]
         a1.plot(xs, [r["output_tokens_per_s"] or 0 for r in sel], marker="o", color=colors[k], label=k)
         a2.plot(xs, [r["ttft_ms"]["p50"] for r in sel], marker="o", color=colors[k], label=f"{k} TTFT p50")
-        a2.plot(xs, [r["e2e_ms"]["p50"] for r in sel], marker="s", linestyle="--", color=colors[k],
-                label=f"{k} E2E p50")
+        a2.plot(
+            xs,
+            [r["e2e_ms"]["p50"] for r in sel],
+            marker="s",
+            linestyle="--",
+            color=colors[k],
+            label=f"{k} E2E p50",
+        )
     a1.set_xlabel("offered request rate (req/s)")
     a1.set_ylabel("output tokens / s")
     a1.set_title("open loop: throughput")
@@ -106,15 +119,22 @@ def latency_cdf(doc: dict, out_dir: Path) -> Path | None:
     for r in runs:
         if load_label(r) not in loads:
             loads.append(load_label(r))
-    for ax, (metric, title) in zip(axes.flat, [("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"),
-                                               ("itl_ms", "ITL"), ("e2e_ms", "E2E")]):
+    for ax, (metric, title) in zip(
+        axes.flat, [("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")]
+    ):
         for r in runs:
             vals = np.sort(np.asarray(r["_samples"].get(metric) or [], dtype=float))
             if vals.size == 0:
                 continue
             ys = np.arange(1, vals.size + 1) / vals.size
-            ax.step(vals, ys, where="post", color=colors[_series_key(r)],
-                    linestyle=_STYLES[loads.index(load_label(r)) % len(_STYLES)], label=run_label(r))
+            ax.step(
+                vals,
+                ys,
+                where="post",
+                color=colors[_series_key(r)],
+                linestyle=_STYLES[loads.index(load_label(r)) % len(_STYLES)],
+                label=run_label(r),
+            )
         ax.set_title(f"{title} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples")
@@ -163,8 +183,11 @@ def bubbles(doc: dict, out_dir: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4.5))
     x = np.arange(len(runs))
     w = 0.27
-    for off, key, label in ((-w, "bubble_us_p50", "bubble p50"), (0, "bubble_us_p99", "bubble p99"),
-                            (w, "step_us_p50", "step p50")):
+    for off, key, label in (
+        (-w, "bubble_us_p50", "bubble p50"),
+        (0, "bubble_us_p99", "bubble p99"),
+        (w, "step_us_p50", "step p50"),
+    ):
         ax.bar(x + off, [r.get(key) or 0.0 for r in runs], width=w, label=label)
     ax.set_xticks(x, [run_label(r) for r in runs], rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("microseconds")
@@ -178,7 +201,9 @@ def bubbles(doc: dict, out_dir: Path) -> Path | None:
 def write_all(doc: dict, out_dir: str | Path) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [f(doc, out) for f in (throughput_vs_concurrency, rate_sweep, latency_cdf, cpu_per_1k_tokens, bubbles)]
+    paths = [
+        f(doc, out) for f in (throughput_vs_concurrency, rate_sweep, latency_cdf, cpu_per_1k_tokens, bubbles)
+    ]
     return [str(p) for p in paths if p is not None]
 
 
@@ -187,5 +212,6 @@ def _save(fig, path: Path, tight: bool = True) -> Path:
         fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path

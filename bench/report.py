@@ -9,6 +9,7 @@ request_rate (null in the closed loop), completed, failed, output_tokens_per_s, 
 tpot_ms, itl_ms, e2e_ms (each {mean, p50, p90, p99}) and cpu_s_per_1k_tokens; see
 make_run_entry for the rest.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -29,12 +30,26 @@ LOADGEN_WARN_FRACTION = 0.8  # of one core over the run's wall time
 
 # ---------------------------------------------------------------- run entries
 
-def make_run_entry(*, scheduler: str, device: str, model: str, load: Load, result: RunResult,
-                   burstiness: float | None, busy: dict | None = None, backend: dict | None = None) -> dict:
+
+def make_run_entry(
+    *,
+    scheduler: str,
+    device: str,
+    model: str,
+    load: Load,
+    result: RunResult,
+    burstiness: float | None,
+    busy: dict | None = None,
+    backend: dict | None = None,
+) -> dict:
     m = run_metrics(result.records)
     cpu = cpu_deltas(result.stats_before, result.stats_after)
     dev = device_deltas(result.stats_before, result.stats_after)
-    frac = (result.loadgen_cpu_s / result.wall_s) if result.loadgen_cpu_s is not None and result.wall_s > 0 else None
+    frac = (
+        (result.loadgen_cpu_s / result.wall_s)
+        if result.loadgen_cpu_s is not None and result.wall_s > 0
+        else None
+    )
     entry = {
         "scheduler": scheduler,
         "device": device,
@@ -69,7 +84,11 @@ def make_run_entry(*, scheduler: str, device: str, model: str, load: Load, resul
 def load_label(run: dict) -> str:
     if run.get("concurrency") is not None:
         return f"c={run['concurrency']}"
-    return f"rate={run['request_rate']}/s" if isinstance(run.get("request_rate"), str) else f"rate={run['request_rate']:g}/s"
+    return (
+        f"rate={run['request_rate']}/s"
+        if isinstance(run.get("request_rate"), str)
+        else f"rate={run['request_rate']:g}/s"
+    )
 
 
 def run_label(run: dict) -> str:
@@ -81,8 +100,10 @@ def loadgen_warnings(runs: list[dict]) -> list[str]:
     out = []
     for r in runs:
         if r.get("loadgen_cpu_frac") is not None and r["loadgen_cpu_frac"] >= LOADGEN_WARN_FRACTION:
-            out.append(f"warning: {run_label(r)}: the load generator used {100 * r['loadgen_cpu_frac']:.0f}% "
-                       f"of a core over the run; it may have limited the results")
+            out.append(
+                f"warning: {run_label(r)}: the load generator used {100 * r['loadgen_cpu_frac']:.0f}% "
+                f"of a core over the run; it may have limited the results"
+            )
         lag = (r.get("send_lag_ms") or {}).get("p99")
         if lag is not None and lag > 10.0:
             out.append(f"warning: {run_label(r)}: open-loop sends lagged their schedule (p99 {lag:.1f} ms)")
@@ -91,7 +112,11 @@ def loadgen_warnings(runs: list[dict]) -> list[str]:
 
 def degradation(runs: list[dict]) -> list[dict]:
     """Each run under CPU interference against the same scheduler and load without it."""
-    base = {(r["scheduler"], r["concurrency"], r["request_rate"]): r for r in runs if not r.get("cpu_interference")}
+    base = {
+        (r["scheduler"], r["concurrency"], r["request_rate"]): r
+        for r in runs
+        if not r.get("cpu_interference")
+    }
     out = []
     for r in runs:
         if not r.get("cpu_interference"):
@@ -104,25 +129,35 @@ def degradation(runs: list[dict]) -> list[dict]:
             return (a / c) if a is not None and c not in (None, 0) else None
 
         tput = ratio(r["output_tokens_per_s"], b["output_tokens_per_s"])
-        out.append({
-            "scheduler": r["scheduler"], "concurrency": r["concurrency"], "request_rate": r["request_rate"],
-            "cpu_interference": r["cpu_interference"],
-            "output_tokens_per_s": [b["output_tokens_per_s"], r["output_tokens_per_s"]],
-            "throughput_ratio": tput,
-            "throughput_drop_pct": (100.0 * (1.0 - tput)) if tput is not None else None,
-            **{f"{k}_{p}_ratio": ratio(r[k][p], b[k][p])
-               for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") for p in ("p50", "p99")},
-            "cpu_s_per_1k_tokens_ratio": ratio(r["cpu_s_per_1k_tokens"], b["cpu_s_per_1k_tokens"]),
-        })
+        out.append(
+            {
+                "scheduler": r["scheduler"],
+                "concurrency": r["concurrency"],
+                "request_rate": r["request_rate"],
+                "cpu_interference": r["cpu_interference"],
+                "output_tokens_per_s": [b["output_tokens_per_s"], r["output_tokens_per_s"]],
+                "throughput_ratio": tput,
+                "throughput_drop_pct": (100.0 * (1.0 - tput)) if tput is not None else None,
+                **{
+                    f"{k}_{p}_ratio": ratio(r[k][p], b[k][p])
+                    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+                    for p in ("p50", "p99")
+                },
+                "cpu_s_per_1k_tokens_ratio": ratio(r["cpu_s_per_1k_tokens"], b["cpu_s_per_1k_tokens"]),
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- environment
 
+
 def git_commit(repo: str | os.PathLike | None = None) -> dict:
     repo = repo or Path(__file__).resolve().parent.parent
+
     def git(*a):
         return subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, timeout=10)
+
     try:
         head = git("rev-parse", "HEAD")
         if head.returncode != 0:
@@ -134,16 +169,22 @@ def git_commit(repo: str | os.PathLike | None = None) -> dict:
 
 
 def environment() -> dict:
-    env = {"git": git_commit(), "python": platform.python_version(), "platform": platform.platform(),
-           "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
-           "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    env = {
+        "git": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
     try:
         import torch
+
         env["torch"] = torch.__version__
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name(0)
             env["cuda"] = torch.version.cuda
-    except Exception:  # noqa: BLE001 - the report works without torch
+    except Exception:
         pass
     return env
 
@@ -161,8 +202,10 @@ def _cpu_model() -> str | None:
 
 # ---------------------------------------------------------------- the document
 
-def build_document(*, command: list[str], settings: dict, model: str, device: str, runs: list[dict],
-                   notes: list[str]) -> dict:
+
+def build_document(
+    *, command: list[str], settings: dict, model: str, device: str, runs: list[dict], notes: list[str]
+) -> dict:
     env = environment()
     for r in runs:
         r.setdefault("git_commit", (env.get("git") or {}).get("commit"))
@@ -204,6 +247,7 @@ def _finite_or_str(x):
 
 # ---------------------------------------------------------------- tables
 
+
 def _loadavg(v) -> str:
     return "?" if not v else "/".join(f"{x:.2f}" for x in v)
 
@@ -214,23 +258,42 @@ def _f(x, fmt="{:.1f}") -> str:
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
     has_bubbles = any(r.get("bubble_us_p50") is not None for r in runs)
-    head = ["scheduler", "load", "busy", "ok/fail", "req/s", "out tok/s", "TTFT p50/p99 ms",
-            "queue p50/p99 ms", "TPOT p50/p99 ms", "ITL p99 ms", "E2E p50/p99 ms", "CPU s/1k tok", "loadgen CPU"]
+    head = [
+        "scheduler",
+        "load",
+        "busy",
+        "ok/fail",
+        "req/s",
+        "out tok/s",
+        "TTFT p50/p99 ms",
+        "queue p50/p99 ms",
+        "TPOT p50/p99 ms",
+        "ITL p99 ms",
+        "E2E p50/p99 ms",
+        "CPU s/1k tok",
+        "loadgen CPU",
+    ]
     if has_bubbles:
         head += ["bubble p50/p99 us", "step p50 us"]
     rows = []
     for r in runs:
-        row = [r["scheduler"], load_label(r), str(r.get("cpu_interference") or 0),
-               f"{r['completed']}/{r['failed']}", _f(r["request_throughput"], "{:.2f}"),
-               _f(r["output_tokens_per_s"], "{:.0f}"),
-               f"{_f(r['ttft_ms']['p50'])}/{_f(r['ttft_ms']['p99'])}",
-               f"{_f((r.get('queue_ms') or {}).get('p50'))}/{_f((r.get('queue_ms') or {}).get('p99'))}",
-               f"{_f(r['tpot_ms']['p50'], '{:.2f}')}/{_f(r['tpot_ms']['p99'], '{:.2f}')}",
-               _f(r["itl_ms"]["p99"], "{:.2f}"),
-               f"{_f(r['e2e_ms']['p50'], '{:.0f}')}/{_f(r['e2e_ms']['p99'], '{:.0f}')}",
-               _f(r["cpu_s_per_1k_tokens"], "{:.3f}"),
-               "-" if r.get("loadgen_cpu_frac") is None else
-               f"{r['loadgen_cpu_s']:.2f}s {100 * r['loadgen_cpu_frac']:.0f}%"]
+        row = [
+            r["scheduler"],
+            load_label(r),
+            str(r.get("cpu_interference") or 0),
+            f"{r['completed']}/{r['failed']}",
+            _f(r["request_throughput"], "{:.2f}"),
+            _f(r["output_tokens_per_s"], "{:.0f}"),
+            f"{_f(r['ttft_ms']['p50'])}/{_f(r['ttft_ms']['p99'])}",
+            f"{_f((r.get('queue_ms') or {}).get('p50'))}/{_f((r.get('queue_ms') or {}).get('p99'))}",
+            f"{_f(r['tpot_ms']['p50'], '{:.2f}')}/{_f(r['tpot_ms']['p99'], '{:.2f}')}",
+            _f(r["itl_ms"]["p99"], "{:.2f}"),
+            f"{_f(r['e2e_ms']['p50'], '{:.0f}')}/{_f(r['e2e_ms']['p99'], '{:.0f}')}",
+            _f(r["cpu_s_per_1k_tokens"], "{:.3f}"),
+            "-"
+            if r.get("loadgen_cpu_frac") is None
+            else f"{r['loadgen_cpu_s']:.2f}s {100 * r['loadgen_cpu_frac']:.0f}%",
+        ]
         if has_bubbles:
             row += [f"{_f(r.get('bubble_us_p50'))}/{_f(r.get('bubble_us_p99'))}", _f(r.get("step_us_p50"))]
         rows.append(row)
@@ -240,10 +303,11 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
 def format_table(runs: list[dict]) -> str:
     head, rows = table_rows(runs)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-              for row in rows]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += [
+        "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     return "\n".join(lines)
 
 
@@ -253,56 +317,69 @@ def format_degradation(rows: list[dict]) -> str:
     lines = ["degradation under CPU interference (with / without):"]
     for d in rows:
         load = load_label(d)
-        lines.append(f"  {d['scheduler']:<7} {load:<12} +{d['cpu_interference']} busy: "
-                     f"throughput x{_f(d['throughput_ratio'], '{:.2f}')}, "
-                     f"TTFT p99 x{_f(d['ttft_ms_p99_ratio'], '{:.2f}')}, "
-                     f"TPOT p50 x{_f(d['tpot_ms_p50_ratio'], '{:.2f}')}, "
-                     f"TPOT p99 x{_f(d['tpot_ms_p99_ratio'], '{:.2f}')}, "
-                     f"CPU/1k x{_f(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')}")
+        lines.append(
+            f"  {d['scheduler']:<7} {load:<12} +{d['cpu_interference']} busy: "
+            f"throughput x{_f(d['throughput_ratio'], '{:.2f}')}, "
+            f"TTFT p99 x{_f(d['ttft_ms_p99_ratio'], '{:.2f}')}, "
+            f"TPOT p50 x{_f(d['tpot_ms_p50_ratio'], '{:.2f}')}, "
+            f"TPOT p99 x{_f(d['tpot_ms_p99_ratio'], '{:.2f}')}, "
+            f"CPU/1k x{_f(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')}"
+        )
     return "\n".join(lines)
 
 
 def markdown_summary(doc: dict, plots: list[str]) -> str:
     s, env = doc["settings"], doc["environment"]
     git = env.get("git") or {}
-    out = [f"# ringleader bench: {doc['model']} on {doc['device']}", "",
-           f"- created: {doc['created']}",
-           f"- command: `{' '.join(['ringleader', 'bench', *doc['command']])}`",
-           f"- git commit: `{git.get('commit')}`" + (" (uncommitted changes)" if git.get("dirty") else ""),
-           f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs)"
-           + (f", GPU {env['gpu']}" if env.get("gpu") else "")
-           + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
-           f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
-           f"- workload: {s.get('requests')} requests per run, input {s.get('input_len')}, "
-           f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
-           f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
-           ""]
+    out = [
+        f"# ringleader bench: {doc['model']} on {doc['device']}",
+        "",
+        f"- created: {doc['created']}",
+        f"- command: `{' '.join(['ringleader', 'bench', *doc['command']])}`",
+        f"- git commit: `{git.get('commit')}`" + (" (uncommitted changes)" if git.get("dirty") else ""),
+        f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs)"
+        + (f", GPU {env['gpu']}" if env.get("gpu") else "")
+        + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
+        f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
+        f"- workload: {s.get('requests')} requests per run, input {s.get('input_len')}, "
+        f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
+        f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
+        "",
+    ]
     head, rows = table_rows(doc["runs"])
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     out.append("")
     deg = doc.get("degradation") or []
     if deg:
-        out += ["## Degradation under CPU interference", "",
-                "| scheduler | load | busy | out tok/s without -> with | throughput | TTFT p99 | TPOT p50 | TPOT p99 | CPU/1k |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "## Degradation under CPU interference",
+            "",
+            "| scheduler | load | busy | out tok/s without -> with | throughput | TTFT p99 | TPOT p50 | TPOT p99 | CPU/1k |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for d in deg:
             load = load_label(d)
             a, b = d["output_tokens_per_s"]
-            out.append(f"| {d['scheduler']} | {load} | {d['cpu_interference']} | {_f(a, '{:.0f}')} -> {_f(b, '{:.0f}')} "
-                       f"| x{_f(d['throughput_ratio'], '{:.2f}')} | x{_f(d['ttft_ms_p99_ratio'], '{:.2f}')} "
-                       f"| x{_f(d['tpot_ms_p50_ratio'], '{:.2f}')} | x{_f(d['tpot_ms_p99_ratio'], '{:.2f}')} "
-                       f"| x{_f(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')} |")
+            out.append(
+                f"| {d['scheduler']} | {load} | {d['cpu_interference']} | {_f(a, '{:.0f}')} -> {_f(b, '{:.0f}')} "
+                f"| x{_f(d['throughput_ratio'], '{:.2f}')} | x{_f(d['ttft_ms_p99_ratio'], '{:.2f}')} "
+                f"| x{_f(d['tpot_ms_p50_ratio'], '{:.2f}')} | x{_f(d['tpot_ms_p99_ratio'], '{:.2f}')} "
+                f"| x{_f(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')} |"
+            )
         out.append("")
-    out += ["## How to read it", "",
-            "- TTFT includes queueing for a batch slot and prefill; queue is the server's `done.timing."
-            "queue_ms` (host ring wait + device pending-queue wait); `decode_ms` in the JSON is E2E - TTFT.",
-            "- ITL: a token message carrying k tokens counts as one gap and k-1 zero gaps.",
-            "- CPU s/1k tok: the server process's CPU-seconds (all threads) per 1000 output tokens, from "
-            "`process_cpu_s` in its `stats` before and after the run; per-thread figures are in the JSON. "
-            "On the CPU backend this includes the model's compute.",
-            "- loadgen CPU: CPU-seconds of the benchmark process during the run, and that as a share of one core.",
-            ""]
+    out += [
+        "## How to read it",
+        "",
+        "- TTFT includes queueing for a batch slot and prefill; queue is the server's `done.timing."
+        "queue_ms` (host ring wait + device pending-queue wait); `decode_ms` in the JSON is E2E - TTFT.",
+        "- ITL: a token message carrying k tokens counts as one gap and k-1 zero gaps.",
+        "- CPU s/1k tok: the server process's CPU-seconds (all threads) per 1000 output tokens, from "
+        "`process_cpu_s` in its `stats` before and after the run; per-thread figures are in the JSON. "
+        "On the CPU backend this includes the model's compute.",
+        "- loadgen CPU: CPU-seconds of the benchmark process during the run, and that as a share of one core.",
+        "",
+    ]
     if doc.get("notes"):
         out += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
     if plots:

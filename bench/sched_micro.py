@@ -29,6 +29,7 @@ also holds "before": the document of REV measured in a temporary git worktree wi
 --whole-step (mode "whole-step": CpuScheduler.step() timed as "critical", since before the split
 all of it sat between two model steps; overlapped null; host accesses null, not counted then).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,28 +51,62 @@ import numpy as np
 if __package__ in (None, ""):  # `python bench/sched_micro.py`: this tree's packages come first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from device.backends.host_memory import HostMemory  # noqa: E402
+from device.backends.host_memory import HostMemory
+
 # Only names the pre-split tree has too at module level: --before runs this file there.
-from device.sched import build  # noqa: E402
-from ipc import layout  # noqa: E402
-from ipc.rings import RingConfig  # noqa: E402
-from tests.sched_driver import scheduler, token_for  # noqa: E402  (the stand-in model)
+from device.sched import build
+from ipc import layout
+from ipc.rings import RingConfig
+from tests.sched_driver import scheduler, token_for
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _shared(enum: str, member: str) -> int:
+    """A layout enum value; --before may run this file in a tree from before the typed enums,
+    whose layout had RL_<PREFIX>_<MEMBER> globals instead."""
+    if hasattr(layout, enum):
+        return int(getattr(getattr(layout, enum), member))
+    return int(getattr(layout, _OLD_PREFIX[enum] + member))
+
+
+_OLD_PREFIX = {
+    "StepStatus": "RL_STEP_",
+    "EventKind": "RL_EV_",
+    "Finish": "RL_FINISH_",
+    "InitError": "RL_ERR_",
+    "SlotState": "RL_SLOT_",
+    "SqFlag": "RL_FLAG_",
+}
+STEP_RUN, STEP_IDLE, STEP_SHUTDOWN = (_shared("StepStatus", m) for m in ("RUN", "IDLE", "SHUTDOWN"))
+EV_TOKEN = _shared("EventKind", "TOKEN")
+FINISH_LENGTH, FINISH_ABORT = _shared("Finish", "LENGTH"), _shared("Finish", "ABORT")
+INIT_OK = _shared("InitError", "NONE")
+SLOT_DECODE = _shared("SlotState", "DECODE")
+IGNORE_EOS = _shared("SqFlag", "IGNORE_EOS")
 SCENARIOS = ("decode-only", "mixed-prefill", "admission-heavy", "abort-storm")
 SIZES = (1, 32, 256)
 LONG = 1 << 20  # max_tokens of requests that should outlive the run
 VOCAB = 1000
 
+
 def ring_config(n_slots: int) -> RingConfig:
-    return RingConfig(n_slots=n_slots, max_ctx=1 << 24, token_budget=max(n_slots, 256),
-                      sq_size=1024, cq_size=8192, arena_size=1 << 20, pending_cap=1024)
+    return RingConfig(
+        n_slots=n_slots,
+        max_ctx=1 << 24,
+        token_budget=max(n_slots, 256),
+        sq_size=1024,
+        cq_size=8192,
+        arena_size=1 << 20,
+        pending_cap=1024,
+    )
 
 
 @dataclass(frozen=True)
 class Kind:
     """Requests the host keeps live (submitted, no DONE yet): `target` of them, or None to keep
     the SQ full."""
+
     target: int | None
     prompt_len: tuple[int, int]  # inclusive range
     max_tokens: tuple[int, int]
@@ -83,8 +118,10 @@ def workload(name: str, n_slots: int, budget: int) -> tuple[tuple[Kind, ...], fl
         return (Kind(n_slots, (16, 16), (LONG, LONG)),), 0.0
     if name == "mixed-prefill":  # decoders first, so FIFO admission gives them their half
         n_dec = n_slots // 2
-        return (Kind(n_dec, (16, 16), (LONG, LONG)),
-                Kind(n_slots - n_dec + 4, (2 * budget, 2 * budget), (1, 1))), 0.0
+        return (
+            Kind(n_dec, (16, 16), (LONG, LONG)),
+            Kind(n_slots - n_dec + 4, (2 * budget, 2 * budget), (1, 1)),
+        ), 0.0
     if name == "admission-heavy":
         return (Kind(None, (4, 16), (1, 2)),), 0.0
     if name == "abort-storm":
@@ -113,8 +150,16 @@ class Harness:
     """One scenario on real host memory and the real scheduler; the host side is deterministic
     (seeded), so two harnesses with the same arguments run in lockstep."""
 
-    def __init__(self, scenario: str, n_slots: int, *, seed: int = 0, whole_step: bool = False,
-                 null_host_critical: bool = False, record_layouts: bool = False):
+    def __init__(
+        self,
+        scenario: str,
+        n_slots: int,
+        *,
+        seed: int = 0,
+        whole_step: bool = False,
+        null_host_critical: bool = False,
+        record_layouts: bool = False,
+    ):
         self.scenario, self.n_slots = scenario, n_slots
         self.cfg = ring_config(n_slots)
         self.kinds, self.abort_share = workload(scenario, n_slots, self.cfg.token_budget)
@@ -132,7 +177,7 @@ class Harness:
         self.submitting = True
         self.errors: list[str] = []
         self.layouts: list[dict] | None = [] if record_layouts else None
-        assert self.sched.init(self.ctx) == layout.RL_ERR_NONE
+        assert self.sched.init(self.ctx) == INIT_OK
         self.top_up()
 
     # ---- the scheduler's side
@@ -140,20 +185,28 @@ class Harness:
         """One step; returns its sample (ns and host accesses per phase, passes, events)."""
         self.rings.submissions.publish()
         self.rings.aborts.publish()
-        s = {"critical_ns": 0, "overlapped_ns": 0, "exposed_ns": 0, "passes": 0, "built": False,
-             "events": 0, "critical": np.zeros(5, np.int64), "overlapped": np.zeros(5, np.int64)}
+        s = {
+            "critical_ns": 0,
+            "overlapped_ns": 0,
+            "exposed_ns": 0,
+            "passes": 0,
+            "built": False,
+            "events": 0,
+            "critical": np.zeros(5, np.int64),
+            "overlapped": np.zeros(5, np.int64),
+        }
         if self.whole_step:  # before the split: the whole of sched_step sat between model steps
             t0 = time.perf_counter_ns()
             status = self.sched.step(self.ctx)
             s["critical_ns"] = s["exposed_ns"] = time.perf_counter_ns() - t0
-            s["passes"], s["built"], s["idle"] = 1, status == layout.RL_STEP_RUN, status == layout.RL_STEP_IDLE
+            s["passes"], s["built"], s["idle"] = 1, status == STEP_RUN, status == STEP_IDLE
             if s["built"]:
                 self.model_step()
         else:
             while True:
                 self.sched.reset_host_accesses()
                 t0 = time.perf_counter_ns()
-                built = self.sched.critical(self.critical_ctx) == layout.RL_STEP_RUN
+                built = self.sched.critical(self.critical_ctx) == STEP_RUN
                 t1 = time.perf_counter_ns()
                 s["critical"] += self._accesses()
                 if built:
@@ -169,10 +222,10 @@ class Harness:
                 s["overlapped_ns"] += t3 - t2
                 s["exposed_ns"] += (t1 - t0) + (0 if built else t3 - t2)  # nothing to hide behind
                 s["passes"] += 1
-                if following == layout.RL_STEP_SHUTDOWN:
+                if following == STEP_SHUTDOWN:
                     raise RuntimeError("the scheduler shut down")
-                if built or following == layout.RL_STEP_IDLE or s["passes"] >= 64:  # 64: a livelock guard
-                    s["built"], s["idle"] = built, following == layout.RL_STEP_IDLE
+                if built or following == STEP_IDLE or s["passes"] >= 64:  # 64: a livelock guard
+                    s["built"], s["idle"] = built, following == STEP_IDLE
                     break
                 # the host's CQ reader runs beside the scheduler: passes that build nothing can
                 # emit more than the CQ holds (the SQ's aborted entries, pending_cap per pass)
@@ -197,12 +250,26 @@ class Harness:
     def snapshot_layout(self) -> dict:
         h = self.a["step"][0]
         out = {k: int(h[k]) for k in ("n_tokens", "bucket", "n_segments", "n_samples", "n_decode", "seq")}
-        for name, n in (("token_ids", out["bucket"]), ("positions", out["bucket"]),
-                        ("slot_of", out["bucket"]), ("seg_slot", out["n_segments"]),
-                        ("seg_row_start", out["n_segments"]), ("seg_n_rows", out["n_segments"]),
-                        *((name, out["n_samples"]) for name in (
-                            "sample_row", "sample_slot", "sample_temperature", "sample_top_p",
-                            "sample_top_k", "sample_seed", "sample_counter"))):
+        for name, n in (
+            ("token_ids", out["bucket"]),
+            ("positions", out["bucket"]),
+            ("slot_of", out["bucket"]),
+            ("seg_slot", out["n_segments"]),
+            ("seg_row_start", out["n_segments"]),
+            ("seg_n_rows", out["n_segments"]),
+            *(
+                (name, out["n_samples"])
+                for name in (
+                    "sample_row",
+                    "sample_slot",
+                    "sample_temperature",
+                    "sample_top_p",
+                    "sample_top_k",
+                    "sample_seed",
+                    "sample_counter",
+                )
+            ),
+        ):
             out[name] = self.a[name][:n].copy()
         return out
 
@@ -210,8 +277,9 @@ class Harness:
     def read_events(self) -> int:
         events = self.rings.completions.take()
         for e in events:
-            self.on_event(int(e["handle"]), int(e["kind"]), int(e["token"]), int(e["index"]),
-                          int(e["finish_reason"]))
+            self.on_event(
+                int(e["handle"]), int(e["kind"]), int(e["token"]), int(e["index"]), int(e["finish_reason"])
+            )
         return len(events)
 
     def on_event(self, handle, kind, token, index, reason) -> None:
@@ -219,19 +287,22 @@ class Harness:
         if r is None:  # handles are never reused: after its DONE, or never submitted
             self.errors.append(f"event {kind} for handle {handle}, which is not live")
             return
-        if kind == layout.RL_EV_TOKEN:
+        if kind == EV_TOKEN:
             if index != r.n_tokens or token != token_for(handle, index):
-                self.errors.append(f"handle {handle}: token {token} at {index}, expected "
-                                   f"{token_for(handle, r.n_tokens)} at {r.n_tokens}")
+                self.errors.append(
+                    f"handle {handle}: token {token} at {index}, expected "
+                    f"{token_for(handle, r.n_tokens)} at {r.n_tokens}"
+                )
             if r.n_tokens == 0:
                 self.rings.arena.release(r.arena_off)
             r.n_tokens += 1
             return
-        ok = {layout.RL_FINISH_LENGTH: r.n_tokens == r.max_tokens,
-              layout.RL_FINISH_ABORT: r.aborted}.get(reason, False)
+        ok = {FINISH_LENGTH: r.n_tokens == r.max_tokens, FINISH_ABORT: r.aborted}.get(reason, False)
         if not ok or index != r.n_tokens:
-            self.errors.append(f"handle {handle}: DONE {reason} after {r.n_tokens} tokens "
-                               f"(index {index}, max {r.max_tokens}, aborted {r.aborted})")
+            self.errors.append(
+                f"handle {handle}: DONE {reason} after {r.n_tokens} tokens "
+                f"(index {index}, max {r.max_tokens}, aborted {r.aborted})"
+            )
         if r.n_tokens == 0:
             self.rings.arena.release(r.arena_off)
         del self.live[handle]
@@ -246,10 +317,11 @@ class Harness:
                 if sq.free_entries() < 1 or not self.rings.arena.can_allocate(n):
                     break
                 start = self.next_handle % (len(self.pool) - n)
-                off = self.rings.arena.allocate(self.pool[start:start + n])
+                off = self.rings.arena.allocate(self.pool[start : start + n])
                 max_tokens = int(self.rng.integers(kind.max_tokens[0], kind.max_tokens[1] + 1))
-                pos = sq.push(self.next_handle, prompt_off=off, prompt_len=n, max_tokens=max_tokens,
-                              flags=layout.RL_FLAG_IGNORE_EOS)
+                pos = sq.push(
+                    self.next_handle, prompt_off=off, prompt_len=n, max_tokens=max_tokens, flags=IGNORE_EOS
+                )
                 self.live[self.next_handle] = Request(k, off, pos, max_tokens)
                 self.live_by_kind[k] += 1
                 self.next_handle += 1
@@ -273,7 +345,7 @@ class Harness:
             self.step()
         if self.scenario == "decode-only":  # measure decoding only: every prefill done
             for _ in range(1000):
-                if (self.a["slots"]["state"] == layout.RL_SLOT_DECODE).all():
+                if (self.a["slots"]["state"] == SLOT_DECODE).all():
                     break
                 self.step()
             else:
@@ -297,14 +369,17 @@ class Harness:
 
 # ---------------------------------------------------------------- measuring
 
+
 def _stats(ns: np.ndarray) -> dict:
     us = ns / 1000.0
-    return {"us_per_step": float(np.percentile(us, 50)), "us_p99": float(np.percentile(us, 99)),
-            "us_mean": float(us.mean())}
+    return {
+        "us_per_step": float(np.percentile(us, 50)),
+        "us_p99": float(np.percentile(us, 99)),
+        "us_mean": float(us.mean()),
+    }
 
 
-def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step: bool,
-            seed: int = 0) -> dict:
+def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step: bool, seed: int = 0) -> dict:
     h = Harness(scenario, n_slots, seed=seed, whole_step=whole_step)
     h.warm_up(warmup)
     gc.collect()
@@ -314,11 +389,17 @@ def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step:
     finally:
         gc.enable()
     h.check()
-    out = {"name": scenario, "n_slots": n_slots, "token_budget": h.cfg.token_budget,
-           "steps": steps, "built_steps": sum(s["built"] for s in samples),
-           "passes_per_step": float(np.mean([s["passes"] for s in samples])),
-           "events_per_step": float(np.mean([s["events"] for s in samples])),
-           "requests_finished": h.finished, "phases": {}}
+    out = {
+        "name": scenario,
+        "n_slots": n_slots,
+        "token_budget": h.cfg.token_budget,
+        "steps": steps,
+        "built_steps": sum(s["built"] for s in samples),
+        "passes_per_step": float(np.mean([s["passes"] for s in samples])),
+        "events_per_step": float(np.mean([s["events"] for s in samples])),
+        "requests_finished": h.finished,
+        "phases": {},
+    }
     for phase in ("critical", "overlapped"):
         if whole_step and phase == "overlapped":
             out["phases"][phase] = None
@@ -346,31 +427,47 @@ def machine() -> dict:
     def git(*args):
         r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
         return r.stdout.strip() if r.returncode == 0 else None
+
     cxx = shutil.which(os.environ.get("CXX") or "g++")
     lib, calls = scheduler()._lib, []
     for _ in range(5000):  # a call that does nothing, timed as the phases are: the floor under them
         t0 = time.perf_counter_ns()
         lib.rl_layout_fingerprint()
         calls.append(time.perf_counter_ns() - t0)
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__,
-            "compiler": subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0] if cxx else None,
-            "git_rev": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "source_root": str(Path(sys.modules[build.__name__].__file__).resolve().parents[2]),
-            "ctypes_call_us": float(np.median(calls)) / 1000.0}
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "compiler": subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, check=False
+        ).stdout.splitlines()[0]
+        if cxx
+        else None,
+        "git_rev": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "source_root": str(Path(sys.modules[build.__name__].__file__).resolve().parents[2]),
+        "ctypes_call_us": float(np.median(calls)) / 1000.0,
+    }
 
 
 def run_all(args, whole_step: bool) -> dict:
     if not whole_step and not hasattr(build.CpuScheduler, "critical"):
         raise SystemExit("this tree's scheduler has no phases: run with --whole-step")
-    doc = {"mode": "whole-step" if whole_step else "split", "steps": args.steps,
-           "warmup": args.warmup, "machine": machine(), "scenarios": []}
+    doc = {
+        "mode": "whole-step" if whole_step else "split",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "machine": machine(),
+        "scenarios": [],
+    }
     for name in args.scenarios:
         for n in args.sizes:
-            doc["scenarios"].append(measure(name, n, steps=args.steps, warmup=args.warmup,
-                                            whole_step=whole_step, seed=args.seed))
+            doc["scenarios"].append(
+                measure(name, n, steps=args.steps, warmup=args.warmup, whole_step=whole_step, seed=args.seed)
+            )
             if not args.quiet:
                 print(f"  measured {name} n_slots={n}", file=sys.stderr, flush=True)
     return doc
@@ -380,15 +477,32 @@ def run_before(rev: str, args) -> dict:
     """This script, with --whole-step, in a temporary detached worktree of `rev`."""
     tmp = Path(tempfile.mkdtemp(prefix="sched_micro_"))
     tree, out = tmp / "tree", tmp / "before.json"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), rev],
-                   check=True)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), rev], check=True
+    )
     try:
         shutil.copy(Path(__file__).resolve(), tree / "bench" / "sched_micro.py")
-        cmd = [sys.executable, str(tree / "bench" / "sched_micro.py"), "--whole-step", "--json", str(out),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-               "--scenarios", ",".join(args.scenarios), "--sizes", ",".join(map(str, args.sizes)), "--quiet"]
-        subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
-                       stdout=subprocess.DEVNULL)  # its table: this run prints both
+        cmd = [
+            sys.executable,
+            str(tree / "bench" / "sched_micro.py"),
+            "--whole-step",
+            "--json",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--seed",
+            str(args.seed),
+            "--scenarios",
+            ",".join(args.scenarios),
+            "--sizes",
+            ",".join(map(str, args.sizes)),
+            "--quiet",
+        ]
+        subprocess.run(
+            cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.DEVNULL
+        )  # its table: this run prints both
         doc = json.loads(out.read_text())
         if Path(doc["machine"]["source_root"]) != tree.resolve():
             raise RuntimeError(f"the --before run imported {doc['machine']['source_root']}, not {tree}")
@@ -400,6 +514,7 @@ def run_before(rev: str, args) -> dict:
 
 
 # ---------------------------------------------------------------- the null-host check
+
 
 def null_host_check(args) -> int:
     """Twin harnesses in lockstep; one runs critical on a context without host-only pointers."""
@@ -415,8 +530,10 @@ def null_host_check(args) -> int:
             blind.check()
             diff = _first_difference(real.layouts, blind.layouts)
             bad += diff is not None
-            print(f"{name:16} n_slots={n:<4} layouts={len(real.layouts):<5} "
-                  + ("ok" if diff is None else f"DIFFER: {diff}"))
+            print(
+                f"{name:16} n_slots={n:<4} layouts={len(real.layouts):<5} "
+                + ("ok" if diff is None else f"DIFFER: {diff}")
+            )
     print("ok" if bad == 0 else f"{bad} runs differ")
     return 0 if bad == 0 else 1
 
@@ -433,12 +550,15 @@ def _first_difference(a: list[dict], b: list[dict]) -> str | None:
 
 # ---------------------------------------------------------------- output
 
+
 def _kinds(st) -> str:
     if not st or st.get("host_accesses_by_kind") is None:
         return "-"
     k = st["host_accesses_by_kind"]
-    return (f"{st['host_accesses_per_step']:.1f} (acq {k['acquire_loads']:.1f} rel {k['release_stores']:.1f} "
-            f"fen {k['system_fences']:.1f} ld {k['loads']:.1f} st {k['stores']:.1f})")
+    return (
+        f"{st['host_accesses_per_step']:.1f} (acq {k['acquire_loads']:.1f} rel {k['release_stores']:.1f} "
+        f"fen {k['system_fences']:.1f} ld {k['loads']:.1f} st {k['stores']:.1f})"
+    )
 
 
 def table(after: dict, before: dict | None) -> str:
@@ -447,7 +567,12 @@ def table(after: dict, before: dict | None) -> str:
     if before:
         head += f"{'before step p50/p99':>20} "
     head += f"{'critical p50/p99':>17} {'overlapped p50/p99':>19} {'exposed p50/p99':>16} {'pass':>4}  host accesses/step: critical | overlapped"
-    lines = [f"us per step ({after['mode']}" + (f"; before = {before.get('rev')}, whole step" if before else "") + ")", head]
+    lines = [
+        f"us per step ({after['mode']}"
+        + (f"; before = {before.get('rev')}, whole step" if before else "")
+        + ")",
+        head,
+    ]
     for s in after["scenarios"]:
         c, o, e = s["phases"]["critical"], s["phases"]["overlapped"], s["exposed"]
         row = f"{s['name']:16} {s['n_slots']:>5} "
@@ -455,10 +580,12 @@ def table(after: dict, before: dict | None) -> str:
             b = old.get((s["name"], s["n_slots"]))
             bc = b["phases"]["critical"] if b else None
             row += f"{bc['us_per_step']:>9.1f}/{bc['us_p99']:<10.1f} " if bc else f"{'-':>20} "
-        row += (f"{c['us_per_step']:>7.1f}/{c['us_p99']:<9.1f} "
-                + (f"{o['us_per_step']:>8.1f}/{o['us_p99']:<10.1f} " if o else f"{'-':>19} ")
-                + f"{e['us_per_step']:>6.1f}/{e['us_p99']:<9.1f} {s['passes_per_step']:>4.2f}  "
-                + f"{_kinds(c)} | {_kinds(o)}")
+        row += (
+            f"{c['us_per_step']:>7.1f}/{c['us_p99']:<9.1f} "
+            + (f"{o['us_per_step']:>8.1f}/{o['us_p99']:<10.1f} " if o else f"{'-':>19} ")
+            + f"{e['us_per_step']:>6.1f}/{e['us_p99']:<9.1f} {s['passes_per_step']:>4.2f}  "
+            + f"{_kinds(c)} | {_kinds(o)}"
+        )
         lines.append(row)
     return "\n".join(lines)
 
@@ -477,8 +604,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--before", metavar="REV", help="also measure the scheduler of git revision REV")
     p.add_argument("--whole-step", action="store_true", help="time CpuScheduler.step (pre-split API)")
-    p.add_argument("--null-host-check", action="store_true",
-                   help="critical on a context without host-shared pointers must build the same layouts")
+    p.add_argument(
+        "--null-host-check",
+        action="store_true",
+        help="critical on a context without host-shared pointers must build the same layouts",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     for name in args.scenarios:

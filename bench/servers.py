@@ -13,6 +13,7 @@ A server is `python -m hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>`
 answers `ping`. It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
 stops any that are left, so no server outlives the benchmark.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,15 +36,16 @@ STOP_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str                      # "server" or "hf"
+    kind: str  # "server" or "hf"
     server_args: tuple[str, ...] = ()
 
 
 @dataclass
 class ServerOptions:
     """Flags of `ringleader serve` shared by every variant of one invocation."""
+
     model: str = "tiny"
-    device: str = "cpu"            # already resolved: cpu or cuda
+    device: str = "cpu"  # already resolved: cpu or cuda
     launch: str | None = None
     slots: int | None = None
     max_ctx: int | None = None
@@ -55,10 +57,15 @@ class ServerOptions:
 
     def args(self) -> list[str]:
         out = ["--model", self.model, "--device", self.device]
-        for flag, value in (("--launch", self.launch), ("--slots", self.slots),
-                            ("--max-ctx", self.max_ctx), ("--token-budget", self.token_budget),
-                            ("--threads", self.threads), ("--seed", self.weights_seed),
-                            ("--max-queue", self.max_queue)):
+        for flag, value in (
+            ("--launch", self.launch),
+            ("--slots", self.slots),
+            ("--max-ctx", self.max_ctx),
+            ("--token-budget", self.token_budget),
+            ("--threads", self.threads),
+            ("--seed", self.weights_seed),
+            ("--max-queue", self.max_queue),
+        ):
             if value is not None:
                 out += [flag, str(value)]
         return out + list(self.extra)
@@ -70,12 +77,15 @@ def resolve_device(device: str) -> str:
         return device
     try:
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 - no usable torch: the CPU is all there is
+    except Exception:
         return "cpu"
 
 
-def plan_variants(names: list[str], device: str, *, hf_on_cpu: bool = False) -> tuple[list[Variant], list[str]]:
+def plan_variants(
+    names: list[str], device: str, *, hf_on_cpu: bool = False
+) -> tuple[list[Variant], list[str]]:
     """The variants that can run on `device`, and a note for each one skipped."""
     variants, notes = [], []
     for name in names:
@@ -85,9 +95,11 @@ def plan_variants(names: list[str], device: str, *, hf_on_cpu: bool = False) -> 
             continue
         if name == "device":
             if device != "cuda":
-                notes.append("skipping 'device': the CPU backend has no device-side scheduler "
-                             "(--scheduler device needs CUDA); its scheduler runs on a host thread, "
-                             "which is the 'host' variant")
+                notes.append(
+                    "skipping 'device': the CPU backend has no device-side scheduler "
+                    "(--scheduler device needs CUDA); its scheduler runs on a host thread, "
+                    "which is the 'host' variant"
+                )
                 continue
             variants.append(Variant("device", "server", ("--scheduler", "device", "--policy", "fifo")))
         elif name == "host":
@@ -97,8 +109,10 @@ def plan_variants(names: list[str], device: str, *, hf_on_cpu: bool = False) -> 
             variants.append(Variant("static", "server", ("--policy", "static")))
         elif name == "hf":
             if device != "cuda" and not hf_on_cpu:
-                notes.append("skipping 'hf': the transformers continuous-batching baseline runs on "
-                             "CUDA only (it is not meaningful on this CPU)")
+                notes.append(
+                    "skipping 'hf': the transformers continuous-batching baseline runs on "
+                    "CUDA only (it is not meaningful on this CPU)"
+                )
                 continue
             variants.append(Variant("hf", "hf"))
     return variants, notes
@@ -114,7 +128,7 @@ class ServerError(RuntimeError):
     pass
 
 
-_live: set["ServerProcess"] = set()
+_live: set[ServerProcess] = set()
 
 
 @atexit.register
@@ -139,23 +153,32 @@ class ServerProcess:
 
     def start(self) -> str:
         self.address = f"tcp://127.0.0.1:{free_port()}"
-        self._log = tempfile.TemporaryFile(mode="w+b", prefix="ringleader-bench-server-")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._log = tempfile.TemporaryFile(mode="w+b", prefix="ringleader-bench-server-")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            self.command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         _live.add(self)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 out = self.output_tail()
                 self.stop()
-                raise ServerError(f"server exited with code {self.proc.returncode} while starting:\n"
-                                  f"$ {' '.join(self.command)}\n{out}")
+                raise ServerError(
+                    f"server exited with code {self.proc.returncode} while starting:\n"
+                    f"$ {' '.join(self.command)}\n{out}"
+                )
             if wait_ready(self.address, timeout=min(1.0, max(0.1, deadline - time.monotonic()))):
                 return self.address
         out = self.output_tail()
         self.stop()
-        raise ServerError(f"server did not answer ping within {self.startup_timeout_s:.0f} s:\n"
-                          f"$ {' '.join(self.command)}\n{out}")
+        raise ServerError(
+            f"server did not answer ping within {self.startup_timeout_s:.0f} s:\n"
+            f"$ {' '.join(self.command)}\n{out}"
+        )
 
     def stats(self) -> dict:
         return read_stats(self.address)
@@ -192,7 +215,7 @@ class ServerProcess:
             self._log = None
         return proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 
@@ -222,12 +245,29 @@ def cpu_deltas(before: dict, after: dict) -> dict:
 
 
 DEVICE_COUNTERS = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls", "cq_stalls")
-DEVICE_TIMINGS = ("bubble_us_p50", "bubble_us_p99", "bubble_gaps", "idle_gaps", "overlap_overruns",
-                  "step_us_p50", "step_us_p99", "device_sched_us_p50", "device_sched_us_p99",
-                  "device_overlap_us_p50", "device_overlap_us_p99", "handoff_us_p50", "launch_us_p50",
-                  "sched_critical_us_p50", "sched_critical_us_p99",
-                  "sched_overlapped_us_p50", "sched_overlapped_us_p99",
-                  "sched_step_us_p50", "sched_step_us_p99", "model_step_us_p50", "model_step_us_p99")
+DEVICE_TIMINGS = (
+    "bubble_us_p50",
+    "bubble_us_p99",
+    "bubble_gaps",
+    "idle_gaps",
+    "overlap_overruns",
+    "step_us_p50",
+    "step_us_p99",
+    "device_sched_us_p50",
+    "device_sched_us_p99",
+    "device_overlap_us_p50",
+    "device_overlap_us_p99",
+    "handoff_us_p50",
+    "launch_us_p50",
+    "sched_critical_us_p50",
+    "sched_critical_us_p99",
+    "sched_overlapped_us_p50",
+    "sched_overlapped_us_p99",
+    "sched_step_us_p50",
+    "sched_step_us_p99",
+    "model_step_us_p50",
+    "model_step_us_p99",
+)
 
 
 def device_deltas(before: dict, after: dict) -> dict:

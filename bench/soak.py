@@ -19,6 +19,7 @@ stops it waits --idle seconds and reads RSS again. The summary has the RSS slope
 requests over the second half of the run (least squares over the interval rows) and the server's
 own books after idle (nothing in flight, accepted == finished).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,10 @@ import zmq.asyncio
 if __package__ in (None, ""):  # `python bench/soak.py` from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.metrics import percentile  # noqa: E402
-from bench.servers import ServerOptions, ServerProcess, resolve_device  # noqa: E402
-from bench.workloads import FIRST_PROMPT_ID, LAST_PROMPT_ID, LENGTH_DISTS, fit_context, sample_lengths  # noqa: E402
-from ipc.client import AsyncClient  # noqa: E402
+from bench.metrics import percentile
+from bench.servers import ServerOptions, ServerProcess, resolve_device
+from bench.workloads import FIRST_PROMPT_ID, LAST_PROMPT_ID, LENGTH_DISTS, fit_context, sample_lengths
+from ipc.client import AsyncClient
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TCK = os.sysconf("SC_CLK_TCK")
@@ -56,7 +57,9 @@ def parse_duration(text: str) -> float:
     try:
         return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"expected a duration like 90, 90s, 10m or 2h, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a duration like 90, 90s, 10m or 2h, got {text!r}"
+        ) from None
 
 
 def proc_rss_mb(pid: int) -> float | None:
@@ -90,15 +93,16 @@ def slope_per_1k(xs: list[float], ys: list[float]) -> float | None:
 
 class Rec:
     """What the soak saw of one request."""
-    __slots__ = ("kind", "send_t", "first_t", "end_t", "tokens", "outcome")
+
+    __slots__ = ("end_t", "first_t", "kind", "outcome", "send_t", "tokens")
 
     def __init__(self, kind: str):
-        self.kind = kind                  # normal, abort or disconnect
+        self.kind = kind  # normal, abort or disconnect
         self.send_t = time.perf_counter()
         self.first_t: float | None = None
         self.end_t: float | None = None
         self.tokens = 0
-        self.outcome = "none"             # finish reason, error:<code>, abandoned, no_done:<why>
+        self.outcome = "none"  # finish reason, error:<code>, abandoned, no_done:<why>
 
 
 class TapClient(AsyncClient):
@@ -114,7 +118,7 @@ class TapClient(AsyncClient):
             obj = msgpack.unpackb(frame, raw=False)
             if obj.get("op") == "done":
                 self.done_frames[obj.get("id")] += 1
-        except Exception:  # noqa: BLE001 - the client's own decoder reports bad frames
+        except Exception:
             pass
         super()._dispatch(frame)
 
@@ -128,7 +132,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.nrng = np.random.default_rng(args.seed)
         self.ctx = zmq.asyncio.Context()
-        self.ended: list[Rec] = []        # ended since the last row
+        self.ended: list[Rec] = []  # ended since the last row
         self.totals: Counter = Counter()  # outcome -> requests, whole run
         self.kinds: Counter = Counter()
         self.duplicate_dones = 0
@@ -149,12 +153,21 @@ class Soak:
 
     def request(self) -> tuple[str, dict]:
         u = self.rng.random()
-        kind = ("disconnect" if u < self.a.disconnect_fraction else
-                "abort" if u < self.a.disconnect_fraction + self.a.abort_fraction else "normal")
+        kind = (
+            "disconnect"
+            if u < self.a.disconnect_fraction
+            else "abort"
+            if u < self.a.disconnect_fraction + self.a.abort_fraction
+            else "normal"
+        )
         n_in, n_out = self.lengths()
-        fields = dict(prompt_ids=[self.rng.randrange(FIRST_PROMPT_ID, LAST_PROMPT_ID) for _ in range(n_in)],
-                      max_tokens=n_out, ignore_eos=self.a.ignore_eos, temperature=self.a.temperature,
-                      seed=self.rng.randrange(1 << 63))
+        fields = dict(
+            prompt_ids=[self.rng.randrange(FIRST_PROMPT_ID, LAST_PROMPT_ID) for _ in range(n_in)],
+            max_tokens=n_out,
+            ignore_eos=self.a.ignore_eos,
+            temperature=self.a.temperature,
+            seed=self.rng.randrange(1 << 63),
+        )
         return kind, fields
 
     def end(self, rec: Rec, outcome: str) -> None:
@@ -242,7 +255,7 @@ class Soak:
     async def server_stats(self, ctl: AsyncClient) -> dict:
         try:
             return await ctl.stats(timeout=15.0)
-        except Exception as exc:  # noqa: BLE001 - a row without stats says so
+        except Exception as exc:
             return {"error": repr(exc)}
 
     def rss(self, stats: dict) -> float | None:
@@ -268,17 +281,26 @@ class Soak:
         d_tok = out_tok - prev["out_tok"] if out_tok is not None and prev.get("out_tok") is not None else None
         lg = self_cpu_s()
         row = {
-            "t_s": round(time.monotonic() - t0, 2), "phase": phase, "rss_mb": self.rss(stats),
-            "requests_sent": self.sent, "requests_ended": self.n_ended, "ended_in_interval": len(recs),
-            "client_tokens": self.tokens, "server_output_tokens": out_tok,
-            "server_cpu_s": cpu, "server_cpu_s_interval": d_cpu,
+            "t_s": round(time.monotonic() - t0, 2),
+            "phase": phase,
+            "rss_mb": self.rss(stats),
+            "requests_sent": self.sent,
+            "requests_ended": self.n_ended,
+            "ended_in_interval": len(recs),
+            "client_tokens": self.tokens,
+            "server_output_tokens": out_tok,
+            "server_cpu_s": cpu,
+            "server_cpu_s_interval": d_cpu,
             "cpu_s_per_1k_tokens": d_cpu / (d_tok / 1000) if d_cpu is not None and d_tok else None,
             "thread_cpu_s": stats.get("thread_cpu_s"),
             "loadgen_cpu_s_interval": lg - prev.get("lg", lg),
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-            "e2e_ms_p50": percentile(e2e, 50), "e2e_ms_p99": percentile(e2e, 99),
+            "ttft_ms_p50": percentile(ttft, 50),
+            "ttft_ms_p99": percentile(ttft, 99),
+            "e2e_ms_p50": percentile(e2e, 50),
+            "e2e_ms_p99": percentile(e2e, 99),
             "outcomes": dict(Counter(r.outcome for r in recs)),
-            "in_flight": stats.get("in_flight"), "host_queue": stats.get("host_queue"),
+            "in_flight": stats.get("in_flight"),
+            "host_queue": stats.get("host_queue"),
             "arena_used": stats.get("arena_used"),
         }
         if "error" in stats:
@@ -291,11 +313,14 @@ class Soak:
     @staticmethod
     def print_row(r: dict) -> None:
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{r['t_s']:8.1f} {r['phase']:<5} rss {f(r['rss_mb'], '7.1f')} MB  ended {r['requests_ended']:7d}"
-              f" (+{r['ended_in_interval']:5d})  cpu/1k tok {f(r['cpu_s_per_1k_tokens'], '6.3f')} s"
-              f"  ttft p50/p99 {f(r['ttft_ms_p50'], '6.1f')}/{f(r['ttft_ms_p99'], '6.1f')} ms"
-              f"  e2e p50/p99 {f(r['e2e_ms_p50'], '7.1f')}/{f(r['e2e_ms_p99'], '7.1f')} ms"
-              f"  lg cpu {r['loadgen_cpu_s_interval']:.1f} s  {r['outcomes']}", flush=True)
+        print(
+            f"{r['t_s']:8.1f} {r['phase']:<5} rss {f(r['rss_mb'], '7.1f')} MB  ended {r['requests_ended']:7d}"
+            f" (+{r['ended_in_interval']:5d})  cpu/1k tok {f(r['cpu_s_per_1k_tokens'], '6.3f')} s"
+            f"  ttft p50/p99 {f(r['ttft_ms_p50'], '6.1f')}/{f(r['ttft_ms_p99'], '6.1f')} ms"
+            f"  e2e p50/p99 {f(r['e2e_ms_p50'], '7.1f')}/{f(r['e2e_ms_p99'], '7.1f')} ms"
+            f"  lg cpu {r['loadgen_cpu_s_interval']:.1f} s  {r['outcomes']}",
+            flush=True,
+        )
 
     async def run(self) -> dict:
         a = self.a
@@ -328,7 +353,9 @@ class Soak:
         return self.summary(stats0, load_end, idle_stats)
 
     def summary(self, stats0: dict, load_end: dict, idle: dict) -> dict:
-        load_rows = [r for r in self.rows if r["phase"] in ("start", "load", "drain") and r["rss_mb"] is not None]
+        load_rows = [
+            r for r in self.rows if r["phase"] in ("start", "load", "drain") and r["rss_mb"] is not None
+        ]
         half = [r for r in load_rows if r["t_s"] >= self.a.duration / 2]
         dup = self.duplicate_dones
         no_done = sum(n for k, n in self.totals.items() if k.startswith("no_done"))
@@ -336,22 +363,36 @@ class Soak:
         fin = sum((idle.get("finished") or {}).values()) - sum((stats0.get("finished") or {}).values())
         all_ok = [r["e2e_ms_p99"] for r in self.rows if r["e2e_ms_p99"] is not None]
         return {
-            "requests_sent": self.sent, "requests_ended": self.n_ended, "by_kind": dict(self.kinds),
-            "outcomes": dict(self.totals), "abandoned": self.totals.get("abandoned", 0),
-            "without_done": no_done, "duplicate_dones": dup,
-            "accounting_ok": no_done == 0 and dup == 0 and self.sent == self.n_ended
-                             and idle.get("in_flight") == 0 and acc - fin == idle.get("in_flight"),
-            "server": {"accepted": acc, "finished": fin, "in_flight_after_idle": idle.get("in_flight"),
-                       "host_queue_after_idle": idle.get("host_queue"),
-                       "arena_used_after_idle": idle.get("arena_used")},
+            "requests_sent": self.sent,
+            "requests_ended": self.n_ended,
+            "by_kind": dict(self.kinds),
+            "outcomes": dict(self.totals),
+            "abandoned": self.totals.get("abandoned", 0),
+            "without_done": no_done,
+            "duplicate_dones": dup,
+            "accounting_ok": no_done == 0
+            and dup == 0
+            and self.sent == self.n_ended
+            and idle.get("in_flight") == 0
+            and acc - fin == idle.get("in_flight"),
+            "server": {
+                "accepted": acc,
+                "finished": fin,
+                "in_flight_after_idle": idle.get("in_flight"),
+                "host_queue_after_idle": idle.get("host_queue"),
+                "arena_used_after_idle": idle.get("arena_used"),
+            },
             "rss_mb_start": load_rows[0]["rss_mb"] if load_rows else None,
             "rss_mb_max": max((r["rss_mb"] for r in load_rows), default=None),
             "rss_mb_load_end": self.rows_phase("drain", "rss_mb"),
-            "rss_mb_after_idle": self.rows[-1]["rss_mb"], "idle_s": self.a.idle,
+            "rss_mb_after_idle": self.rows[-1]["rss_mb"],
+            "idle_s": self.a.idle,
             "rss_mb_per_1k_requests_second_half": slope_per_1k(
-                [r["requests_ended"] for r in half], [r["rss_mb"] for r in half]),
+                [r["requests_ended"] for r in half], [r["rss_mb"] for r in half]
+            ),
             "rss_mb_per_1k_requests_whole_run": slope_per_1k(
-                [r["requests_ended"] for r in load_rows], [r["rss_mb"] for r in load_rows]),
+                [r["requests_ended"] for r in load_rows], [r["rss_mb"] for r in load_rows]
+            ),
             "second_half_rows": len(half),
             "cpu_s_per_1k_tokens": self.whole_run_cpu_per_1k(),
             "e2e_ms_p99_worst_interval": max(all_ok, default=None),
@@ -362,42 +403,84 @@ class Soak:
 
     def whole_run_cpu_per_1k(self) -> float | None:
         first, last = self.rows[0], next(r for r in self.rows if r["phase"] == "drain")
-        if None in (first["server_cpu_s"], last["server_cpu_s"], first["server_output_tokens"],
-                    last["server_output_tokens"]):
+        if None in (
+            first["server_cpu_s"],
+            last["server_cpu_s"],
+            first["server_output_tokens"],
+            last["server_output_tokens"],
+        ):
             return None
         tok = last["server_output_tokens"] - first["server_output_tokens"]
         return (last["server_cpu_s"] - first["server_cpu_s"]) / (tok / 1000) if tok else None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--address", help="drive this running server instead of starting one "
-                   "(RSS then comes from its stats, or from /proc with --server-pid)")
+    p = argparse.ArgumentParser(
+        prog="bench/soak.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--address",
+        help="drive this running server instead of starting one "
+        "(RSS then comes from its stats, or from /proc with --server-pid)",
+    )
     p.add_argument("--server-pid", type=int, help="with --address: read RSS and CPU from /proc/PID")
-    p.add_argument("--duration", type=parse_duration, default=parse_duration("10m"),
-                   help="how long to send load: 90, 90s, 10m, 2h")
+    p.add_argument(
+        "--duration",
+        type=parse_duration,
+        default=parse_duration("10m"),
+        help="how long to send load: 90, 90s, 10m, 2h",
+    )
     p.add_argument("--interval", type=parse_duration, default=30.0, help="seconds between report rows")
-    p.add_argument("--idle", type=parse_duration, default=30.0,
-                   help="seconds to watch the idle server after the load stops (RSS after idle)")
+    p.add_argument(
+        "--idle",
+        type=parse_duration,
+        default=30.0,
+        help="seconds to watch the idle server after the load stops (RSS after idle)",
+    )
     p.add_argument("--concurrency", type=int, default=16, help="workers, one request in flight each")
     p.add_argument("--input-len", type=int, default=128, help="mean prompt length (tokens)")
     p.add_argument("--output-len", type=int, default=64, help="mean max_tokens")
-    p.add_argument("--length-dist", choices=LENGTH_DISTS, default="uniform",
-                   help="length distribution of prompts and outputs (see bench/workloads.py)")
+    p.add_argument(
+        "--length-dist",
+        choices=LENGTH_DISTS,
+        default="uniform",
+        help="length distribution of prompts and outputs (see bench/workloads.py)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.9, help="uniform: lengths in L(1 +- r)")
-    p.add_argument("--abort-fraction", type=float, default=0.1,
-                   help="share of requests aborted after a random number of tokens (0 = at once)")
-    p.add_argument("--disconnect-fraction", type=float, default=0.02,
-                   help="share of requests whose client reads 1-3 replies, then closes its socket "
-                   "without an abort (counted as abandoned unless their done came first)")
-    p.add_argument("--reconnect-every", type=int, default=100,
-                   help="a worker replaces its client after this many requests (0: never)")
+    p.add_argument(
+        "--abort-fraction",
+        type=float,
+        default=0.1,
+        help="share of requests aborted after a random number of tokens (0 = at once)",
+    )
+    p.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.02,
+        help="share of requests whose client reads 1-3 replies, then closes its socket "
+        "without an abort (counted as abandoned unless their done came first)",
+    )
+    p.add_argument(
+        "--reconnect-every",
+        type=int,
+        default=100,
+        help="a worker replaces its client after this many requests (0: never)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let EOS end requests (default: output length = max_tokens)")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="a request with no reply for this long counts as no_done:timeout")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let EOS end requests (default: output length = max_tokens)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="a request with no reply for this long counts as no_done:timeout",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", help="write every row and the summary here")
     g = p.add_argument_group("the server it starts (ignored with --address)")
@@ -407,9 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ctx", type=int)
     g.add_argument("--token-budget", type=int)
     g.add_argument("--threads", type=int, help="torch threads of the server")
-    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="passed to `serve` as is (repeatable); set MALLOC_ARENA_MAX and the like "
-                   "in soak's own environment, which the server inherits")
+    g.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to `serve` as is (repeatable); set MALLOC_ARENA_MAX and the like "
+        "in soak's own environment, which the server inherits",
+    )
     return p
 
 
@@ -421,9 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         address, pid = args.address, args.server_pid
     else:
-        opts = ServerOptions(model=args.model, device=resolve_device(args.device), slots=args.slots,
-                             max_ctx=args.max_ctx, token_budget=args.token_budget,
-                             threads=args.threads, extra=list(args.server_arg))
+        opts = ServerOptions(
+            model=args.model,
+            device=resolve_device(args.device),
+            slots=args.slots,
+            max_ctx=args.max_ctx,
+            token_budget=args.token_budget,
+            threads=args.threads,
+            extra=list(args.server_arg),
+        )
         server = ServerProcess(opts.args())
         address = server.start()
         pid = server.proc.pid
@@ -438,11 +532,21 @@ def main(argv: list[str] | None = None) -> int:
     print("soak summary: " + json.dumps(summary, indent=1), flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        out = {"config": vars(args), "address": address, "server_pid": pid,
-               "server_command": server.command if server else None,
-               "host": {"python": platform.python_version(), "machine": platform.machine(),
-                        "cpus": os.cpu_count(), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX")},
-               "rows": soak.rows, "summary": summary, "server_output_tail": server_tail}
+        out = {
+            "config": vars(args),
+            "address": address,
+            "server_pid": pid,
+            "server_command": server.command if server else None,
+            "host": {
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX"),
+            },
+            "rows": soak.rows,
+            "summary": summary,
+            "server_output_tail": server_tail,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0 if summary["accounting_ok"] else 1

@@ -14,6 +14,7 @@ Arrivals for the open loop (`--request-rate R --burstiness B`): gaps between con
 requests are Gamma(shape=B, scale=1/(R*B)), whose mean is 1/R for every B. B = 1 is a Poisson
 process; B < 1 is burstier, B > 1 more regular. R = inf sends every request at time 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ import numpy as np
 
 LENGTH_DISTS = ("fixed", "uniform", "longtail")
 LONGTAIL_SIGMA = 1.0
-LONGTAIL_CAP = 8.0            # longtail lengths are clipped to this many times the mean
+LONGTAIL_CAP = 8.0  # longtail lengths are clipped to this many times the mean
 # Prompt tokens are drawn from [FIRST_PROMPT_ID, LAST_PROMPT_ID): plain bytes for the byte
 # tokenizer of the presets, and ordinary tokens of any real vocabulary (ids >= 256 hold the
 # byte tokenizer's BOS/EOS/PAD, so they are avoided and EOS never appears in a prompt).
@@ -34,6 +35,7 @@ LAST_PROMPT_ID = 256
 @dataclass(frozen=True)
 class RequestSpec:
     """One request of a workload: its prompt token ids and how many tokens to ask for."""
+
     prompt_ids: list[int]
     max_tokens: int
 
@@ -49,14 +51,20 @@ class WorkloadConfig:
     max_context: int | None = None  # prompt + output are trimmed to fit (the server's limit)
 
     def describe(self) -> dict:
-        return {"requests": self.requests, "input_len": self.input_len,
-                "output_len": self.output_len, "length_dist": self.length_dist,
-                "range_ratio": self.range_ratio, "seed": self.seed,
-                "max_context": self.max_context}
+        return {
+            "requests": self.requests,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "length_dist": self.length_dist,
+            "range_ratio": self.range_ratio,
+            "seed": self.seed,
+            "max_context": self.max_context,
+        }
 
 
-def sample_lengths(dist: str, mean: int, n: int, rng: np.random.Generator,
-                   range_ratio: float = 0.5) -> np.ndarray:
+def sample_lengths(
+    dist: str, mean: int, n: int, rng: np.random.Generator, range_ratio: float = 0.5
+) -> np.ndarray:
     """n positive integer lengths around `mean` under distribution `dist` (see module doc)."""
     if mean < 1:
         raise ValueError(f"mean length must be >= 1, got {mean}")
@@ -67,11 +75,11 @@ def sample_lengths(dist: str, mean: int, n: int, rng: np.random.Generator,
     if dist == "uniform":
         if not 0.0 <= range_ratio < 1.0:
             raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-        lo = max(1, int(math.floor(mean * (1.0 - range_ratio))))
-        hi = max(lo, int(math.ceil(mean * (1.0 + range_ratio))))
+        lo = max(1, math.floor(mean * (1.0 - range_ratio)))
+        hi = max(lo, math.ceil(mean * (1.0 + range_ratio)))
         return rng.integers(lo, hi + 1, size=n, dtype=np.int64)
     if dist == "longtail":
-        mu = math.log(mean) - LONGTAIL_SIGMA ** 2 / 2.0
+        mu = math.log(mean) - LONGTAIL_SIGMA**2 / 2.0
         draws = rng.lognormal(mu, LONGTAIL_SIGMA, size=n)
         cap = max(1, int(LONGTAIL_CAP * mean))
         return np.clip(np.rint(draws), 1, cap).astype(np.int64)

@@ -4,6 +4,7 @@ Each check adds facts to the report and, when a CUDA run would fail, a problem n
 Nothing here starts a persistent kernel; with a GPU it loads the scheduler module once, which is
 the step most likely to fail on a new driver.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,8 +23,16 @@ def _version(dist: str) -> str | None:
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for dist in ("torch", "numpy", "pyzmq", "msgpack", "cuda-bindings", "cuda-toolkit",
-                 "nvidia-cuda-nvrtc", "triton"):
+    for dist in (
+        "torch",
+        "numpy",
+        "pyzmq",
+        "msgpack",
+        "cuda-bindings",
+        "cuda-toolkit",
+        "nvidia-cuda-nvrtc",
+        "triton",
+    ):
         out[dist] = _version(dist)
     return out
 
@@ -31,8 +40,14 @@ def _versions() -> dict:
 class Doctor:
     def __init__(self, arch: str | None = None):
         self.arch = arch
-        self.report: dict = {"versions": _versions(), "environment": {}, "gpu": None,
-                             "kernel": None, "problems": [], "notes": []}
+        self.report: dict = {
+            "versions": _versions(),
+            "environment": {},
+            "gpu": None,
+            "kernel": None,
+            "problems": [],
+            "notes": [],
+        }
 
     def problem(self, text: str) -> None:
         self.report["problems"].append(text)
@@ -48,6 +63,7 @@ class Doctor:
         build = self._compile(gpu)
         if build is not None and self.report["versions"].get("driver_cuda"):
             from device.sched.build import ptx_loadable
+
             driver = tuple(int(x) for x in self.report["versions"]["driver_cuda"].split("."))
             ok, why = ptx_loadable(build.nvrtc_version, driver)
             self.note(("PTX fallback possible: " if ok else "no PTX fallback: ") + why)
@@ -58,8 +74,15 @@ class Doctor:
 
     def _environment(self) -> None:
         from device.backends.cuda_preflight import environment_hazards
-        names = ("CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "CUDA_VISIBLE_DEVICES",
-                 "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
+        names = (
+            "CUDA_LAUNCH_BLOCKING",
+            "CUDA_MODULE_LOADING",
+            "CUDA_VISIBLE_DEVICES",
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "PYTORCH_ALLOC_CONF",
+            "PYTORCH_NO_CUDA_MEMORY_CACHING",
+        )
         self.report["environment"] = {n: os.environ.get(n) for n in names if n in os.environ}
         for hazard in environment_hazards():
             self.problem(hazard)
@@ -67,32 +90,42 @@ class Doctor:
     def _torch(self):
         try:
             return importlib.import_module("torch")
-        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+        except Exception as exc:
             self.problem(f"torch does not import: {exc!r}")
             return None
 
     def _gpu(self, torch) -> bool:
         self.report["versions"]["torch_cuda"] = torch.version.cuda
         if not torch.cuda.is_available():
-            self.problem(f"no CUDA GPU is visible to torch {torch.__version__} (built for CUDA "
-                         f"{torch.version.cuda}); the cpu backend still runs (--device cpu)")
+            self.problem(
+                f"no CUDA GPU is visible to torch {torch.__version__} (built for CUDA "
+                f"{torch.version.cuda}); the cpu backend still runs (--device cpu)"
+            )
             return False
         major, minor = torch.cuda.get_device_capability()
         free, total = torch.cuda.mem_get_info()
-        self.report["gpu"] = {"name": torch.cuda.get_device_name(), "capability": f"{major}.{minor}",
-                              "arch": f"sm_{major}{minor}", "memory_gib": round(total / 2**30, 2),
-                              "free_gib": round(free / 2**30, 2),
-                              "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count,
-                              "allocator_backend": torch.cuda.get_allocator_backend()}
+        self.report["gpu"] = {
+            "name": torch.cuda.get_device_name(),
+            "capability": f"{major}.{minor}",
+            "arch": f"sm_{major}{minor}",
+            "memory_gib": round(total / 2**30, 2),
+            "free_gib": round(free / 2**30, 2),
+            "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count,
+            "allocator_backend": torch.cuda.get_allocator_backend(),
+        }
         if major < 9:
-            self.note(f"compute capability {major}.{minor}: the CUDA backend is written and "
-                      "tuned for Hopper (9.0); conditional graph nodes need 9.0-class drivers")
+            self.note(
+                f"compute capability {major}.{minor}: the CUDA backend is written and "
+                "tuned for Hopper (9.0); conditional graph nodes need 9.0-class drivers"
+            )
         if torch.cuda.get_allocator_backend() != "native":
-            self.problem(f"torch's allocator backend is {torch.cuda.get_allocator_backend()!r}; "
-                         "the device scheduler needs 'native'")
+            self.problem(
+                f"torch's allocator backend is {torch.cuda.get_allocator_backend()!r}; "
+                "the device scheduler needs 'native'"
+            )
         try:
             importlib.import_module("triton")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.problem(f"triton does not import ({exc!r}); the CUDA step's attention needs it")
         return True
 
@@ -102,28 +135,34 @@ class Doctor:
             self.problem("cuda-bindings is not installed: pip install 'ringleader[cuda]'")
             return
         if not version.startswith("13."):
-            self.problem(f"cuda-bindings {version}: the CUDA backend uses the 13.x API "
-                         "(cuda-bindings>=13,<14)")
+            self.problem(
+                f"cuda-bindings {version}: the CUDA backend uses the 13.x API (cuda-bindings>=13,<14)"
+            )
         try:
             from device.backends import cuda_driver as drv
+
             drv.check(drv.cu.cuInit(0), "cuInit")
             self.report["versions"]["driver_cuda"] = "%d.%d" % drv.driver_version()
-        except Exception as exc:  # noqa: BLE001 - no driver on a CPU machine
+        except Exception as exc:
             self.report["versions"]["driver_cuda"] = None
             self.note(f"no CUDA driver usable here ({exc})")
 
     def _compile(self, gpu: bool):
         from device.sched.build import compile_kernel
+
         arch = self.arch or (self.report["gpu"]["arch"] if gpu else "sm_90")
         try:
             build = compile_kernel(arch)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.problem(f"NVRTC could not build the scheduler for {arch}: {exc}")
             return None
         self.report["kernel"] = {
-            "arch": arch, "cubin_bytes": len(build.cubin), "ptx_isa": build.ptx_isa,
+            "arch": arch,
+            "cubin_bytes": len(build.cubin),
+            "ptx_isa": build.ptx_isa,
             "nvrtc": "%d.%d" % build.nvrtc_version,
-            "functions": {n: vars(r) for n, r in build.resources.items()}}
+            "functions": {n: vars(r) for n, r in build.resources.items()},
+        }
         for name, r in build.resources.items():
             if r.spill_bytes:
                 self.note(f"{name} spills {r.spill_bytes} bytes to local memory")
@@ -132,12 +171,13 @@ class Doctor:
     def _load_module(self, build) -> None:
         from device.backends import cuda_driver as drv
         from device.sched.build import KERNELS
+
         try:
             module, how = drv.load_module(build)
             for name in KERNELS:
                 drv.get_function(module, name)
             self.report["kernel"]["loaded_from"] = how
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.problem(f"the driver does not load the scheduler module: {exc}")
 
 
@@ -150,14 +190,22 @@ def format_report(report: dict) -> str:
         lines.append("environment: " + ", ".join(f"{k}={v}" for k, v in report["environment"].items()))
     k = report.get("kernel")
     if k:
-        lines.append(f"scheduler kernel for {k['arch']} (NVRTC {k['nvrtc']}, PTX ISA {k['ptx_isa']}, "
-                     f"{k['cubin_bytes']} bytes of CUBIN" + (f", loaded from {k['loaded_from']}"
-                                                             if k.get("loaded_from") else "") + "):")
+        lines.append(
+            f"scheduler kernel for {k['arch']} (NVRTC {k['nvrtc']}, PTX ISA {k['ptx_isa']}, "
+            f"{k['cubin_bytes']} bytes of CUBIN"
+            + (f", loaded from {k['loaded_from']}" if k.get("loaded_from") else "")
+            + "):"
+        )
         for name, r in k["functions"].items():
-            lines.append(f"  {name}: {r['registers']} registers, {r['shared_bytes']} B shared, "
-                         f"{r['spill_bytes']} B spilled, {r['stack_bytes']} B stack")
+            lines.append(
+                f"  {name}: {r['registers']} registers, {r['shared_bytes']} B shared, "
+                f"{r['spill_bytes']} B spilled, {r['stack_bytes']} B stack"
+            )
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"PROBLEM: {p}" for p in report["problems"]]
-    lines.append("a CUDA run would work here" if report["cuda_ready"] else
-                 f"a CUDA run would fail here ({len(report['problems'])} problem(s) above)")
+    lines.append(
+        "a CUDA run would work here"
+        if report["cuda_ready"]
+        else f"a CUDA run would fail here ({len(report['problems'])} problem(s) above)"
+    )
     return "\n".join(lines)

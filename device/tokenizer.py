@@ -5,17 +5,19 @@ Which tokenizer goes with a model spec: `tokenizer_for(spec)` (spec = preset nam
 checkpoint directory) returns a ByteTokenizer for presets, an HFTokenizer when the checkpoint
 directory has tokenizer.json, else None (the caller then serves token ids only).
 """
+
 from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, Sequence, Union
+from typing import Protocol
 
 
 class Tokenizer(Protocol):
     vocab_size: int
-    bos_token_id: Optional[int]
+    bos_token_id: int | None
     eos_token_ids: list[int]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -36,7 +38,7 @@ class ByteTokenizer:
     vocab_size = 264
 
     def __init__(self) -> None:
-        self.bos_token_id: Optional[int] = self.BOS
+        self.bos_token_id: int | None = self.BOS
         self.eos_token_ids: list[int] = [self.EOS]
         self.pad_token_id = self.PAD
 
@@ -48,7 +50,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-def _token_content(tok) -> Optional[str]:
+def _token_content(tok) -> str | None:
     """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
     if isinstance(tok, dict):
         return tok.get("content")
@@ -63,7 +65,7 @@ class HFTokenizer:
     does (Llama-3 adds <|begin_of_text|>, Qwen2 adds nothing).
     """
 
-    def __init__(self, model_dir: Union[str, Path]) -> None:
+    def __init__(self, model_dir: str | Path) -> None:
         try:
             from tokenizers import Tokenizer as _HFTok
         except ImportError as e:  # optional dependency: pip install 'ringleader[hf]'
@@ -80,10 +82,10 @@ class HFTokenizer:
         self.bos_token_id = self._lookup(_token_content(tcfg.get("bos_token")))
         eos = self._lookup(_token_content(tcfg.get("eos_token")))
         self.eos_token_ids: list[int] = [] if eos is None else [eos]
-        self._add_bos: Optional[bool] = tcfg.get("add_bos_token")
+        self._add_bos: bool | None = tcfg.get("add_bos_token")
         self._add_eos: bool = bool(tcfg.get("add_eos_token", False))
 
-    def _lookup(self, token: Optional[str]) -> Optional[int]:
+    def _lookup(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -121,7 +123,7 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens whose text has been emitted
         self._prev_text = ""  # decode of ids[_prefix:_read]
 
-    def push(self, token_ids: Union[int, Iterable[int]]) -> str:
+    def push(self, token_ids: int | Iterable[int]) -> str:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         if self._bytes is not None:
@@ -159,7 +161,7 @@ class IncrementalDetokenizer:
         return new
 
 
-def load_tokenizer(model_dir: Union[str, Path, None]):
+def load_tokenizer(model_dir: str | Path | None):
     """ByteTokenizer for None (presets); for a checkpoint directory an HFTokenizer when it
     has tokenizer.json, else None."""
     if model_dir is None:
@@ -169,7 +171,7 @@ def load_tokenizer(model_dir: Union[str, Path, None]):
     return None
 
 
-def tokenizer_for(spec: Union[str, Path]):
+def tokenizer_for(spec: str | Path):
     """Tokenizer for a model spec as the server gets it: a preset name or a checkpoint dir."""
     from device.model.presets import PRESETS
 

@@ -14,6 +14,7 @@ across clients (within a client: by priority, then arrival).  Priority is the cl
 so it orders a client's requests and what the device holds, never one client ahead of another:
 otherwise `priority: 1000` would be all a hostile client needs to starve everyone.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -29,8 +30,15 @@ from ipc.rings import HostRings
 
 
 class Admission:
-    def __init__(self, rings: HostRings, table: RequestTable, *, max_queued: int = 4096,
-                 max_queued_tokens: int = 1 << 22, device_window: int | None = None):
+    def __init__(
+        self,
+        rings: HostRings,
+        table: RequestTable,
+        *,
+        max_queued: int = 4096,
+        max_queued_tokens: int = 1 << 22,
+        device_window: int | None = None,
+    ):
         self._rings = rings
         self._table = table
         self._waiting: dict[int, InFlight] = {}  # handle -> request still on the host
@@ -57,8 +65,10 @@ class Admission:
     def can_accept(self, prompt_len: int) -> bool:
         if not self._waiting:
             return True  # it may go straight in; if not, it is the first one queued
-        return (len(self._waiting) < self.max_queued
-                and self._queued_tokens + prompt_len <= self.max_queued_tokens)
+        return (
+            len(self._waiting) < self.max_queued
+            and self._queued_tokens + prompt_len <= self.max_queued_tokens
+        )
 
     def submit(self, req: InFlight) -> bool:
         """Writes the request to the SQ or queues it; False means rejected (overloaded)."""
@@ -89,8 +99,9 @@ class Admission:
     def pump(self) -> None:
         """Sends held-back aborts, then moves queued requests into the SQ, one client at a time,
         while the window, the SQ and the arena have room."""
-        while self._abort_backlog and self._rings.aborts.push(self._abort_backlog[0].handle,
-                                                              self._abort_backlog[0].sq_pos):
+        while self._abort_backlog and self._rings.aborts.push(
+            self._abort_backlog[0].handle, self._abort_backlog[0].sq_pos
+        ):
             self._abort_backlog.popleft()
         while self._queues and self._window_open():
             client, heap = next(iter(self._queues.items()))
@@ -153,11 +164,19 @@ class Admission:
         offset = arena.allocate(np.asarray(req.prompt_ids, dtype=np.int32))
         if offset is None:
             return False
-        pos = sq.push(req.handle, prompt_off=offset,
-                      prompt_len=req.prompt_len, max_tokens=req.max_tokens,
-                      flags=layout.RL_FLAG_IGNORE_EOS if req.ignore_eos else 0,
-                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      priority=req.priority, seed=req.seed, stop_ids=req.stop_ids)
+        pos = sq.push(
+            req.handle,
+            prompt_off=offset,
+            prompt_len=req.prompt_len,
+            max_tokens=req.max_tokens,
+            flags=layout.SqFlag.IGNORE_EOS if req.ignore_eos else 0,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            priority=req.priority,
+            seed=req.seed,
+            stop_ids=req.stop_ids,
+        )
         req.arena_offset = offset
         req.submit_ns = time.perf_counter_ns()
         self._table.mark_in_sq(req, pos)

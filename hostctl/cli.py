@@ -1,4 +1,5 @@
 """`ringleader` command line: serve, generate, stats, bench, build-kernel, doctor, keygen."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,13 @@ import logging
 import signal
 import sys
 
-from ipc.curve import (CurveError, add_curve_client_options, add_curve_server_options,
-                       client_curve_from_args, server_curve_from_args)
+from ipc.curve import (
+    CurveError,
+    add_curve_client_options,
+    add_curve_server_options,
+    client_curve_from_args,
+    server_curve_from_args,
+)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -17,55 +23,111 @@ def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
     """Options that shape a server; `bench` reuses them for the servers it starts."""
-    p.add_argument("--model", default="tiny", help="preset (tiny, llama-1b, llama-8b) or a local "
-                   "Hugging Face checkpoint directory (default: tiny)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory (default: tiny)",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--scheduler", default=None, choices=["device", "host"],
-                   help="CUDA: where sched_step runs (default device); the CPU backend is host-only")
-    p.add_argument("--launch", default="auto", choices=["auto", "resident", "pump"],
-                   help="CUDA launch mode of the device scheduler: resident (one WHILE graph; "
-                   "fails start-up if it cannot run), pump, or auto (resident, else pump; the "
-                   "mode that runs is in the log and in stats)")
-    p.add_argument("--policy", default="fifo", choices=["fifo", "priority", "static"],
-                   help="admission: fifo, priority with aging, or static batching (a baseline)")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        choices=["device", "host"],
+        help="CUDA: where sched_step runs (default device); the CPU backend is host-only",
+    )
+    p.add_argument(
+        "--launch",
+        default="auto",
+        choices=["auto", "resident", "pump"],
+        help="CUDA launch mode of the device scheduler: resident (one WHILE graph; "
+        "fails start-up if it cannot run), pump, or auto (resident, else pump; the "
+        "mode that runs is in the log and in stats)",
+    )
+    p.add_argument(
+        "--policy",
+        default="fifo",
+        choices=["fifo", "priority", "static"],
+        help="admission: fifo, priority with aging, or static batching (a baseline)",
+    )
     p.add_argument("--slots", type=int, default=32, help="batch slots (max concurrent sequences)")
-    p.add_argument("--max-ctx", type=int, default=None, help="tokens of KV cache per slot "
-                   "(default: 2048 on cpu; on cuda the longest that fits --gpu-memory-fraction, "
-                   "up to the model's limit)")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                   help="CUDA: share of device memory for weights, KV cache and workspace")
+    p.add_argument(
+        "--max-ctx",
+        type=int,
+        default=None,
+        help="tokens of KV cache per slot "
+        "(default: 2048 on cpu; on cuda the longest that fits --gpu-memory-fraction, "
+        "up to the model's limit)",
+    )
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.9,
+        help="CUDA: share of device memory for weights, KV cache and workspace",
+    )
     p.add_argument("--token-budget", type=int, default=256, help="max token rows per step")
-    p.add_argument("--aging-steps", type=int, default=64,
-                   help="priority policy: a waiting request gains one level per this many steps")
-    p.add_argument("--max-queue", type=int, default=4096,
-                   help="requests held on the host when the rings are full; beyond: overloaded")
-    p.add_argument("--max-inflight-per-client", type=int, default=1024,
-                   help="requests one client may have in flight; beyond: overloaded (0: no cap)")
-    p.add_argument("--max-queue-ms", type=float, default=60_000,
-                   help="a request without its first token this long after arrival ends with "
-                   "error code timeout (0: no limit)")
-    p.add_argument("--watchdog-s", type=float, default=None,
-                   help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)")
+    p.add_argument(
+        "--aging-steps",
+        type=int,
+        default=64,
+        help="priority policy: a waiting request gains one level per this many steps",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=4096,
+        help="requests held on the host when the rings are full; beyond: overloaded",
+    )
+    p.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        default=1024,
+        help="requests one client may have in flight; beyond: overloaded (0: no cap)",
+    )
+    p.add_argument(
+        "--max-queue-ms",
+        type=float,
+        default=60_000,
+        help="a request without its first token this long after arrival ends with "
+        "error code timeout (0: no limit)",
+    )
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=None,
+        help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--trace", default=None, help="CUDA: write the device timeline as Chrome-trace "
-                   "JSON to this file at shutdown")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
+    )
 
 
 def open_configured_backend(args):
     from device.backends import open_backend  # the one place hostctl reaches into device/
-    options = dict(n_slots=args.slots, max_ctx=args.max_ctx, token_budget=args.token_budget,
-                   policy=args.policy, aging_steps=args.aging_steps, seed=args.seed,
-                   threads=args.threads, gpu_memory_fraction=args.gpu_memory_fraction)
+
+    options = dict(
+        n_slots=args.slots,
+        max_ctx=args.max_ctx,
+        token_budget=args.token_budget,
+        policy=args.policy,
+        aging_steps=args.aging_steps,
+        seed=args.seed,
+        threads=args.threads,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+    )
     if args.trace:
         options["trace_path"] = args.trace
-    return open_backend(args.model, device=args.device, scheduler=args.scheduler,
-                        launch=args.launch, **options)
+    return open_backend(
+        args.model, device=args.device, scheduler=args.scheduler, launch=args.launch, **options
+    )
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:
@@ -73,6 +135,7 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
     serving process with a few busy threads then holds tens of MB more than it uses (a soak
     measured about 21 MB less RSS with 2 arenas, at no CPU cost).  Other libcs: no-op."""
     import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
     except (OSError, AttributeError):
@@ -83,6 +146,7 @@ def cmd_serve(args) -> int:
     from device.backends.cuda_preflight import UnsafeEnvironment
     from hostctl.server import Server
     from ipc.backend import EngineDead
+
     curve = server_curve_from_args(args)  # before the (slow) backend: a bad key fails at once
     _limit_malloc_arenas()
     try:
@@ -90,14 +154,23 @@ def cmd_serve(args) -> int:
     except (UnsafeEnvironment, MemoryError) as exc:  # the message says what to change
         print(f"ringleader: cannot start: {exc}", file=sys.stderr)
         return 2
-    server = Server(backend, args.bind, max_queued=args.max_queue, watchdog_s=args.watchdog_s,
-                    drain_timeout_s=args.drain_timeout,
-                    max_inflight_per_client=args.max_inflight_per_client,
-                    max_queue_ms=args.max_queue_ms, curve=curve)
+    server = Server(
+        backend,
+        args.bind,
+        max_queued=args.max_queue,
+        watchdog_s=args.watchdog_s,
+        drain_timeout_s=args.drain_timeout,
+        max_inflight_per_client=args.max_inflight_per_client,
+        max_queue_ms=args.max_queue_ms,
+        curve=curve,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
-    print(f"ringleader: serving {backend.model.name} on {server.address} "
-          f"({json.dumps(backend.description)})", file=sys.stderr, flush=True)
+    print(
+        f"ringleader: serving {backend.model.name} on {server.address} ({json.dumps(backend.description)})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever()
     except EngineDead as exc:
@@ -112,10 +185,18 @@ def cmd_generate(args) -> int:
         return 2
     with _client(args) as client:
         stream = client.generate(
-            args.prompt, prompt_ids=args.prompt_ids, max_tokens=args.max_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos,
-            priority=args.priority, timeout_ms=args.timeout_ms)
+            args.prompt,
+            prompt_ids=args.prompt_ids,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop_token_ids=args.stop_token_ids or (),
+            ignore_eos=args.ignore_eos,
+            priority=args.priority,
+            timeout_ms=args.timeout_ms,
+        )
         show_ids = args.prompt_ids is not None or args.ids
         try:
             for chunk in stream:
@@ -129,16 +210,23 @@ def cmd_generate(args) -> int:
             stream.wait(timeout=5)
         done = stream.done
         print()
-        print(f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
-              f"completion tokens]" + (f" {done.error_code}: {done.error_message}"
-                                       if done.error_code else ""), file=sys.stderr)
+        print(
+            f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
+            f"completion tokens]" + (f" {done.error_code}: {done.error_message}" if done.error_code else ""),
+            file=sys.stderr,
+        )
         return 0 if done.finish_reason != "error" else 1
 
 
 def _client(args):
     from ipc.client import Client
-    return Client(args.connect, timeout=args.timeout, connect_timeout=args.connect_timeout,
-                  curve=client_curve_from_args(args))
+
+    return Client(
+        args.connect,
+        timeout=args.timeout,
+        connect_timeout=args.connect_timeout,
+        curve=client_curve_from_args(args),
+    )
 
 
 def cmd_stats(args) -> int:
@@ -149,12 +237,17 @@ def cmd_stats(args) -> int:
 
 def cmd_build_kernel(args) -> int:
     from device.sched.build import compile_kernel
+
     build = compile_kernel(args.arch, threads=args.threads)
-    print(f"{len(build.cubin)} bytes of CUBIN for {build.arch}; the scheduler kernel runs "
-          f"{args.threads} threads/block")
+    print(
+        f"{len(build.cubin)} bytes of CUBIN for {build.arch}; the scheduler kernel runs "
+        f"{args.threads} threads/block"
+    )
     for name, r in build.resources.items():
-        print(f"  {name}: {r.registers} registers/thread, {r.shared_bytes} bytes shared memory, "
-              f"{r.spill_bytes} bytes spilled, {r.stack_bytes} bytes stack")
+        print(
+            f"  {name}: {r.registers} registers/thread, {r.shared_bytes} bytes shared memory, "
+            f"{r.spill_bytes} bytes spilled, {r.stack_bytes} bytes stack"
+        )
     if args.verbose:
         print(build.log)
     if args.output:
@@ -165,6 +258,7 @@ def cmd_build_kernel(args) -> int:
 
 def cmd_doctor(args) -> int:
     from device.doctor import Doctor, format_report
+
     report = Doctor(args.arch).run()
     print(format_report(report))
     if args.json:
@@ -175,30 +269,35 @@ def cmd_doctor(args) -> int:
 
 def cmd_keygen(args) -> int:
     from ipc.curve import generate_keypair
+
     try:
         public, secret = generate_keypair(args.directory, args.name)
     except (CurveError, OSError) as exc:
         print(f"ringleader: keygen: {exc}", file=sys.stderr)
         return 2
-    print(f"public key: {public}\nsecret key: {secret}  (keep it private, on this machine only)\n\n"
-          f"For the server:  ringleader serve --curve-secret-key {secret} --authorized-keys DIR\n"
-          f"  and give clients {public} for their --curve-server-key.\n"
-          f"For a client:  copy {public} into the server's --authorized-keys DIR (read when the "
-          f"server starts), then\n  ringleader generate ... --curve-server-key SERVER.key "
-          f"--curve-secret-key {secret}")
+    print(
+        f"public key: {public}\nsecret key: {secret}  (keep it private, on this machine only)\n\n"
+        f"For the server:  ringleader serve --curve-secret-key {secret} --authorized-keys DIR\n"
+        f"  and give clients {public} for their --curve-server-key.\n"
+        f"For a client:  copy {public} into the server's --authorized-keys DIR (read when the "
+        f"server starts), then\n  ringleader generate ... --curve-server-key SERVER.key "
+        f"--curve-secret-key {secret}"
+    )
     return 0
 
 
 def cmd_bench(args, rest: list[str]) -> int:
     from bench.cli import main as bench_main
+
     return bench_main(rest)
 
 
 def add_client_options(p: argparse.ArgumentParser, timeout: float) -> None:
     p.add_argument("--connect", default=DEFAULT_ADDRESS)
     p.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for each reply")
-    p.add_argument("--connect-timeout", type=float, default=10.0,
-                   help="seconds to wait for a connection to the server")
+    p.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds to wait for a connection to the server"
+    )
     add_curve_client_options(p)
 
 
@@ -209,11 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the server")
     add_server_options(p)
-    p.add_argument("--bind", default=DEFAULT_ADDRESS, help="ZeroMQ address; a non-loopback one "
-                   "without CURVE keys is open to anyone who reaches it (a warning says so)")
-    p.add_argument("--drain-timeout", type=float, default=5.0,
-                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish (the whole "
-                   "stop takes at most this + 5 s)")
+    p.add_argument(
+        "--bind",
+        default=DEFAULT_ADDRESS,
+        help="ZeroMQ address; a non-loopback one "
+        "without CURVE keys is open to anyone who reaches it (a warning says so)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish (the whole "
+        "stop takes at most this + 5 s)",
+    )
     add_curve_server_options(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
@@ -228,8 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
-    p.add_argument("--timeout-ms", type=int, default=None,
-                   help="the server ends the request with error code timeout after this long")
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=None,
+        help="the server ends the request with error code timeout after this long",
+    )
     add_client_options(p, timeout=120.0)
 
     p = sub.add_parser("stats", help="print a running server's stats")
@@ -241,13 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the CUBIN here")
     p.add_argument("--verbose", action="store_true", help="print the full ptxas log")
 
-    p = sub.add_parser("doctor", help="versions, GPU, scheduler kernel build; exits 1 when a "
-                       "CUDA run would fail here, naming why")
+    p = sub.add_parser(
+        "doctor",
+        help="versions, GPU, scheduler kernel build; exits 1 when a CUDA run would fail here, naming why",
+    )
     p.add_argument("--arch", default=None, help="compile for this arch (default: the GPU's, else sm_90)")
     p.add_argument("--json", help="also write the report here")
 
-    p = sub.add_parser("keygen", help="create a CURVE keypair: NAME.key (public) and "
-                       "NAME.key_secret; never overwrites")
+    p = sub.add_parser(
+        "keygen", help="create a CURVE keypair: NAME.key (public) and NAME.key_secret; never overwrites"
+    )
     p.add_argument("directory", help="where to write the keys (created if missing)")
     p.add_argument("--name", default="ringleader", help="file name stem (default: ringleader)")
 
@@ -263,8 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(None, argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats,
-                "build-kernel": cmd_build_kernel, "doctor": cmd_doctor, "keygen": cmd_keygen}
+    handlers = {
+        "serve": cmd_serve,
+        "generate": cmd_generate,
+        "stats": cmd_stats,
+        "build-kernel": cmd_build_kernel,
+        "doctor": cmd_doctor,
+        "keygen": cmd_keygen,
+    }
     try:
         return handlers[args.command](args)
     except CurveError as exc:  # the message names the option or file

@@ -5,20 +5,23 @@ Tokens of one request that arrive in one batch of events are coalesced into one 
 A request's DONE removes it from the table; a request that is no longer in the table (ended by
 the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from hostctl.inflight import InFlight, RequestTable
 from ipc import layout, protocol
 from ipc.backend import Backend
 
-FINISH_NAMES = {layout.RL_FINISH_STOP: protocol.FINISH_STOP,
-                layout.RL_FINISH_LENGTH: protocol.FINISH_LENGTH,
-                layout.RL_FINISH_ABORT: protocol.FINISH_ABORT}
+FINISH_NAMES = {
+    layout.Finish.STOP: protocol.FINISH_STOP,
+    layout.Finish.LENGTH: protocol.FINISH_LENGTH,
+    layout.Finish.ABORT: protocol.FINISH_ABORT,
+}
 
 
 class Outbox:
@@ -52,19 +55,29 @@ def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
     return out
 
 
-def done_frame(req: InFlight, finish_reason: str, code: str | None = None,
-               message: str | None = None, device_queued_us: int | None = None) -> tuple[bytes, bytes]:
+def done_frame(
+    req: InFlight,
+    finish_reason: str,
+    code: str | None = None,
+    message: str | None = None,
+    device_queued_us: int | None = None,
+) -> tuple[bytes, bytes]:
     # a request that timed out before its first token is billed nothing, like a rejected one
     unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
-    msg = protocol.done_msg(req.id, finish_reason, 0 if unstarted_timeout else req.prompt_len,
-                            req.completion_tokens, error_code=code, error_message=message)
+    msg = protocol.done_msg(
+        req.id,
+        finish_reason,
+        0 if unstarted_timeout else req.prompt_len,
+        req.completion_tokens,
+        error_code=code,
+        error_message=message,
+    )
     msg["timing"] = server_timing(req, device_queued_us)
     return req.client, protocol.encode(msg)
 
 
 class CompletionRouter:
-    def __init__(self, backend: Backend, table: RequestTable, outbox: Outbox, metrics,
-                 watchdog_s: float):
+    def __init__(self, backend: Backend, table: RequestTable, outbox: Outbox, metrics, watchdog_s: float):
         self._backend = backend
         self._rings = backend.rings
         self._table = table
@@ -112,8 +125,9 @@ class CompletionRouter:
         frames = []
         for req in self._table.all():
             if self._table.finish(req.handle) is req:
-                frames.append(done_frame(req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD,
-                                         f"engine dead: {reason}"))
+                frames.append(
+                    done_frame(req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}")
+                )
                 self._metrics.finished(req, protocol.FINISH_ERROR)
         self._outbox.put_many(frames)
 
@@ -125,12 +139,15 @@ class CompletionRouter:
         now = time.perf_counter_ns()
         queued: dict[int, int] = {}
         for handle, kind, reason, token, waited in zip(
-                events["handle"].tolist(), events["kind"].tolist(),
-                events["finish_reason"].tolist(), events["token"].tolist(),
-                events["queued_us"].tolist()):
+            events["handle"].tolist(),
+            events["kind"].tolist(),
+            events["finish_reason"].tolist(),
+            events["token"].tolist(),
+            events["queued_us"].tolist(),
+        ):
             if handle not in tokens and handle not in dones:
                 order.append(handle)
-            if kind == layout.RL_EV_TOKEN:
+            if kind == layout.EventKind.TOKEN:
                 tokens.setdefault(handle, []).append(token)
             else:
                 dones[handle] = reason
@@ -154,8 +171,7 @@ class CompletionRouter:
                 if req.detokenizer is not None:
                     tail = req.detokenizer.flush()
                     if tail:
-                        frames.append((req.client,
-                                       protocol.encode(protocol.token_msg(req.id, [], tail))))
+                        frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
                 reason = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
                 code = message = None
                 if reason == protocol.FINISH_ABORT and req.end_as is not None:

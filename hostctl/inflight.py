@@ -11,6 +11,7 @@ Fields of InFlight shared between threads, and their one writer:
   first_token_ns,
   completion_tokens            completion thread (the frontend only reads them, for timeouts)
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,7 +25,7 @@ class InFlight:
     handle: int
     client: bytes
     id: Any
-    prompt_ids: Any                 # numpy int32 tokens, kept until they are in the arena
+    prompt_ids: Any  # numpy int32 tokens, kept until they are in the arena
     max_tokens: int
     temperature: float
     top_p: float
@@ -35,16 +36,16 @@ class InFlight:
     priority: int
     detokenizer: Any = None
     arena_offset: int | None = None  # set once the prompt is in the arena
-    in_sq: bool = False              # its GENERATE entry was written to the SQ (the device owns it now)
-    sq_pos: int = 0                  # the SQ index of that entry, which its abort names
+    in_sq: bool = False  # its GENERATE entry was written to the SQ (the device owns it now)
+    sq_pos: int = 0  # the SQ index of that entry, which its abort names
     abort_sent: bool = False
     end_as: tuple[str, str] | None = None  # (code, message) that turns the device's abort into an error
     completion_tokens: int = 0
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     submit_ns: int = 0
     first_token_ns: int = 0
-    deadline_ns: int = 0             # perf_counter_ns by which it must end (0: none)
-    queue_deadline_ns: int = 0       # perf_counter_ns by which its first token must come (0: none)
+    deadline_ns: int = 0  # perf_counter_ns by which it must end (0: none)
+    queue_deadline_ns: int = 0  # perf_counter_ns by which its first token must come (0: none)
 
     @property
     def prompt_len(self) -> int:

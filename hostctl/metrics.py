@@ -5,6 +5,7 @@ CPU time is read for the whole process (what a deployment pays) and per thread f
 threads can be told apart from the CPU backend's compute thread.  The process's resident set
 (/proc/self/statm) is reported too, so a soak run can watch a server it did not start.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ Per-frame work is O(1) in the number of requests in flight: the request table in
 by client, a client found gone is handled once (its later frames are dropped, not re-examined),
 and deadlines sit in a heap.
 """
+
 from __future__ import annotations
 
 import errno
@@ -33,11 +34,11 @@ from ipc.curve import secure_server_socket, unauthenticated_bind_warning
 
 log = logging.getLogger("ringleader.server")
 
-RECV_BATCH = 256           # frames taken per wake-up before admitting them together
+RECV_BATCH = 256  # frames taken per wake-up before admitting them together
 HARD_FRAME_LIMIT = 64 << 20  # zmq drops a connection that sends more than this in one frame
-MAX_BACKLOG_FRAMES = 65536   # per client; beyond it the client is treated as gone
-GONE_SWEEP_S = 1.0           # how often clients marked gone with nothing left in flight are forgotten
-ABORT_WAIT_S = 1.5           # at shutdown: how long the device gets to end what was aborted
+MAX_BACKLOG_FRAMES = 65536  # per client; beyond it the client is treated as gone
+GONE_SWEEP_S = 1.0  # how often clients marked gone with nothing left in flight are forgotten
+ABORT_WAIT_S = 1.5  # at shutdown: how long the device gets to end what was aborted
 _QUEUE_DEADLINE, _REQUEST_DEADLINE = 0, 1
 
 
@@ -48,17 +49,28 @@ class Server:
     curve: CURVE keys (ipc.curve.ServerCurve); then only clients whose public key is authorized
     get through.  Shutdown takes at most drain_timeout_s + 5 s, whatever is in flight."""
 
-    def __init__(self, backend: Backend, bind: str = "tcp://127.0.0.1:5555", *,
-                 max_queued: int = 4096, max_frame_bytes: int = 1 << 20,
-                 max_tokens_cap: int | None = None, watchdog_s: float | None = None,
-                 drain_timeout_s: float = 5.0, max_inflight_per_client: int = 1024,
-                 max_queue_ms: float | None = 60_000, curve=None):
+    def __init__(
+        self,
+        backend: Backend,
+        bind: str = "tcp://127.0.0.1:5555",
+        *,
+        max_queued: int = 4096,
+        max_frame_bytes: int = 1 << 20,
+        max_tokens_cap: int | None = None,
+        watchdog_s: float | None = None,
+        drain_timeout_s: float = 5.0,
+        max_inflight_per_client: int = 1024,
+        max_queue_ms: float | None = 60_000,
+        curve=None,
+    ):
         self.backend = backend
         model = backend.model
         self.limits = protocol.Limits(
-            max_frame_bytes=max_frame_bytes, vocab_size=model.vocab_size,
+            max_frame_bytes=max_frame_bytes,
+            vocab_size=model.vocab_size,
             max_context=model.max_context,
-            max_tokens_cap=max_tokens_cap or model.max_context)
+            max_tokens_cap=max_tokens_cap or model.max_context,
+        )
         self.table = RequestTable()
         self.metrics = ServerMetrics()
         self.admission = Admission(backend.rings, self.table, max_queued=max_queued)
@@ -91,8 +103,7 @@ class Server:
         self.outbox = Outbox(self._notify_frontend)
         if watchdog_s is None:  # a CPU step of a big model can take seconds; a GPU step cannot
             watchdog_s = 60.0 if backend.description.get("device") == "cpu" else 2.0
-        self.completions = CompletionRouter(backend, self.table, self.outbox, self.metrics,
-                                            watchdog_s)
+        self.completions = CompletionRouter(backend, self.table, self.outbox, self.metrics, watchdog_s)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
@@ -169,8 +180,14 @@ class Server:
         self._gone.discard(client)  # it is back (a client may reconnect under its identity)
         if len(parts) != 2:
             self.metrics.bad_frames += 1
-            self._send(client, protocol.encode(protocol.error_msg(
-                protocol.ERR_BAD_REQUEST, f"expected one frame per message, got {len(parts) - 1}")))
+            self._send(
+                client,
+                protocol.encode(
+                    protocol.error_msg(
+                        protocol.ERR_BAD_REQUEST, f"expected one frame per message, got {len(parts) - 1}"
+                    )
+                ),
+            )
             return
         try:
             request = protocol.decode_request(parts[1], self.limits)
@@ -180,9 +197,19 @@ class Server:
             return
         except protocol.BadRequest as exc:
             self.metrics.rejected_bad_request += 1
-            self._send(client, protocol.encode(protocol.done_msg(
-                exc.id, protocol.FINISH_ERROR, 0, 0, error_code=protocol.ERR_BAD_REQUEST,
-                error_message=str(exc))))
+            self._send(
+                client,
+                protocol.encode(
+                    protocol.done_msg(
+                        exc.id,
+                        protocol.FINISH_ERROR,
+                        0,
+                        0,
+                        error_code=protocol.ERR_BAD_REQUEST,
+                        error_message=str(exc),
+                    )
+                ),
+            )
             return
         if isinstance(request, protocol.GenerateRequest):
             self._on_generate(client, request)
@@ -197,34 +224,51 @@ class Server:
 
     def _reject(self, client: bytes, request_id, code: str, message: str) -> None:
         """A `done` for a generate that is never accepted (usage is zero by the protocol)."""
-        self._send(client, protocol.encode(protocol.done_msg(
-            request_id, protocol.FINISH_ERROR, 0, 0, error_code=code, error_message=message)))
+        self._send(
+            client,
+            protocol.encode(
+                protocol.done_msg(
+                    request_id, protocol.FINISH_ERROR, 0, 0, error_code=code, error_message=message
+                )
+            ),
+        )
 
     def _on_generate(self, client: bytes, r: protocol.GenerateRequest) -> None:
         if self.table.contains(client, r.id):
             self.metrics.rejected_bad_request += 1
-            self._reject(client, r.id, protocol.ERR_DUPLICATE_ID,
-                         f"id: {r.id!r} is already in flight for this client")
+            self._reject(
+                client, r.id, protocol.ERR_DUPLICATE_ID, f"id: {r.id!r} is already in flight for this client"
+            )
             return
         if not self._accepting or self.completions.dead_reason is not None:
             code = protocol.ERR_SHUTDOWN if not self._accepting else protocol.ERR_ENGINE_DEAD
-            self._reject(client, r.id, code, "server is not accepting requests: " +
-                         ("shutting down" if not self._accepting else self.completions.dead_reason))
+            self._reject(
+                client,
+                r.id,
+                code,
+                "server is not accepting requests: "
+                + ("shutting down" if not self._accepting else self.completions.dead_reason),
+            )
             return
         cap = self.max_inflight_per_client
         if cap and self.table.count_of(client) >= cap:
             self.metrics.rejected_overloaded += 1
-            self._reject(client, r.id, protocol.ERR_OVERLOADED,
-                         f"overloaded: this client already has {cap} requests in flight "
-                         f"(the server's --max-inflight-per-client)")
+            self._reject(
+                client,
+                r.id,
+                protocol.ERR_OVERLOADED,
+                f"overloaded: this client already has {cap} requests in flight "
+                f"(the server's --max-inflight-per-client)",
+            )
             return
         model = self.backend.model
         if r.prompt_ids is not None:
             prompt_ids = r.prompt_ids
         elif model.tokenizer is None:
             self.metrics.rejected_bad_request += 1
-            self._reject(client, r.id, protocol.ERR_BAD_REQUEST,
-                         "prompt: this model has no tokenizer; send prompt_ids")
+            self._reject(
+                client, r.id, protocol.ERR_BAD_REQUEST, "prompt: this model has no tokenizer; send prompt_ids"
+            )
             return
         else:
             prompt_ids = model.tokenizer.encode(r.prompt)
@@ -236,16 +280,28 @@ class Server:
             return
         if not self.admission.can_accept(len(prompt_ids)):
             self.metrics.rejected_overloaded += 1
-            self._reject(client, r.id, protocol.ERR_OVERLOADED,
-                         f"overloaded: {self.admission.queued} requests already wait for a slot")
+            self._reject(
+                client,
+                r.id,
+                protocol.ERR_OVERLOADED,
+                f"overloaded: {self.admission.queued} requests already wait for a slot",
+            )
             return
         seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
         req = self.table.add(
-            client, r.id, prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            max_tokens=r.max_tokens, temperature=float(r.temperature), top_p=float(r.top_p),
-            top_k=int(r.top_k), seed=seed, stop_ids=tuple(r.stop_token_ids),
-            ignore_eos=bool(r.ignore_eos), priority=int(r.priority),
-            detokenizer=model.new_detokenizer() if model.new_detokenizer else None)
+            client,
+            r.id,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            max_tokens=r.max_tokens,
+            temperature=float(r.temperature),
+            top_p=float(r.top_p),
+            top_k=int(r.top_k),
+            seed=seed,
+            stop_ids=tuple(r.stop_token_ids),
+            ignore_eos=bool(r.ignore_eos),
+            priority=int(r.priority),
+            detokenizer=model.new_detokenizer() if model.new_detokenizer else None,
+        )
         self._arm_deadlines(req, r.timeout_ms)
         self.admission.submit(req)  # can_accept was checked just above
         self.metrics.accepted += 1
@@ -262,8 +318,9 @@ class Server:
         elif code is not None and req.end_as is None:
             req.end_as = (code, message)
 
-    def _end_on_host(self, req: InFlight, reason: str, code: str | None = None,
-                     message: str | None = None) -> None:
+    def _end_on_host(
+        self, req: InFlight, reason: str, code: str | None = None, message: str | None = None
+    ) -> None:
         """The `done` of a request the device does not hold (or no longer answers for)."""
         if self.table.finish(req.handle) is req:
             self._send(req.client, done_frame(req, reason, code, message)[1])
@@ -288,8 +345,10 @@ class Server:
             if req is None:
                 continue
             if kind == _QUEUE_DEADLINE and when == req.queue_deadline_ns and not req.started:
-                message = (f"timeout: not started within the server's queue limit of "
-                           f"{self._max_queue_ns / 1e6:.0f} ms")
+                message = (
+                    f"timeout: not started within the server's queue limit of "
+                    f"{self._max_queue_ns / 1e6:.0f} ms"
+                )
             elif kind == _REQUEST_DEADLINE and when == req.deadline_ns:
                 message = f"timeout: timeout_ms of {(req.deadline_ns - req.arrival_ns) / 1e6:.0f} ms passed"
             else:
@@ -357,13 +416,21 @@ class Server:
     # ---- stats and shutdown ------------------------------------------------------------------
     def stats(self) -> dict:
         s = self.metrics.snapshot()
-        s.update(in_flight=len(self.table), host_queue=self.admission.queued,
-                 in_device=self.table.in_sq, device_window=self.admission.device_window,
-                 timed_out=self.timed_out,
-                 arena_used=self.backend.rings.arena.used(), model=self.backend.model.name,
-                 backend=dict(self.backend.description), device=self.backend.stats())
-        threads = {"frontend": thread_cpu_seconds(self._frontend_tid),
-                   "completions": thread_cpu_seconds(self.completions.native_id)}
+        s.update(
+            in_flight=len(self.table),
+            host_queue=self.admission.queued,
+            in_device=self.table.in_sq,
+            device_window=self.admission.device_window,
+            timed_out=self.timed_out,
+            arena_used=self.backend.rings.arena.used(),
+            model=self.backend.model.name,
+            backend=dict(self.backend.description),
+            device=self.backend.stats(),
+        )
+        threads = {
+            "frontend": thread_cpu_seconds(self._frontend_tid),
+            "completions": thread_cpu_seconds(self.completions.native_id),
+        }
         for name, tid in s["device"].pop("threads", {}).items():
             threads[name] = thread_cpu_seconds(tid)
         s["thread_cpu_s"] = {k: v for k, v in threads.items() if v is not None}
@@ -378,8 +445,12 @@ class Server:
         while len(self.table) and time.monotonic() < deadline:
             self._frontend_iteration(timeout_ms=10)
         for req in self.admission.drop_queued():
-            self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN,
-                              "server shut down before the request started")
+            self._end_on_host(
+                req,
+                protocol.FINISH_ERROR,
+                protocol.ERR_SHUTDOWN,
+                "server shut down before the request started",
+            )
         for req in self.table.all():
             self._abort(req, protocol.ERR_SHUTDOWN, "server shut down")
         deadline = time.monotonic() + ABORT_WAIT_S

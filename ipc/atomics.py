@@ -3,6 +3,7 @@
 numpy stores carry no ordering on weakly ordered CPUs (Arm edge boxes), so publishing an index
 goes through these few instructions of C++ instead.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,6 +38,7 @@ def _library():
 
 class AtomicU32:
     """One 32-bit shared word at a fixed address."""
+
     __slots__ = ("_addr", "_load", "_store")
 
     def __init__(self, address: int):

@@ -3,11 +3,13 @@
 A backend owns the model, the scheduler and the shared memory; hostctl sees only the host-shared
 rings (ipc.rings.HostRings) and these methods.  hostctl never chooses what runs in a step.
 """
+
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -16,7 +18,7 @@ class ModelInfo:
     vocab_size: int
     max_context: int
     eos_token_ids: tuple[int, ...]
-    tokenizer: Any = None                      # encode(str) -> list[int]; None: ids only
+    tokenizer: Any = None  # encode(str) -> list[int]; None: ids only
     new_detokenizer: Callable[[], Any] | None = None  # -> object with push(ids) -> str, flush()
     extra: dict = field(default_factory=dict)
 
@@ -26,9 +28,9 @@ class EngineDead(RuntimeError):
 
 
 class Backend(abc.ABC):
-    rings: Any          # ipc.rings.HostRings
+    rings: Any  # ipc.rings.HostRings
     model: ModelInfo
-    description: dict   # device, scheduler placement, launch mode, dtype ... for stats and bench
+    description: dict  # device, scheduler placement, launch mode, dtype ... for stats and bench
 
     @abc.abstractmethod
     def start(self) -> None:

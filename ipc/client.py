@@ -22,8 +22,9 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -79,7 +80,16 @@ def _check_request_id(request_id: Any) -> None:
 
 
 def _generate_fields(
-    prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+    prompt,
+    prompt_ids,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop_token_ids,
+    ignore_eos,
+    priority,
     timeout_ms,
 ) -> dict:
     """Request fields as given: values are judged by the server, only shaped here so they encode."""
@@ -197,7 +207,7 @@ class _Liveness:
         return min(1.0, max(0.05, min(limits) / 4))
 
     def check(self, now: float, busy: bool) -> str | None:
-        """"ping" when a keep-alive ping is due, a failure message when the server is given up, else None."""
+        """ "ping" when a keep-alive ping is due, a failure message when the server is given up, else None."""
         if busy and not self._busy:
             self.heard(now)  # the clock starts when work starts, not at the last reply of long ago
         self._busy = busy
@@ -243,15 +253,15 @@ class Stream(_StreamState):
     Dropping an unfinished stream (close(), leaving a `with` block, or garbage collection) aborts
     the request on the server."""
 
-    def __init__(self, client: "Client", request_id: P.RequestId, timeout: float | None):
+    def __init__(self, client: Client, request_id: P.RequestId, timeout: float | None):
         super().__init__(request_id, timeout)
         self._client = client
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
-    def __iter__(self) -> "Stream":
+    def __iter__(self) -> Stream:
         return self
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -300,7 +310,7 @@ class Stream(_StreamState):
 class _Waiter:
     """One pending stats/ping reply."""
 
-    __slots__ = ("event", "value", "error")
+    __slots__ = ("error", "event", "value")
 
     def __init__(self):
         self.event = threading.Event()
@@ -351,7 +361,9 @@ class Client:
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a ROUTER drops replies to a full pipe: never let ours fill
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # frames wait in our queue, not for a server that is not there
+        self._sock.setsockopt(
+            zmq.IMMEDIATE, 1
+        )  # frames wait in our queue, not for a server that is not there
         if curve is not None:
             secure_client_socket(self._sock, curve)
         self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
@@ -364,7 +376,9 @@ class Client:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._thread = threading.Thread(target=self._io_loop, name=f"ringleader-client {address}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._io_loop, name=f"ringleader-client {address}", daemon=True
+        )
         self._thread.start()
 
     # -- public API
@@ -389,7 +403,16 @@ class Client:
         """Send a generate request and return its Stream (timeout: per chunk, default the client's;
         timeout_ms: the server ends the request with code `timeout` after this long)."""
         fields = _generate_fields(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            priority,
             timeout_ms,
         )
         if request_id is not None:
@@ -453,7 +476,7 @@ class Client:
         self._wake_w.close()
         self._ctx.term()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -469,7 +492,9 @@ class Client:
         if self._closed:
             raise RuntimeError("client is closed")
         if not self._thread.is_alive():
-            raise RuntimeError("client I/O thread has stopped (see the logged exception); create a new Client")
+            raise RuntimeError(
+                "client I/O thread has stopped (see the logged exception); create a new Client"
+            )
 
     def _encode(self, msg: dict) -> bytes:
         frame = P.encode(msg)
@@ -490,6 +515,7 @@ class Client:
         def collected(ref: weakref.ref) -> None:
             self._abandoned.append((request_id, ref))
             self._wake()
+
         return collected
 
     def _abandon(self, request_id: P.RequestId, ref: Any) -> None:
@@ -557,9 +583,11 @@ class Client:
                 self._check_liveness()
                 if self._stopping:
                     break
-        except Exception:  # noqa: BLE001 - keep the reason; close() still runs its cleanup
+        except Exception:
             log.exception("ringleader client I/O thread failed")
-            self._fail_pending(ERR_DISCONNECTED, "client I/O thread failed", ConnectionError("client I/O failed"))
+            self._fail_pending(
+                ERR_DISCONNECTED, "client I/O thread failed", ConnectionError("client I/O failed")
+            )
         finally:
             sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
             self._sock.disable_monitor()
@@ -666,15 +694,15 @@ class AsyncStream(_StreamState):
     Cancelling the task that awaits it, `aclose()`, leaving an `async with` block, or garbage
     collection of an unfinished stream aborts the request on the server."""
 
-    def __init__(self, client: "AsyncClient", request_id: P.RequestId, timeout: float | None):
+    def __init__(self, client: AsyncClient, request_id: P.RequestId, timeout: float | None):
         super().__init__(request_id, timeout)
         self._client = client
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def __aiter__(self) -> "AsyncStream":
+    def __aiter__(self) -> AsyncStream:
         return self
 
-    async def __aenter__(self) -> "AsyncStream":
+    async def __aenter__(self) -> AsyncStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -778,7 +806,16 @@ class AsyncClient:
     ) -> AsyncStream:
         self._ensure_started()
         fields = _generate_fields(
-            prompt, prompt_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, priority,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            priority,
             timeout_ms,
         )
         if request_id is None:
@@ -838,7 +875,7 @@ class AsyncClient:
         for task in self._tasks:
             try:
                 await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - tasks are being torn down
+            except (asyncio.CancelledError, Exception):
                 pass
         self._fail_pending(ERR_CLIENT_CLOSED, "client closed", RuntimeError("client closed"))
         if self._sock is not None:
@@ -847,7 +884,7 @@ class AsyncClient:
             self._sock.close(linger=_CLOSE_LINGER_MS)
         await asyncio.to_thread(self._ctx.term)  # term() blocks while the aborts flush
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         self._ensure_started()
         return self
 
@@ -875,8 +912,11 @@ class AsyncClient:
         sock.connect(self.address)
         self._sock = sock
         self._loop = asyncio.get_running_loop()
-        self._tasks = [self._loop.create_task(self._recv_loop()), self._loop.create_task(self._monitor_loop()),
-                       self._loop.create_task(self._liveness_loop())]
+        self._tasks = [
+            self._loop.create_task(self._recv_loop()),
+            self._loop.create_task(self._monitor_loop()),
+            self._loop.create_task(self._liveness_loop()),
+        ]
 
     async def _send_frame(self, frame: bytes) -> None:
         if self._closed:
@@ -899,6 +939,7 @@ class AsyncClient:
                     loop.call_soon_threadsafe(self._abandon, request_id, ref)
                 except RuntimeError:
                     pass  # the loop closed in between: the server sees the disconnect instead
+
         return collected
 
     def _abandon(self, request_id: P.RequestId, ref: Any) -> None:

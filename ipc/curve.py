@@ -17,6 +17,7 @@ Server side, in order:
 
 Client side: `secure_client_socket(sock, curve)` before connect.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,11 @@ ZAP_DOMAIN = "ringleader"
 
 # Monitor events a client sees when the server refuses its handshake (the DEALER keeps retrying;
 # its queued frames are never delivered).
-HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -56,12 +60,15 @@ class CurveError(ValueError):
 
 def require_curve() -> None:
     if not zmq.has("curve"):
-        raise CurveError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support; "
-                         "install a pyzmq wheel (it bundles a libzmq with CURVE) or build libzmq "
-                         "with libsodium")
+        raise CurveError(
+            f"this libzmq ({zmq.zmq_version()}) was built without CURVE support; "
+            "install a pyzmq wheel (it bundles a libzmq with CURVE) or build libzmq "
+            "with libsodium"
+        )
 
 
 # ---- key files ------------------------------------------------------------------------------
+
 
 def _check_z85_key(key: bytes | None, path: str, what: str) -> bytes:
     if not key:
@@ -83,8 +90,9 @@ def _read_key_file(path: str) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except ValueError:
-        raise CurveError(f"{path}: not a CURVE key file (no public-key line; "
-                         "create keys with `ringleader keygen`)") from None
+        raise CurveError(
+            f"{path}: not a CURVE key file (no public-key line; create keys with `ringleader keygen`)"
+        ) from None
     except OSError as exc:
         raise CurveError(f"{path}: cannot read: {exc}") from None
     return _check_z85_key(public, path, "public key"), secret
@@ -94,8 +102,9 @@ def load_keypair(path: str) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a NAME.key_secret file, checked to belong together."""
     public, secret = _read_key_file(path)
     if secret is None:
-        raise CurveError(f"{path}: no secret key in this file (it is a public key file; "
-                         "give the NAME.key_secret file)")
+        raise CurveError(
+            f"{path}: no secret key in this file (it is a public key file; give the NAME.key_secret file)"
+        )
     _check_z85_key(secret, path, "secret key")
     if zmq.curve_public(secret) != public:
         raise CurveError(f"{path}: the secret key does not match the public key in the same file")
@@ -105,8 +114,10 @@ def load_keypair(path: str) -> tuple[bytes, bytes]:
 def load_public_key(path: str) -> bytes:
     public, secret = _read_key_file(path)
     if secret is not None:
-        raise CurveError(f"{path}: this file holds a secret key; a peer needs only the public "
-                         "NAME.key file (never copy NAME.key_secret off its machine)")
+        raise CurveError(
+            f"{path}: this file holds a secret key; a peer needs only the public "
+            "NAME.key file (never copy NAME.key_secret off its machine)"
+        )
     return public
 
 
@@ -120,10 +131,15 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
     for path in sorted(Path(directory).glob("*.key")):  # what zmq.auth.load_certificates reads
         keys[_read_key_file(str(path))[0]] = str(path)
     if not keys:
-        hint = (" (it holds *.key_secret files: copy the public NAME.key files instead)"
-                if any(Path(directory).glob("*.key_secret")) else "")
-        raise CurveError(f"{directory}: authorized-keys directory has no *.key files{hint}; "
-                         "copy each client's public NAME.key into it")
+        hint = (
+            " (it holds *.key_secret files: copy the public NAME.key files instead)"
+            if any(Path(directory).glob("*.key_secret"))
+            else ""
+        )
+        raise CurveError(
+            f"{directory}: authorized-keys directory has no *.key files{hint}; "
+            "copy each client's public NAME.key into it"
+        )
     return keys
 
 
@@ -131,6 +147,7 @@ def load_authorized_keys(directory: str) -> dict[bytes, str]:
 class ServerCurve:
     """The server's keypair file and the directory of client public keys it accepts.
     Checked on construction (CurveError); the files are read again by secure_server_socket."""
+
     secret_key_file: str
     authorized_keys_dir: str
 
@@ -146,6 +163,7 @@ class ServerCurve:
 @dataclass(frozen=True)
 class ClientCurve:
     """The server's public key file and the client's keypair file.  Checked on construction."""
+
     server_public_key_file: str
     secret_key_file: str
 
@@ -162,15 +180,18 @@ def generate_keypair(directory: str | os.PathLike, name: str) -> tuple[str, str]
     Never overwrites: raises FileExistsError when either file exists."""
     require_curve()
     if not _NAME_RE.fullmatch(name):
-        raise CurveError(f"key name {name!r}: use letters, digits, '.', '_' and '-' "
-                         "(not starting with '.' or '-')")
+        raise CurveError(
+            f"key name {name!r}: use letters, digits, '.', '_' and '-' (not starting with '.' or '-')"
+        )
     directory = os.fspath(directory)
     public_path = os.path.join(directory, f"{name}.key")
     secret_path = os.path.join(directory, f"{name}.key_secret")
     for path in (public_path, secret_path):
         if os.path.lexists(path):
-            raise FileExistsError(f"{path} already exists; refusing to overwrite a key "
-                                  "(choose another --name or directory, or remove it first)")
+            raise FileExistsError(
+                f"{path} already exists; refusing to overwrite a key "
+                "(choose another --name or directory, or remove it first)"
+            )
     os.makedirs(directory, exist_ok=True)
     # Written into a private (0700) scratch directory, then hard-linked into place: a link never
     # replaces an existing file, and the secret key is never readable by others on the way.
@@ -202,13 +223,15 @@ def generate_keypair(directory: str | os.PathLike, name: str) -> tuple[str, str]
 
 # ---- sockets --------------------------------------------------------------------------------
 
+
 class CurveAuthenticator:
     """The running ZAP handler of one server socket (a pyzmq ThreadAuthenticator).
     stop() is idempotent; call it after closing the server socket and before terminating the
     context (an authenticator left running keeps ctx.term() waiting)."""
 
-    def __init__(self, auth: ThreadAuthenticator, curve: ServerCurve, public_key: bytes,
-                 authorized: dict[bytes, str]):
+    def __init__(
+        self, auth: ThreadAuthenticator, curve: ServerCurve, public_key: bytes, authorized: dict[bytes, str]
+    ):
         self._auth = auth
         self._lock = threading.Lock()
         self.curve = curve
@@ -236,7 +259,7 @@ class CurveAuthenticator:
         if auth is not None:
             auth.stop()
 
-    def __enter__(self) -> "CurveAuthenticator":
+    def __enter__(self) -> CurveAuthenticator:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -265,8 +288,10 @@ def secure_server_socket(ctx: zmq.Context, sock: zmq.Socket, curve: ServerCurve)
     except zmq.ZMQError as exc:
         auth.stop()
         if exc.errno == zmq.EADDRINUSE:
-            raise CurveError("this zmq.Context already runs a ZAP handler (another CURVE server "
-                             "or authenticator); give each CURVE server its own zmq.Context()") from None
+            raise CurveError(
+                "this zmq.Context already runs a ZAP handler (another CURVE server "
+                "or authenticator); give each CURVE server its own zmq.Context()"
+            ) from None
         raise
     except BaseException:
         auth.stop()
@@ -277,16 +302,23 @@ def secure_server_socket(ctx: zmq.Context, sock: zmq.Socket, curve: ServerCurve)
         try:
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         except (AttributeError, zmq.ZMQError):  # libzmq < 4.3: the handler is still required by us
-            log.warning("libzmq %s lacks ZAP_ENFORCE_DOMAIN: stop the authenticator only after "
-                        "closing the server socket", zmq.zmq_version())
+            log.warning(
+                "libzmq %s lacks ZAP_ENFORCE_DOMAIN: stop the authenticator only after "
+                "closing the server socket",
+                zmq.zmq_version(),
+            )
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
     except BaseException:
         handle.stop()
         raise
-    log.info("CURVE on: server key %s, %d authorized client key(s) from %s", public.decode(),
-             len(authorized), curve.authorized_keys_dir)
+    log.info(
+        "CURVE on: server key %s, %d authorized client key(s) from %s",
+        public.decode(),
+        len(authorized),
+        curve.authorized_keys_dir,
+    )
     return handle
 
 
@@ -303,13 +335,18 @@ def secure_client_socket(sock: zmq.Socket, curve: ClientCurve) -> None:
 def describe_handshake_failure(event: int, value: int = 0) -> str:
     """Words for a HANDSHAKE_FAILED_* monitor event seen by a client."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the server refused this client's CURVE key (ZAP status {value}): its public "
-                "key is not in the server's authorized-keys directory")
-    return ("the security handshake with the server failed: wrong server public key, or CURVE "
-            "on one side only (--curve-server-key/--curve-secret-key must match the server's setup)")
+        return (
+            f"the server refused this client's CURVE key (ZAP status {value}): its public "
+            "key is not in the server's authorized-keys directory"
+        )
+    return (
+        "the security handshake with the server failed: wrong server public key, or CURVE "
+        "on one side only (--curve-server-key/--curve-secret-key must match the server's setup)"
+    )
 
 
 # ---- addresses ------------------------------------------------------------------------------
+
 
 def is_loopback(bind_address: str) -> bool:
     """True when only this machine can reach `bind_address`: ipc://, inproc://, and tcp (or ws,
@@ -345,29 +382,42 @@ def unauthenticated_bind_warning(bind_address: str, curve: ServerCurve | None) -
     """The warning to log when a server binds beyond loopback without CURVE, else None."""
     if curve is not None or is_loopback(bind_address):
         return None
-    return (f"{bind_address} is reachable from other machines and CURVE authentication is off "
-            "(bound without CURVE keys): anyone who can connect can use this server (see "
-            "`ringleader keygen`, "
-            "--curve-secret-key and --authorized-keys)")
+    return (
+        f"{bind_address} is reachable from other machines and CURVE authentication is off "
+        "(bound without CURVE keys): anyone who can connect can use this server (see "
+        "`ringleader keygen`, "
+        "--curve-secret-key and --authorized-keys)"
+    )
 
 
 # ---- command-line options -------------------------------------------------------------------
 
+
 def add_curve_server_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CURVE authentication (both options, or neither)")
-    g.add_argument("--curve-secret-key", metavar="FILE", default=None,
-                   help="the server's NAME.key_secret (from `ringleader keygen`); turns CURVE on")
-    g.add_argument("--authorized-keys", metavar="DIR", default=None,
-                   help="directory of the client public keys (*.key) this server accepts")
+    g.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        default=None,
+        help="the server's NAME.key_secret (from `ringleader keygen`); turns CURVE on",
+    )
+    g.add_argument(
+        "--authorized-keys",
+        metavar="DIR",
+        default=None,
+        help="directory of the client public keys (*.key) this server accepts",
+    )
 
 
 def add_curve_client_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CURVE authentication (both options, or neither)")
-    g.add_argument("--curve-server-key", metavar="FILE", default=None,
-                   help="the server's public NAME.key")
-    g.add_argument("--curve-secret-key", metavar="FILE", default=None,
-                   help="this client's NAME.key_secret (its NAME.key must be in the server's "
-                   "authorized-keys directory)")
+    g.add_argument("--curve-server-key", metavar="FILE", default=None, help="the server's public NAME.key")
+    g.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        default=None,
+        help="this client's NAME.key_secret (its NAME.key must be in the server's authorized-keys directory)",
+    )
 
 
 def _pair(args, a: str, b: str, flag_a: str, flag_b: str):
@@ -381,14 +431,16 @@ def _pair(args, a: str, b: str, flag_a: str, flag_b: str):
 def server_curve_from_args(args: argparse.Namespace) -> ServerCurve | None:
     """ServerCurve from add_curve_server_options' flags, None when neither is given; CurveError
     when only one is, or a file is unusable."""
-    secret, authorized = _pair(args, "curve_secret_key", "authorized_keys",
-                               "--curve-secret-key", "--authorized-keys")
+    secret, authorized = _pair(
+        args, "curve_secret_key", "authorized_keys", "--curve-secret-key", "--authorized-keys"
+    )
     return None if secret is None else ServerCurve(secret, authorized)
 
 
 def client_curve_from_args(args: argparse.Namespace) -> ClientCurve | None:
     """ClientCurve from add_curve_client_options' flags, None when neither is given; CurveError
     when only one is, or a file is unusable."""
-    server_key, secret = _pair(args, "curve_server_key", "curve_secret_key",
-                               "--curve-server-key", "--curve-secret-key")
+    server_key, secret = _pair(
+        args, "curve_server_key", "curve_secret_key", "--curve-server-key", "--curve-secret-key"
+    )
     return None if server_key is None else ClientCurve(server_key, secret)

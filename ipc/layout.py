@@ -34,10 +34,12 @@ The prompt arena has no shared index: the host allocates and reclaims it (a requ
 free once its first TOKEN or its DONE event has been read: the device reads a prompt once, when
 it admits the request into a slot, copying it into device memory, before either event).
 """
+
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from enum import Enum, IntEnum, IntFlag
 
 import numpy as np
 
@@ -49,9 +51,12 @@ MAX_EOS_IDS = 4
 MAX_BUCKETS = 16
 
 _SCALARS = {
-    "u8": ("uint8_t", np.uint8), "u16": ("uint16_t", np.uint16),
-    "u32": ("uint32_t", np.uint32), "i32": ("int32_t", np.int32),
-    "u64": ("uint64_t", np.uint64), "i64": ("int64_t", np.int64),
+    "u8": ("uint8_t", np.uint8),
+    "u16": ("uint16_t", np.uint16),
+    "u32": ("uint32_t", np.uint32),
+    "i32": ("int32_t", np.int32),
+    "u64": ("uint64_t", np.uint64),
+    "i64": ("int64_t", np.int64),
     "f32": ("float", np.float32),
 }
 
@@ -59,13 +64,14 @@ _SCALARS = {
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: str          # a key of _SCALARS
-    count: int = 1     # > 1 makes a fixed array
+    kind: str  # a key of _SCALARS
+    count: int = 1  # > 1 makes a fixed array
 
 
 @dataclass(frozen=True)
 class Struct:
     """A C struct with natural alignment, padded to `align` bytes."""
+
     name: str
     fields: tuple[Field, ...]
     align: int = 8
@@ -92,8 +98,7 @@ class Struct:
             names.append(f.name)
             formats.append((base, (f.count,)) if f.count > 1 else base)
             offs.append(off)
-        return np.dtype({"names": names, "formats": formats, "offsets": offs,
-                         "itemsize": self.size})
+        return np.dtype({"names": names, "formats": formats, "offsets": offs, "itemsize": self.size})
 
     def c_text(self) -> str:
         lines = [f"struct alignas({self.align}) {self.name} {{"]
@@ -103,8 +108,7 @@ class Struct:
         lines.append("};")
         lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name} size");')
         for f, off in self.offsets():
-            lines.append(f"static_assert(offsetof({self.name}, {f.name}) == {off}, "
-                         f'"{self.name}.{f.name}");')
+            lines.append(f'static_assert(offsetof({self.name}, {f.name}) == {off}, "{self.name}.{f.name}");')
         return "\n".join(lines)
 
 
@@ -112,6 +116,8 @@ def _f(name: str, kind: str, count: int = 1) -> Field:
     return Field(name, kind, count)
 
 
+# The tables below keep their hand layout (fields grouped by cache line or by meaning).
+# fmt: off
 # Written once by the host before the scheduler starts; read-only afterwards.
 CONFIG = Struct("RlConfig", (
     _f("magic", "u32"), _f("version", "u32"),
@@ -237,59 +243,181 @@ ARRAYS = (
     ("trace", "uint64_t", "trace_words"),
 )
 
+# fmt: on
+
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
 HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "aq")
 # Of those, the ones shared while the scheduler runs (cfg is read-only, a device copy on CUDA).
 HOST_RINGS = tuple(name for name in HOST_SHARED if name != "cfg")
 
-# Enumerations shared by both sides.
-ENUMS = {
-    "RL_OP_NONE": 0, "RL_OP_GENERATE": 1, "RL_OP_CANCELLED": 3,
-    "RL_FLAG_IGNORE_EOS": 1,
-    "RL_EV_TOKEN": 1, "RL_EV_DONE": 2,
-    "RL_FINISH_NONE": 0, "RL_FINISH_STOP": 1, "RL_FINISH_LENGTH": 2, "RL_FINISH_ABORT": 3,
+
+# Enumerations shared by both sides: IntEnums here, `#define <prefix><NAME>` in the C header.
+class Op(IntEnum):
+    """RlSqEntry.op; the device reuses it for a pending entry's state."""
+
+    NONE = 0
+    GENERATE = 1
+    CANCELLED = 3
+
+
+class SqFlag(IntFlag):
+    IGNORE_EOS = 1
+
+
+class EventKind(IntEnum):
+    TOKEN = 1
+    DONE = 2
+
+
+class Finish(IntEnum):
+    """RlCqEvent.finish_reason of a DONE."""
+
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+class SlotState(IntEnum):
     # ENDING: finished, its DONE not yet written (then FREE); ABORTED: its DONE written, but the
     # step in flight may still use the slot (FREE at the next critical phase)
-    "RL_SLOT_FREE": 0, "RL_SLOT_PREFILL": 1, "RL_SLOT_DECODE": 2, "RL_SLOT_ENDING": 3,
-    "RL_SLOT_ABORTED": 4,
-    "RL_POLICY_FIFO": 0, "RL_POLICY_PRIORITY": 1, "RL_POLICY_STATIC": 2,
-    "RL_STATE_INIT": 0, "RL_STATE_RUNNING": 1, "RL_STATE_EXITED": 2, "RL_STATE_FAILED": 3,
-    # why the scheduler loop ended: asked to (shutdown), compute kept its turn past the grace
-    # after shutdown (deadline), or the run budget ran out (budget)
-    "RL_EXIT_NONE": 0, "RL_EXIT_SHUTDOWN": 1, "RL_EXIT_DEADLINE": 2, "RL_EXIT_BUDGET": 3,
-    "RL_ERR_NONE": 0, "RL_ERR_BAD_MAGIC": 1, "RL_ERR_BAD_VERSION": 2,
-    "RL_ERR_BAD_CONFIG": 3, "RL_ERR_BAD_FINGERPRINT": 4,
-    "RL_TURN_SCHED": 0, "RL_TURN_COMPUTE": 1, "RL_TURN_EXIT": 2,
-    # device timeline, one row of RL_TRACE_FIELDS u64 per step: the critical phase that built
-    # it, the step itself (first kernel of its SWITCH branch, then the signal kernel), the
-    # overlapped phase that ran beside it, flags (RL_TRACE_CHAINED) and the step's seq + 1
-    "RL_TRACE_SCHED_BEGIN": 0, "RL_TRACE_SCHED_END": 1, "RL_TRACE_STEP_BEGIN": 2,
-    "RL_TRACE_STEP_END": 3, "RL_TRACE_OVERLAP_BEGIN": 4, "RL_TRACE_OVERLAP_END": 5,
-    "RL_TRACE_FLAGS": 6, "RL_TRACE_SEQ": 7, "RL_TRACE_FIELDS": 8, "RL_TRACE_CHAINED": 1,
-    "RL_STEP_IDLE": 0, "RL_STEP_RUN": 1, "RL_STEP_SHUTDOWN": 2, "RL_STEP_ERROR": 3,
+    FREE = 0
+    PREFILL = 1
+    DECODE = 2
+    ENDING = 3
+    ABORTED = 4
+
+
+class Policy(IntEnum):
+    FIFO = 0
+    PRIORITY = 1
+    STATIC = 2
+
+
+class SchedulerState(IntEnum):
+    """RlControl.state."""
+
+    INIT = 0
+    RUNNING = 1
+    EXITED = 2
+    FAILED = 3
+
+
+class ExitReason(IntEnum):
+    """Why the scheduler loop ended: asked to (shutdown), compute kept its turn past the grace
+    after shutdown (deadline), or the run budget ran out (budget)."""
+
+    NONE = 0
+    SHUTDOWN = 1
+    DEADLINE = 2
+    BUDGET = 3
+
+
+class InitError(IntEnum):
+    """RlControl.error_code: why the scheduler refused its configuration."""
+
+    NONE = 0
+    BAD_MAGIC = 1
+    BAD_VERSION = 2
+    BAD_CONFIG = 3
+    BAD_FINGERPRINT = 4
+
+
+class Turn(IntEnum):
+    """The scheduler/compute hand-over word on CUDA."""
+
+    SCHED = 0
+    COMPUTE = 1
+    EXIT = 2
+
+
+class TraceField(IntEnum):
+    """Device timeline, one row of TRACE_FIELDS u64 per step: the critical phase that built it,
+    the step itself (first kernel of its SWITCH branch, then the signal kernel), the overlapped
+    phase that ran beside it, flags (TraceFlag) and the step's seq + 1."""
+
+    SCHED_BEGIN = 0
+    SCHED_END = 1
+    STEP_BEGIN = 2
+    STEP_END = 3
+    OVERLAP_BEGIN = 4
+    OVERLAP_END = 5
+    FLAGS = 6
+    SEQ = 7
+
+
+TRACE_FIELDS = len(TraceField)
+
+
+class TraceFlag(IntFlag):
+    CHAINED = 1
+
+
+class StepStatus(IntEnum):
+    """What sched_critical tells the step: run the layout it built, idle, stop, or fail."""
+
+    IDLE = 0
+    RUN = 1
+    SHUTDOWN = 2
+    ERROR = 3
+
+
+# (enum, C prefix), in header order
+C_ENUMS: tuple[tuple[type[Enum], str], ...] = (
+    (Op, "RL_OP_"),
+    (SqFlag, "RL_FLAG_"),
+    (EventKind, "RL_EV_"),
+    (Finish, "RL_FINISH_"),
+    (SlotState, "RL_SLOT_"),
+    (Policy, "RL_POLICY_"),
+    (SchedulerState, "RL_STATE_"),
+    (ExitReason, "RL_EXIT_"),
+    (InitError, "RL_ERR_"),
+    (Turn, "RL_TURN_"),
+    (TraceField, "RL_TRACE_"),
+    (TraceFlag, "RL_TRACE_"),
+    (StepStatus, "RL_STEP_"),
+)
+
+
+def c_defines() -> list[str]:
+    lines = [f"#define {prefix}{member.name} {int(member)}" for enum, prefix in C_ENUMS for member in enum]
+    return lines + [f"#define RL_TRACE_FIELDS {TRACE_FIELDS}"]
+
+
+EXIT_REASON_NAMES = {
+    ExitReason.NONE: "running",
+    ExitReason.SHUTDOWN: "shutdown",
+    ExitReason.DEADLINE: "deadline",
+    ExitReason.BUDGET: "budget",
 }
-globals().update(ENUMS)
+STATE_NAMES = {s: s.name.lower() for s in SchedulerState}
+ERROR_NAMES = {
+    InitError.NONE: "none",
+    InitError.BAD_MAGIC: "bad magic",
+    InitError.BAD_VERSION: "bad layout version",
+    InitError.BAD_CONFIG: "bad config",
+    InitError.BAD_FINGERPRINT: "layout fingerprint mismatch",
+}
 
-def _names(prefix: str, **names: str) -> dict[int, str]:
-    """{value: name} for ENUMS entries prefix + KEY (written against ENUMS so tools see it)."""
-    return {ENUMS[prefix + key]: name for key, name in names.items()}
 
-
-EXIT_REASON_NAMES = _names("RL_EXIT_", NONE="running", SHUTDOWN="shutdown", DEADLINE="deadline",
-                           BUDGET="budget")
-STATE_NAMES = _names("RL_STATE_", INIT="init", RUNNING="running", EXITED="exited", FAILED="failed")
-ERROR_NAMES = _names("RL_ERR_", NONE="none", BAD_MAGIC="bad magic", BAD_VERSION="bad layout version",
-                     BAD_CONFIG="bad config", BAD_FINGERPRINT="layout fingerprint mismatch")
-
-FINISH_REASON_NAMES = {RL_FINISH_STOP: "stop", RL_FINISH_LENGTH: "length",
-                       RL_FINISH_ABORT: "abort"}
+def init_error_name(code: int) -> str:
+    """The scheduler's RlControl.error_code in words (an unknown code says so with its number)."""
+    try:
+        return ERROR_NAMES[InitError(code)]
+    except ValueError:
+        return f"unknown error code {code}"
 
 
 def _header_body() -> str:
-    parts = [f"#define RL_MAGIC 0x{MAGIC:08X}u", f"#define RL_LAYOUT_VERSION {LAYOUT_VERSION}u",
-             f"#define RL_MAX_STOP_IDS {MAX_STOP_IDS}", f"#define RL_MAX_EOS_IDS {MAX_EOS_IDS}",
-             f"#define RL_MAX_BUCKETS {MAX_BUCKETS}"]
-    parts += [f"#define {k} {v}" for k, v in ENUMS.items()]
+    parts = [
+        f"#define RL_MAGIC 0x{MAGIC:08X}u",
+        f"#define RL_LAYOUT_VERSION {LAYOUT_VERSION}u",
+        f"#define RL_MAX_STOP_IDS {MAX_STOP_IDS}",
+        f"#define RL_MAX_EOS_IDS {MAX_EOS_IDS}",
+        f"#define RL_MAX_BUCKETS {MAX_BUCKETS}",
+    ]
+    parts += c_defines()
     parts += [s.c_text() for s in STRUCTS]
     ptrs = "\n".join(f"  {ctype}* {name};" for name, ctype, _ in ARRAYS)
     parts.append(f"struct RlContext {{\n{ptrs}\n}};")
@@ -303,21 +431,25 @@ def fingerprint() -> int:
 
 def c_header() -> str:
     """The header both compilers include; offsetof comes from a builtin so NVRTC needs no <cstddef>."""
-    return "\n".join([
-        "// Generated from ipc/layout.py. Do not edit.",
-        "#pragma once",
-        "#ifndef offsetof",
-        "#define offsetof(t, m) __builtin_offsetof(t, m)",
-        "#endif",
-        "#ifdef __CUDACC_RTC__",
-        "typedef unsigned char uint8_t; typedef unsigned short uint16_t;",
-        "typedef unsigned int uint32_t; typedef int int32_t;",
-        "typedef unsigned long long uint64_t; typedef long long int64_t;",
-        "#else",
-        "#include <stdint.h>",
-        "#endif",
-        f"#define RL_LAYOUT_FINGERPRINT 0x{fingerprint():016X}ull",
-        _header_body(), ""])
+    return "\n".join(
+        [
+            "// Generated from ipc/layout.py. Do not edit.",
+            "#pragma once",
+            "#ifndef offsetof",
+            "#define offsetof(t, m) __builtin_offsetof(t, m)",
+            "#endif",
+            "#ifdef __CUDACC_RTC__",
+            "typedef unsigned char uint8_t; typedef unsigned short uint16_t;",
+            "typedef unsigned int uint32_t; typedef int int32_t;",
+            "typedef unsigned long long uint64_t; typedef long long int64_t;",
+            "#else",
+            "#include <stdint.h>",
+            "#endif",
+            f"#define RL_LAYOUT_FINGERPRINT 0x{fingerprint():016X}ull",
+            _header_body(),
+            "",
+        ]
+    )
 
 
 def array_lengths(cfg: dict) -> dict[str, int]:

@@ -4,6 +4,7 @@ Used for the ring atomics here and for the CPU build of the scheduler in device/
 is the source text plus the flags, so an edit to the source (or to ipc/layout.py, whose header is
 part of the text) rebuilds on the next load and never loads a stale library.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,7 +24,8 @@ class NativeBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     root = os.environ.get("RINGLEADER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ringleader")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ringleader"
+    )
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -47,8 +49,7 @@ def build_library(name: str, source: str, flags: tuple[str, ...] = DEFAULT_FLAGS
         src = Path(tmp) / f"{name}.cpp"
         src.write_text(source)
         tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *flags, str(src), "-o", str(tmp_out)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, str(src), "-o", str(tmp_out)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeBuildError(f"{cxx} failed building {name}:\n{proc.stderr[-4000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders never see a half-written file

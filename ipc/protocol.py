@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -44,8 +44,9 @@ ERR_ENGINE_DEAD = "engine_dead"
 ERR_SHUTDOWN = "shutdown"
 ERR_DUPLICATE_ID = "duplicate_id"
 ERR_TIMEOUT = "timeout"  # protocol 1.1: the request's timeout_ms or the server's queue limit passed
-ERROR_CODES = frozenset({ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ENGINE_DEAD, ERR_SHUTDOWN, ERR_DUPLICATE_ID,
-                         ERR_TIMEOUT})
+ERROR_CODES = frozenset(
+    {ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ENGINE_DEAD, ERR_SHUTDOWN, ERR_DUPLICATE_ID, ERR_TIMEOUT}
+)
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 INT64_MIN = -(1 << 63)
@@ -54,7 +55,7 @@ UINT64_MAX = (1 << 64) - 1
 # Containers (maps + arrays) allowed in one frame: bounds the Python objects a 1 MiB frame can expand to.
 MAX_CONTAINERS_PER_FRAME = 10_000
 
-RequestId = Union[str, int]
+RequestId = str | int
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class PingRequest:
     pass
 
 
-Request = Union[GenerateRequest, AbortRequest, StatsRequest, PingRequest]
+Request = GenerateRequest | AbortRequest | StatsRequest | PingRequest
 
 
 class ProtocolError(Exception):
@@ -174,8 +175,10 @@ def _unpack(frame: bytes) -> Any:
         )
     # ExtraData, FormatError, StackError (ValueError subclasses), UnicodeDecodeError,
     # OverflowError, TypeError, RecursionError from the pure-Python fallback, ...
-    except Exception as exc:  # noqa: BLE001 - hostile input: anything msgpack raises is a bad frame
-        raise FrameError(f"frame is not valid msgpack: {type(exc).__name__}: {_show(str(exc), 120)}") from None
+    except Exception as exc:
+        raise FrameError(
+            f"frame is not valid msgpack: {type(exc).__name__}: {_show(str(exc), 120)}"
+        ) from None
 
 
 def _check_id(obj: dict, op: str, limits: Limits) -> RequestId:
@@ -203,7 +206,9 @@ def _int_field(obj: dict, rid: RequestId, name: str, default: Any, lo: int, hi: 
     return value
 
 
-def _float_field(obj: dict, rid: RequestId, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+def _float_field(
+    obj: dict, rid: RequestId, name: str, default: float, lo: float, hi: float, lo_open: bool
+) -> float:
     value = obj.get(name, default)
     lo_text = ("(" if lo_open else "[") + f"{lo:g}, " + (f"{hi:g}]" if math.isfinite(hi) else "inf)")
     if not (_is_int(value) or isinstance(value, float)):
@@ -218,7 +223,9 @@ def _float_field(obj: dict, rid: RequestId, name: str, default: float, lo: float
     return number
 
 
-def _token_list(value: Any, rid: RequestId, name: str, min_len: int, max_len: int, limits: Limits) -> list[int]:
+def _token_list(
+    value: Any, rid: RequestId, name: str, min_len: int, max_len: int, limits: Limits
+) -> list[int]:
     if not isinstance(value, list):
         raise BadRequest(rid, name, f"must be an array of ints, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:
@@ -231,7 +238,12 @@ def _token_list(value: Any, rid: RequestId, name: str, min_len: int, max_len: in
 
 
 def check_context(
-    prompt_len: int, max_tokens: int, limits: Limits, *, request_id: RequestId | None = None, field: str = "prompt"
+    prompt_len: int,
+    max_tokens: int,
+    limits: Limits,
+    *,
+    request_id: RequestId | None = None,
+    field: str = "prompt",
 ) -> None:
     """Raise BadRequest unless prompt_len + max_tokens fits max_context (servers call it after tokenizing)."""
     if prompt_len + max_tokens > limits.max_context:
@@ -256,7 +268,9 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
         if not isinstance(prompt, str):
             raise BadRequest(rid, "prompt", f"must be a str, got {type(prompt).__name__}")
         if not 1 <= len(prompt) <= limits.max_prompt_chars:
-            raise BadRequest(rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}")
+            raise BadRequest(
+                rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}"
+            )
     else:
         prompt_ids = _token_list(prompt_ids, rid, "prompt_ids", 1, max(1, limits.max_context - 1), limits)
         check_context(len(prompt_ids), max_tokens, limits, request_id=rid, field="prompt_ids")
@@ -267,9 +281,15 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
 
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not limits.min_seed <= seed <= limits.max_seed):
-        raise BadRequest(rid, "seed", f"must be null or an int in [{limits.min_seed}, {limits.max_seed}], got {_show(seed)}")
+        raise BadRequest(
+            rid,
+            "seed",
+            f"must be null or an int in [{limits.min_seed}, {limits.max_seed}], got {_show(seed)}",
+        )
 
-    stop_token_ids = _token_list(obj.get("stop_token_ids", []), rid, "stop_token_ids", 0, limits.max_stop_ids, limits)
+    stop_token_ids = _token_list(
+        obj.get("stop_token_ids", []), rid, "stop_token_ids", 0, limits.max_stop_ids, limits
+    )
 
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -449,4 +469,3 @@ def decode_reply(frame: bytes) -> dict:
     if not isinstance(obj, dict) or obj.get("op") not in REPLY_OPS:
         raise FrameError("server frame is not a reply map")
     return obj
-

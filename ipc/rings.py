@@ -13,6 +13,7 @@ or after the SQ publish of the GENERATE it names (the device parks an abort for 
 Each class below is used from one thread only: SubmissionQueue and AbortQueue by the frontend
 thread, CompletionQueue by the completion thread.  PromptArena is shared by both and locks.
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,7 +44,7 @@ class RingConfig:
     # abort ring entries; 0: the next power of two >= sq_size + pending_cap + n_slots, so every
     # request the device can hold gets its abort in without waiting
     aq_size: int = 0
-    policy: int = layout.RL_POLICY_FIFO
+    policy: int = layout.Policy.FIFO
     aging_steps: int = 64
     eos_ids: tuple[int, ...] = ()
     buckets: tuple[int, ...] = ()
@@ -72,8 +73,9 @@ class RingConfig:
         return max(self.n_slots, self.pending_cap)
 
     def lengths(self) -> dict[str, int]:
-        return layout.array_lengths({**self.__dict__, "work_len": self.work_len,
-                                     "trace_words": self.trace_len * layout.RL_TRACE_FIELDS})
+        return layout.array_lengths(
+            {**self.__dict__, "work_len": self.work_len, "trace_words": self.trace_len * layout.TRACE_FIELDS}
+        )
 
 
 @dataclass
@@ -104,27 +106,38 @@ def map_arrays(buffer: np.ndarray, plan: MemoryPlan, cfg: RingConfig) -> dict[st
     views = {}
     for name, off in plan.offsets.items():
         dt = layout.array_dtype(ctypes_of[name])
-        views[name] = buffer[off:off + plan.nbytes[name]].view(dt)[:lengths[name]]
+        views[name] = buffer[off : off + plan.nbytes[name]].view(dt)[: lengths[name]]
     return views
 
 
 def aligned_host_buffer(nbytes: int) -> np.ndarray:
     raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
     c = cfg_view[0]
     c["magic"], c["version"] = layout.MAGIC, layout.LAYOUT_VERSION
-    for name in ("n_slots", "max_ctx", "token_budget", "sq_size", "cq_size", "arena_size",
-                 "pending_cap", "aq_size", "policy", "aging_steps", "trace_len"):
+    for name in (
+        "n_slots",
+        "max_ctx",
+        "token_budget",
+        "sq_size",
+        "cq_size",
+        "arena_size",
+        "pending_cap",
+        "aq_size",
+        "policy",
+        "aging_steps",
+        "trace_len",
+    ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
     c["n_eos"] = len(cfg.eos_ids)
-    c["eos_ids"][:len(cfg.eos_ids)] = cfg.eos_ids
+    c["eos_ids"][: len(cfg.eos_ids)] = cfg.eos_ids
     c["n_buckets"] = len(cfg.buckets)
-    c["buckets"][:len(cfg.buckets)] = cfg.buckets
+    c["buckets"][: len(cfg.buckets)] = cfg.buckets
     c["layout_fingerprint"] = layout.fingerprint()
 
 
@@ -162,21 +175,33 @@ class SubmissionQueue(_RingProducer):
     def __init__(self, ctl: np.ndarray, sq: np.ndarray):
         super().__init__(ctl, sq, "sq_tail", "sq_head")
 
-    def push(self, handle: int, *, prompt_off: int = 0, prompt_len: int = 0,
-             max_tokens: int = 0, flags: int = 0, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, priority: int = 0, seed: int = 0, stop_ids=()) -> int:
+    def push(
+        self,
+        handle: int,
+        *,
+        prompt_off: int = 0,
+        prompt_len: int = 0,
+        max_tokens: int = 0,
+        flags: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        priority: int = 0,
+        seed: int = 0,
+        stop_ids=(),
+    ) -> int:
         """Writes one GENERATE; it becomes visible to the device at the next publish().  Returns
         the free-running u32 position it went to: the sq_pos an abort of this request names."""
         pos = self._tail
         e = self._ring[pos & self._mask]
-        e["op"], e["handle"] = layout.RL_OP_GENERATE, handle
+        e["op"], e["handle"] = layout.Op.GENERATE, handle
         e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
         e["max_tokens"], e["flags"] = max_tokens, flags
         e["temperature"], e["top_p"], e["top_k"] = temperature, top_p, top_k
         e["priority"], e["seed"] = priority, seed
         e["n_stop"], e["arrival"] = len(stop_ids), 0
         e["stop_ids"][:] = -1
-        e["stop_ids"][:len(stop_ids)] = stop_ids
+        e["stop_ids"][: len(stop_ids)] = stop_ids
         self._tail = (pos + 1) & 0xFFFFFFFF
         return pos
 
@@ -219,9 +244,9 @@ class CompletionQueue:
             return self._cq[:0].copy()
         start = self._head % self._size
         first = min(n, self._size - start)
-        events = self._cq[start:start + first].copy()
+        events = self._cq[start : start + first].copy()
         if first < n:
-            events = np.concatenate([events, self._cq[:n - first]])
+            events = np.concatenate([events, self._cq[: n - first]])
         self._head = (self._head + n) & 0xFFFFFFFF
         self._head_word.store_release(self._head)
         return events
@@ -260,9 +285,9 @@ class PromptArena:
             start = self._tail
             i = start % self._size
             first = min(n, self._size - i)
-            self._arena[i:i + first] = tokens[:first]
+            self._arena[i : i + first] = tokens[:first]
             if first < n:
-                self._arena[:n - first] = tokens[first:]
+                self._arena[: n - first] = tokens[first:]
             entry = [start, n, False]
             self._live.append(entry)
             self._by_start[start] = entry
@@ -297,9 +322,23 @@ class HostRings:
 
     def counters(self) -> dict:
         c = self.control[0]
-        names = ("steps", "step_tokens", "generated", "admitted", "finished", "idle_polls",
-                 "cq_stalls", "pending", "active_slots", "last_step_tokens", "aborts", "heartbeat_ns",
-                 "error_code", "state", "exit_reason")
+        names = (
+            "steps",
+            "step_tokens",
+            "generated",
+            "admitted",
+            "finished",
+            "idle_polls",
+            "cq_stalls",
+            "pending",
+            "active_slots",
+            "last_step_tokens",
+            "aborts",
+            "heartbeat_ns",
+            "error_code",
+            "state",
+            "exit_reason",
+        )
         out = {n: int(c[n]) for n in names}
         out["state_name"] = layout.STATE_NAMES.get(out["state"], str(out["state"]))
         out["exit_reason_name"] = layout.EXIT_REASON_NAMES.get(out["exit_reason"], str(out["exit_reason"]))

@@ -1,4 +1,5 @@
 """Shared fixtures: an in-process server on 127.0.0.1 with the CPU backend, and raw DEALER sockets."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """Drives the real CPU-built sched_step over real rings, with a deterministic stand-in for the
 model's sampler (the token is a function of handle and index), so scheduler properties can be
 checked over many steps without running a model."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from device.backends.host_memory import HostMemory
 from device.sched.build import cpu_scheduler as scheduler
 from ipc import layout
 from ipc.rings import HostRings, RingConfig
+
 
 def token_for(handle: int, index: int, vocab: int = 1000) -> int:
     return (handle * 7919 + index * 104729) % vocab
@@ -43,10 +45,11 @@ class Driver:
         self.sq_pos: dict[int, int] = {}  # handle -> the SQ position of its GENERATE
         self.steps: list[dict] = []
         self._next = 1
-        assert scheduler().init(self.mem.context_address) == layout.RL_ERR_NONE
+        assert scheduler().init(self.mem.context_address) == layout.InitError.NONE
 
-    def submit(self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0,
-               **sampling) -> int | None:
+    def submit(
+        self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0, **sampling
+    ) -> int | None:
         """sampling: temperature, top_p, top_k, seed, as SubmissionQueue.push takes them."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if self.rings.submissions.free_entries() < 1 or not self.rings.arena.can_allocate(len(prompt)):
@@ -55,8 +58,15 @@ class Driver:
         handle = self._next
         self._next += 1
         self.sq_pos[handle] = self.rings.submissions.push(
-            handle, prompt_off=off, prompt_len=len(prompt), max_tokens=max_tokens,
-            priority=priority, stop_ids=stop_ids, flags=flags, **sampling)
+            handle,
+            prompt_off=off,
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            priority=priority,
+            stop_ids=stop_ids,
+            flags=flags,
+            **sampling,
+        )
         self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
         return handle
 
@@ -68,19 +78,30 @@ class Driver:
         self.rings.submissions.publish()
         self.rings.aborts.publish()
         status = scheduler().step(self.mem.context_address)
-        if status == layout.RL_STEP_RUN:
+        if status == layout.StepStatus.RUN:
             h = self.a["step"][0]
             n, ns, nseg = int(h["n_tokens"]), int(h["n_samples"]), int(h["n_segments"])
-            self.steps.append({
-                "n_tokens": n, "n_decode": int(h["n_decode"]), "n_samples": ns,
-                "seg": [(int(self.a["seg_slot"][g]), int(self.a["seg_row_start"][g]),
-                         int(self.a["seg_n_rows"][g])) for g in range(nseg)],
-                "tokens": self.a["token_ids"][:n].copy(), "positions": self.a["positions"][:n].copy(),
-                "slot_of": self.a["slot_of"][:n].copy(),
-                "sample_slot": self.a["sample_slot"][:ns].copy(),
-                "sample_row": self.a["sample_row"][:ns].copy(),
-                "counter": self.a["sample_counter"][:ns].copy(),
-            })
+            self.steps.append(
+                {
+                    "n_tokens": n,
+                    "n_decode": int(h["n_decode"]),
+                    "n_samples": ns,
+                    "seg": [
+                        (
+                            int(self.a["seg_slot"][g]),
+                            int(self.a["seg_row_start"][g]),
+                            int(self.a["seg_n_rows"][g]),
+                        )
+                        for g in range(nseg)
+                    ],
+                    "tokens": self.a["token_ids"][:n].copy(),
+                    "positions": self.a["positions"][:n].copy(),
+                    "slot_of": self.a["slot_of"][:n].copy(),
+                    "sample_slot": self.a["sample_slot"][:ns].copy(),
+                    "sample_row": self.a["sample_row"][:ns].copy(),
+                    "counter": self.a["sample_counter"][:ns].copy(),
+                }
+            )
             slots = self.a["slots"]
             for q in range(ns):
                 s = int(self.a["sample_slot"][q])
@@ -94,7 +115,7 @@ class Driver:
         for e in events:
             rec = self.records[int(e["handle"])]
             assert not rec.done, f"event after DONE for handle {rec.handle}"
-            if e["kind"] == layout.RL_EV_TOKEN:
+            if e["kind"] == layout.EventKind.TOKEN:
                 if not rec.tokens:
                     self.rings.arena.release(rec.arena_offset)
                 rec.tokens.append(int(e["token"]))
@@ -107,6 +128,6 @@ class Driver:
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
-            if self.step() == layout.RL_STEP_IDLE and self.rings.completions.pending() == 0:
+            if self.step() == layout.StepStatus.IDLE and self.rings.completions.pending() == 0:
                 return
         raise AssertionError("scheduler never went idle")

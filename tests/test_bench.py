@@ -1,4 +1,5 @@
 """`ringleader bench`: end-to-end runs against real servers on 127.0.0.1, and the math under it."""
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,62 @@ import pytest
 from bench import cli
 from bench.metrics import RequestRecord, run_metrics, summarize
 from bench.servers import ServerError, ServerProcess, cpu_deltas, plan_variants
-from bench.workloads import (WorkloadConfig, arrival_times, fit_context, gamma_gaps, make_requests,
-                             sample_lengths)
+from bench.workloads import (
+    WorkloadConfig,
+    arrival_times,
+    fit_context,
+    gamma_gaps,
+    make_requests,
+    sample_lengths,
+)
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
-RUN_KEYS = ("scheduler", "device", "model", "concurrency", "request_rate", "completed", "failed",
-            "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "cpu_s_per_1k_tokens")
+RUN_KEYS = (
+    "scheduler",
+    "device",
+    "model",
+    "concurrency",
+    "request_rate",
+    "completed",
+    "failed",
+    "output_tokens_per_s",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "cpu_s_per_1k_tokens",
+)
 
 
 # ---------------------------------------------------------------- end to end
 
+
 def test_compare_host_static_closed_loop(tmp_path):
     out = tmp_path / "res"
-    rc = cli.main(["--model", "tiny", "--device", "cpu", "--compare", "host,static", "--concurrency", "1,4",
-                   "--requests", "8", "--input-len", "8", "--output-len", "8", "--ignore-eos",
-                   "--warmup", "2", "--out", str(out), "--quiet"])
+    rc = cli.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--compare",
+            "host,static",
+            "--concurrency",
+            "1,4",
+            "--requests",
+            "8",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--ignore-eos",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["device"] == "cpu" and doc["model"] == "tiny"
@@ -32,7 +74,11 @@ def test_compare_host_static_closed_loop(tmp_path):
     assert doc["settings"]["requests"] == 8 and doc["settings"]["ignore_eos"] is True
     runs = doc["runs"]
     assert {(r["scheduler"], r["concurrency"]) for r in runs} == {
-        ("host", 1), ("host", 4), ("static", 1), ("static", 4)}
+        ("host", 1),
+        ("host", 4),
+        ("static", 1),
+        ("static", 4),
+    }
     for r in runs:
         for key in RUN_KEYS:
             assert key in r, key
@@ -47,21 +93,54 @@ def test_compare_host_static_closed_loop(tmp_path):
         assert 0 <= r["queue_ms"]["p50"] <= r["ttft_ms"]["p99"]  # the server's queue time
         assert r["device_stats"]["admitted"] == 8
     assert [r["backend"]["policy"] for r in runs if r["scheduler"] == "static"] == ["static", "static"]
-    for name in ("summary.md", "console.txt", "throughput_vs_concurrency.png", "latency_cdf.png",
-                 "cpu_per_1k_tokens.png"):
+    for name in (
+        "summary.md",
+        "console.txt",
+        "throughput_vs_concurrency.png",
+        "latency_cdf.png",
+        "cpu_per_1k_tokens.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert "static" in (out / "summary.md").read_text()
 
 
 def test_open_loop_with_cpu_interference(tmp_path):
     path = tmp_path / "r.json"
-    rc = cli.main(["--device", "cpu", "--compare", "host", "--request-rate", "50", "--burstiness", "0.5",
-                   "--requests", "6", "--input-len", "6", "--output-len", "6", "--length-dist", "uniform",
-                   "--ignore-eos", "--warmup", "1", "--cpu-interference", "1", "--json", str(path), "--quiet"])
+    rc = cli.main(
+        [
+            "--device",
+            "cpu",
+            "--compare",
+            "host",
+            "--request-rate",
+            "50",
+            "--burstiness",
+            "0.5",
+            "--requests",
+            "6",
+            "--input-len",
+            "6",
+            "--output-len",
+            "6",
+            "--length-dist",
+            "uniform",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--cpu-interference",
+            "1",
+            "--json",
+            str(path),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     doc = json.loads(path.read_text())
     runs = doc["runs"]
-    assert [(r["cpu_interference"], r["request_rate"], r["concurrency"]) for r in runs] == [(0, 50.0, None), (1, 50.0, None)]
+    assert [(r["cpu_interference"], r["request_rate"], r["concurrency"]) for r in runs] == [
+        (0, 50.0, None),
+        (1, 50.0, None),
+    ]
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in runs)
     assert runs[1]["busy_cpu_s"] > 0 and runs[0]["send_lag_ms"]["p50"] is not None
     (deg,) = doc["degradation"]
@@ -78,7 +157,7 @@ def test_variants_on_cpu():
     variants, notes = plan_variants(["device", "host", "static", "hf"], "cpu")
     assert [v.name for v in variants] == ["host", "static"]
     assert len(notes) == 2 and "device" in notes[0] and "hf" in notes[1]
-    assert ("--policy", "static") == variants[1].server_args[-2:]
+    assert variants[1].server_args[-2:] == ("--policy", "static")
     variants, _ = plan_variants(["device", "host"], "cuda")
     assert variants[0].server_args[:2] == ("--scheduler", "device")
     assert variants[1].server_args[:2] == ("--scheduler", "host")
@@ -94,6 +173,7 @@ def test_no_argument_run_is_the_quick_comparison():
 
 
 # ---------------------------------------------------------------- workloads
+
 
 @pytest.mark.parametrize("dist", ["fixed", "uniform", "longtail"])
 def test_workload_is_reproducible(dist):
@@ -146,6 +226,7 @@ def test_arrival_times():
 
 # ---------------------------------------------------------------- latency math
 
+
 def _record(send, chunks, done, reason="length", index=0):
     rec = RequestRecord(index, prompt_tokens=4, max_tokens=sum(k for _, k in chunks), send_t=send)
     rec.chunk_t = [t for t, _ in chunks]
@@ -159,9 +240,9 @@ def test_request_timeline_math():
     rec = _record(0.0, [(0.1, 1), (0.15, 1), (0.3, 3), (0.35, 0)], 0.4)
     assert rec.output_tokens == 5
     assert rec.ttft() == pytest.approx(0.1)
-    assert rec.itl() == pytest.approx([0.05, 0.15, 0.0, 0.0])   # n-1 gaps, k-1 zeros per message
+    assert rec.itl() == pytest.approx([0.05, 0.15, 0.0, 0.0])  # n-1 gaps, k-1 zeros per message
     assert sum(rec.itl()) == pytest.approx(0.3 - 0.1)
-    assert rec.tpot() == pytest.approx(0.2 / 4)                 # the flush is not a token arrival
+    assert rec.tpot() == pytest.approx(0.2 / 4)  # the flush is not a token arrival
     assert rec.e2e() == pytest.approx(0.4) and rec.decode_time() == pytest.approx(0.3)
     first_chunk_batched = _record(1.0, [(1.2, 3)], 1.3)
     assert first_chunk_batched.itl() == [0.0, 0.0] and first_chunk_batched.tpot() == 0.0
@@ -178,9 +259,11 @@ def test_summarize_and_percentiles():
 
 
 def test_run_metrics():
-    recs = [_record(0.0, [(0.1, 1), (0.2, 1)], 0.2, index=0),
-            _record(0.5, [(0.7, 2)], 1.0, index=1),
-            _record(0.6, [], 0.7, reason="error", index=2)]
+    recs = [
+        _record(0.0, [(0.1, 1), (0.2, 1)], 0.2, index=0),
+        _record(0.5, [(0.7, 2)], 1.0, index=1),
+        _record(0.6, [], 0.7, reason="error", index=2),
+    ]
     recs[2].error_code = "overloaded"
     m = run_metrics(recs)
     assert (m["completed"], m["failed"], m["errors"]) == (2, 1, {"overloaded": 1})
@@ -191,12 +274,18 @@ def test_run_metrics():
     assert m["itl_ms"]["p50"] == pytest.approx(50.0) and m["itl_zero_gaps"] == 1
     assert m["e2e_ms"]["p50"] == pytest.approx(350.0)
     empty = run_metrics([])
-    assert empty["completed"] == 0 and empty["output_tokens_per_s"] is None and empty["ttft_ms"]["p99"] is None
+    assert (
+        empty["completed"] == 0 and empty["output_tokens_per_s"] is None and empty["ttft_ms"]["p99"] is None
+    )
 
 
 def test_cpu_deltas():
     before = {"process_cpu_s": 10.0, "output_tokens": 1000, "thread_cpu_s": {"engine": 4.0, "frontend": 1.0}}
-    after = {"process_cpu_s": 12.5, "output_tokens": 6000, "thread_cpu_s": {"engine": 6.0, "frontend": 1.5, "new": 1}}
+    after = {
+        "process_cpu_s": 12.5,
+        "output_tokens": 6000,
+        "thread_cpu_s": {"engine": 6.0, "frontend": 1.5, "new": 1},
+    }
     d = cpu_deltas(before, after)
     assert d["process_cpu_s"] == pytest.approx(2.5) and d["server_output_tokens"] == 5000
     assert d["cpu_s_per_1k_tokens"] == pytest.approx(0.5)
@@ -206,9 +295,11 @@ def test_cpu_deltas():
 
 # ---------------------------------------------------------------- the hf baseline's weight copy
 
+
 def test_hf_baseline_copies_the_preset_weights():
     pytest.importorskip("transformers")
     from bench.hf_baseline import build_hf_model, logits_gap
+
     hf, ours = build_hf_model("tiny", "cpu", seed=0)
     assert logits_gap(hf, ours, list(range(3, 40))) < 1e-3
 
@@ -217,9 +308,29 @@ def test_hf_variant_runs_through_the_harness_on_cpu(tmp_path):
     """The hf driver on the CPU (the CLI offers it on CUDA only; --hf-on-cpu is for this test)."""
     pytest.importorskip("transformers")
     path = tmp_path / "hf.json"
-    rc = cli.main(["--device", "cpu", "--compare", "hf", "--hf-on-cpu", "--concurrency", "2",
-                   "--requests", "4", "--input-len", "6", "--output-len", "5", "--ignore-eos",
-                   "--warmup", "1", "--json", str(path), "--quiet"])
+    rc = cli.main(
+        [
+            "--device",
+            "cpu",
+            "--compare",
+            "hf",
+            "--hf-on-cpu",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--input-len",
+            "6",
+            "--output-len",
+            "5",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--json",
+            str(path),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     (run,) = json.loads(path.read_text())["runs"]
     assert run["scheduler"] == "hf" and run["completed"] == 4 and run["output_tokens"] == 20

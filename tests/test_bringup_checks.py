@@ -1,6 +1,7 @@
 """The bring-up's own checks (bench/bringup_checks.py) run their whole logic on the CPU, so a
 GPU run does not spend its minutes on a Python mistake.  A CUDA graph cannot exist here: the
 stand-in below replays the static step eagerly and reports the node list a plain step graph has."""
+
 import torch
 
 from bench import bringup_checks
@@ -21,6 +22,7 @@ class EagerGraphs:
         class Replay:
             def replay(self):
                 graphs.outputs[bucket] = graphs._step.run(bucket, graphs._layout)
+
         return Replay()
 
     def read(self, bucket):
@@ -46,6 +48,7 @@ class DriftingGraphs(EagerGraphs):
             def replay(self):
                 inner.replay()
                 graphs.outputs[bucket] = graphs.outputs[bucket] * 1.01
+
         return Replay()
 
 
@@ -56,6 +59,7 @@ def test_graph_check_fails_on_drift_and_on_forbidden_nodes():
     class HostNodeGraphs(EagerGraphs):
         def read(self, bucket):
             return self.nodes + [GraphNode("CU_GRAPH_NODE_TYPE_HOST")], 0
+
     host = bringup_checks.check_graphs("float32", device="cpu", graphs_cls=HostNodeGraphs)
     assert not host["ok"] and not host["embeddable"] and "HOST x1" in host["nodes"][4]
 

@@ -1,5 +1,6 @@
 """The installed command line, as a user runs it: serve, generate (text and ids), stats,
 graceful stop on SIGTERM and SIGINT, build-kernel."""
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,16 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def served():
     addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(CLI + ["serve", "--model", "tiny", "--bind", addr, "--slots", "4",
-                                   "--max-ctx", "256"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        CLI + ["serve", "--model", "tiny", "--bind", addr, "--slots", "4", "--max-ctx", "256"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        r = subprocess.run(CLI + ["stats", "--connect", addr, "--timeout", "1"], capture_output=True, text=True)
+        r = subprocess.run(
+            CLI + ["stats", "--connect", addr, "--timeout", "1"], capture_output=True, text=True
+        )
         if r.returncode == 0:
             break
         assert proc.poll() is None, proc.stderr.read()
@@ -41,12 +47,20 @@ def served():
 
 def test_generate_streams_text_and_ids(served):
     addr, _ = served
-    r = subprocess.run(CLI + ["generate", "Hello", "--max-tokens", "12", "--ignore-eos", "--connect", addr],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        CLI + ["generate", "Hello", "--max-tokens", "12", "--ignore-eos", "--connect", addr],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "[length: 6 prompt + 12 completion tokens]" in r.stderr
-    r = subprocess.run(CLI + ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--ignore-eos",
-                              "--connect", addr], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        CLI + ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--ignore-eos", "--connect", addr],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     ids = [int(x) for x in r.stdout.split()]
     assert len(ids) == 8 and all(0 <= i < 264 for i in ids)
@@ -63,8 +77,11 @@ def test_stats_prints_json(served):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_gracefully_with_requests_in_flight(sig):
     addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(CLI + ["serve", "--bind", addr, "--max-ctx", "1024", "--drain-timeout", "0.3"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        CLI + ["serve", "--bind", addr, "--max-ctx", "1024", "--drain-timeout", "0.3"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         peer = RawPeer(addr)
         peer.ping()
@@ -98,6 +115,7 @@ def test_build_kernel_reports_resources():
 def test_doctor_reports_versions_kernel_and_why_cuda_would_fail(tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     import torch
+
     out = tmp_path / "doctor.json"
     r = subprocess.run(CLI + ["doctor", "--json", str(out)], capture_output=True, text=True, timeout=180)
     report = json.loads(out.read_text())
@@ -116,6 +134,7 @@ def test_doctor_reports_versions_kernel_and_why_cuda_would_fail(tmp_path):
 def test_doctor_names_an_unsafe_variable():
     pytest.importorskip("cuda.bindings.nvrtc")
     import os
+
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
     r = subprocess.run(CLI + ["doctor"], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 1

@@ -1,6 +1,7 @@
 """Clients that let go: an idle client costs no CPU, a dead or absent server raises instead of
 hanging, and a stream nobody reads any more (closed, collected, its task cancelled) is aborted on
 the server.  Real sockets on 127.0.0.1, the real server on `tiny` where a server is needed."""
+
 from __future__ import annotations
 
 import asyncio

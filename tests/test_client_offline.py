@@ -63,7 +63,9 @@ class EchoServer:
                 self.send(identity, P.done_msg(req.id, "abort", entry[1], entry[2]))
         elif isinstance(req, P.StatsRequest):
             self.stats_count += 1
-            msg = P.stats_msg({"active": len(self.active), "version": P.PROTOCOL_VERSION, "n": self.stats_count})
+            msg = P.stats_msg(
+                {"active": len(self.active), "version": P.PROTOCOL_VERSION, "n": self.stats_count}
+            )
             self.delayed.append((time.monotonic() + self.stats_delay, identity, msg))
         elif isinstance(req, P.PingRequest):
             self.send(identity, P.pong_msg())
@@ -148,7 +150,7 @@ def test_many_threads_interleaved_streams(server):
                     assert stream.wait().finish_reason == "length"
                     assert stream.token_ids == [w, s, w + s, 7]
                     assert stream.done.completion_tokens == 4
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 errors.append(exc)
 
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
@@ -215,7 +217,9 @@ def test_stats_and_ping(server):
         stats = client.stats()
         assert stats == {"active": 0, "version": 1, "n": 1}
         results = []
-        threads = [threading.Thread(target=lambda: results.append((client.stats(), client.ping()))) for _ in range(8)]
+        threads = [
+            threading.Thread(target=lambda: results.append((client.stats(), client.ping()))) for _ in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:

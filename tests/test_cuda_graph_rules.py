@@ -1,9 +1,14 @@
 """The check that a captured step graph may be embedded in a conditional node, over node trees
 shaped as the driver reports them (the GPU bring-up reads the real ones)."""
+
 import pytest
 
-from device.backends.cuda_graph_rules import (BODY_NODE_TYPES, GraphNode, GraphNotEmbeddable,
-                                              check_conditional_body)
+from device.backends.cuda_graph_rules import (
+    BODY_NODE_TYPES,
+    GraphNode,
+    GraphNotEmbeddable,
+    check_conditional_body,
+)
 
 K, MC, MS = "CU_GRAPH_NODE_TYPE_KERNEL", "CU_GRAPH_NODE_TYPE_MEMCPY", "CU_GRAPH_NODE_TYPE_MEMSET"
 
@@ -19,9 +24,17 @@ def test_a_plain_step_graph_passes_and_is_counted():
     assert report.summary() == "1 graph, 6 kernel, 2 memcpy, 1 memset"
 
 
-@pytest.mark.parametrize("bad", ["CU_GRAPH_NODE_TYPE_EVENT_RECORD", "CU_GRAPH_NODE_TYPE_WAIT_EVENT",
-                                 "CU_GRAPH_NODE_TYPE_HOST", "CU_GRAPH_NODE_TYPE_MEM_ALLOC",
-                                 "CU_GRAPH_NODE_TYPE_MEM_FREE", "CU_GRAPH_NODE_TYPE_BATCH_MEM_OP"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "CU_GRAPH_NODE_TYPE_EVENT_RECORD",
+        "CU_GRAPH_NODE_TYPE_WAIT_EVENT",
+        "CU_GRAPH_NODE_TYPE_HOST",
+        "CU_GRAPH_NODE_TYPE_MEM_ALLOC",
+        "CU_GRAPH_NODE_TYPE_MEM_FREE",
+        "CU_GRAPH_NODE_TYPE_BATCH_MEM_OP",
+    ],
+)
 def test_forbidden_nodes_are_named_with_the_bucket_even_deep_in_child_graphs(bad):
     nodes = [GraphNode(K), child(GraphNode(K), child(GraphNode(bad), GraphNode(bad)))]
     with pytest.raises(GraphNotEmbeddable) as err:

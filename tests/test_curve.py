@@ -1,5 +1,6 @@
 """CURVE authentication (ipc/curve.py) on real sockets on 127.0.0.1: keys, a secured ROUTER and
 DEALERs with and without authorized keys, address classification, option helpers, keygen CLI."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import zmq
@@ -26,11 +28,15 @@ def keys(tmp_path):
     alice_pub, alice_sec = C.generate_keypair(tmp_path / "alice", "alice")
     _, mallory_sec = C.generate_keypair(tmp_path / "mallory", "mallory")
     authorized.mkdir()
-    (authorized / "alice.key").write_bytes(open(alice_pub, "rb").read())
+    (authorized / "alice.key").write_bytes(Path(alice_pub).read_bytes())
     return argparse.Namespace(
-        server=C.ServerCurve(server_sec, str(authorized)), server_pub=server_pub,
-        alice=C.ClientCurve(server_pub, alice_sec), mallory=C.ClientCurve(server_pub, mallory_sec),
-        authorized=authorized, tmp=tmp_path)
+        server=C.ServerCurve(server_sec, str(authorized)),
+        server_pub=server_pub,
+        alice=C.ClientCurve(server_pub, alice_sec),
+        mallory=C.ClientCurve(server_pub, mallory_sec),
+        authorized=authorized,
+        tmp=tmp_path,
+    )
 
 
 class SecuredRouter:
@@ -81,6 +87,7 @@ def dealer(ctx, address, client_curve=None, monitor=False):
 
 # ---- keys -----------------------------------------------------------------------------------
 
+
 def test_generate_keypair_writes_loadable_private_keys_and_refuses_overwrite(tmp_path):
     d = tmp_path / "new" / "dir"
     pub, sec = C.generate_keypair(d, "node-1")
@@ -89,13 +96,13 @@ def test_generate_keypair_writes_loadable_private_keys_and_refuses_overwrite(tmp
     assert C.load_public_key(pub) == public and zmq.curve_public(secret) == public
     assert stat.S_IMODE(os.stat(sec).st_mode) == 0o600
     assert sorted(os.listdir(d)) == ["node-1.key", "node-1.key_secret"]  # no scratch left
-    before = open(sec, "rb").read()
+    before = Path(sec).read_bytes()
     with pytest.raises(FileExistsError, match="node-1.key.*refusing to overwrite"):
         C.generate_keypair(d, "node-1")
     os.unlink(pub)  # either file existing is enough to refuse
     with pytest.raises(FileExistsError, match="node-1.key_secret.*refusing to overwrite"):
         C.generate_keypair(d, "node-1")
-    assert open(sec, "rb").read() == before
+    assert Path(sec).read_bytes() == before
     for bad in ("", "../x", "a/b", ".hidden", "-x"):
         with pytest.raises(C.CurveError, match="key name"):
             C.generate_keypair(d, bad)
@@ -115,7 +122,7 @@ def test_key_file_errors_name_the_file_and_the_problem(tmp_path):
         C.ServerCurve(sec, str(tmp_path / "absent"))
     with pytest.raises(C.CurveError, match="no \\*.key files"):
         C.ServerCurve(sec, str(empty))
-    (empty / "x.key_secret").write_bytes(open(sec, "rb").read())
+    (empty / "x.key_secret").write_bytes(Path(sec).read_bytes())
     with pytest.raises(C.CurveError, match="copy the public NAME.key"):
         C.ServerCurve(sec, str(empty))
     (empty / "junk.key").write_text("hello\n")
@@ -126,14 +133,16 @@ def test_key_file_errors_name_the_file_and_the_problem(tmp_path):
     with pytest.raises(C.CurveError, match=f"{other_sec}: this file holds a secret key"):
         C.ClientCurve(other_sec, sec)
     mixed = tmp_path / "mixed.key_secret"  # public of one pair, secret of another
-    mixed.write_text(open(sec).read().replace(C.load_keypair(sec)[0].decode(),
-                                              C.load_keypair(other_sec)[0].decode()))
+    mixed.write_text(
+        Path(sec).read_text().replace(C.load_keypair(sec)[0].decode(), C.load_keypair(other_sec)[0].decode())
+    )
     with pytest.raises(C.CurveError, match="does not match"):
         C.ClientCurve(other_pub, str(mixed))
     assert C.ClientCurve(other_pub, sec).load()[0] == C.load_public_key(other_pub)
 
 
 # ---- sockets --------------------------------------------------------------------------------
+
 
 def test_authorized_dealer_exchanges_frames(keys, router, client_ctx):
     sock, _ = dealer(client_ctx, router.address, keys.alice)
@@ -148,8 +157,7 @@ def test_authorized_dealer_exchanges_frames(keys, router, client_ctx):
 def test_unauthenticated_peers_get_nothing_through(keys, router, client_ctx):
     plain, plain_mon = dealer(client_ctx, router.address, None, monitor=True)
     mallory, mallory_mon = dealer(client_ctx, router.address, keys.mallory, monitor=True)
-    wrong_server = C.ClientCurve(C.generate_keypair(keys.tmp / "fake", "fake")[0],
-                                 keys.alice.secret_key_file)
+    wrong_server = C.ClientCurve(C.generate_keypair(keys.tmp / "fake", "fake")[0], keys.alice.secret_key_file)
     spoof, _ = dealer(client_ctx, router.address, wrong_server)
     for s in (plain, mallory, spoof):
         s.send(b"let me in")
@@ -159,7 +167,8 @@ def test_unauthenticated_peers_get_nothing_through(keys, router, client_ctx):
         assert mon.poll(2000)
         assert recv_monitor_message(mon)["event"] & C.HANDSHAKE_FAILED_EVENTS
     assert C.describe_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400).startswith(
-        "the server refused this client's CURVE key")
+        "the server refused this client's CURVE key"
+    )
     # the same server still serves an authorized client, and only its frame arrives
     alice, _ = dealer(client_ctx, router.address, keys.alice)
     alice.send(b"alice")
@@ -172,8 +181,8 @@ def test_reload_picks_up_a_newly_authorized_key(keys, router, client_ctx):
     mallory, _ = dealer(client_ctx, router.address, keys.mallory)
     mallory.send(b"first")
     assert router.recv(0.5) is None
-    mallory_pub = keys.mallory.secret_key_file[:-len("_secret")]
-    (keys.authorized / "mallory.key").write_bytes(open(mallory_pub, "rb").read())
+    mallory_pub = keys.mallory.secret_key_file[: -len("_secret")]
+    (keys.authorized / "mallory.key").write_bytes(Path(mallory_pub).read_bytes())
     assert router.auth.reload() == 2
     mallory.close()
     mallory, _ = dealer(client_ctx, router.address, keys.mallory)
@@ -228,15 +237,30 @@ def test_setup_must_come_before_bind_and_connect(keys, client_ctx):
 
 # ---- addresses and options ------------------------------------------------------------------
 
-@pytest.mark.parametrize("address,expected", [
-    ("tcp://127.0.0.1:5555", True), ("tcp://127.1.2.3:1", True), ("tcp://localhost:5555", True),
-    ("tcp://[::1]:5555", True), ("TCP://LOCALHOST:1", True), ("ipc:///tmp/rl.sock", True),
-    ("inproc://x", True), ("tcp://[::ffff:127.0.0.1]:1", True), ("ws://127.0.0.1:80/path", True),
-    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://[::]:5555", False),
-    ("tcp://10.0.0.5:5555", False), ("tcp://example.com:5555", False), ("tcp://eth0:5555", False),
-    ("tcp://192.168.1.2;127.0.0.1:5555", True), ("pgm://eth0;239.1.1.1:5555", False),
-    ("127.0.0.1:5555", False),
-])
+
+@pytest.mark.parametrize(
+    "address,expected",
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.1.2.3:1", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("TCP://LOCALHOST:1", True),
+        ("ipc:///tmp/rl.sock", True),
+        ("inproc://x", True),
+        ("tcp://[::ffff:127.0.0.1]:1", True),
+        ("ws://127.0.0.1:80/path", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://10.0.0.5:5555", False),
+        ("tcp://example.com:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://192.168.1.2;127.0.0.1:5555", True),
+        ("pgm://eth0;239.1.1.1:5555", False),
+        ("127.0.0.1:5555", False),
+    ],
+)
 def test_is_loopback(address, expected):
     assert C.is_loopback(address) is expected
 
@@ -254,11 +278,17 @@ def test_option_helpers(keys):
     C.add_curve_client_options(cp)
     assert C.server_curve_from_args(sp.parse_args([])) is None
     assert C.client_curve_from_args(cp.parse_args([])) is None
-    s = C.server_curve_from_args(sp.parse_args(["--curve-secret-key", keys.server.secret_key_file,
-                                                "--authorized-keys", str(keys.authorized)]))
+    s = C.server_curve_from_args(
+        sp.parse_args(
+            ["--curve-secret-key", keys.server.secret_key_file, "--authorized-keys", str(keys.authorized)]
+        )
+    )
     assert s == keys.server
-    c = C.client_curve_from_args(cp.parse_args(["--curve-server-key", keys.server_pub,
-                                                "--curve-secret-key", keys.alice.secret_key_file]))
+    c = C.client_curve_from_args(
+        cp.parse_args(
+            ["--curve-server-key", keys.server_pub, "--curve-secret-key", keys.alice.secret_key_file]
+        )
+    )
     assert c == keys.alice
     with pytest.raises(C.CurveError, match="--curve-secret-key needs --authorized-keys"):
         C.server_curve_from_args(sp.parse_args(["--curve-secret-key", keys.server.secret_key_file]))
@@ -269,11 +299,20 @@ def test_option_helpers(keys):
     with pytest.raises(C.CurveError, match="--curve-secret-key needs --curve-server-key"):
         C.client_curve_from_args(cp.parse_args(["--curve-secret-key", keys.alice.secret_key_file]))
     with pytest.raises(C.CurveError, match="no such key file"):
-        C.client_curve_from_args(cp.parse_args(["--curve-server-key", str(keys.tmp / "x.key"),
-                                                "--curve-secret-key", keys.alice.secret_key_file]))
+        C.client_curve_from_args(
+            cp.parse_args(
+                [
+                    "--curve-server-key",
+                    str(keys.tmp / "x.key"),
+                    "--curve-secret-key",
+                    keys.alice.secret_key_file,
+                ]
+            )
+        )
 
 
 # ---- CLI ------------------------------------------------------------------------------------
+
 
 def test_keygen_cli(tmp_path, capsys):
     d = tmp_path / "keys"
@@ -285,7 +324,8 @@ def test_keygen_cli(tmp_path, capsys):
     assert cli.main(["keygen", str(d), "--name", "srv"]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     # the installed entry point, default name
-    r = subprocess.run([sys.executable, "-m", "hostctl.cli", "keygen", str(d)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "hostctl.cli", "keygen", str(d)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert C.load_keypair(str(d / "ringleader.key_secret"))

@@ -4,6 +4,7 @@ mode asserted, parity with an eager reference, the device timeline filled, a bou
 and a kernel that ends on its own becoming engine_dead.  On a CPU only the timeline arithmetic
 is checked.  Run each test in a process of its own on a first GPU run (bench/gpu_bringup.py
 does): a kernel left behind would hang the next test's device-wide synchronisation."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,10 @@ from device.backends.cuda import default_buckets
 from device.backends.device_timeline import timeline_summary, write_chrome_trace
 from ipc import layout
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
-                         reason="needs a CUDA GPU and cuda-bindings")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+    reason="needs a CUDA GPU and cuda-bindings",
+)
 
 
 def test_buckets_cover_the_budget():
@@ -30,15 +33,15 @@ def test_buckets_cover_the_budget():
 
 def _row(seq, sched_begin, sched_us, launch_us, step_us, overlap_us, chained):
     f, us = layout, 1_000
-    r = np.zeros(f.RL_TRACE_FIELDS, dtype=np.uint64)
-    r[f.RL_TRACE_SCHED_BEGIN] = sched_begin
-    r[f.RL_TRACE_SCHED_END] = sched_begin + sched_us * us
-    r[f.RL_TRACE_STEP_BEGIN] = r[f.RL_TRACE_SCHED_END] + launch_us * us
-    r[f.RL_TRACE_STEP_END] = r[f.RL_TRACE_STEP_BEGIN] + step_us * us
-    r[f.RL_TRACE_OVERLAP_BEGIN] = r[f.RL_TRACE_SCHED_END] + 100
-    r[f.RL_TRACE_OVERLAP_END] = r[f.RL_TRACE_OVERLAP_BEGIN] + overlap_us * us
-    r[f.RL_TRACE_FLAGS] = f.RL_TRACE_CHAINED if chained else 0
-    r[f.RL_TRACE_SEQ] = seq + 1
+    r = np.zeros(f.TRACE_FIELDS, dtype=np.uint64)
+    r[f.TraceField.SCHED_BEGIN] = sched_begin
+    r[f.TraceField.SCHED_END] = sched_begin + sched_us * us
+    r[f.TraceField.STEP_BEGIN] = r[f.TraceField.SCHED_END] + launch_us * us
+    r[f.TraceField.STEP_END] = r[f.TraceField.STEP_BEGIN] + step_us * us
+    r[f.TraceField.OVERLAP_BEGIN] = r[f.TraceField.SCHED_END] + 100
+    r[f.TraceField.OVERLAP_END] = r[f.TraceField.OVERLAP_BEGIN] + overlap_us * us
+    r[f.TraceField.FLAGS] = f.TraceFlag.CHAINED if chained else 0
+    r[f.TraceField.SEQ] = seq + 1
     return r
 
 
@@ -47,18 +50,18 @@ def test_timeline_bubble_counts_only_chained_gaps(tmp_path):
     waking 1 us after a step ends: a 4 us bubble.  After step 4 the scheduler goes idle for a
     millisecond (client think time): that gap is an idle gap, not a bubble.  Step 7's
     overlapped phase (15 us) outlasts its step."""
-    t = np.zeros((16, layout.RL_TRACE_FIELDS), dtype=np.uint64)
+    t = np.zeros((16, layout.TRACE_FIELDS), dtype=np.uint64)
     at = 1_000_000
     for seq in range(10):
         chained = seq not in (0, 5)
         if seq == 5:
             at += 1_000_000
         t[seq + 3] = _row(seq, at, 2, 1, 10, 15 if seq == 7 else 3, chained)  # ring offset: rows sort by seq
-        at = int(t[seq + 3][layout.RL_TRACE_STEP_END]) + 1_000
+        at = int(t[seq + 3][layout.TraceField.STEP_END]) + 1_000
         if seq == 7:
             at += 5_000  # the overrun delays the next critical phase: a real bubble
     t[15] = t[2]  # an all-zero row stays out
-    t[14, layout.RL_TRACE_SCHED_BEGIN] = 5  # a half-written row stays out
+    t[14, layout.TraceField.SCHED_BEGIN] = 5  # a half-written row stays out
     summary = timeline_summary(t)
     assert summary["timeline_steps"] == 10
     assert summary["step_us_p50"] == pytest.approx(10.0)
@@ -76,8 +79,9 @@ def test_timeline_bubble_counts_only_chained_gaps(tmp_path):
 
 
 def _serve(**kw):
-    from tests.conftest import running_server
     from device.backends.cuda import CudaBackend
+    from tests.conftest import running_server
+
     kw.setdefault("n_slots", 256)
     kw.setdefault("max_ctx", 1024)
     kw.setdefault("token_budget", 512)
@@ -86,10 +90,14 @@ def _serve(**kw):
 
 
 @gpu
-@pytest.mark.parametrize("scheduler,launch", [("device", "resident"), ("device", "pump"), ("host", "auto")],
-                         ids=["device-resident", "device-pump", "host-loop"])
+@pytest.mark.parametrize(
+    "scheduler,launch",
+    [("device", "resident"), ("device", "pump"), ("host", "auto")],
+    ids=["device-resident", "device-pump", "host-loop"],
+)
 def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
     from bench.bringup_checks import check_backend
+
     f = check_backend(scheduler, launch)
     assert f["launch_running"] == ("host-loop" if scheduler == "host" else launch), f["description"]
     assert f["parity"], f"greedy tokens differ from the eager reference for prompts {f['mismatched_prompts']}"
@@ -105,11 +113,19 @@ def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
 def test_gpu_256_streams_each_get_one_done():
     from tests.conftest import RawPeer
     from tests.test_server import collect
+
     with _serve() as bg:
         peer = RawPeer(bg.address)
         for i in range(256):
-            peer.send({"op": "generate", "id": i, "prompt_ids": [1 + i % 200], "max_tokens": 8 + i % 32,
-                       "ignore_eos": True})
+            peer.send(
+                {
+                    "op": "generate",
+                    "id": i,
+                    "prompt_ids": [1 + i % 200],
+                    "max_tokens": 8 + i % 32,
+                    "ignore_eos": True,
+                }
+            )
         tokens, dones, ok = collect(peer, 256, timeout=300)
         peer.close()
     assert ok and len(dones) == 256 and all(len(v) == 1 for v in dones.values())
@@ -123,6 +139,7 @@ def _while_streaming(bg, op, timeout: float = 30.0) -> bool:
     def run():
         op()
         done.set()
+
     threading.Thread(target=run, daemon=True).start()
     return done.wait(timeout)
 
@@ -130,6 +147,7 @@ def _while_streaming(bg, op, timeout: float = 30.0) -> bool:
 @gpu
 def test_gpu_allocation_while_the_kernel_runs():
     from tests.conftest import RawPeer
+
     with _serve(launch="resident") as bg:
         peer = RawPeer(bg.address)
         peer.send({"op": "generate", "id": "a", "prompt_ids": [1], "max_tokens": 900, "ignore_eos": True})
@@ -146,6 +164,7 @@ def test_gpu_free_while_the_kernel_runs():
     """cudaFree is documented to synchronise the device: this records whether it returns while a
     persistent kernel runs (empty_cache frees the cached block the allocation left)."""
     from tests.conftest import RawPeer
+
     with _serve(launch="resident") as bg:
         peer = RawPeer(bg.address)
         peer.send({"op": "generate", "id": "a", "prompt_ids": [1], "max_tokens": 900, "ignore_eos": True})
@@ -155,6 +174,7 @@ def test_gpu_free_while_the_kernel_runs():
             x = torch.empty(98_765_432, dtype=torch.uint8, device="cuda")
             del x
             torch.cuda.empty_cache()
+
         ok = _while_streaming(bg, alloc_then_free)
         peer.send({"op": "abort", "id": "a"})
         assert ok, "torch.cuda.empty_cache() (cudaFree) hung while the scheduler kernel ran"
@@ -163,18 +183,21 @@ def test_gpu_free_while_the_kernel_runs():
 @gpu
 def test_gpu_kernel_that_ends_on_its_own_becomes_engine_dead():
     from tests.conftest import RawPeer
+
     with _serve(launch="resident", run_budget_s=3.0, server_options={"watchdog_s": 2.0}) as bg:
         peer = RawPeer(bg.address)
-        peer.send({"op": "generate", "id": "long", "prompt_ids": [1], "max_tokens": 1000,
-                   "ignore_eos": True})
+        peer.send({"op": "generate", "id": "long", "prompt_ids": [1], "max_tokens": 1000, "ignore_eos": True})
         msgs = peer.recv_until(lambda m: m["op"] == "done", timeout=30)
         assert msgs[-1]["error"]["code"] == "engine_dead", msgs[-1]
-        assert "exited on its own" in msgs[-1]["error"]["message"] and "budget" in msgs[-1]["error"]["message"]
+        assert (
+            "exited on its own" in msgs[-1]["error"]["message"] and "budget" in msgs[-1]["error"]["message"]
+        )
 
 
 @gpu
 def test_gpu_abort_and_shutdown_in_flight():
     from tests.conftest import RawPeer
+
     with _serve(server_options={"drain_timeout_s": 0.2}) as bg:
         peer = RawPeer(bg.address)
         peer.send({"op": "generate", "id": "a", "prompt_ids": [1], "max_tokens": 900, "ignore_eos": True})

@@ -1,6 +1,7 @@
 """The bring-up runner (bench/gpu_bringup.py) with real processes and tiny stand-in stages:
 order, dependencies, a hanging stage killed with everything it started, figures, logs, a run
 split across calls, the time budget, packing; and the wheel list against pyproject."""
+
 from __future__ import annotations
 
 import json
@@ -10,15 +11,27 @@ import subprocess
 import sys
 import tarfile
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(REPO / "bench" / "gpu_bringup.py")]
-BUILTIN = ["env", "probe", "module", "graphs-fp32", "graphs-bf16", "backend-host", "backend-resident",
-           "backend-pump", "tests", "bubble-c1", "bubble-c64", "perf"]
+BUILTIN = [
+    "env",
+    "probe",
+    "module",
+    "graphs-fp32",
+    "graphs-bf16",
+    "backend-host",
+    "backend-resident",
+    "backend-pump",
+    "tests",
+    "bubble-c1",
+    "bubble-c64",
+    "perf",
+]
 
 
 def py(code: str) -> list[str]:
@@ -34,8 +47,14 @@ def run(tmp_path, stages, *extra, assume_gpu=True, timeout=60):
         env["RL_BRINGUP_ASSUME_GPU"] = "1"
     out = tmp_path / "out"
     t0 = time.monotonic()
-    r = subprocess.run(RUNNER + ["--stages-file", str(table), "--out", str(out), *extra],
-                       capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    r = subprocess.run(
+        RUNNER + ["--stages-file", str(table), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=REPO,
+    )
     doc = json.loads((out / "bringup.json").read_text()) if (out / "bringup.json").exists() else None
     return r, doc, out, time.monotonic() - t0
 
@@ -69,10 +88,14 @@ def test_order_failures_and_dependencies(tmp_path):
 
 def test_a_hanging_stage_is_killed_with_its_children(tmp_path):
     pidfile = tmp_path / "grandchild.pid"
-    hang = ("import subprocess, time; p = subprocess.Popen(['sleep', '600']); "
-            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('hanging', flush=True); time.sleep(600)")
-    stages = [{"name": "hang", "argv": py(hang), "timeout": 2},
-              {"name": "next", "argv": py("print('still ran')"), "timeout": 30}]
+    hang = (
+        "import subprocess, time; p = subprocess.Popen(['sleep', '600']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('hanging', flush=True); time.sleep(600)"
+    )
+    stages = [
+        {"name": "hang", "argv": py(hang), "timeout": 2},
+        {"name": "next", "argv": py("print('still ran')"), "timeout": 30},
+    ]
     r, doc, _, took = run(tmp_path, stages)
     s = by_name(doc)
     assert s["hang"]["status"] == "timeout" and "killed after 2 s" in s["hang"]["reason"]
@@ -91,8 +114,10 @@ def test_a_hanging_stage_is_killed_with_its_children(tmp_path):
 
 
 def test_figures_from_the_result_file(tmp_path):
-    write = ("import json, os; json.dump({'ok': True, 'bubble_us_p50': 2.5}, "
-             "open(os.environ['RL_BRINGUP_RESULT'], 'w'))")
+    write = (
+        "import json, os; json.dump({'ok': True, 'bubble_us_p50': 2.5}, "
+        "open(os.environ['RL_BRINGUP_RESULT'], 'w'))"
+    )
     _, doc, _, _ = run(tmp_path, [{"name": "m", "argv": py(write), "timeout": 30}])
     assert by_name(doc)["m"]["figures"] == {"ok": True, "bubble_us_p50": 2.5}
 
@@ -108,8 +133,9 @@ def test_previous_only_and_budget(tmp_path):
         {"name": "late", "argv": py("print('late')"), "timeout": 5},
         {"name": "other", "argv": py("print('not selected')"), "timeout": 5},
     ]
-    r, doc, _, _ = run(tmp_path, stages, "--previous", str(previous), "--only", "backend-*,late",
-                       "--budget-s", "7")
+    r, doc, _, _ = run(
+        tmp_path, stages, "--previous", str(previous), "--only", "backend-*,late", "--budget-s", "7"
+    )
     s = by_name(doc)
     assert s["a"]["status"] == "passed" and s["a"]["seconds"] == by_name(doc1)["a"]["seconds"]  # carried
     assert s["backend-x"]["status"] == "passed"  # `needs` met by the earlier call
@@ -120,8 +146,10 @@ def test_previous_only_and_budget(tmp_path):
 
 
 def test_pack_leaves_three_files(tmp_path):
-    stages = [{"name": "a", "argv": py("print('in a')"), "timeout": 30},
-              {"name": "tests::tests/x.py::t[1]", "argv": py("print('1 passed')"), "timeout": 30}]
+    stages = [
+        {"name": "a", "argv": py("print('in a')"), "timeout": 30},
+        {"name": "tests::tests/x.py::t[1]", "argv": py("print('1 passed')"), "timeout": 30},
+    ]
     r, doc, out, _ = run(tmp_path, stages, "--pack")
     assert r.returncode == 0
     assert sorted(p.name for p in out.iterdir()) == ["artifacts.tar.gz", "bringup.json", "bringup.log"]
@@ -166,19 +194,32 @@ def test_the_wheel_list_covers_every_dependency_the_image_lacks():
     image, wheels = _listed("bench/gpu_image_packages.txt"), _listed("bench/gpu_wheels.txt")
     assert "pyzmq" in wheels and "pyzmq" not in image
     assert not wanted - image - wheels, f"neither on the GPU image nor carried: {wanted - image - wheels}"
-    assert all("==" in ln for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")), "carried wheels are pinned"
+    assert all(
+        "==" in ln
+        for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ), "carried wheels are pinned"
 
 
 def test_gpu_wheels_script_dry_run_and_usage(tmp_path):
     script = str(REPO / "bench" / "gpu_wheels.sh")
     r = subprocess.run(["bash", script, "--dry-run", str(tmp_path / "w")], capture_output=True, text=True)
     assert r.returncode == 0
-    for flag in ("--python-version 3.12", "--only-binary=:all:", "--implementation cp", "--no-deps",
-                 "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"):
+    for flag in (
+        "--python-version 3.12",
+        "--only-binary=:all:",
+        "--implementation cp",
+        "--no-deps",
+        "manylinux_2_28_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+    ):
         assert flag in r.stdout, flag
-    pins = [ln for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
-            if ln.strip() and not ln.startswith("#")]
+    pins = [
+        ln
+        for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert pins and all(p in r.stdout for p in pins)
     assert not (tmp_path / "w").exists()
     r = subprocess.run(["bash", script], capture_output=True, text=True)

@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -65,7 +66,7 @@ def _torch_cuda() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -78,10 +79,12 @@ def _compile_line(stdout: str) -> dict:
 # ----------------------------------------------------------------------------
 # Tests that run everywhere
 
+
 def test_compile_only_builds_every_kernel():
     pytest.importorskip("cuda.bindings")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--compile-only"], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--compile-only"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     info = _compile_line(r.stdout)
     gl = load_gpu_limits()
@@ -102,7 +105,9 @@ def test_without_a_device_exits_zero_with_message():
     pytest.importorskip("cuda.bindings")
     r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"no CUDA device: compiled {N_KERNELS} kernels for sm_90; measurements need an H100/H200" in r.stdout
+    assert (
+        f"no CUDA device: compiled {N_KERNELS} kernels for sm_90; measurements need an H100/H200" in r.stdout
+    )
     assert _compile_line(r.stdout)["ok"] is True
 
 
@@ -120,6 +125,7 @@ def test_check_names_the_failing_call():
 
     def cuFakeThing():
         return (driver.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
     with pytest.raises(gl.CudaError, match="cuFakeThing failed: CUDA_ERROR_INVALID_VALUE"):
         gl.check(cuFakeThing())
     with pytest.raises(gl.CudaError, match="nvrtcCompileProgram failed: NVRTC_ERROR_COMPILATION"):
@@ -131,6 +137,7 @@ def test_check_names_the_failing_call():
 def _named(name, err):
     def f(*_a):
         return (err,)
+
     f.__name__ = name
     return f
 
@@ -142,17 +149,25 @@ def test_helpers():
     assert gl.device_slug("NVIDIA H200") == "h200"
     assert gl.device_slug("NVIDIA GH200 480GB") == "gh200"
     assert gl.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
-    log = ("ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
-           "ptxas info    : Function properties for k1\n"
-           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
-           "ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]\n"
-           "ptxas info    : Compiling entry function 'k2' for 'sm_90'\n"
-           "ptxas info    : Function properties for k2\n"
-           "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
-           "ptxas info    : Used 6 registers, used 0 barriers\n")
+    log = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
+        "ptxas info    : Function properties for k1\n"
+        "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]\n"
+        "ptxas info    : Compiling entry function 'k2' for 'sm_90'\n"
+        "ptxas info    : Function properties for k2\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 6 registers, used 0 barriers\n"
+    )
     p = gl.parse_ptxas(log)
-    assert p["k1"] == {"regs": 40, "smem_bytes": 1024, "stack_bytes": 8, "spill_store_bytes": 4,
-                       "spill_load_bytes": 4, "cmem0_bytes": 380}
+    assert p["k1"] == {
+        "regs": 40,
+        "smem_bytes": 1024,
+        "stack_bytes": 8,
+        "spill_store_bytes": 4,
+        "spill_load_bytes": 4,
+        "cmem0_bytes": 380,
+    }
     assert p["k2"]["regs"] == 6 and p["k2"]["smem_bytes"] == 0
     s = gl.summarize([1000, 2000, 3000, 4000])
     assert s["n"] == 4 and s["median_us"] == 2.5 and s["min_us"] == 1.0 and s["max_us"] == 4.0
@@ -169,8 +184,12 @@ def test_helpers():
 @pytest.mark.skipif(_libcuda_present(), reason="a CUDA driver is installed: the real-GPU test covers this")
 def test_every_probe_against_fake_driver(tmp_path):
     pytest.importorskip("cuda.bindings")
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fake-run", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--fake-run", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert "fake driver:" not in out, out[-6000:]
@@ -179,13 +198,21 @@ def test_every_probe_against_fake_driver(tmp_path):
     res = json.loads(files[0].read_text())
     assert (tmp_path / files[0].name.replace(".json", ".log")).exists()
     probes = res["probes"]
-    assert set(probes) == {"1_doorbell", "2_handoff", "3_launch", "4_torchgraph", "5_blocking", "6_roofline",
-                           "7_memops"}
+    assert set(probes) == {
+        "1_doorbell",
+        "2_handoff",
+        "3_launch",
+        "4_torchgraph",
+        "5_blocking",
+        "6_roofline",
+        "7_memops",
+    }
     assert not res["meta"]["tainted"]
     assert res["kernels"]["ok"] and len(res["kernels"]["kernels"]) == N_KERNELS
 
     def ok(key):
         assert probes[key]["status"] == "ok", json.dumps(probes[key], indent=1)[:6000]
+
     for key in ("1_doorbell", "2_handoff", "3_launch", "7_memops"):
         ok(key)
     db = probes["1_doorbell"]["variants"]
@@ -205,8 +232,13 @@ def test_every_probe_against_fake_driver(tmp_path):
     for key in ("4_torchgraph", "6_roofline"):  # torch has no CUDA here
         assert probes[key]["status"] == "skipped", probes[key]
     bl = probes["5_blocking"]
-    for name in ("cuMemHostAlloc", "cuMemAlloc_cuMemFree", "cuModuleLoadData",
-                 "kernel_on_other_nonblocking_stream", "cuMemFreeHost"):
+    for name in (
+        "cuMemHostAlloc",
+        "cuMemAlloc_cuMemFree",
+        "cuModuleLoadData",
+        "kernel_on_other_nonblocking_stream",
+        "cuMemFreeHost",
+    ):
         assert bl["ops"][name]["status"] == "completed", bl["ops"][name]
         assert bl["ops"][name]["kernel_still_running"] is True, bl["ops"][name]
     # the exit test's child uses the real driver, which is absent here
@@ -217,10 +249,15 @@ def test_every_probe_against_fake_driver(tmp_path):
 # ----------------------------------------------------------------------------
 # On a GPU
 
+
 @pytest.mark.skipif(not _torch_cuda(), reason="needs a CUDA GPU (torch.cuda.is_available())")
 def test_quick_probe_on_gpu(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)], capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     files = list(tmp_path.glob("*-gpu-limits-quick.json"))
     assert len(files) == 1, list(tmp_path.iterdir())
@@ -237,6 +274,7 @@ def test_quick_probe_on_gpu(tmp_path):
 
 # ----------------------------------------------------------------------------
 # FakeDriver: a simulation of the parts of the CUDA driver the probe uses
+
 
 def _r32(a):
     return ctypes.c_uint32.from_address(a).value
@@ -284,7 +322,7 @@ class _FStream:
                 op()
             except _Trap:
                 self.fake.sticky = "CUDA_ERROR_LAUNCH_FAILED"
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.fake.sticky = "CUDA_ERROR_ILLEGAL_ADDRESS"
                 msg = traceback.format_exc()
                 self.fake.errors.append(msg)
@@ -319,8 +357,16 @@ class _FNode:
 class FakeDriver:
     """Stands in for ``cuda.bindings.driver`` inside gpu_limits (see module doc)."""
 
-    SIGS = {"rl_empty": "", "rl_doorbell": "QIIIQ", "rl_pingpong": "QIIQQQQ", "rl_stamp": "QI",
-            "rl_timer_res": "QI", "rl_while_body": "QQQI", "rl_switch_ctl": "QQQQI", "rl_branch": "QI"}
+    SIGS: ClassVar[dict[str, str]] = {
+        "rl_empty": "",
+        "rl_doorbell": "QIIIQ",
+        "rl_pingpong": "QIIQQQQ",
+        "rl_stamp": "QI",
+        "rl_timer_res": "QI",
+        "rl_while_body": "QQQI",
+        "rl_switch_ctl": "QQQQI",
+        "rl_branch": "QI",
+    }
     VALIDATE_CALLS = 4
 
     def __init__(self, gl):
@@ -351,8 +397,10 @@ class FakeDriver:
         fake = getattr(type(self), "f_" + name, None)
         if fake is None:
             if name.startswith("cu") and callable(real_attr) and not isinstance(real_attr, type):
+
                 def missing(*_a, **_k):
                     raise RuntimeError(f"fake driver: {name} is not simulated")
+
                 missing.__name__ = name
                 return missing
             return real_attr
@@ -362,12 +410,13 @@ class FakeDriver:
                 self._validated[name] += 1
                 try:
                     real_attr(*args)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     if "DynamicLib" not in type(e).__name__ and "NotFound" not in type(e).__name__:
                         raise  # a wrong argument for the installed binding
             if self.sticky and name not in ("cuGetErrorString", "cuGetErrorName"):
                 return (getattr(self._real.CUresult, self.sticky),)
             return fake(self, *args)
+
         wrapper.__name__ = name
         return wrapper
 
@@ -384,7 +433,9 @@ class FakeDriver:
         arr = (ctypes.c_void_p * len(sig)).from_address(int(kp))
         out = []
         for ch, p in zip(sig, arr):
-            out.append(ctypes.c_uint64.from_address(p).value if ch == "Q" else ctypes.c_uint32.from_address(p).value)
+            out.append(
+                ctypes.c_uint64.from_address(p).value if ch == "Q" else ctypes.c_uint32.from_address(p).value
+            )
         return tuple(out)
 
     def _enqueue(self, s, op, kind, **kw):
@@ -421,8 +472,12 @@ class FakeDriver:
 
     def f_cuDeviceGetAttribute(self, attr, dev):
         A = self._real.CUdevice_attribute
-        vals = {A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
-                A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132, A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 50 << 20}
+        vals = {
+            A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+            A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+            A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+            A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 50 << 20,
+        }
         return (self.S, vals.get(attr, 1))
 
     def f_cuDeviceTotalMem(self, dev):
@@ -479,6 +534,7 @@ class FakeDriver:
             arr = (ctypes.c_uint32 * n).from_address(p)
             for i in range(n):
                 arr[i] = v
+
         self._enqueue(s, op, "MEMSET")
         return (self.S,)
 
@@ -531,6 +587,7 @@ class FakeDriver:
 
         def W(i):
             return ctl + 4 * i
+
         t0 = _now()
         last = _r32(W(gl.CTL_DOORBELL))
         _w32(W(gl.CTL_STARTED), 1)
@@ -660,6 +717,7 @@ class FakeDriver:
         def op():
             e["t"] = _now()
             e["done"] = g
+
         self._enqueue(s, op, "EVENT_RECORD")
         return (self.S,)
 
@@ -689,6 +747,7 @@ class FakeDriver:
             if flags == int(F.CU_STREAM_WAIT_VALUE_GEQ):
                 return ((v - value) & 0xFFFFFFFF) < 0x80000000
             raise AssertionError(f"wait flags {flags} not simulated")
+
         self._enqueue(s, lambda: self._wait(pred, "wait value"), "BATCH_MEM_OP")
         return (self.S,)
 
@@ -735,8 +794,12 @@ class FakeDriver:
 
     def f_cuGraphConditionalHandleCreate(self, g, ctx, default, flags):
         hid = self._id()
-        self._handles[hid] = {"graph": int(g), "default": int(default), "assign": bool(int(flags) & 1),
-                              "value": 0}
+        self._handles[hid] = {
+            "graph": int(g),
+            "default": int(default),
+            "assign": bool(int(flags) & 1),
+            "value": 0,
+        }
         return (self.S, self._real.CUgraphConditionalHandle(hid))
 
     def f_cuGraphAddKernelNode(self, g, deps, ndeps, p):
@@ -761,8 +824,9 @@ class FakeDriver:
         arr = (ctypes.c_uint64 * size)(*[b.id for b in bodies])
         self._keep[ctypes.addressof(arr)] = arr
         ctypes.c_uint64.from_address(c.getPtr() + 16).value = ctypes.addressof(arr)
-        node = self._add_node(g, deps, ndeps, "CONDITIONAL", handle=hid, ctype=c.type, size=size,
-                              bodies=bodies)
+        node = self._add_node(
+            g, deps, ndeps, "CONDITIONAL", handle=hid, ctype=c.type, size=size, bodies=bodies
+        )
         return (self.S, node)
 
     def f_cuGraphInstantiate(self, g, flags):
@@ -782,6 +846,7 @@ class FakeDriver:
                 if h["assign"] and h["graph"] in tree:
                     h["value"] = h["default"]
             self._exec_nodes(g.nodes)
+
         self._enqueue(s, op, "GRAPH")
         return (self.S,)
 
@@ -823,7 +888,7 @@ class FakeDriver:
         nodes = self._graphs[int(g)].nodes
         if int(n) == 0:
             return (self.S, [], len(nodes))
-        return (self.S, [self._real.CUgraphNode(x.id) for x in nodes[:int(n)]], min(len(nodes), int(n)))
+        return (self.S, [self._real.CUgraphNode(x.id) for x in nodes[: int(n)]], min(len(nodes), int(n)))
 
     def f_cuGraphNodeGetType(self, node):
         for g in self._graphs.values():

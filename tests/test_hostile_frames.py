@@ -1,5 +1,6 @@
 """Malformed and hostile frames against a live server: each gets a clear error, and the server
 goes on serving everyone else."""
+
 from __future__ import annotations
 
 import msgpack
@@ -15,16 +16,19 @@ def replies_until_pong(peer: RawPeer) -> list[dict]:
     return peer.recv_until(lambda m: m.get("op") == "pong", timeout=30)[:-1]
 
 
-@pytest.mark.parametrize("frame, needle", [
-    (b"\xc1", "msgpack"),                                   # never-used msgpack byte
-    (b"\x92\x01\x02", "map"),                               # an array, not a map
-    (msgpack.packb({"id": 1}), "op"),
-    (msgpack.packb({"op": "launch_missiles"}), "op"),
-    (msgpack.packb({"op": 7}), "op"),
-    (msgpack.packb({"op": "generate", "prompt": "x", "max_tokens": 3}), "id"),
-    (b"\xdd\xff\xff\xff\xff", ""),                          # array32 header claiming 4G items
-    (b"\x91" * 5000, ""),                                   # nesting bomb
-])
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (b"\xc1", "msgpack"),  # never-used msgpack byte
+        (b"\x92\x01\x02", "map"),  # an array, not a map
+        (msgpack.packb({"id": 1}), "op"),
+        (msgpack.packb({"op": "launch_missiles"}), "op"),
+        (msgpack.packb({"op": 7}), "op"),
+        (msgpack.packb({"op": "generate", "prompt": "x", "max_tokens": 3}), "id"),
+        (b"\xdd\xff\xff\xff\xff", ""),  # array32 header claiming 4G items
+        (b"\x91" * 5000, ""),  # nesting bomb
+    ],
+)
 def test_frames_that_are_not_requests_get_an_error(peer, frame, needle):
     peer.send_raw(frame)
     replies = replies_until_pong(peer)
@@ -32,14 +36,24 @@ def test_frames_that_are_not_requests_get_an_error(peer, frame, needle):
     assert replies[0]["code"] == "bad_request" and needle in replies[0]["message"].lower()
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": "8"}, "max_tokens"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"seed": -5}, "seed"),
-    ({"stop_token_ids": [1] * 9}, "stop_token_ids"), ({"prompt_ids": [1, 10**6]}, "prompt_ids"),
-    ({"prompt_ids": []}, "prompt"), ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"priority": 10**9}, "priority"), ({"prompt": 5}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": -5}, "seed"),
+        ({"stop_token_ids": [1] * 9}, "stop_token_ids"),
+        ({"prompt_ids": [1, 10**6]}, "prompt_ids"),
+        ({"prompt_ids": []}, "prompt"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"priority": 10**9}, "priority"),
+        ({"prompt": 5}, "prompt"),
+    ],
+)
 def test_generate_with_a_bad_field_gets_a_done_naming_it(peer, fields, field):
     msg = {"op": "generate", "id": "bad", "prompt_ids": [1, 2], "max_tokens": 4, **fields}
     if "prompt" in fields:
@@ -61,21 +75,38 @@ def test_oversized_and_multipart_frames(peer):
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 request_like = st.fixed_dictionaries(
     {"op": st.sampled_from(["generate", "abort", "stats", "ping", "nope", ""]) | json_like},
-    optional={"id": json_like, "prompt": json_like, "prompt_ids": json_like,
-              "max_tokens": json_like, "temperature": json_like, "top_p": json_like,
-              "top_k": json_like, "seed": json_like, "stop_token_ids": json_like,
-              "ignore_eos": json_like, "priority": json_like})
+    optional={
+        "id": json_like,
+        "prompt": json_like,
+        "prompt_ids": json_like,
+        "max_tokens": json_like,
+        "temperature": json_like,
+        "top_p": json_like,
+        "top_k": json_like,
+        "seed": json_like,
+        "stop_token_ids": json_like,
+        "ignore_eos": json_like,
+        "priority": json_like,
+    },
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frame=st.binary(max_size=64) | request_like.map(
-    lambda m: msgpack.packb(m, use_bin_type=True) if _packable(m) else b"\xc1"))
+@given(
+    frame=st.binary(max_size=64)
+    | request_like.map(lambda m: msgpack.packb(m, use_bin_type=True) if _packable(m) else b"\xc1")
+)
 def test_fuzzed_frames_never_break_the_server(peer, frame):
     peer.send_raw(frame)
     for reply in replies_until_pong(peer):

@@ -1,5 +1,6 @@
 """DESIGN.md: imports flow hostctl -> ipc <- device; hostctl reaches the device only through the
 backend interface (opened in one place, hostctl/cli.py), and the engine never imports zmq."""
+
 import ast
 from pathlib import Path
 

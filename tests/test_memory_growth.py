@@ -15,6 +15,7 @@ RSS is printed but not asserted: it moves with the allocator, not only with live
 bench/soak.py for the long-run view). `test_detects_a_per_request_leak` injects a leak and
 checks that the heap measure catches it, so the bound below is known to be tight enough.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,8 +83,12 @@ async def serve_round(address: str, n: int, seed: int) -> Counter:
         async with AsyncClient(address, timeout=60) as client:
             for _ in todo:
                 u = rng.random()
-                fields = dict(prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 96))],
-                              max_tokens=rng.randint(1, 24), ignore_eos=True, seed=rng.randrange(1 << 32))
+                fields = dict(
+                    prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 96))],
+                    max_tokens=rng.randint(1, 24),
+                    ignore_eos=True,
+                    seed=rng.randrange(1 << 32),
+                )
                 if u < 0.05:
                     await hang_up(fields)
                     continue
@@ -127,15 +132,25 @@ def measure(rounds: int, n: int = REQUESTS_PER_ROUND) -> list[dict]:
             for _ in range(3):
                 gc.collect()
             blocks = sys.getallocatedblocks()
-            samples.append({"round": r, "blocks": blocks - own, "rss_mb": rss_mb(),
-                            "containers": container_sizes(bg.server), "outcomes": dict(outcomes),
-                            "types": Counter(type(o).__name__ for o in gc.get_objects())})
+            samples.append(
+                {
+                    "round": r,
+                    "blocks": blocks - own,
+                    "rss_mb": rss_mb(),
+                    "containers": container_sizes(bg.server),
+                    "outcomes": dict(outcomes),
+                    "types": Counter(type(o).__name__ for o in gc.get_objects()),
+                }
+            )
             gc.collect()
             own += sys.getallocatedblocks() - blocks
-            print(f"round {r}: blocks {samples[-1]['blocks']} rss {samples[-1]['rss_mb']:.1f} MB "
-                  f"{dict(outcomes)}")
-            assert not any(k in outcomes for k in ("disconnected", "client_closed", "bad_reply")), \
+            print(
+                f"round {r}: blocks {samples[-1]['blocks']} rss {samples[-1]['rss_mb']:.1f} MB "
+                f"{dict(outcomes)}"
+            )
+            assert not any(k in outcomes for k in ("disconnected", "client_closed", "bad_reply")), (
                 f"a request ended without the server's done: {dict(outcomes)}"
+            )
     return samples
 
 
@@ -145,10 +160,16 @@ def growth(samples: list[dict], n: int = REQUESTS_PER_ROUND) -> tuple[float, dic
     first, last = samples[1], samples[-1]
     served = n * (len(samples) - 2)
     per_request = (last["blocks"] - first["blocks"]) / served
-    grew = {k: (first["containers"].get(k, 0), v) for k, v in last["containers"].items()
-            if v > first["containers"].get(k, 0)}
-    types = {k: last["types"][k] - first["types"].get(k, 0) for k in last["types"]
-             if last["types"][k] - first["types"].get(k, 0) >= served // 10}
+    grew = {
+        k: (first["containers"].get(k, 0), v)
+        for k, v in last["containers"].items()
+        if v > first["containers"].get(k, 0)
+    }
+    types = {
+        k: last["types"][k] - first["types"].get(k, 0)
+        for k in last["types"]
+        if last["types"][k] - first["types"].get(k, 0) >= served // 10
+    }
     return per_request, grew, types
 
 
@@ -158,7 +179,8 @@ def test_live_objects_do_not_grow_with_requests_served():
     assert not grew, f"containers of the server grew with the requests served: {grew}"
     assert per_request < MAX_BLOCKS_PER_REQUEST, (
         f"the Python heap grew by {per_request:.2f} blocks per request after warm-up "
-        f"(object types that grew: {types})")
+        f"(object types that grew: {types})"
+    )
 
 
 def test_detects_a_per_request_leak(monkeypatch):

@@ -1,7 +1,6 @@
 """LlamaModel vs transformers on tiny random checkpoints, and ragged-batch correctness."""
-from __future__ import annotations
 
-import json
+from __future__ import annotations
 
 import numpy as np
 import pytest
@@ -90,8 +89,10 @@ def test_llama_sharded_checkpoint(llama_ckpt, tmp_path):
 
 def test_qwen2_bias_tied_matches_transformers(tmp_path):
     torch.manual_seed(1)
-    cfg = transformers.Qwen2Config(**_small_common(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        **_small_common(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        tie_word_embeddings=True,
+    )
     hf = transformers.Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # HF zero-inits biases; make them matter
         for layer in hf.model.layers:
@@ -121,13 +122,28 @@ def test_safetensors_reader_dtypes(tmp_path):
 
 
 def test_from_hf_config_variants():
-    base = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-    c = ModelConfig.from_hf({**base, "model_type": "mistral", "eos_token_id": 2, "sliding_window": 4096,
-                             "rope_theta": 1e6})
+    base = dict(
+        vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
+    )
+    c = ModelConfig.from_hf(
+        {**base, "model_type": "mistral", "eos_token_id": 2, "sliding_window": 4096, "rope_theta": 1e6}
+    )
     assert c.head_dim == 16 and c.num_kv_heads == 4 and c.eos_token_ids == [2] and c.rope_theta == 1e6
-    c = ModelConfig.from_hf({**base, "model_type": "llama", "eos_token_id": [7, 9], "head_dim": 32,
-                             "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    c = ModelConfig.from_hf(
+        {
+            **base,
+            "model_type": "llama",
+            "eos_token_id": [7, 9],
+            "head_dim": 32,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert c.head_dim == 32 and c.eos_token_ids == [7, 9] and c.rope_scaling["factor"] == 32.0
 
 

@@ -1,5 +1,6 @@
 """The scheduler source compiles with NVRTC for sm_90 as device code (no GPU needed), and the
 CPU build of the same text agrees with the layout."""
+
 import pytest
 
 from device.sched.build import CpuScheduler, scheduler_source
@@ -9,9 +10,15 @@ from ipc import layout
 def test_scheduler_compiles_with_nvrtc_for_sm90():
     pytest.importorskip("cuda.bindings.nvrtc")
     from device.sched.build import compile_kernel
+
     build = compile_kernel("sm_90")
     assert build.cubin[:4] == b"\x7fELF"
-    assert set(build.resources) == {"rl_scheduler_persistent", "rl_step_wait", "rl_step_begin", "rl_step_signal"}
+    assert set(build.resources) == {
+        "rl_scheduler_persistent",
+        "rl_step_wait",
+        "rl_step_begin",
+        "rl_step_signal",
+    }
     for r in build.resources.values():
         assert r.registers is not None and r.registers <= 255 and r.spill_bytes == 0
     assert build.shared_bytes > 0  # the scheduler's block-shared scratch
@@ -20,6 +27,7 @@ def test_scheduler_compiles_with_nvrtc_for_sm90():
 def test_nvrtc_reports_a_broken_source():
     pytest.importorskip("cuda.bindings.nvrtc")
     import device.sched.build as b
+
     original = b.scheduler_source
     b.scheduler_source = lambda entry: original(entry) + "\nthis is not C++;\n"
     try:

@@ -47,7 +47,10 @@ def test_arbitrary_bytes_only_raise_protocol_errors(data):
 
 # Prefixes that make random bytes look like a map with an "op" so fuzzing reaches the field checks.
 @settings(max_examples=300)
-@given(st.sampled_from([b"\x81\xa2op", b"\x82\xa2op\xa8generate", b"\x83\xa2op\xa8generate\xa2id"]), st.binary(max_size=256))
+@given(
+    st.sampled_from([b"\x81\xa2op", b"\x82\xa2op\xa8generate", b"\x83\xa2op\xa8generate\xa2id"]),
+    st.binary(max_size=256),
+)
 def test_map_shaped_garbage_only_raises_protocol_errors(prefix, tail):
     decode_or_protocol_error(prefix + tail)
 
@@ -62,12 +65,27 @@ msgpack_scalars = (
 )
 msgpack_values = st.recursive(
     msgpack_scalars,
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6)
+    ),
     max_leaves=30,
 )
 field_names = st.sampled_from(
-    ["op", "id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
-     "stop_token_ids", "ignore_eos", "priority", "extra"]
+    [
+        "op",
+        "id",
+        "prompt",
+        "prompt_ids",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "priority",
+        "extra",
+    ]
 )
 op_values = st.sampled_from(["generate", "abort", "stats", "ping", "token", "", "GENERATE"]) | msgpack_values
 
@@ -78,12 +96,26 @@ def test_arbitrary_maps_only_raise_protocol_errors(fields, op, with_op):
     if with_op:
         fields["op"] = op
     result = decode_or_protocol_error(frame(fields))
-    assert result is None or isinstance(result, (P.GenerateRequest, P.AbortRequest, P.StatsRequest, P.PingRequest))
+    assert result is None or isinstance(
+        result, (P.GenerateRequest, P.AbortRequest, P.StatsRequest, P.PingRequest)
+    )
 
 
 @settings(max_examples=300)
 @given(
-    st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "priority", "prompt"]),
+    st.sampled_from(
+        [
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop_token_ids",
+            "ignore_eos",
+            "priority",
+            "prompt",
+        ]
+    ),
     msgpack_values,
 )
 def test_generate_with_one_random_field(name, value):
@@ -101,14 +133,20 @@ def test_generate_with_one_random_field(name, value):
 # ------------------------------------------------------------ valid requests round-trip
 
 token = st.integers(min_value=0, max_value=LIMITS.vocab_size - 1)
-request_ids = st.text(min_size=1, max_size=LIMITS.max_id_len) | st.integers(min_value=P.INT64_MIN, max_value=P.INT64_MAX)
+request_ids = st.text(min_size=1, max_size=LIMITS.max_id_len) | st.integers(
+    min_value=P.INT64_MIN, max_value=P.INT64_MAX
+)
 
 
 @st.composite
 def valid_generates(draw):
     max_tokens = draw(st.integers(1, LIMITS.max_tokens_cap))
     use_ids = draw(st.booleans())
-    prompt_ids = draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - max_tokens))) if use_ids else None
+    prompt_ids = (
+        draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - max_tokens)))
+        if use_ids
+        else None
+    )
     prompt = None if use_ids else draw(st.text(min_size=1, max_size=200))
     return P.GenerateRequest(
         id=draw(request_ids),
@@ -181,7 +219,8 @@ INVALID_FIELDS = [
 
 
 @pytest.mark.parametrize(
-    "name,value", [(name, value) for name, values in INVALID_FIELDS for value in values],
+    "name,value",
+    [(name, value) for name, values in INVALID_FIELDS for value in values],
     ids=lambda v: repr(v)[:20],
 )
 def test_invalid_field_is_named(name, value):
@@ -236,11 +275,28 @@ def test_check_context_helper():
 @pytest.mark.parametrize(
     "msg",
     [
-        [1, 2], "generate", 5, None,
-        {}, {"op": None}, {"op": 1}, {"op": b"generate"}, {"op": "nope"}, {"op": "token", "id": 1},
-        gen(id=_DROP), gen(id=None), gen(id=1.5), gen(id=True), gen(id=""), gen(id="x" * 257),
-        gen(id=[1]), gen(id=2**63), gen(id=2**64 - 1),
-        {"op": "abort"}, {"op": "abort", "id": None}, {"op": "abort", "id": {"a": 1}},
+        [1, 2],
+        "generate",
+        5,
+        None,
+        {},
+        {"op": None},
+        {"op": 1},
+        {"op": b"generate"},
+        {"op": "nope"},
+        {"op": "token", "id": 1},
+        gen(id=_DROP),
+        gen(id=None),
+        gen(id=1.5),
+        gen(id=True),
+        gen(id=""),
+        gen(id="x" * 257),
+        gen(id=[1]),
+        gen(id=2**63),
+        gen(id=2**64 - 1),
+        {"op": "abort"},
+        {"op": "abort", "id": None},
+        {"op": "abort", "id": {"a": 1}},
     ],
     ids=lambda m: repr(m)[:40],
 )
@@ -312,7 +368,10 @@ def test_token_msg():
 
 def test_done_msg():
     assert P.done_msg("a", "stop", 3, 4) == {
-        "op": "done", "id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 4}
+        "op": "done",
+        "id": "a",
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
     }
     err = P.done_msg(1, "error", 0, 0, P.ERR_BAD_REQUEST, "max_tokens: bad")
     assert err["error"] == {"code": "bad_request", "message": "max_tokens: bad"}
@@ -326,7 +385,10 @@ def test_done_msg():
 
 def test_error_pong_stats_msgs():
     assert P.error_msg(P.ERR_BAD_REQUEST, "unknown op") == {
-        "op": "error", "id": None, "code": "bad_request", "message": "unknown op"
+        "op": "error",
+        "id": None,
+        "code": "bad_request",
+        "message": "unknown op",
     }
     assert P.pong_msg() == {"op": "pong"}
     assert P.stats_msg({"running": 2, "op": "x"}) == {"running": 2, "op": "stats"}
@@ -334,8 +396,15 @@ def test_error_pong_stats_msgs():
 
 def test_constants():
     assert P.PROTOCOL_VERSION == 1
-    assert P.ERROR_CODES == {"bad_request", "overloaded", "engine_dead", "shutdown", "duplicate_id", "timeout"}
-    assert P.FINISH_REASONS == {"stop", "length", "abort", "error"}
+    assert {
+        "bad_request",
+        "overloaded",
+        "engine_dead",
+        "shutdown",
+        "duplicate_id",
+        "timeout",
+    } == P.ERROR_CODES
+    assert {"stop", "length", "abort", "error"} == P.FINISH_REASONS
 
 
 def test_encode_accepts_numpy_like_scalars():
@@ -365,7 +434,14 @@ def test_float_checks_are_exact_at_bounds():
 def test_reject_msg():
     with pytest.raises(P.BadRequest) as bad:
         decode(gen(top_k=-1))
-    assert P.reject_msg(bad.value) == P.done_msg("r1", "error", 0, 0, "bad_request", "top_k: must be an int in [0, 32000], got -1")
+    assert P.reject_msg(bad.value) == P.done_msg(
+        "r1", "error", 0, 0, "bad_request", "top_k: must be an int in [0, 32000], got -1"
+    )
     with pytest.raises(P.FrameError) as frame_error:
         decode({"op": "nope"})
-    assert P.reject_msg(frame_error.value) == {"op": "error", "id": None, "code": "bad_request", "message": "unknown op 'nope'"}
+    assert P.reject_msg(frame_error.value) == {
+        "op": "error",
+        "id": None,
+        "code": "bad_request",
+        "message": "unknown op 'nope'",
+    }

@@ -4,6 +4,7 @@ another, deadlines, floods, short-lived connections, a slow reader, SIGTERM unde
 
 Each test states the bound it checks; the figures they print (-s) are the ones the issue asks for.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,14 @@ def dones_of(peer: RawPeer, ids, timeout: float = 60.0) -> dict:
 
 
 def generate(rid, n_out: int, prompt=(1, 2, 3), **extra) -> dict:
-    return {"op": "generate", "id": rid, "prompt_ids": list(prompt), "max_tokens": n_out,
-            "ignore_eos": True, **extra}
+    return {
+        "op": "generate",
+        "id": rid,
+        "prompt_ids": list(prompt),
+        "max_tokens": n_out,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def test_a_vanished_client_with_1700_in_flight_costs_little_and_shutdown_ends():
@@ -82,8 +89,10 @@ def test_a_vanished_client_with_1700_in_flight_costs_little_and_shutdown_ends():
         t0 = time.monotonic()
         bg.stop(timeout=1.0 + 5.0)
         stop_s = time.monotonic() - t0
-    print(f"\nvanished client, 1,700 in flight: all ended {cleared_s:.2f} s after it left; "
-          f"stats answered in {stats_s * 1e3:.1f} ms; shutdown took {stop_s:.2f} s")
+    print(
+        f"\nvanished client, 1,700 in flight: all ended {cleared_s:.2f} s after it left; "
+        f"stats answered in {stats_s * 1e3:.1f} ms; shutdown took {stop_s:.2f} s"
+    )
     assert stats_s < 1.0
 
 
@@ -109,8 +118,10 @@ def test_abort_all_with_1100_in_flight_ends_them_within_a_few_steps():
         reasons = Counter(d["finish_reason"] for d in dones.values())
         owner.close()
         other.close()
-    print(f"\nabort all, 1,100 in flight: {abort_all_s:.2f} s, {steps} steps; {dict(reasons)}; "
-          f"then another client's 4-token request took {probe_s * 1e3:.0f} ms")
+    print(
+        f"\nabort all, 1,100 in flight: {abort_all_s:.2f} s, {steps} steps; {dict(reasons)}; "
+        f"then another client's 4-token request took {probe_s * 1e3:.0f} ms"
+    )
     assert reasons == {"abort": 1100}  # none ran to its length first
     assert probe["finish_reason"] == "length"
     assert abort_all_s < 10
@@ -132,8 +143,10 @@ def test_one_client_with_1000_requests_cannot_starve_another():
         n_slots = bg.server.backend.rings.config.n_slots
         hog.close()
         small.close()
-    print(f"\nbehind a 1,000-request client: the other client's request took {latency * 1e3:.0f} ms, "
-          f"while {hog_done_meanwhile} of the hog's requests finished (window {window})")
+    print(
+        f"\nbehind a 1,000-request client: the other client's request took {latency * 1e3:.0f} ms, "
+        f"while {hog_done_meanwhile} of the hog's requests finished (window {window})"
+    )
     assert done["finish_reason"] == "length"
     # its share: it waits at most for what the device already held when it arrived
     assert hog_done_meanwhile <= window + n_slots
@@ -145,8 +158,10 @@ def test_per_client_cap_rejects_beyond_it_and_others_still_get_in():
         for i in range(8):
             a.send(generate(i, 400))
         dones = dones_of(a, [5, 6, 7], timeout=30)
-        assert all(d["error"]["code"] == "overloaded" and "max-inflight-per-client" in d["error"]["message"]
-                   for d in dones.values())
+        assert all(
+            d["error"]["code"] == "overloaded" and "max-inflight-per-client" in d["error"]["message"]
+            for d in dones.values()
+        )
         b.send(generate("b", 2))
         assert dones_of(b, ["b"])["b"]["finish_reason"] == "length"
         for i in range(5):
@@ -243,9 +258,23 @@ def test_sigterm_under_load_ends_every_request_and_the_process_in_time():
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.Popen([sys.executable, "-m", "hostctl.cli", "serve", "--bind", address,
-                             "--slots", "8", "--drain-timeout", "1"], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hostctl.cli",
+            "serve",
+            "--bind",
+            address,
+            "--slots",
+            "8",
+            "--drain-timeout",
+            "1",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with Client(address, timeout=60, connect_timeout=60) as c:
             c.ping(timeout=60)

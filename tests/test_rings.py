@@ -1,5 +1,6 @@
 """Ring mechanics: wrap-around, full and empty, for the SQ, the abort ring, the CQ and the prompt
 arena."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -39,12 +40,13 @@ def test_arena_never_hands_out_live_tokens_and_reclaims_in_order(ops):
 
 
 def test_sq_full_and_empty():
-    mem = HostMemory(RingConfig(n_slots=1, token_budget=4, sq_size=4, cq_size=64, pending_cap=2,
-                                arena_size=64, max_ctx=32))
+    mem = HostMemory(
+        RingConfig(n_slots=1, token_budget=4, sq_size=4, cq_size=64, pending_cap=2, arena_size=64, max_ctx=32)
+    )
     sq = mem.rings.submissions
     assert sq.free_entries() == 4
     assert [sq.push(h + 1) for h in range(4)] == [0, 1, 2, 3]  # push returns the SQ position
-    assert (mem.arrays["sq"]["op"] == layout.RL_OP_GENERATE).all()
+    assert (mem.arrays["sq"]["op"] == layout.Op.GENERATE).all()
     assert sq.free_entries() == 0
     assert not mem.rings.completions.take().size  # empty CQ reads nothing
     assert mem.rings.completions.pending() == 0
@@ -56,8 +58,9 @@ def test_sq_full_and_empty():
 def test_indices_wrap_at_32_bits(start):
     """Ring indices are free-running u32 counters: start them anywhere, including just below the
     wrap, and everything still arrives."""
-    cfg = RingConfig(n_slots=2, token_budget=4, sq_size=4, cq_size=64, pending_cap=4,
-                     arena_size=64, max_ctx=32)
+    cfg = RingConfig(
+        n_slots=2, token_budget=4, sq_size=4, cq_size=64, pending_cap=4, arena_size=64, max_ctx=32
+    )
     d = Driver(cfg, start_index=start or 1)
     for _ in range(6):
         assert d.submit([1, 2, 3], 5) is not None
@@ -65,12 +68,20 @@ def test_indices_wrap_at_32_bits(start):
     d.run_until_idle()
     for rec in d.records.values():
         assert rec.tokens == [token_for(rec.handle, i) for i in range(5)]
-        assert rec.done == [layout.RL_FINISH_LENGTH]
+        assert rec.done == [layout.Finish.LENGTH]
 
 
 def _abort_ring(start: int, aq_size: int = 4):
-    cfg = RingConfig(n_slots=1, token_budget=4, sq_size=4, cq_size=64, pending_cap=2,
-                     arena_size=64, max_ctx=32, aq_size=aq_size)
+    cfg = RingConfig(
+        n_slots=1,
+        token_budget=4,
+        sq_size=4,
+        cq_size=64,
+        pending_cap=2,
+        arena_size=64,
+        max_ctx=32,
+        aq_size=aq_size,
+    )
     mem = HostMemory(cfg)
     ctl = mem.arrays["ctl"][0]
     ctl["aq_tail"] = ctl["aq_head"] = start

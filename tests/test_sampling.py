@@ -1,4 +1,5 @@
 """Counter-based sampling: greedy, determinism independent of batch, top-k/top-p, distribution."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,14 @@ def test_seeded_draw_independent_of_batch_composition():
     counter = torch.tensor([0, 3, 1, 17, 2**33, 1])
     batched = sample(logits, temp, top_k, top_p, seed, counter)
     for i in range(6):
-        alone = sample(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
-                       seed[i : i + 1], counter[i : i + 1])
+        alone = sample(
+            logits[i : i + 1],
+            temp[i : i + 1],
+            top_k[i : i + 1],
+            top_p[i : i + 1],
+            seed[i : i + 1],
+            counter[i : i + 1],
+        )
         assert alone.item() == batched[i].item()
     # permuting the batch permutes the result
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
@@ -63,8 +70,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     t, _, p, _, _ = _params(32, temperature=1.5)
     seeds, ctrs = torch.arange(32), torch.arange(32) * 3
     assert torch.equal(sample(logits, t, torch.ones(32, dtype=torch.int64), p, seeds, ctrs), want)
-    assert torch.equal(sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.full((32,), 1e-6), seeds, ctrs), want)
-    assert torch.equal(sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.zeros(32), seeds, ctrs), want)
+    assert torch.equal(
+        sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.full((32,), 1e-6), seeds, ctrs), want
+    )
+    assert torch.equal(
+        sample(logits, t, torch.zeros(32, dtype=torch.int64), torch.zeros(32), seeds, ctrs), want
+    )
 
 
 def test_top_k_and_top_p_restrict_support():

@@ -1,6 +1,7 @@
 """The scheduler's two phases, through bench/sched_micro.py's harness: the critical phase never
 touches host-shared memory, the overlapped phase does the host traffic, and the benchmark's
 scenarios are correct runs (every request ends with exactly one DONE)."""
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,7 @@ def test_every_request_of_a_scenario_ends_with_exactly_one_done(scenario, n_slot
 def test_scenarios_have_the_shape_they_are_named_for():
     h = Harness("decode-only", 4)
     h.warm_up(5)
-    assert (h.a["slots"]["state"] == layout.RL_SLOT_DECODE).all()
+    assert (h.a["slots"]["state"] == layout.SlotState.DECODE).all()
 
     h = Harness("mixed-prefill", 4, record_layouts=True)
     for _ in range(STEPS):
@@ -93,9 +94,14 @@ def test_whole_step_mode_drives_the_serial_step():
 
 def test_null_host_check_builds_the_same_layouts_without_host_pointers():
     # a subprocess: a host access in the critical phase is a segfault, which must fail the test
-    proc = subprocess.run([sys.executable, "bench/sched_micro.py", "--null-host-check",
-                           "--steps", "30", "--sizes", "1,4,32"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "bench/sched_micro.py", "--null-host-check", "--steps", "30", "--sizes", "1,4,32"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-1] == "ok" and len(lines) == 1 + len(SCENARIOS) * 3
@@ -110,7 +116,8 @@ def test_json_has_the_documented_shape(tmp_path, capsys):
     for key in ("cpu_model", "cpu_count", "python", "git_rev"):
         assert key in doc["machine"], key
     assert [(s["name"], s["n_slots"]) for s in doc["scenarios"]] == [
-        (name, n) for name in SCENARIOS for n in (1, 4)]
+        (name, n) for name in SCENARIOS for n in (1, 4)
+    ]
     for s in doc["scenarios"]:
         for phase in ("critical", "overlapped"):
             st = s["phases"][phase]

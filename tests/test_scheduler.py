@@ -1,4 +1,5 @@
 """The real sched_step (CPU build) over real rings: continuous batching, budgets, policies, aborts."""
+
 import threading
 import time
 
@@ -13,8 +14,16 @@ from tests.sched_driver import Driver, token_for
 
 
 def small_config(**kw) -> RingConfig:
-    base = dict(n_slots=4, max_ctx=64, token_budget=8, sq_size=4, cq_size=64, arena_size=128,
-                pending_cap=8, aging_steps=4)
+    base = dict(
+        n_slots=4,
+        max_ctx=64,
+        token_budget=8,
+        sq_size=4,
+        cq_size=64,
+        arena_size=128,
+        pending_cap=8,
+        aging_steps=4,
+    )
     base.update(kw)
     return RingConfig(**base)
 
@@ -30,8 +39,8 @@ def check_step_layout(d: Driver, step: dict) -> None:
         assert start == row and n >= 1
         if g < step["n_decode"]:
             assert n == 1, "decode rows come first, one per decoding slot"
-        assert (step["slot_of"][start:start + n] == slot).all()
-        pos = step["positions"][start:start + n]
+        assert (step["slot_of"][start : start + n] == slot).all()
+        pos = step["positions"][start : start + n]
         assert (np.diff(pos) == 1).all()
         row += n
     assert row == step["n_tokens"]
@@ -43,8 +52,12 @@ def test_every_request_gets_its_tokens_and_one_done(data):
     n_slots = data.draw(st.integers(1, 4), label="n_slots")
     budget = data.draw(st.integers(n_slots, 12), label="budget")
     d = Driver(small_config(n_slots=n_slots, token_budget=budget))
-    arrivals = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 3)),
-                                  min_size=1, max_size=24), label="requests")
+    arrivals = data.draw(
+        st.lists(
+            st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=24
+        ),
+        label="requests",
+    )
     queue = list(arrivals)
     for _ in range(5000):
         while queue:  # submit as many as the SQ and arena take: exercises full rings and wrap
@@ -58,7 +71,7 @@ def test_every_request_gets_its_tokens_and_one_done(data):
             break
     assert not queue
     for rec in d.records.values():
-        assert rec.done == [layout.RL_FINISH_LENGTH]
+        assert rec.done == [layout.Finish.LENGTH]
         assert rec.indices == list(range(rec.max_tokens))
         assert rec.tokens == [token_for(rec.handle, i) for i in range(rec.max_tokens)]
     for step in d.steps:
@@ -103,7 +116,7 @@ def test_fifo_admits_in_arrival_order():
     d = Driver(small_config(n_slots=1))
     handles = [d.submit([1, 2], 2) for _ in range(4)]
     assert _completion_order(d) == handles
-    assert all(r.done == [layout.RL_FINISH_LENGTH] for r in d.records.values())
+    assert all(r.done == [layout.Finish.LENGTH] for r in d.records.values())
 
 
 def _completion_order(d: Driver) -> list[int]:
@@ -114,12 +127,12 @@ def _completion_order(d: Driver) -> list[int]:
         status = d.step()
         after = {h for h, r in d.records.items() if r.done}
         done_order.extend(sorted(after - before))
-        if status == layout.RL_STEP_IDLE:
+        if status == layout.StepStatus.IDLE:
             return done_order
 
 
 def test_priority_admits_higher_first():
-    d = Driver(small_config(n_slots=1, aging_steps=1000, policy=layout.RL_POLICY_PRIORITY))
+    d = Driver(small_config(n_slots=1, aging_steps=1000, policy=layout.Policy.PRIORITY))
     busy = d.submit([1], 3)
     d.step()  # busy takes the only slot
     low = d.submit([2], 1, priority=0)
@@ -131,28 +144,38 @@ def test_priority_admits_higher_first():
 
 def test_priority_aging_lets_old_requests_through():
     # A low-priority request waits while high-priority ones keep coming; aging must admit it.
-    d = Driver(small_config(n_slots=1, sq_size=8, aging_steps=1, policy=layout.RL_POLICY_PRIORITY))
+    d = Driver(small_config(n_slots=1, sq_size=8, aging_steps=1, policy=layout.Policy.PRIORITY))
     d.submit([1], 2)
     d.step()
     low = d.submit([2], 1, priority=0)
-    for i in range(30):
+    for _ in range(30):
         d.submit([3], 2, priority=3)
         d.step()
         d.step()
         if d.records[low].done:
             break
-    assert d.records[low].done == [layout.RL_FINISH_LENGTH], "starved despite aging"
+    assert d.records[low].done == [layout.Finish.LENGTH], "starved despite aging"
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from([-2**31, -5, -1, 0, 0, 1, 3, 3, 7, 2**31 - 1]), min_size=5, max_size=24))
+@given(st.lists(st.sampled_from([-(2**31), -5, -1, 0, 0, 1, 3, 3, 7, 2**31 - 1]), min_size=5, max_size=24))
 def test_priority_admits_the_highest_first_ties_in_arrival_order(priorities):
     """The admission sort (a radix sort on the device) against a reference: with every request
     waiting while the slots are busy, each batch of freed slots takes the next n_slots requests
     by priority, equal priorities in arrival order."""
     n_slots = 4
-    d = Driver(small_config(n_slots=n_slots, token_budget=8, sq_size=32, pending_cap=32, cq_size=256,
-                            arena_size=256, aging_steps=10**6, policy=layout.RL_POLICY_PRIORITY))
+    d = Driver(
+        small_config(
+            n_slots=n_slots,
+            token_budget=8,
+            sq_size=32,
+            pending_cap=32,
+            cq_size=256,
+            arena_size=256,
+            aging_steps=10**6,
+            policy=layout.Policy.PRIORITY,
+        )
+    )
     for _ in range(n_slots):
         d.submit([1], 3)
     d.step()  # the slots are busy for a few steps
@@ -164,15 +187,15 @@ def test_priority_admits_the_highest_first_ties_in_arrival_order(priorities):
         ended = {h for h in handles if d.records[h].done} - before
         if ended:
             batches.append(ended)
-        if status == layout.RL_STEP_IDLE:
+        if status == layout.StepStatus.IDLE:
             break
     order = sorted(range(len(handles)), key=lambda i: (-priorities[i], i))
-    want = [{handles[i] for i in order[k:k + n_slots]} for k in range(0, len(order), n_slots)]
+    want = [{handles[i] for i in order[k : k + n_slots]} for k in range(0, len(order), n_slots)]
     assert batches == want
 
 
 def test_static_batching_waits_for_the_whole_batch():
-    d = Driver(small_config(n_slots=2, policy=layout.RL_POLICY_STATIC))
+    d = Driver(small_config(n_slots=2, policy=layout.Policy.STATIC))
     short = d.submit([1], 1)
     long = d.submit([2], 6)
     third = d.submit([3], 1)
@@ -183,7 +206,7 @@ def test_static_batching_waits_for_the_whole_batch():
         assert not d.records[third].tokens
         d.step()
     d.run_until_idle()
-    assert d.records[third].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[third].done == [layout.Finish.LENGTH]
 
 
 def test_stop_token_and_eos():
@@ -192,11 +215,11 @@ def test_stop_token_and_eos():
     h = d.submit([5, 6], 10)  # handle 1: its third token is eos
     stop = token_for(2, 1)
     h2 = d.submit([5], 10, stop_ids=(stop,))
-    h3 = d.submit([5], 4, flags=layout.RL_FLAG_IGNORE_EOS)
+    h3 = d.submit([5], 4, flags=layout.SqFlag.IGNORE_EOS)
     d.run_until_idle()
-    assert d.records[h].done == [layout.RL_FINISH_STOP] and len(d.records[h].tokens) == 3
-    assert d.records[h2].done == [layout.RL_FINISH_STOP] and d.records[h2].tokens[-1] == stop
-    assert d.records[h3].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[h].done == [layout.Finish.STOP] and len(d.records[h].tokens) == 3
+    assert d.records[h2].done == [layout.Finish.STOP] and d.records[h2].tokens[-1] == stop
+    assert d.records[h3].done == [layout.Finish.LENGTH]
 
 
 def test_abort_pending_and_running_requests():
@@ -207,14 +230,14 @@ def test_abort_pending_and_running_requests():
     d.step()
     assert d.abort(running) and d.abort(waiting)
     d.run_until_idle()
-    assert d.records[running].done == [layout.RL_FINISH_ABORT]
-    assert d.records[waiting].done == [layout.RL_FINISH_ABORT] and not d.records[waiting].tokens
+    assert d.records[running].done == [layout.Finish.ABORT]
+    assert d.records[waiting].done == [layout.Finish.ABORT] and not d.records[waiting].tokens
     assert len(d.records[running].tokens) < 50
     assert d.rings.counters()["active_slots"] == 0
     # an abort for a finished request is ignored
     assert d.abort(running)
     d.run_until_idle()
-    assert d.records[running].done == [layout.RL_FINISH_ABORT]
+    assert d.records[running].done == [layout.Finish.ABORT]
 
 
 def _in_sq(d: Driver, handle: int) -> bool:
@@ -250,12 +273,12 @@ def test_abort_of_a_request_still_in_the_sq():
     assert _in_sq(d, victim) and not d.records[victim].done  # marked, applied once drained
     while _in_sq(d, victim):
         d.step()
-    assert d.records[victim].done == [layout.RL_FINISH_ABORT], "DONE in the step that drains it"
+    assert d.records[victim].done == [layout.Finish.ABORT], "DONE in the step that drains it"
     d.run_until_idle()
-    assert d.records[victim].done == [layout.RL_FINISH_ABORT] and not d.records[victim].tokens
+    assert d.records[victim].done == [layout.Finish.ABORT] and not d.records[victim].tokens
     for h in handles:
         if h != victim:
-            assert d.records[h].done == [layout.RL_FINISH_LENGTH]
+            assert d.records[h].done == [layout.Finish.LENGTH]
             assert d.records[h].tokens == [token_for(h, i) for i in range(3)]
     assert d.rings.counters()["aborts"] == 1
     assert not d.a["sq_cancel"].any()
@@ -279,12 +302,12 @@ def test_abort_all_with_everything_full_ends_every_request_within_a_few_steps():
     assert n_steps <= cfg.sq_size // cfg.pending_cap + 1
     for h in handles:
         rec = d.records[h]
-        assert rec.done == [layout.RL_FINISH_ABORT]
+        assert rec.done == [layout.Finish.ABORT]
         assert len(rec.tokens) == tokens_before[h], "no token after the abort"
     ctl = d.rings.counters()
     assert ctl["aborts"] == ctl["finished"] == len(handles)
     assert ctl["active_slots"] == 0 and ctl["pending"] == 0
-    assert d.step() == layout.RL_STEP_IDLE
+    assert d.step() == layout.StepStatus.IDLE
 
 
 def test_a_stale_abort_is_ignored():
@@ -298,8 +321,8 @@ def test_a_stale_abort_is_ignored():
     assert d.sq_pos[later] % 4 == d.sq_pos[old] % 4
     assert d.abort(old)
     d.run_until_idle()
-    assert d.records[old].done == [layout.RL_FINISH_LENGTH]
-    assert d.records[later].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[old].done == [layout.Finish.LENGTH]
+    assert d.records[later].done == [layout.Finish.LENGTH]
     assert d.records[later].tokens == [token_for(later, i) for i in range(4)]
     assert d.rings.counters()["aborts"] == 0
     assert not d.a["sq_cancel"].any()
@@ -325,9 +348,9 @@ def test_aborts_of_undrained_entries_across_the_u32_wrap():
     for h in handles:
         rec = d.records[h]
         if h in aborted:
-            assert rec.done == [layout.RL_FINISH_ABORT] and not rec.tokens
+            assert rec.done == [layout.Finish.ABORT] and not rec.tokens
         else:
-            assert rec.done == [layout.RL_FINISH_LENGTH]
+            assert rec.done == [layout.Finish.LENGTH]
             assert rec.tokens == [token_for(h, i) for i in range(3)]
     assert d.rings.counters()["aborts"] == len(aborted)
 
@@ -338,11 +361,11 @@ def test_a_step_whose_drained_entries_were_all_aborted_drains_more_instead_of_id
     d = Driver(small_config(n_slots=1, sq_size=8, pending_cap=2))
     first, second, third = (d.submit([1, 2], 2) for _ in range(3))
     assert d.abort(first) and d.abort(second)
-    assert d.step() == layout.RL_STEP_RUN
-    assert d.records[first].done == d.records[second].done == [layout.RL_FINISH_ABORT]
+    assert d.step() == layout.StepStatus.RUN
+    assert d.records[first].done == d.records[second].done == [layout.Finish.ABORT]
     assert d.a["slots"][0]["handle"] == third
     d.run_until_idle()
-    assert d.records[third].done == [layout.RL_FINISH_LENGTH]
+    assert d.records[third].done == [layout.Finish.LENGTH]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -350,12 +373,22 @@ def test_a_step_whose_drained_entries_were_all_aborted_drains_more_instead_of_id
 def test_aborts_at_random_times_end_each_request_once(data):
     n_slots = data.draw(st.integers(1, 3), label="n_slots")
     pending_cap = data.draw(st.sampled_from([2, 4, 8]), label="pending_cap")
-    d = Driver(small_config(n_slots=n_slots, token_budget=8, sq_size=8, pending_cap=pending_cap,
-                            cq_size=64, arena_size=256))
+    d = Driver(
+        small_config(
+            n_slots=n_slots, token_budget=8, sq_size=8, pending_cap=pending_cap, cq_size=64, arena_size=256
+        )
+    )
     aborted: set[int] = set()
-    ops = data.draw(st.lists(st.tuples(st.sampled_from(["submit", "abort", "step"]),
-                                       st.integers(1, 12), st.integers(0, 10**6)),
-                             min_size=1, max_size=120), label="ops")
+    ops = data.draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["submit", "abort", "step"]), st.integers(1, 12), st.integers(0, 10**6)
+            ),
+            min_size=1,
+            max_size=120,
+        ),
+        label="ops",
+    )
     for op, n, pick in ops:
         if op == "submit":
             d.submit(np.arange(n % 5 + 1, dtype=np.int32), n)
@@ -370,13 +403,13 @@ def test_aborts_at_random_times_end_each_request_once(data):
         assert len(rec.done) == 1
         assert rec.indices == list(range(len(rec.tokens)))
         assert rec.tokens == [token_for(h, i) for i in range(len(rec.tokens))]
-        if rec.done == [layout.RL_FINISH_ABORT]:
+        if rec.done == [layout.Finish.ABORT]:
             assert h in aborted and len(rec.tokens) < rec.max_tokens
         else:  # not aborted, or it finished before its abort was applied
-            assert rec.done == [layout.RL_FINISH_LENGTH] and len(rec.tokens) == rec.max_tokens
+            assert rec.done == [layout.Finish.LENGTH] and len(rec.tokens) == rec.max_tokens
     ctl = d.rings.counters()
     assert ctl["finished"] == len(d.records)
-    assert ctl["aborts"] == sum(r.done == [layout.RL_FINISH_ABORT] for r in d.records.values())
+    assert ctl["aborts"] == sum(r.done == [layout.Finish.ABORT] for r in d.records.values())
     assert not d.a["sq_cancel"].any()
 
 
@@ -398,7 +431,7 @@ def test_full_cq_makes_the_scheduler_wait_not_drop():
     d.run_until_idle()
     for rec in d.records.values():
         assert rec.tokens == [token_for(rec.handle, i) for i in range(30)]
-        assert rec.done == [layout.RL_FINISH_LENGTH]
+        assert rec.done == [layout.Finish.LENGTH]
 
 
 def test_shutdown_while_waiting_for_cq_space_returns():
@@ -417,10 +450,11 @@ def test_init_rejects_a_foreign_layout():
     d = Driver(small_config())
     d.a["cfg"][0]["magic"] = 0xDEADBEEF
     from tests.sched_driver import scheduler
-    assert scheduler().init(d.mem.context_address) == layout.RL_ERR_BAD_MAGIC
+
+    assert scheduler().init(d.mem.context_address) == layout.InitError.BAD_MAGIC
     d.a["cfg"][0]["magic"] = layout.MAGIC
     d.a["cfg"][0]["layout_fingerprint"] ^= 1
-    assert scheduler().init(d.mem.context_address) == layout.RL_ERR_BAD_FINGERPRINT
+    assert scheduler().init(d.mem.context_address) == layout.InitError.BAD_FINGERPRINT
 
 
 @pytest.mark.parametrize("bad", [dict(sq_size=6), dict(token_budget=2, n_slots=4)])

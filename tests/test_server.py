@@ -1,12 +1,11 @@
 """End to end over real sockets on 127.0.0.1: streaming, exactly one done, aborts, vanishing
 clients, overload, engine death and shutdown."""
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter, defaultdict
-
-import pytest
 
 from device.backends.cpu import CpuBackend
 from device.tokenizer import ByteTokenizer
@@ -35,8 +34,15 @@ def collect(peer: RawPeer, n_requests: int, timeout: float = 120.0):
 def test_64_concurrent_streams_each_get_one_done_and_their_tokens(tiny_server, peer):
     wanted = {f"r{i}": 1 + (i * 7) % 40 for i in range(64)}
     for rid, n in wanted.items():
-        peer.send({"op": "generate", "id": rid, "prompt_ids": [1 + i for i in range(n % 9 + 1)],
-                   "max_tokens": n, "ignore_eos": True})
+        peer.send(
+            {
+                "op": "generate",
+                "id": rid,
+                "prompt_ids": [1 + i for i in range(n % 9 + 1)],
+                "max_tokens": n,
+                "ignore_eos": True,
+            }
+        )
     tokens, dones, order_ok = collect(peer, 64)
     assert order_ok
     assert set(dones) == set(wanted)
@@ -60,8 +66,7 @@ def test_text_prompt_streams_text_that_matches_the_tokens(tiny_server):
 
 
 def test_abort_mid_stream_ends_with_abort_and_frees_the_slot(tiny_server, peer):
-    peer.send({"op": "generate", "id": 1, "prompt_ids": [5, 6, 7], "max_tokens": 500,
-               "ignore_eos": True})
+    peer.send({"op": "generate", "id": 1, "prompt_ids": [5, 6, 7], "max_tokens": 500, "ignore_eos": True})
     peer.recv_until(lambda m: m["op"] == "token")
     peer.send({"op": "abort", "id": 1})
     msgs = peer.recv_until(lambda m: m["op"] == "done")
@@ -98,12 +103,21 @@ def test_a_client_that_vanishes_has_its_requests_aborted(tiny_server):
 
 
 def test_seeded_sampling_is_unchanged_by_concurrency(tiny_server):
-    params = dict(prompt_ids=[10, 20, 30], max_tokens=24, temperature=0.9, top_p=0.95, top_k=50,
-                  seed=1234, ignore_eos=True)
+    params = dict(
+        prompt_ids=[10, 20, 30],
+        max_tokens=24,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        seed=1234,
+        ignore_eos=True,
+    )
     with Client(tiny_server.address, timeout=60) as c:
         alone = c.complete(**params).token_ids
-        crowd = [c.generate(prompt_ids=[i, i + 1], max_tokens=30, temperature=1.0, seed=i,
-                            ignore_eos=True) for i in range(12)]
+        crowd = [
+            c.generate(prompt_ids=[i, i + 1], max_tokens=30, temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(12)
+        ]
         again = c.complete(**params).token_ids
         for s in crowd:
             s.wait()
@@ -132,18 +146,20 @@ def test_prompt_longer_than_the_context_is_a_bad_request(tiny_server, peer):
 
 
 def test_overload_rejects_with_overloaded_and_everyone_gets_one_done():
-    with running_server(n_slots=2, sq_size=4, pending_cap=4,
-                        server_options={"max_queued": 3}) as bg:
+    with running_server(n_slots=2, sq_size=4, pending_cap=4, server_options={"max_queued": 3}) as bg:
         peer = RawPeer(bg.address)
         n = 40
         for i in range(n):
-            peer.send({"op": "generate", "id": i, "prompt_ids": [1, 2, 3], "max_tokens": 30,
-                       "ignore_eos": True})
+            peer.send(
+                {"op": "generate", "id": i, "prompt_ids": [1, 2, 3], "max_tokens": 30, "ignore_eos": True}
+            )
         tokens, dones, _ = collect(peer, n)
         peer.close()
     assert all(len(v) == 1 for v in dones.values()) and len(dones) == n
-    reasons = Counter(d[0]["finish_reason"] if d[0]["finish_reason"] != "error"
-                      else d[0]["error"]["code"] for d in dones.values())
+    reasons = Counter(
+        d[0]["finish_reason"] if d[0]["finish_reason"] != "error" else d[0]["error"]["code"]
+        for d in dones.values()
+    )
     assert reasons["overloaded"] > 0 and reasons["length"] > 0
     assert reasons["overloaded"] + reasons["length"] == n
     for rid, d in dones.items():
@@ -153,6 +169,7 @@ def test_overload_rejects_with_overloaded_and_everyone_gets_one_done():
 
 class FailingBackend(CpuBackend):
     """Fault injection: the model step raises after a few steps, as a device fault would."""
+
     fail_after = 5
 
     def _run_model_step(self):
@@ -180,8 +197,9 @@ def test_shutdown_with_requests_in_flight_gives_each_one_done():
     with running_server(server_options={"drain_timeout_s": 0.2}) as bg:
         peer = RawPeer(bg.address)
         for i in range(5):
-            peer.send({"op": "generate", "id": i, "prompt_ids": [1, 2], "max_tokens": 500,
-                       "ignore_eos": True})
+            peer.send(
+                {"op": "generate", "id": i, "prompt_ids": [1, 2], "max_tokens": 500, "ignore_eos": True}
+            )
         peer.recv_until(lambda m: m["op"] == "token")
         stopper = threading.Thread(target=bg.stop)
         stopper.start()
@@ -194,6 +212,7 @@ def test_shutdown_with_requests_in_flight_gives_each_one_done():
 
 class HangingBackend(CpuBackend):
     """Fault injection: the step stops making progress (a hung device), past the watchdog."""
+
     hang_after = 3
 
     def _run_model_step(self):
@@ -222,14 +241,16 @@ def test_async_client_streams_concurrently(tiny_server):
 
     async def main():
         async with AsyncClient(tiny_server.address, timeout=60) as c:
-            streams = [await c.generate(prompt_ids=[i + 1], max_tokens=5 + i, ignore_eos=True)
-                       for i in range(16)]
+            streams = [
+                await c.generate(prompt_ids=[i + 1], max_tokens=5 + i, ignore_eos=True) for i in range(16)
+            ]
 
             async def drain(s):
                 n = 0
                 async for chunk in s:
                     n += len(chunk.token_ids)
                 return n, await s.wait()
+
             return await asyncio.gather(*(drain(s) for s in streams))
 
     results = asyncio.run(main())
@@ -252,4 +273,6 @@ def test_queue_time_grows_when_slots_are_busy():
             first.wait()
             second.wait()
     assert second.done.timing["queue_ms"] > first.done.timing["queue_ms"]
-    assert second.done.timing["queue_ms"] >= 0.5 * (first.done.timing["e2e_ms"] - first.done.timing["ttft_ms"])
+    assert second.done.timing["queue_ms"] >= 0.5 * (
+        first.done.timing["e2e_ms"] - first.done.timing["ttft_ms"]
+    )

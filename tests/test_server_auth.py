@@ -1,5 +1,6 @@
 """CURVE on the real server: an authorized client is served end to end; a client without keys,
 or with keys the server does not know, gets nothing and is told why; an open bind warns."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,13 @@ def keys(tmp_path_factory):
     server_pub, server_secret = generate_keypair(root / "server", "server")
     client_pub, client_secret = generate_keypair(root / "authorized", "alice")
     _, stranger_secret = generate_keypair(root / "strangers", "mallory")
-    return dict(server_pub=server_pub, server_secret=server_secret, client_secret=client_secret,
-                stranger_secret=stranger_secret, authorized=str(root / "authorized"))
+    return dict(
+        server_pub=server_pub,
+        server_secret=server_secret,
+        client_secret=client_secret,
+        stranger_secret=stranger_secret,
+        authorized=str(root / "authorized"),
+    )
 
 
 def test_only_authorized_clients_get_through(keys):

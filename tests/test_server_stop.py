@@ -1,5 +1,6 @@
 """A backend that does not stop is never passed over in silence: the server still closes its
 sockets, and BackgroundServer.stop() re-raises the backend's EngineDead."""
+
 import pytest
 import zmq
 

@@ -5,6 +5,7 @@ is first imported (triton.language's own helpers are @triton.jit functions). So 
 run in a child process started with TRITON_INTERPRET=1 (`run_interpreted_checks`); the test
 skips when triton is not installed.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def test_triton_under_interpreter():
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = "import tests.test_static_step as t; t.run_interpreted_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "interpreted checks passed" in proc.stdout
 
@@ -55,6 +57,7 @@ def run_interpreted_checks() -> None:
 
 # ---- the kernel ------------------------------------------------------------------------------
 
+
 def _rows(spec):
     """spec: [(slot, first_pos, n_rows)] -> slot_of, positions (int32); slot -1 = pad rows."""
     slot_of, pos = [], []
@@ -74,18 +77,22 @@ def check_kernel_matches_reference(attention, n_heads, n_kv, head_dim, dtype=tor
     n_slots, max_ctx = 5, 150  # slot 5 = scratch
     shape = (n_slots + 1, max_ctx, n_kv, head_dim)
     k, v = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-    slot_of, positions = _rows([
-        (0, 0, 1),             # first token of a request
-        (1, 63, 1), (2, 64, 1), (3, 128, 1),  # around BLOCK_N = 64 boundaries
-        (-1, 0, 2),            # pad rows in the middle
-        (4, 60, 9),            # prefill chunk crossing a block boundary
-        (1, max_ctx - 1, 1),   # the last position
-        (2, 5, 3),
-        (-1, 0, 3),            # bucket padding at the end
-    ])
+    slot_of, positions = _rows(
+        [
+            (0, 0, 1),  # first token of a request
+            (1, 63, 1),
+            (2, 64, 1),
+            (3, 128, 1),  # around BLOCK_N = 64 boundaries
+            (-1, 0, 2),  # pad rows in the middle
+            (4, 60, 9),  # prefill chunk crossing a block boundary
+            (1, max_ctx - 1, 1),  # the last position
+            (2, 5, 3),
+            (-1, 0, 3),  # bucket padding at the end
+        ]
+    )
     T = slot_of.shape[0]
     q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     ref = ragged_attention_reference(q, k, v, slot_of, positions, scale)
 
     # poison everything no row may read: positions past each slot's furthest row, and scratch
@@ -115,7 +122,7 @@ def test_reference_matches_eager_ragged_attention():
     batch = StepBatch.from_segments([(2, [0] * 1, 7), (0, [0] * 1, 30), (1, [0] * 6, 10), (3, [0] * 1, 0)])
     q = torch.randn(batch.n_rows, 4, 16, generator=gen)
     eager = ragged_attention(q, batch, batch.get_plan(), k, v)
-    ref = ragged_attention_reference(q, k, v, batch.slot_of.int(), batch.positions.int(), 16 ** -0.5)
+    ref = ragged_attention_reference(q, k, v, batch.slot_of.int(), batch.positions.int(), 16**-0.5)
     torch.testing.assert_close(ref, eager, atol=1e-5, rtol=1e-5)
 
 
@@ -123,8 +130,12 @@ def test_reference_matches_eager_ragged_attention():
 
 N_SLOTS, MAX_CTX, BUDGET, BUCKETS = 4, 96, 16, (4, 8, 16)
 REQUESTS = [  # prompt length, max_tokens, temperature, top_p, top_k, seed
-    (21, 5, 0.0, 1.0, 0, 0), (3, 6, 0.8, 0.9, 0, 11), (9, 4, 1.0, 1.0, 20, 12),
-    (2, 3, 0.0, 1.0, 0, 0), (17, 4, 0.7, 0.95, 50, 13), (5, 5, 1.2, 1.0, 0, 14),
+    (21, 5, 0.0, 1.0, 0, 0),
+    (3, 6, 0.8, 0.9, 0, 11),
+    (9, 4, 1.0, 1.0, 20, 12),
+    (2, 3, 0.0, 1.0, 0, 0),
+    (17, 4, 0.7, 0.95, 50, 13),
+    (5, 5, 1.2, 1.0, 0, 14),
 ]
 
 
@@ -134,28 +145,53 @@ def model():
 
 
 def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> None:
-    d.submit(prompt, max_tokens, flags=L.RL_FLAG_IGNORE_EOS, temperature=temperature, top_p=top_p,
-             top_k=top_k, seed=seed)
+    d.submit(
+        prompt,
+        max_tokens,
+        flags=L.SqFlag.IGNORE_EOS,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+    )
 
 
 def _eager_step(model, kv, a):
     """What the CPU backend does with the layout: eager step + sample."""
     h = a["step"][0]
     n, nseg, ns = int(h["n_tokens"]), int(h["n_segments"]), int(h["n_samples"])
-    batch = StepBatch.from_numpy(a["token_ids"][:n], a["positions"][:n], a["slot_of"][:n],
-                                 a["seg_slot"][:nseg], a["seg_row_start"][:nseg],
-                                 a["seg_n_rows"][:nseg], a["sample_row"][:ns])
+    batch = StepBatch.from_numpy(
+        a["token_ids"][:n],
+        a["positions"][:n],
+        a["slot_of"][:n],
+        a["seg_slot"][:nseg],
+        a["seg_row_start"][:nseg],
+        a["seg_n_rows"][:nseg],
+        a["sample_row"][:ns],
+    )
     logits = model.step(batch, kv)
-    tokens = sample(logits, torch.from_numpy(a["sample_temperature"][:ns]),
-                    torch.from_numpy(a["sample_top_k"][:ns]), torch.from_numpy(a["sample_top_p"][:ns]),
-                    torch.from_numpy(a["sample_seed"][:ns].view(np.int64)),
-                    torch.from_numpy(a["sample_counter"][:ns]))
+    tokens = sample(
+        logits,
+        torch.from_numpy(a["sample_temperature"][:ns]),
+        torch.from_numpy(a["sample_top_k"][:ns]),
+        torch.from_numpy(a["sample_top_p"][:ns]),
+        torch.from_numpy(a["sample_seed"][:ns].view(np.int64)),
+        torch.from_numpy(a["sample_counter"][:ns]),
+    )
     return logits, tokens.numpy().astype(np.int32)
 
 
 def _drive(model, attention, max_steps):
-    cfg = RingConfig(n_slots=N_SLOTS, max_ctx=MAX_CTX, token_budget=BUDGET, buckets=BUCKETS,
-                     sq_size=64, cq_size=2048, arena_size=1 << 12, pending_cap=64)
+    cfg = RingConfig(
+        n_slots=N_SLOTS,
+        max_ctx=MAX_CTX,
+        token_budget=BUDGET,
+        buckets=BUCKETS,
+        sq_size=64,
+        cq_size=2048,
+        arena_size=1 << 12,
+        pending_cap=64,
+    )
     d = Driver(cfg)
     rng = np.random.default_rng(5)
     for plen, *params in REQUESTS:
@@ -169,10 +205,10 @@ def _drive(model, attention, max_steps):
     for _ in range(max_steps):
         d.rings.submissions.publish()
         status = scheduler().step(d.mem.context_address)
-        if status == L.RL_STEP_IDLE:
+        if status == L.StepStatus.IDLE:
             d.drain_cq()  # the DONE events of the last step's outputs
             break
-        assert status == L.RL_STEP_RUN
+        assert status == L.StepStatus.RUN
         h = a["step"][0]
         n, bucket, ns = int(h["n_tokens"]), int(h["bucket"]), int(h["n_samples"])
         ndec, seg_rows = int(h["n_decode"]), a["seg_n_rows"][: int(h["n_segments"])]
@@ -203,6 +239,7 @@ def test_static_step_torch_matches_eager(model):
 
 
 # ---- masked sample writes ----------------------------------------------------------------------
+
 
 def _hand_layout(n_slots, budget):
     lay = StepLayout.allocate(n_slots, budget, "cpu")
@@ -259,9 +296,11 @@ def test_pad_rows_touch_only_the_scratch_slot(model):
 
 # ---- the layout views ----------------------------------------------------------------------------
 
+
 def test_layout_views_alias_the_scheduler_arrays():
-    cfg = RingConfig(n_slots=4, max_ctx=64, token_budget=8, sq_size=64, cq_size=2048,
-                     arena_size=1 << 12, pending_cap=64)
+    cfg = RingConfig(
+        n_slots=4, max_ctx=64, token_budget=8, sq_size=64, cq_size=2048, arena_size=1 << 12, pending_cap=64
+    )
     d = Driver(cfg)
     lay = StepLayout.from_arrays(d.a, "cpu")
     d.a["step"][0]["n_samples"] = 3

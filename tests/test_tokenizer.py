@@ -1,4 +1,5 @@
 """Byte tokenizer, HF tokenizer wrapper and incremental detokenization."""
+
 from __future__ import annotations
 
 import json
@@ -58,16 +59,21 @@ def _build_hf_tokenizer(dirpath, style: str, tokenizer_config: dict | None = Non
         tk = Tokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tk.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
     else:  # sentencepiece-like metaspace with byte fallback (Llama-2 / Mistral style)
         tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
         tk.pre_tokenizer = pre_tokenizers.Metaspace()
-        tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                        decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        tk.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
         byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials + byte_tokens,
-                                      initial_alphabet=list("abcdefghijklmnopqrstuvwxyz "))
+        trainer = trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials + byte_tokens,
+            initial_alphabet=list("abcdefghijklmnopqrstuvwxyz "),
+        )
     tk.train_from_iterator(TEXTS * 3 + ["the cat sat on the mat", "hello there"], trainer=trainer)
     tk.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tk.token_to_id("<s>"))]

@@ -6,6 +6,7 @@ the SQ, writes and publishes CQ events, admits), then the model step (reads the 
 next_token).  Each phase releases the GIL.  It sleeps on a doorbell when both phases report
 idle; the frontend rings it after publishing SQ entries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,7 @@ from ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cpu")
 
-POLICIES = {"fifo": layout.RL_POLICY_FIFO, "priority": layout.RL_POLICY_PRIORITY,
-            "static": layout.RL_POLICY_STATIC}
+POLICIES = {"fifo": layout.Policy.FIFO, "priority": layout.Policy.PRIORITY, "static": layout.Policy.STATIC}
 IDLE_WAIT_S = 0.05  # also bounds how stale the heartbeat gets while idle
 DEFAULT_MAX_CTX = 2048
 STOP_TIMEOUT_S = 30.0  # one model step of a big model on a slow CPU can take seconds
@@ -54,7 +54,7 @@ class RecentValues:
         return min(self._n, len(self._buf))
 
     def __iter__(self):
-        return iter(self._buf[:len(self)].copy())
+        return iter(self._buf[: len(self)].copy())
 
 
 class StepTimer:
@@ -74,54 +74,103 @@ class StepTimer:
 
     def summary(self) -> dict:
         out = {}
-        for name, values in (("sched_critical_us", self.critical_us),
-                             ("sched_overlapped_us", self.overlapped_us),
-                             ("sched_step_us", self.sched_us), ("model_step_us", self.model_us)):
+        for name, values in (
+            ("sched_critical_us", self.critical_us),
+            ("sched_overlapped_us", self.overlapped_us),
+            ("sched_step_us", self.sched_us),
+            ("model_step_us", self.model_us),
+        ):
             out[name + "_p50"], out[name + "_p99"] = percentile(values, 50), percentile(values, 99)
         return out
 
 
-def ring_config_for(model: LlamaModel, *, n_slots: int, max_ctx: int, token_budget: int,
-                    policy: str, aging_steps: int, sq_size: int = 1024,
-                    pending_cap: int = 1024) -> RingConfig:
+def ring_config_for(
+    model: LlamaModel,
+    *,
+    n_slots: int,
+    max_ctx: int,
+    token_budget: int,
+    policy: str,
+    aging_steps: int,
+    sq_size: int = 1024,
+    pending_cap: int = 1024,
+) -> RingConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
     cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
-    return RingConfig(n_slots=n_slots, max_ctx=max_ctx, token_budget=max(token_budget, n_slots),
-                      sq_size=sq_size, cq_size=max(cq, 8192), arena_size=arena,
-                      pending_cap=pending_cap, policy=POLICIES[policy], aging_steps=aging_steps,
-                      eos_ids=tuple(model.config.eos_token_ids[:layout.MAX_EOS_IDS]))
+    return RingConfig(
+        n_slots=n_slots,
+        max_ctx=max_ctx,
+        token_budget=max(token_budget, n_slots),
+        sq_size=sq_size,
+        cq_size=max(cq, 8192),
+        arena_size=arena,
+        pending_cap=pending_cap,
+        policy=POLICIES[policy],
+        aging_steps=aging_steps,
+        eos_ids=tuple(model.config.eos_token_ids[: layout.MAX_EOS_IDS]),
+    )
 
 
 def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
     tokenizer = tokenizer_for(spec)
     return ModelInfo(
-        name=str(spec), vocab_size=model.config.vocab_size, max_context=max_ctx,
-        eos_token_ids=tuple(model.config.eos_token_ids), tokenizer=tokenizer,
-        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None)
+        name=str(spec),
+        vocab_size=model.config.vocab_size,
+        max_context=max_ctx,
+        eos_token_ids=tuple(model.config.eos_token_ids),
+        tokenizer=tokenizer,
+        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
+    )
 
 
 class CpuBackend(Doorbells, Backend):
-    def __init__(self, spec: str = "tiny", *, n_slots: int = 32, max_ctx: int | None = None,
-                 token_budget: int = 256, policy: str = "fifo", aging_steps: int = 64,
-                 seed: int = 0, threads: int | None = None, sq_size: int = 1024,
-                 pending_cap: int = 1024):
+    def __init__(
+        self,
+        spec: str = "tiny",
+        *,
+        n_slots: int = 32,
+        max_ctx: int | None = None,
+        token_budget: int = 256,
+        policy: str = "fifo",
+        aging_steps: int = 64,
+        seed: int = 0,
+        threads: int | None = None,
+        sq_size: int = 1024,
+        pending_cap: int = 1024,
+    ):
         if threads:
             torch.set_num_threads(threads)
         self._model = LlamaModel.from_spec(spec, torch.float32, "cpu", seed)
         max_ctx = min(max_ctx or DEFAULT_MAX_CTX, self._model.config.max_position_embeddings)
         self._kv = self._model.new_kv_cache(n_slots, max_ctx)
         self._model.prepare(max_ctx)
-        self._memory = HostMemory(ring_config_for(
-            self._model, n_slots=n_slots, max_ctx=max_ctx, token_budget=token_budget,
-            policy=policy, aging_steps=aging_steps, sq_size=sq_size, pending_cap=pending_cap))
+        self._memory = HostMemory(
+            ring_config_for(
+                self._model,
+                n_slots=n_slots,
+                max_ctx=max_ctx,
+                token_budget=token_budget,
+                policy=policy,
+                aging_steps=aging_steps,
+                sq_size=sq_size,
+                pending_cap=pending_cap,
+            )
+        )
         self.rings = self._memory.rings
         self.model = model_info(spec, self._model, max_ctx)
-        self.description = {"device": "cpu", "scheduler": "host-thread", "launch": "none",
-                            "dtype": "float32", "n_slots": n_slots, "max_ctx": max_ctx,
-                            "token_budget": self._memory.config.token_budget, "policy": policy,
-                            "torch_threads": torch.get_num_threads()}
+        self.description = {
+            "device": "cpu",
+            "scheduler": "host-thread",
+            "launch": "none",
+            "dtype": "float32",
+            "n_slots": n_slots,
+            "max_ctx": max_ctx,
+            "token_budget": self._memory.config.token_budget,
+            "policy": policy,
+            "torch_threads": torch.get_num_threads(),
+        }
         self._scheduler = CpuScheduler()
         Doorbells.__init__(self)
         self._failure: str | None = None
@@ -131,13 +180,17 @@ class CpuBackend(Doorbells, Backend):
     # ---- Backend ---------------------------------------------------------------------------
     def start(self) -> None:
         err = self._scheduler.init(self._memory.context_address)
-        if err != layout.RL_ERR_NONE:
-            raise RuntimeError(f"scheduler rejected its configuration (error {err})")
+        if err != layout.InitError.NONE:
+            raise RuntimeError(f"scheduler rejected its configuration: {layout.init_error_name(err)}")
         self._thread.start()
 
     def failure(self) -> str | None:
-        if self._failure is None and self._thread.ident is not None and not self._thread.is_alive() \
-                and int(self.rings.control[0]["shutdown"]) == 0:
+        if (
+            self._failure is None
+            and self._thread.ident is not None
+            and not self._thread.is_alive()
+            and int(self.rings.control[0]["shutdown"]) == 0
+        ):
             return "engine thread exited"
         return self._failure
 
@@ -166,19 +219,19 @@ class CpuBackend(Doorbells, Backend):
                 self._doorbell.clear()
                 tail_before = int(control[0]["cq_tail"])
                 t0 = time.perf_counter()
-                built = self._scheduler.critical(ctx) == layout.RL_STEP_RUN
+                built = self._scheduler.critical(ctx) == layout.StepStatus.RUN
                 t1 = time.perf_counter()
                 following = self._scheduler.overlapped(ctx, built)
                 t2 = time.perf_counter()
                 self._timer.add_sched((t1 - t0) * 1e6, (t2 - t1) * 1e6)
                 if int(control[0]["cq_tail"]) != tail_before:
                     self._events.set()
-                if following == layout.RL_STEP_SHUTDOWN:
+                if following == layout.StepStatus.SHUTDOWN:
                     break
                 if built:
                     self._run_model_step()
                     self._timer.model_us.append((time.perf_counter() - t2) * 1e6)
-                elif following == layout.RL_STEP_IDLE:
+                elif following == layout.StepStatus.IDLE:
                     self._doorbell.wait(IDLE_WAIT_S)
         except Exception:  # the watchdog turns this into engine_dead for every request
             self._failure = "engine thread failed: " + traceback.format_exc(limit=3)
@@ -191,15 +244,23 @@ class CpuBackend(Doorbells, Backend):
         head = a["step"][0]
         n, n_seg, n_samples = int(head["n_tokens"]), int(head["n_segments"]), int(head["n_samples"])
         batch = StepBatch.from_numpy(
-            a["token_ids"][:n], a["positions"][:n], a["slot_of"][:n], a["seg_slot"][:n_seg],
-            a["seg_row_start"][:n_seg], a["seg_n_rows"][:n_seg], a["sample_row"][:n_samples])
+            a["token_ids"][:n],
+            a["positions"][:n],
+            a["slot_of"][:n],
+            a["seg_slot"][:n_seg],
+            a["seg_row_start"][:n_seg],
+            a["seg_n_rows"][:n_seg],
+            a["sample_row"][:n_samples],
+        )
         logits = self._model.step(batch, self._kv)
         if n_samples == 0:
             return
         tokens = sample(
-            logits, torch.from_numpy(a["sample_temperature"][:n_samples]),
+            logits,
+            torch.from_numpy(a["sample_temperature"][:n_samples]),
             torch.from_numpy(a["sample_top_k"][:n_samples]),
             torch.from_numpy(a["sample_top_p"][:n_samples]),
             torch.from_numpy(a["sample_seed"][:n_samples].view(np.int64)),
-            torch.from_numpy(a["sample_counter"][:n_samples]))
+            torch.from_numpy(a["sample_counter"][:n_samples]),
+        )
         a["next_token"][a["sample_slot"][:n_samples]] = tokens.numpy().astype(np.int32)

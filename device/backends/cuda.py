@@ -16,6 +16,7 @@ next_token, turn, trace) lives in one torch-allocated device buffer, so the step
 layout in place.  Hand-over: `turn` in device memory, SCHED -> COMPUTE by the scheduler kernel,
 COMPUTE -> SCHED by the step graph's signal kernel; EXIT ends both.
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,8 +29,7 @@ import torch
 
 from device.backends import cuda_driver as drv
 from device.backends.cpu import StepTimer, model_info, ring_config_for
-from device.backends.cuda_preflight import (plan_kv_cache, refuse_unsafe_environment,
-                                            step_workspace_bytes)
+from device.backends.cuda_preflight import plan_kv_cache, refuse_unsafe_environment, step_workspace_bytes
 from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
 from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
 from device.backends.doorbells import Doorbells
@@ -47,8 +47,8 @@ log = logging.getLogger("ringleader.cuda")
 
 SCHED_THREADS = 256
 LAUNCHES = ("auto", "resident", "pump")
-START_TIMEOUT_S = 10.0   # the scheduler kernel reports RUNNING (or FAILED) within this
-STOP_MARGIN_S = 3.0      # beyond the kernel's own grace, before stop() calls it stuck
+START_TIMEOUT_S = 10.0  # the scheduler kernel reports RUNNING (or FAILED) within this
+STOP_MARGIN_S = 3.0  # beyond the kernel's own grace, before stop() calls it stuck
 
 
 class LaunchUnavailable(RuntimeError):
@@ -69,14 +69,30 @@ def device_arch() -> str:
 
 
 class CudaBackend(Doorbells, Backend):
-    def __init__(self, spec: str = "llama-1b", *, scheduler: str = "device", launch: str = "auto",
-                 n_slots: int = 32, max_ctx: int | None = None, token_budget: int = 256,
-                 policy: str = "fifo", aging_steps: int = 64, seed: int = 0, threads=None,
-                 sq_size: int = 1024, pending_cap: int = 1024, dtype=torch.bfloat16,
-                 trace_path: str | None = None, attention: str = "triton",
-                 gpu_memory_fraction: float = 0.9, stop_grace_s: float = 2.0,
-                 run_budget_s: float | None = None):
+    def __init__(
+        self,
+        spec: str = "llama-1b",
+        *,
+        scheduler: str = "device",
+        launch: str = "auto",
+        n_slots: int = 32,
+        max_ctx: int | None = None,
+        token_budget: int = 256,
+        policy: str = "fifo",
+        aging_steps: int = 64,
+        seed: int = 0,
+        threads=None,
+        sq_size: int = 1024,
+        pending_cap: int = 1024,
+        dtype=torch.bfloat16,
+        trace_path: str | None = None,
+        attention: str = "triton",
+        gpu_memory_fraction: float = 0.9,
+        stop_grace_s: float = 2.0,
+        run_budget_s: float | None = None,
+    ):
         from device.model.static_step import StaticStep, StepLayout
+
         if scheduler not in ("device", "host"):
             raise ValueError(f"scheduler must be device or host, got {scheduler!r}")
         if launch not in LAUNCHES:
@@ -95,9 +111,16 @@ class CudaBackend(Doorbells, Backend):
         max_ctx = self._memory_plan.max_ctx
         self._model.prepare(max_ctx)
         self._kv = StaticStep.new_kv_cache(self._model, n_slots, max_ctx)  # + a scratch slot for pad rows
-        ring_cfg = ring_config_for(self._model, n_slots=n_slots, max_ctx=max_ctx,
-                                   token_budget=token_budget, policy=policy,
-                                   aging_steps=aging_steps, sq_size=sq_size, pending_cap=pending_cap)
+        ring_cfg = ring_config_for(
+            self._model,
+            n_slots=n_slots,
+            max_ctx=max_ctx,
+            token_budget=token_budget,
+            policy=policy,
+            aging_steps=aging_steps,
+            sq_size=sq_size,
+            pending_cap=pending_cap,
+        )
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
         self._scheduler_mode = scheduler
         self._trace_path = trace_path
@@ -114,23 +137,33 @@ class CudaBackend(Doorbells, Backend):
             self.rings = self._mem.rings
         self.model = model_info(spec, self._model, max_ctx)
         self._layout = StepLayout(**self._mem.layout_views())
-        self._step = StaticStep(self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget,
-                                attention=attention)
+        self._step = StaticStep(
+            self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=attention
+        )
         try:
             self._graphs = StepGraphs(self._step, self._layout, ring_cfg.buckets, self._compute)
         except torch.OutOfMemoryError as exc:
-            raise MemoryError(f"capturing the step graphs ran out of device memory after the KV "
-                              f"cache took {self._memory_plan.kv_bytes / 2**30:.2f} GiB; lower "
-                              f"--gpu-memory-fraction, --slots or --max-ctx ({exc})") from exc
+            raise MemoryError(
+                f"capturing the step graphs ran out of device memory after the KV "
+                f"cache took {self._memory_plan.kv_bytes / 2**30:.2f} GiB; lower "
+                f"--gpu-memory-fraction, --slots or --max-ctx ({exc})"
+            ) from exc
         self._graphs.replay_each_once()
         torch.cuda.empty_cache()  # the warm-up's eager memory; safe: nothing persistent runs yet
-        self.description = {"device": torch.cuda.get_device_name(), "scheduler": scheduler,
-                            "launch": "host-loop", "launch_requested": launch,
-                            "dtype": str(dtype).replace("torch.", ""), "n_slots": n_slots,
-                            "max_ctx": max_ctx, "token_budget": ring_cfg.token_budget,
-                            "policy": policy, "buckets": list(ring_cfg.buckets),
-                            "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
-                            "gpu_memory_fraction": gpu_memory_fraction}
+        self.description = {
+            "device": torch.cuda.get_device_name(),
+            "scheduler": scheduler,
+            "launch": "host-loop",
+            "launch_requested": launch,
+            "dtype": str(dtype).replace("torch.", ""),
+            "n_slots": n_slots,
+            "max_ctx": max_ctx,
+            "token_budget": ring_cfg.token_budget,
+            "policy": policy,
+            "buckets": list(ring_cfg.buckets),
+            "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
+            "gpu_memory_fraction": gpu_memory_fraction,
+        }
         if scheduler == "device":
             self._prepare_device_scheduler(launch)
         self._failure: str | None = None
@@ -145,15 +178,33 @@ class CudaBackend(Doorbells, Backend):
         free, total = torch.cuda.mem_get_info()
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         workspace = step_workspace_bytes(
-            hidden=c.hidden_size, intermediate=c.intermediate_size,
-            q_kv_width=(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, vocab=c.vocab_size,
-            n_slots=n_slots, token_budget=max(token_budget, n_slots), dtype_bytes=dtype_bytes)
-        plan = plan_kv_cache(n_slots=n_slots, max_ctx=max_ctx, model_max_ctx=c.max_position_embeddings,
-                             bytes_per_token=KVCache.bytes_needed(c, 1, 1, dtype), free_bytes=free,
-                             total_bytes=total, fraction=fraction, workspace_bytes=workspace)
-        log.info("KV cache: %d slots x %d tokens = %.2f GiB (%.2f GiB left after weights and "
-                 "workspace at fraction %.2f)", n_slots, plan.max_ctx, plan.kv_bytes / 2**30,
-                 plan.budget_bytes / 2**30, fraction)
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            q_kv_width=(c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+            vocab=c.vocab_size,
+            n_slots=n_slots,
+            token_budget=max(token_budget, n_slots),
+            dtype_bytes=dtype_bytes,
+        )
+        plan = plan_kv_cache(
+            n_slots=n_slots,
+            max_ctx=max_ctx,
+            model_max_ctx=c.max_position_embeddings,
+            bytes_per_token=KVCache.bytes_needed(c, 1, 1, dtype),
+            free_bytes=free,
+            total_bytes=total,
+            fraction=fraction,
+            workspace_bytes=workspace,
+        )
+        log.info(
+            "KV cache: %d slots x %d tokens = %.2f GiB (%.2f GiB left after weights and "
+            "workspace at fraction %.2f)",
+            n_slots,
+            plan.max_ctx,
+            plan.kv_bytes / 2**30,
+            plan.budget_bytes / 2**30,
+            fraction,
+        )
         return plan
 
     def _prepare_device_scheduler(self, launch: str) -> None:
@@ -168,24 +219,28 @@ class CudaBackend(Doorbells, Backend):
         self._launch_graph = self._build_launch_graph(launch)
         self._pump_events = [drv.BlockingEvent(), drv.BlockingEvent()]
         self._timeline = TimelineReader(self._mem)
-        self.description.update(launch=self._launch_graph.mode, module=loaded_as,
-                                step_graph_nodes=self._graphs.describe())
+        self.description.update(
+            launch=self._launch_graph.mode, module=loaded_as, step_graph_nodes=self._graphs.describe()
+        )
 
     def _build_launch_graph(self, launch: str) -> LaunchGraph:
         def build(mode):
-            return LaunchGraph(mode, self._graphs, self._fn, self._mem.context_bytes(), self._ctx,
-                               self._graph_stream)
+            return LaunchGraph(
+                mode, self._graphs, self._fn, self._mem.context_bytes(), self._ctx, self._graph_stream
+            )
+
         if launch == "pump":
             return build("pump")
         try:
             return build("resident")
         except drv.CudaError as exc:
             if launch == "resident":
-                raise LaunchUnavailable(f"--launch resident: the WHILE/SWITCH graph could not be "
-                                        f"built or instantiated: {exc}; --launch pump or auto runs "
-                                        f"without it") from exc
-            log.warning("--launch auto: resident launch unavailable, running pump instead",
-                        exc_info=True)
+                raise LaunchUnavailable(
+                    f"--launch resident: the WHILE/SWITCH graph could not be "
+                    f"built or instantiated: {exc}; --launch pump or auto runs "
+                    f"without it"
+                ) from exc
+            log.warning("--launch auto: resident launch unavailable, running pump instead", exc_info=True)
             self.description["launch_fallback"] = str(exc)
             return build("pump")
 
@@ -194,8 +249,8 @@ class CudaBackend(Doorbells, Backend):
         ctl = self.rings.control[0]
         if self._scheduler_mode == "host":
             err = self._cpu_scheduler.init(self._host_mem.context_address)
-            if err != layout.RL_ERR_NONE:
-                raise RuntimeError(f"scheduler rejected its configuration: {layout.ERROR_NAMES[err]}")
+            if err != layout.InitError.NONE:
+                raise RuntimeError(f"scheduler rejected its configuration: {layout.init_error_name(err)}")
             self._spawn(self._host_loop, "rl-host-sched")
             return
         ctl["stop_grace_ns"] = int(self._stop_grace_s * 1e9)
@@ -206,21 +261,26 @@ class CudaBackend(Doorbells, Backend):
         self._pump_events[0].record(self._graph_stream)
         drv.launch(self._fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=SCHED_THREADS)
         self._wait_until_running(ctl)
-        log.info("device scheduler running: launch %s, module from %s", self._launch_graph.mode,
-                 self.description["module"])
+        log.info(
+            "device scheduler running: launch %s, module from %s",
+            self._launch_graph.mode,
+            self.description["module"],
+        )
         if self._launch_graph.mode == "pump":
             self._spawn(self._pump_loop, "rl-pump")
         self._spawn(self._event_poller, "rl-cq-poll")
 
     def _wait_until_running(self, ctl) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while int(ctl["state"]) == layout.RL_STATE_INIT and time.monotonic() < deadline:
+        while int(ctl["state"]) == layout.SchedulerState.INIT and time.monotonic() < deadline:
             time.sleep(0.001)
         state = int(ctl["state"])
-        if state == layout.RL_STATE_FAILED:
-            raise RuntimeError(f"the scheduler kernel rejected its configuration: "
-                               f"{layout.ERROR_NAMES.get(int(ctl['error_code']), ctl['error_code'])}")
-        if state != layout.RL_STATE_RUNNING:
+        if state == layout.SchedulerState.FAILED:
+            raise RuntimeError(
+                f"the scheduler kernel rejected its configuration: "
+                f"{layout.init_error_name(int(ctl['error_code']))}"
+            )
+        if state != layout.SchedulerState.RUNNING:
             why = f"the scheduler kernel did not start within {START_TIMEOUT_S} s"
             try:
                 self.stop()
@@ -243,6 +303,7 @@ class CudaBackend(Doorbells, Backend):
                 log.exception("backend thread failed")
             finally:
                 self._events.set()
+
         return run
 
     def _pump_loop(self) -> None:
@@ -251,7 +312,7 @@ class CudaBackend(Doorbells, Backend):
         Launch k records event k % 2, and waits for launch k - 2 (the same event) first."""
         ctl = self.rings.control
         k = 1  # start() made launch 0
-        while int(ctl[0]["state"]) != layout.RL_STATE_EXITED:
+        while int(ctl[0]["state"]) != layout.SchedulerState.EXITED:
             ev = self._pump_events[k % 2]
             if k >= 2:
                 ev.synchronize()  # sleeps in the driver: blocking-sync event
@@ -263,7 +324,7 @@ class CudaBackend(Doorbells, Backend):
         """Device mode: wakes the completion thread when the kernel has published CQ events."""
         ctl = self.rings.control
         last = int(ctl[0]["cq_tail"])
-        while int(ctl[0]["state"]) != layout.RL_STATE_EXITED:
+        while int(ctl[0]["state"]) != layout.SchedulerState.EXITED:
             tail = int(ctl[0]["cq_tail"])
             if tail != last:
                 last = tail
@@ -284,7 +345,7 @@ class CudaBackend(Doorbells, Backend):
                 self._doorbell.clear()
                 tail = int(a["ctl"][0]["cq_tail"])
                 t0 = time.perf_counter()
-                built = self._cpu_scheduler.critical(ctx) == layout.RL_STEP_RUN
+                built = self._cpu_scheduler.critical(ctx) == layout.StepStatus.RUN
                 t1 = time.perf_counter()
                 if built:
                     io.upload(stream)
@@ -298,15 +359,15 @@ class CudaBackend(Doorbells, Backend):
                 if built:
                     io.wait()  # the next critical phase reads next_token
                     self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
-                if following == layout.RL_STEP_SHUTDOWN:
+                if following == layout.StepStatus.SHUTDOWN:
                     return
-                if not built and following == layout.RL_STEP_IDLE:
+                if not built and following == layout.StepStatus.IDLE:
                     self._doorbell.wait(0.05)
 
     def failure(self) -> str | None:
         if self._failure is None and self._scheduler_mode == "device" and not self._stopping:
             ctl = self.rings.control[0]
-            if int(ctl["state"]) == layout.RL_STATE_EXITED:
+            if int(ctl["state"]) == layout.SchedulerState.EXITED:
                 why = layout.EXIT_REASON_NAMES.get(int(ctl["exit_reason"]), ctl["exit_reason"])
                 return f"the scheduler kernel exited on its own (exit reason: {why})"
         return self._failure
@@ -315,7 +376,7 @@ class CudaBackend(Doorbells, Backend):
         """[trace_len, RL_TRACE_FIELDS] stamps, copied on a stream of our own into pinned memory allocated
         at start-up (no allocation, no device-wide synchronisation)."""
         if self._scheduler_mode == "host":
-            return np.zeros((0, layout.RL_TRACE_FIELDS), dtype=np.uint64)
+            return np.zeros((0, layout.TRACE_FIELDS), dtype=np.uint64)
         return self._timeline.read()
 
     def stats(self) -> dict:
@@ -338,9 +399,11 @@ class CudaBackend(Doorbells, Backend):
         stuck += [f"thread {t.name}" for t in self._threads if t.is_alive()]
         if stuck:
             ctl = self.rings.control[0]
-            self._failure = (f"stop: {', '.join(stuck)} still running {self._stop_grace_s + STOP_MARGIN_S:.1f} s "
-                             f"after shutdown (scheduler state "
-                             f"{layout.STATE_NAMES.get(int(ctl['state']), ctl['state'])})")
+            self._failure = (
+                f"stop: {', '.join(stuck)} still running {self._stop_grace_s + STOP_MARGIN_S:.1f} s "
+                f"after shutdown (scheduler state "
+                f"{layout.STATE_NAMES.get(int(ctl['state']), ctl['state'])})"
+            )
             log.error(self._failure)
             raise EngineDead(self._failure)
         if self._trace_path:
@@ -349,15 +412,18 @@ class CudaBackend(Doorbells, Backend):
 
     def _wait_for_device_exit(self, deadline: float) -> list[str]:
         ctl = self.rings.control[0]
-        streams = {"the scheduler kernel": getattr(self, "_sched_stream", None),
-                   "the step graph launch": getattr(self, "_graph_stream", None)}
+        streams = {
+            "the scheduler kernel": getattr(self, "_sched_stream", None),
+            "the step graph launch": getattr(self, "_graph_stream", None),
+        }
         while time.monotonic() < deadline:
             busy = [n for n, s in streams.items() if s is not None and not drv.stream_done(s)]
-            if not busy and int(ctl["state"]) != layout.RL_STATE_RUNNING:
+            if not busy and int(ctl["state"]) != layout.SchedulerState.RUNNING:
                 return []
             time.sleep(0.001)
-        return [n for n, s in streams.items() if s is not None and not drv.stream_done(s)] or \
-            ["the scheduler kernel (state never reached EXITED)"]
+        return [n for n, s in streams.items() if s is not None and not drv.stream_done(s)] or [
+            "the scheduler kernel (state never reached EXITED)"
+        ]
 
     def _release(self) -> None:
         """Frees device memory once nothing persistent runs (a later backend in this process
@@ -371,4 +437,3 @@ class CudaBackend(Doorbells, Backend):
         self._mem.release_device()
         gc.collect()
         torch.cuda.empty_cache()
-

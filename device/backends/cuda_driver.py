@@ -4,6 +4,7 @@ Every call's result goes through check(), which raises with the function's name 
 driver's error string.  Kernel arguments are passed in the driver's raw form (an array of
 addresses of each argument's bytes), which also carries RlContext by value.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,7 @@ def check(result, what: str = "CUDA call"):
     if int(err) != 0:
         _, name = cu.cuGetErrorName(err)
         _, text = cu.cuGetErrorString(err)
-        raise CudaError(f"{what} failed: {name.decode() if name else err}: "
-                        f"{text.decode() if text else ''}")
+        raise CudaError(f"{what} failed: {name.decode() if name else err}: {text.decode() if text else ''}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -70,8 +70,9 @@ class PinnedBuffer:
         flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
         self.host_ptr = int(check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
         self.nbytes = nbytes
-        self.device_ptr = int(check(cu.cuMemHostGetDevicePointer(self.host_ptr, 0),
-                                    "cuMemHostGetDevicePointer"))
+        self.device_ptr = int(
+            check(cu.cuMemHostGetDevicePointer(self.host_ptr, 0), "cuMemHostGetDevicePointer")
+        )
         raw = (ctypes.c_uint8 * nbytes).from_address(self.host_ptr)
         self.array = np.frombuffer(raw, dtype=np.uint8)
         self.array[:] = 0
@@ -93,6 +94,7 @@ def load_module(build, driver: tuple[int, int] | None = None):
     """Loads the scheduler module from its CUBIN; if the driver refuses it, from its PTX, but
     only when that PTX is no newer than the driver accepts.  Returns (module, how it loaded)."""
     from device.sched.build import ptx_loadable
+
     key = hashlib.sha256(build.cubin).hexdigest()[:16]
     (cache_dir() / f"rlsched-{build.arch}-{key}.cubin").write_bytes(build.cubin)  # for cuobjdump
     try:
@@ -101,13 +103,17 @@ def load_module(build, driver: tuple[int, int] | None = None):
         driver = driver or driver_version()
         ok, why = ptx_loadable(build.nvrtc_version, driver)
         if not build.ptx or not ok:
-            raise CudaError(f"the driver refused the scheduler's {build.arch} CUBIN ({cubin_error}) "
-                            f"and the PTX fallback is not possible: {why or 'no PTX'}") from cubin_error
+            raise CudaError(
+                f"the driver refused the scheduler's {build.arch} CUBIN ({cubin_error}) "
+                f"and the PTX fallback is not possible: {why or 'no PTX'}"
+            ) from cubin_error
         try:
             module = check(cu.cuModuleLoadData(build.ptx), "cuModuleLoadData(ptx)")
         except CudaError as ptx_error:
-            raise CudaError(f"the driver refused the scheduler's CUBIN ({cubin_error}) and its PTX "
-                            f"(ISA {build.ptx_isa}: {ptx_error})") from ptx_error
+            raise CudaError(
+                f"the driver refused the scheduler's CUBIN ({cubin_error}) and its PTX "
+                f"(ISA {build.ptx_isa}: {ptx_error})"
+            ) from ptx_error
         return module, f"ptx (ISA {build.ptx_isa}; the CUBIN was refused: {cubin_error})"
 
 
@@ -159,16 +165,18 @@ def read_graph(graph):
 
 def _read_nodes(graph) -> list:
     from device.backends.cuda_graph_rules import GraphNode
+
     _, count = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes = []
     if count:
         handles, count = check(cu.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-        for h in list(handles)[:int(count)]:
+        for h in list(handles)[: int(count)]:
             kind = check(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType")
             node = GraphNode(getattr(kind, "name", str(kind)))
             if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH:
-                node.children = _read_nodes(check(cu.cuGraphChildGraphNodeGetGraph(h),
-                                                  "cuGraphChildGraphNodeGetGraph"))
+                node.children = _read_nodes(
+                    check(cu.cuGraphChildGraphNodeGetGraph(h), "cuGraphChildGraphNodeGetGraph")
+                )
             nodes.append(node)
     return nodes
 
@@ -187,7 +195,7 @@ def _count_programmatic_edges(graph) -> int:
         return 0
     _, _, data, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
     programmatic = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-    return sum(1 for d in list(data)[:int(n)] if d is not None and d.type == programmatic)
+    return sum(1 for d in list(data)[: int(n)] if d is not None and d.type == programmatic)
 
 
 class KernelArgs:
@@ -208,8 +216,10 @@ class KernelArgs:
 
 
 def launch(function, args: KernelArgs, stream, *, grid: int = 1, block: int = 1, shared: int = 0):
-    check(cu.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared, stream, args.pointer, 0),
-          "cuLaunchKernel")
+    check(
+        cu.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared, stream, args.pointer, 0),
+        "cuLaunchKernel",
+    )
 
 
 def kernel_node_params(function, args: KernelArgs, *, grid: int = 1, block: int = 1):
@@ -242,8 +252,9 @@ def add_conditional_node(graph, deps: list, handle, kind, size: int, ctx):
 
 def conditional_handle(graph, ctx, default: int):
     flags = cu.CU_GRAPH_COND_ASSIGN_DEFAULT
-    return check(cu.cuGraphConditionalHandleCreate(graph, ctx, default, flags),
-                 "cuGraphConditionalHandleCreate")
+    return check(
+        cu.cuGraphConditionalHandleCreate(graph, ctx, default, flags), "cuGraphConditionalHandleCreate"
+    )
 
 
 def handle_arg(handle) -> ctypes.c_uint64:

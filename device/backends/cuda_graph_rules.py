@@ -5,6 +5,7 @@ conditional nodes only, recursively through child graphs.  A step graph that bre
 cuGraphAddChildGraphNode or cuGraphInstantiate fail with a bare error code; this check names the
 node types and the bucket instead, and counts what each bucket holds for the log.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -20,7 +21,7 @@ class GraphNode:
     """One node of a graph as read back from the driver; `children` are a child graph's nodes."""
 
     type: str
-    children: list["GraphNode"] = field(default_factory=list)
+    children: list[GraphNode] = field(default_factory=list)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class GraphNotEmbeddable(RuntimeError):
 
 
 def short_type(name: str) -> str:
-    return name[len(NODE_TYPE_PREFIX):] if name.startswith(NODE_TYPE_PREFIX) else name
+    return name[len(NODE_TYPE_PREFIX) :] if name.startswith(NODE_TYPE_PREFIX) else name
 
 
 def count_nodes(nodes: list[GraphNode], report: GraphReport | None = None) -> GraphReport:
@@ -55,8 +56,7 @@ def count_nodes(nodes: list[GraphNode], report: GraphReport | None = None) -> Gr
     return report
 
 
-def check_conditional_body(nodes: list[GraphNode], bucket: int,
-                           programmatic_edges: int = 0) -> GraphReport:
+def check_conditional_body(nodes: list[GraphNode], bucket: int, programmatic_edges: int = 0) -> GraphReport:
     """Raises GraphNotEmbeddable naming each forbidden node type and the bucket; returns counts."""
     report = count_nodes(nodes)
     report.programmatic_edges = programmatic_edges
@@ -66,5 +66,6 @@ def check_conditional_body(nodes: list[GraphNode], bucket: int,
         raise GraphNotEmbeddable(
             f"the step graph of bucket {bucket} cannot run inside a conditional node: it holds "
             f"{listed} (a conditional body may hold only {', '.join(sorted(BODY_NODE_TYPES))}); "
-            f"whole graph: {report.summary()}")
+            f"whole graph: {report.summary()}"
+        )
     return report

@@ -1,5 +1,6 @@
 """Checks made before the CUDA backend touches the GPU: settings that break a persistent kernel,
 and whether the asked KV cache fits in device memory.  Pure functions, testable anywhere."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 GIB = 1 << 30
 MIB = 1 << 20
-CTX_GRANULE = 256        # an automatically sized context is a multiple of this many tokens
+CTX_GRANULE = 256  # an automatically sized context is a multiple of this many tokens
 FIXED_RESERVE = 512 * MIB  # cuBLAS workspaces, Triton, the CUDA context's own growth
 
 
@@ -25,18 +26,24 @@ def environment_hazards(environ=None) -> list[str]:
     env = os.environ if environ is None else environ
     found = []
     if _truthy(env.get("CUDA_LAUNCH_BLOCKING")):
-        found.append(f"CUDA_LAUNCH_BLOCKING={env['CUDA_LAUNCH_BLOCKING']}: every launch then waits "
-                     "for its kernel to end, and the persistent scheduler kernel never ends, so "
-                     "start-up would hang; unset it (or use --scheduler host)")
+        found.append(
+            f"CUDA_LAUNCH_BLOCKING={env['CUDA_LAUNCH_BLOCKING']}: every launch then waits "
+            "for its kernel to end, and the persistent scheduler kernel never ends, so "
+            "start-up would hang; unset it (or use --scheduler host)"
+        )
     if _truthy(env.get("PYTORCH_NO_CUDA_MEMORY_CACHING")):
-        found.append(f"PYTORCH_NO_CUDA_MEMORY_CACHING={env['PYTORCH_NO_CUDA_MEMORY_CACHING']}: every "
-                     "tensor free becomes a cudaFree, which waits for the whole device and so for "
-                     "the persistent kernel; the first free after start-up would hang; unset it")
+        found.append(
+            f"PYTORCH_NO_CUDA_MEMORY_CACHING={env['PYTORCH_NO_CUDA_MEMORY_CACHING']}: every "
+            "tensor free becomes a cudaFree, which waits for the whole device and so for "
+            "the persistent kernel; the first free after start-up would hang; unset it"
+        )
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "cudamallocasync" in env.get(name, "").replace(" ", "").lower():
-            found.append(f"{name}={env[name]}: the cudaMallocAsync allocator puts memory-allocation "
-                         "nodes into captured graphs, which a conditional node's body cannot hold; "
-                         "drop backend:cudaMallocAsync")
+            found.append(
+                f"{name}={env[name]}: the cudaMallocAsync allocator puts memory-allocation "
+                "nodes into captured graphs, which a conditional node's body cannot hold; "
+                "drop backend:cudaMallocAsync"
+            )
     return found
 
 
@@ -44,8 +51,10 @@ def refuse_unsafe_environment(environ=None, *, allocator_backend: str | None = N
     """Raises UnsafeEnvironment listing every hazard; `allocator_backend` is torch's, once known."""
     found = environment_hazards(environ)
     if allocator_backend is not None and allocator_backend != "native":
-        found.append(f"torch's CUDA allocator backend is {allocator_backend!r}: captured graphs "
-                     "would hold allocation nodes a conditional body cannot hold; use 'native'")
+        found.append(
+            f"torch's CUDA allocator backend is {allocator_backend!r}: captured graphs "
+            "would hold allocation nodes a conditional body cannot hold; use 'native'"
+        )
     if found:
         raise UnsafeEnvironment("the device scheduler cannot run with " + "; and ".join(found))
 
@@ -62,8 +71,16 @@ class MemoryPlan:
     workspace_bytes: int
 
 
-def step_workspace_bytes(*, hidden: int, intermediate: int, q_kv_width: int, vocab: int,
-                         n_slots: int, token_budget: int, dtype_bytes: int) -> int:
+def step_workspace_bytes(
+    *,
+    hidden: int,
+    intermediate: int,
+    q_kv_width: int,
+    vocab: int,
+    n_slots: int,
+    token_budget: int,
+    dtype_bytes: int,
+) -> int:
     """A generous estimate of what the captured step graphs and sampling need besides the KV
     cache: activations of the largest bucket (twice, for temporaries) and, per sample row,
     fp32 logits with the sort and softmax scratch of sampling (about 25 bytes per entry)."""
@@ -72,9 +89,17 @@ def step_workspace_bytes(*, hidden: int, intermediate: int, q_kv_width: int, voc
     return activations + sampling + FIXED_RESERVE
 
 
-def plan_kv_cache(*, n_slots: int, max_ctx: int | None, model_max_ctx: int,
-                  bytes_per_token: int, free_bytes: int, total_bytes: int, fraction: float,
-                  workspace_bytes: int) -> MemoryPlan:
+def plan_kv_cache(
+    *,
+    n_slots: int,
+    max_ctx: int | None,
+    model_max_ctx: int,
+    bytes_per_token: int,
+    free_bytes: int,
+    total_bytes: int,
+    fraction: float,
+    workspace_bytes: int,
+) -> MemoryPlan:
     """Sizes the cache from free device memory.  Of `fraction` of the device, what is already in
     use (weights, other processes) and the step's workspace are taken first; the KV cache gets
     the rest.  max_ctx None picks the longest context that fits (capped by the model's); a
@@ -85,14 +110,18 @@ def plan_kv_cache(*, n_slots: int, max_ctx: int | None, model_max_ctx: int,
     budget = int(fraction * total_bytes) - used - workspace_bytes
     rows = n_slots + 1  # + the scratch slot that pad rows write to
     fits_ctx = max(0, budget) // (rows * bytes_per_token)
-    where = (f"{_gib(max(0, budget))} is left for it: --gpu-memory-fraction {fraction} of "
-             f"{_gib(total_bytes)}, less {_gib(used)} already in use (the weights and anything "
-             f"else on the device) and about {_gib(workspace_bytes)} for the step's workspace")
+    where = (
+        f"{_gib(max(0, budget))} is left for it: --gpu-memory-fraction {fraction} of "
+        f"{_gib(total_bytes)}, less {_gib(used)} already in use (the weights and anything "
+        f"else on the device) and about {_gib(workspace_bytes)} for the step's workspace"
+    )
     if max_ctx is None:
         ctx = min(model_max_ctx, fits_ctx // CTX_GRANULE * CTX_GRANULE)
         if ctx < CTX_GRANULE:
-            raise MemoryError(f"no KV cache fits: {n_slots} slots need {_gib(rows * bytes_per_token * CTX_GRANULE)} "
-                              f"for even {CTX_GRANULE} tokens each; {where}; lower --slots")
+            raise MemoryError(
+                f"no KV cache fits: {n_slots} slots need {_gib(rows * bytes_per_token * CTX_GRANULE)} "
+                f"for even {CTX_GRANULE} tokens each; {where}; lower --slots"
+            )
         max_ctx = ctx
     need = rows * max_ctx * bytes_per_token
     if need > budget:
@@ -101,7 +130,8 @@ def plan_kv_cache(*, n_slots: int, max_ctx: int | None, model_max_ctx: int,
             f"the KV cache does not fit: {n_slots} slots x {max_ctx} tokens (+1 scratch slot) x "
             f"{bytes_per_token / 1024:.1f} KiB per token = {_gib(need)}, and {where}. At "
             f"--max-ctx {max_ctx} at most {slots_fit} slots fit; at --slots {n_slots} at most "
-            f"{fits_ctx} tokens per slot")
+            f"{fits_ctx} tokens per slot"
+        )
     return MemoryPlan(n_slots, max_ctx, need, bytes_per_token, budget, workspace_bytes)
 
 

@@ -1,6 +1,7 @@
 """CUDA-side memory of the scheduler: pinned host arrays for the rings the host shares, one
 device buffer for everything else, the RlContext pointer table, and (host-scheduled mode) the
 one-copy upload of the step layout the CPU scheduler builds."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ PINNED = layout.HOST_RINGS
 # The step layout: ipc.layout.ARRAYS from the header to the last sample field, contiguous in
 # both memory plans, so the host-scheduled baseline uploads it in one copy.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
-LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step"):_NAMES.index("sample_counter") + 1])
+LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step") : _NAMES.index("sample_counter") + 1])
 
 
 class DeviceMemory:
@@ -45,20 +46,26 @@ class DeviceMemory:
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         off, n = self.device_offsets[name], self.device_nbytes[name]
-        return self.buffer[off:off + n].view(dtype)
+        return self.buffer[off : off + n].view(dtype)
 
     def layout_views(self) -> dict:
         """The StepLayout fields as views of the device buffer, where the scheduler writes them."""
         t = self.tensor
         step_header = t("step", torch.int32)  # RlStepHeader: n_tokens, bucket, n_segments, n_samples, ...
         return dict(
-            token_ids=t("token_ids", torch.int32), positions=t("positions", torch.int32),
-            slot_of=t("slot_of", torch.int32), sample_row=t("sample_row", torch.int32),
+            token_ids=t("token_ids", torch.int32),
+            positions=t("positions", torch.int32),
+            slot_of=t("slot_of", torch.int32),
+            sample_row=t("sample_row", torch.int32),
             sample_slot=t("sample_slot", torch.int32),
             sample_temperature=t("sample_temperature", torch.float32),
-            sample_top_p=t("sample_top_p", torch.float32), sample_top_k=t("sample_top_k", torch.int32),
-            sample_seed=t("sample_seed", torch.int64), sample_counter=t("sample_counter", torch.int32),
-            n_samples=step_header[3:4], next_token=t("next_token", torch.int32))
+            sample_top_p=t("sample_top_p", torch.float32),
+            sample_top_k=t("sample_top_k", torch.int32),
+            sample_seed=t("sample_seed", torch.int64),
+            sample_counter=t("sample_counter", torch.int32),
+            n_samples=step_header[3:4],
+            next_token=t("next_token", torch.int32),
+        )
 
     def context_bytes(self) -> bytes:
         return bytes(self.context)

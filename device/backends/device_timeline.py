@@ -1,6 +1,7 @@
 """The device timeline: per step, the scheduler's and the step graph's %globaltimer stamps
 (ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time (timeline_summary holds
 the bubble's definition), or written as a Chrome trace."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ class TimelineReader:
 
     def __init__(self, device_memory):
         from device.backends import cuda_driver as drv
+
         self._drv = drv
         self._src = device_memory.address("trace")
         self._nbytes = device_memory.device_nbytes["trace"]
@@ -28,16 +30,21 @@ class TimelineReader:
         with self._lock:
             self._drv.copy_to_host(self._host.host_ptr, self._src, self._nbytes, self._stream)
             self._drv.check(self._drv.cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-            return self._host.array.view(np.uint64).reshape(-1, layout.RL_TRACE_FIELDS).copy()
+            return self._host.array.view(np.uint64).reshape(-1, layout.TRACE_FIELDS).copy()
 
 
 def complete_rows(trace: np.ndarray) -> np.ndarray:
     """Rows whose step finished (both phases and both step stamps written), ordered by seq;
     a row still being written, or never reached, has a zero stamp."""
-    core = [layout.RL_TRACE_SCHED_BEGIN, layout.RL_TRACE_SCHED_END, layout.RL_TRACE_STEP_BEGIN,
-            layout.RL_TRACE_STEP_END, layout.RL_TRACE_SEQ]
+    core = [
+        layout.TraceField.SCHED_BEGIN,
+        layout.TraceField.SCHED_END,
+        layout.TraceField.STEP_BEGIN,
+        layout.TraceField.STEP_END,
+        layout.TraceField.SEQ,
+    ]
     rows = trace[(trace[:, core] != 0).all(axis=1)].astype(np.int64)
-    return rows[np.argsort(rows[:, layout.RL_TRACE_SEQ])]
+    return rows[np.argsort(rows[:, layout.TraceField.SEQ])]
 
 
 def timeline_summary(trace: np.ndarray) -> dict:
@@ -57,24 +64,37 @@ def timeline_summary(trace: np.ndarray) -> dict:
         return out
     pct = lambda v, q: float(np.percentile(v, q)) if len(v) else None  # noqa: E731
     f = layout
-    step = (rows[:, f.RL_TRACE_STEP_END] - rows[:, f.RL_TRACE_STEP_BEGIN]) / 1e3
-    sched = (rows[:, f.RL_TRACE_SCHED_END] - rows[:, f.RL_TRACE_SCHED_BEGIN]) / 1e3
-    has_overlap = (rows[:, f.RL_TRACE_OVERLAP_BEGIN] != 0) & (rows[:, f.RL_TRACE_OVERLAP_END] != 0)
-    overlap = (rows[has_overlap, f.RL_TRACE_OVERLAP_END] - rows[has_overlap, f.RL_TRACE_OVERLAP_BEGIN]) / 1e3
-    overruns = int((rows[has_overlap, f.RL_TRACE_OVERLAP_END] > rows[has_overlap, f.RL_TRACE_STEP_END]).sum())
+    step = (rows[:, f.TraceField.STEP_END] - rows[:, f.TraceField.STEP_BEGIN]) / 1e3
+    sched = (rows[:, f.TraceField.SCHED_END] - rows[:, f.TraceField.SCHED_BEGIN]) / 1e3
+    has_overlap = (rows[:, f.TraceField.OVERLAP_BEGIN] != 0) & (rows[:, f.TraceField.OVERLAP_END] != 0)
+    overlap = (
+        rows[has_overlap, f.TraceField.OVERLAP_END] - rows[has_overlap, f.TraceField.OVERLAP_BEGIN]
+    ) / 1e3
+    overruns = int(
+        (rows[has_overlap, f.TraceField.OVERLAP_END] > rows[has_overlap, f.TraceField.STEP_END]).sum()
+    )
     prev, cur = rows[:-1], rows[1:]
-    consecutive = cur[:, f.RL_TRACE_SEQ] == prev[:, f.RL_TRACE_SEQ] + 1
-    chained = consecutive & ((cur[:, f.RL_TRACE_FLAGS] & f.RL_TRACE_CHAINED) != 0)
+    consecutive = cur[:, f.TraceField.SEQ] == prev[:, f.TraceField.SEQ] + 1
+    chained = consecutive & ((cur[:, f.TraceField.FLAGS] & f.TraceFlag.CHAINED) != 0)
     p, c = prev[chained], cur[chained]
-    bubble = (c[:, f.RL_TRACE_STEP_BEGIN] - p[:, f.RL_TRACE_STEP_END]) / 1e3
-    handoff = (c[:, f.RL_TRACE_SCHED_BEGIN] - p[:, f.RL_TRACE_STEP_END]) / 1e3
-    launch = (c[:, f.RL_TRACE_STEP_BEGIN] - c[:, f.RL_TRACE_SCHED_END]) / 1e3
-    for name, values in (("bubble_us", bubble), ("step_us", step), ("device_sched_us", sched),
-                         ("device_overlap_us", overlap), ("handoff_us", handoff),
-                         ("launch_us", launch)):
+    bubble = (c[:, f.TraceField.STEP_BEGIN] - p[:, f.TraceField.STEP_END]) / 1e3
+    handoff = (c[:, f.TraceField.SCHED_BEGIN] - p[:, f.TraceField.STEP_END]) / 1e3
+    launch = (c[:, f.TraceField.STEP_BEGIN] - c[:, f.TraceField.SCHED_END]) / 1e3
+    for name, values in (
+        ("bubble_us", bubble),
+        ("step_us", step),
+        ("device_sched_us", sched),
+        ("device_overlap_us", overlap),
+        ("handoff_us", handoff),
+        ("launch_us", launch),
+    ):
         out[name + "_p50"], out[name + "_p99"] = pct(values, 50), pct(values, 99)
-    out.update(bubble_gaps=int(chained.sum()), idle_gaps=int((consecutive & ~chained).sum()),
-               overlap_overruns=overruns, timeline_steps=int(len(rows)))
+    out.update(
+        bubble_gaps=int(chained.sum()),
+        idle_gaps=int((consecutive & ~chained).sum()),
+        overlap_overruns=overruns,
+        timeline_steps=len(rows),
+    )
     return out
 
 
@@ -85,18 +105,33 @@ def write_chrome_trace(path: str, trace: np.ndarray) -> None:
     if not len(rows):
         return
     f = layout
-    t0 = rows[:, [f.RL_TRACE_SCHED_BEGIN, f.RL_TRACE_STEP_BEGIN]].min()
+    t0 = rows[:, [f.TraceField.SCHED_BEGIN, f.TraceField.STEP_BEGIN]].min()
     events = []
 
     def span(name, tid, begin, end, seq):
-        events.append({"name": name, "ph": "X", "pid": 0, "tid": tid, "ts": (begin - t0) / 1e3,
-                       "dur": (end - begin) / 1e3, "args": {"seq": int(seq) - 1}})
+        events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 0,
+                "tid": tid,
+                "ts": (begin - t0) / 1e3,
+                "dur": (end - begin) / 1e3,
+                "args": {"seq": int(seq) - 1},
+            }
+        )
+
     for r in rows:
-        seq = r[f.RL_TRACE_SEQ]
-        span("critical", "scheduler: critical", r[f.RL_TRACE_SCHED_BEGIN], r[f.RL_TRACE_SCHED_END], seq)
-        if r[f.RL_TRACE_OVERLAP_BEGIN] and r[f.RL_TRACE_OVERLAP_END]:
-            span("overlapped", "scheduler: overlapped", r[f.RL_TRACE_OVERLAP_BEGIN],
-                 r[f.RL_TRACE_OVERLAP_END], seq)
-        span("step", "compute", r[f.RL_TRACE_STEP_BEGIN], r[f.RL_TRACE_STEP_END], seq)
+        seq = r[f.TraceField.SEQ]
+        span("critical", "scheduler: critical", r[f.TraceField.SCHED_BEGIN], r[f.TraceField.SCHED_END], seq)
+        if r[f.TraceField.OVERLAP_BEGIN] and r[f.TraceField.OVERLAP_END]:
+            span(
+                "overlapped",
+                "scheduler: overlapped",
+                r[f.TraceField.OVERLAP_BEGIN],
+                r[f.TraceField.OVERLAP_END],
+                seq,
+            )
+        span("step", "compute", r[f.TraceField.STEP_BEGIN], r[f.TraceField.STEP_END], seq)
     with open(path, "w") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)

@@ -1,5 +1,6 @@
 """The two host-side signals every backend has: the frontend rings `doorbell` after publishing SQ
 entries, and the backend sets `events` when CQ events may be ready for the completion thread."""
+
 from __future__ import annotations
 
 import threading

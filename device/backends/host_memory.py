@@ -2,6 +2,7 @@
 
 Also builds the RlContext pointer table that sched_step() receives.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -10,6 +10,7 @@ Both are instantiated and uploaded here, before the scheduler kernel starts: a f
 still has upload or lazy-loading work to do could otherwise wait on a device that the
 persistent kernel never lets go idle.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,7 @@ LAUNCH_MODES = ("resident", "pump")
 
 
 class LaunchGraph:
-    def __init__(self, mode: str, graphs: StepGraphs, functions: dict, ctx_arg: bytes, cu_ctx,
-                 stream):
+    def __init__(self, mode: str, graphs: StepGraphs, functions: dict, ctx_arg: bytes, cu_ctx, stream):
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
         self.mode = mode
@@ -33,8 +33,8 @@ class LaunchGraph:
         if mode == "resident":
             loop = drv.conditional_handle(self._graph, cu_ctx, 1)
             _, (body,) = drv.add_conditional_node(
-                self._graph, [], loop, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE,
-                1, cu_ctx)
+                self._graph, [], loop, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1, cu_ctx
+            )
             self._step_body(body, [], loop, use_while=1)
         else:
             last = []
@@ -47,18 +47,31 @@ class LaunchGraph:
         """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps`; returns the last node."""
         buckets = self._graphs.buckets
         switch = drv.conditional_handle(graph, self._cu_ctx, len(buckets))
-        wait_args = drv.KernelArgs(self._ctx_arg, drv.handle_arg(switch),
-                                   drv.handle_arg(while_handle or 0), ctypes.c_uint32(use_while))
+        wait_args = drv.KernelArgs(
+            self._ctx_arg,
+            drv.handle_arg(switch),
+            drv.handle_arg(while_handle or 0),
+            ctypes.c_uint32(use_while),
+        )
         ctx_args = drv.KernelArgs(self._ctx_arg)  # rl_step_begin and rl_step_signal take only ctx
         self._keep_args += [wait_args, ctx_args]
         wait = drv.add_kernel_node(graph, deps, self._fn["rl_step_wait"], wait_args)
         node, bodies = drv.add_conditional_node(
-            graph, [wait], switch, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH,
-            len(buckets), self._cu_ctx)
+            graph,
+            [wait],
+            switch,
+            drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH,
+            len(buckets),
+            self._cu_ctx,
+        )
         for body, bucket in zip(bodies, buckets):  # branch i runs bucket i (cfg.buckets order)
             begin = drv.add_kernel_node(body, [], self._fn["rl_step_begin"], ctx_args)
-            drv.check(drv.cu.cuGraphAddChildGraphNode(body, [begin], 1, drv.cu.CUgraph(int(self._graphs.raw(bucket)))),
-                      f"cuGraphAddChildGraphNode(bucket {bucket})")
+            drv.check(
+                drv.cu.cuGraphAddChildGraphNode(
+                    body, [begin], 1, drv.cu.CUgraph(int(self._graphs.raw(bucket)))
+                ),
+                f"cuGraphAddChildGraphNode(bucket {bucket})",
+            )
         return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], ctx_args)
 
     def launch(self, stream) -> None:

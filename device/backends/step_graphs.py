@@ -7,6 +7,7 @@ holding a private copy (at 256 slots and a 128k vocabulary the sampling scratch 
 a gigabyte per bucket).  The serving path never reads a graph's returned logits, so they are
 dropped unless a check asks to keep them.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """Llama-family model, KV cache, checkpoint loading and sampling."""
+
 from device.model.config import ModelConfig
 from device.model.kv_cache import KVCache
 from device.model.llama import LlamaModel, generate_greedy
@@ -7,14 +8,14 @@ from device.model.sampling import counter_uniform, sample
 from device.model.step_batch import StepBatch, StepPlan
 
 __all__ = [
-    "ModelConfig",
+    "PRESETS",
     "KVCache",
     "LlamaModel",
-    "generate_greedy",
-    "PRESETS",
-    "preset_config",
-    "sample",
-    "counter_uniform",
+    "ModelConfig",
     "StepBatch",
     "StepPlan",
+    "counter_uniform",
+    "generate_greedy",
+    "preset_config",
+    "sample",
 ]

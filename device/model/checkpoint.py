@@ -4,14 +4,15 @@ safetensors layout: 8-byte little-endian u64 header length N, N bytes of JSON he
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the raw
 little-endian tensor bytes; offsets are relative to the end of the header.
 """
+
 from __future__ import annotations
 
 import json
 import mmap
 import struct
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Union
 
 import torch
 
@@ -34,7 +35,7 @@ if sys.byteorder != "little":  # tensors are stored little-endian and read witho
     raise ImportError("checkpoint loading assumes a little-endian host")
 
 
-def read_safetensors_header(path: Union[str, Path]) -> tuple[dict, int]:
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
     """Returns (header without __metadata__, byte offset where tensor data starts)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -44,9 +45,9 @@ def read_safetensors_header(path: Union[str, Path]) -> tuple[dict, int]:
 
 
 def iter_safetensors(
-    path: Union[str, Path],
+    path: str | Path,
     dtype: torch.dtype | None = None,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor in one .safetensors file, each copied out of the
     memory map onto `device` (and cast to `dtype` when given, floating tensors only)."""
@@ -84,9 +85,9 @@ def iter_safetensors(
 
 
 def load_state_dict(
-    model_dir: Union[str, Path],
+    model_dir: str | Path,
     dtype: torch.dtype | None = None,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir: model.safetensors, or the shards listed in
     model.safetensors.index.json, or failing both every *.safetensors file."""
@@ -109,7 +110,7 @@ def load_state_dict(
     return state
 
 
-def load_config(model_dir: Union[str, Path]) -> ModelConfig:
+def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     return ModelConfig.from_json_file(model_dir / "config.json", name=model_dir.name)
 

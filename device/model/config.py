@@ -1,10 +1,11 @@
 """Shape and hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral)."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -21,13 +22,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # None, or llama3-style scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}.
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama with attention_bias)
     attention_out_bias: bool = False  # bias on o_proj (only Llama with attention_bias=True)
-    bos_token_id: Optional[int] = None
+    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "llama"
 
@@ -47,7 +48,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: Optional[str] = None) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any], name: str | None = None) -> ModelConfig:
         """Build from a Hugging Face config.json dict (Llama, Qwen2 or Mistral).
 
         Mistral's `sliding_window` (and Qwen2's `use_sliding_window`) is ignored: attention is
@@ -104,6 +105,6 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path, name: Optional[str] = None) -> "ModelConfig":
+    def from_json_file(cls, path: str | Path, name: str | None = None) -> ModelConfig:
         with open(path, encoding="utf-8") as f:
             return cls.from_hf(json.load(f), name=name)

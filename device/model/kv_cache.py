@@ -1,7 +1,6 @@
 """Per-slot KV cache, preallocated once for the lifetime of the engine."""
-from __future__ import annotations
 
-from typing import Union
+from __future__ import annotations
 
 import torch
 
@@ -25,7 +24,7 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> None:
         self.num_layers = num_layers
         self.n_slots = n_slots
@@ -43,8 +42,8 @@ class KVCache:
         n_slots: int,
         max_ctx: int,
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "KVCache":
+        device: str | torch.device = "cpu",
+    ) -> KVCache:
         return cls(config.num_layers, n_slots, max_ctx, config.num_kv_heads, config.head_dim, dtype, device)
 
     @staticmethod

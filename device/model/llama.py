@@ -3,12 +3,13 @@
 A step takes rows from many requests at once (decode rows and prefill chunks), writes each
 row's k/v into the per-slot KV cache and attends over that slot's cached prefix.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from device.model.kv_cache import KVCache
 from device.model.presets import LOGIT_STD, PRESETS, preset_config
 from device.model.step_batch import StepBatch, StepPlan
 
-Device = Union[str, torch.device]
+Device = str | torch.device
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +138,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: Device = "cpu") -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: Device = "cpu"
+    ) -> None:
         """Parameters are allocated uninitialised; use from_preset / from_checkpoint."""
         super().__init__()
         self.config = config
@@ -146,17 +149,19 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+        self.lm_head = (
+            None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+        )
         self.requires_grad_(False)
-        self._cos: Optional[torch.Tensor] = None
-        self._sin: Optional[torch.Tensor] = None
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
     def from_preset(
         cls, name: str, dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
-    ) -> "LlamaModel":
+    ) -> LlamaModel:
         """Seeded random weights (the same seed gives the same weights on the same device type)."""
         config = dataclasses.replace(preset_config(name))
         model = cls(config, dtype, "meta").to_empty(device=device)
@@ -165,8 +170,8 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls, path: Union[str, Path], dtype: torch.dtype = torch.float32, device: Device = "cpu"
-    ) -> "LlamaModel":
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu"
+    ) -> LlamaModel:
         """HF-format directory: config.json + model.safetensors (or sharded with an index)."""
         config = load_config(path)
         state = hf_to_internal(load_state_dict(path, dtype=dtype, device=device), config)
@@ -178,8 +183,8 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_spec(
-        cls, spec: Union[str, Path], dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
-    ) -> "LlamaModel":
+        cls, spec: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
+    ) -> LlamaModel:
         """A preset name, or else a checkpoint directory."""
         if isinstance(spec, str) and spec in PRESETS:
             return cls.from_preset(spec, dtype, device, seed)
@@ -219,7 +224,7 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         return KVCache.for_model(self.config, n_slots, max_ctx, dtype or self.dtype, self.device)
 
     def prepare(self, max_ctx: int) -> None:
@@ -255,8 +260,8 @@ def generate_greedy(
     prompt_ids: list[int],
     max_new_tokens: int,
     slot: int = 0,
-    kv: Optional[KVCache] = None,
-    eos_token_ids: Optional[Iterable[int]] = None,
+    kv: KVCache | None = None,
+    eos_token_ids: Iterable[int] | None = None,
 ) -> list[int]:
     """Greedy decoding through `step`: the prompt as one segment, then 1-row decode steps.
     Returns only the new tokens (stops early on an id in eos_token_ids, if given)."""

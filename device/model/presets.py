@@ -1,5 +1,6 @@
 """Model presets: real Llama-3 shapes (and a tiny one) with seeded random weights and the
 byte-level tokenizer, so the runtime can be exercised and benchmarked without downloads."""
+
 from __future__ import annotations
 
 from device.model.config import ModelConfig

@@ -9,6 +9,7 @@ Draw method: inverse CDF over the probabilities sorted in descending order (stab
 sort is needed for top-k/top-p anyway, and this needs one hash per row instead of one per
 vocab entry (as Gumbel-max would).
 """
+
 from __future__ import annotations
 
 import torch

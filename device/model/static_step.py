@@ -19,10 +19,11 @@ Capture on CUDA (the capturing code's side):
      capture_end, thread-local mode); keep the graph and logits_b alive.
   4. per step the scheduler fills the layout and picks the bucket; replay graph[bucket].
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from device.model.llama import LlamaModel, apply_rope
 from device.model.sampling import sample
 from device.model.triton_attention import ragged_attention_reference
 
-Device = Union[str, torch.device]
+Device = str | torch.device
 
 # field -> (dtype the step reads it as, the scheduler array it mirrors)
 _LAYOUT_FIELDS = {
@@ -81,7 +82,7 @@ class StepLayout:
     next_token: torch.Tensor
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> "StepLayout":
+    def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> StepLayout:
         """On the CPU: zero-copy views of the scheduler's arrays (writes to next_token land in
         them). Elsewhere: freshly allocated device tensors holding a copy of their contents."""
         views = {name: torch.from_numpy(_array_view(arrays, name)) for name in _LAYOUT_FIELDS}
@@ -90,12 +91,15 @@ class StepLayout:
         return cls(**views)
 
     @classmethod
-    def allocate(cls, n_slots: int, token_budget: int, device: Device) -> "StepLayout":
+    def allocate(cls, n_slots: int, token_budget: int, device: Device) -> StepLayout:
         """Zeroed tensors of the right sizes (pad rows have slot_of = -1)."""
         rows = ("token_ids", "positions", "slot_of")
         out = {
-            name: torch.zeros(token_budget if name in rows else 1 if name == "n_samples" else n_slots,
-                              dtype=getattr(torch, np.dtype(dtype).name), device=device)
+            name: torch.zeros(
+                token_budget if name in rows else 1 if name == "n_samples" else n_slots,
+                dtype=getattr(torch, np.dtype(dtype).name),
+                device=device,
+            )
             for name, (dtype, _) in _LAYOUT_FIELDS.items()
         }
         out["slot_of"].fill_(-1)
@@ -120,17 +124,20 @@ class StaticStep:
         n_slots: int,
         max_ctx: int,
         token_budget: int,
-        attention: Union[str, Callable[..., torch.Tensor]] = "triton",
+        attention: str | Callable[..., torch.Tensor] = "triton",
     ) -> None:
         """attention: "triton", "torch" (the masked reference) or a function with the
         signature of ragged_attention_reference."""
         if kv.n_slots < n_slots + 1:
-            raise ValueError(f"the KV cache needs n_slots + 1 = {n_slots + 1} slots (one scratch "
-                             f"slot for pad rows), has {kv.n_slots}; use StaticStep.new_kv_cache")
+            raise ValueError(
+                f"the KV cache needs n_slots + 1 = {n_slots + 1} slots (one scratch "
+                f"slot for pad rows), has {kv.n_slots}; use StaticStep.new_kv_cache"
+            )
         if kv.max_ctx < max_ctx:
             raise ValueError(f"KV cache max_ctx {kv.max_ctx} < {max_ctx}")
         if attention == "triton":
             from device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
+
             if not HAVE_TRITON:
                 raise RuntimeError("attention='triton' needs triton; use attention='torch'")
             self._attend = ragged_attention_triton
@@ -144,7 +151,7 @@ class StaticStep:
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = 1.0 / (c.head_dim ** 0.5)  # SDPA's default, as the eager step uses
+        self.scale = 1.0 / (c.head_dim**0.5)  # SDPA's default, as the eager step uses
         self.scratch_slot = n_slots
         dev = model.device
         model.prepare(max_ctx)
@@ -155,8 +162,9 @@ class StaticStep:
         self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
 
     @staticmethod
-    def new_kv_cache(model: LlamaModel, n_slots: int, max_ctx: int,
-                     dtype: Optional[torch.dtype] = None) -> KVCache:
+    def new_kv_cache(
+        model: LlamaModel, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None
+    ) -> KVCache:
         """A KV cache with the scratch slot (n_slots + 1 slots)."""
         return model.new_kv_cache(n_slots + 1, max_ctx, dtype)
 
@@ -203,8 +211,14 @@ class StaticStep:
         valid = self._entry_ids < layout.n_samples  # [n_slots], n_samples read on the device
         # stale entries sample greedily (no NaN from stale parameters) and land in the sink
         temperature = torch.where(valid, layout.sample_temperature, 0.0)
-        tokens = sample(logits, temperature, layout.sample_top_k, layout.sample_top_p,
-                        layout.sample_seed, layout.sample_counter)
+        tokens = sample(
+            logits,
+            temperature,
+            layout.sample_top_k,
+            layout.sample_top_p,
+            layout.sample_seed,
+            layout.sample_counter,
+        )
         target = torch.where(valid, layout.sample_slot.long().clamp(0, self.n_slots - 1), self.n_slots)
         sink = self._token_sink
         sink[: self.n_slots].copy_(layout.next_token)

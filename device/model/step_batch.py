@@ -1,8 +1,8 @@
 """The input of one unified ragged model step: decode rows and prefill chunks mixed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ class StepPlan:
     together as one padded batch; longer segments each run on their own.
     """
 
-    decode_rows: Optional[torch.Tensor]  # [B] int64 row ids of 1-row segments; None = all rows
+    decode_rows: torch.Tensor | None  # [B] int64 row ids of 1-row segments; None = all rows
     n_decode: int
     decode_max_ctx: int  # longest context (last position + 1) among the decode rows
     prefill: list[tuple[int, int, int, int]]  # (slot, row_start, n_rows, ctx_end) per segment
@@ -28,8 +28,8 @@ class StepPlan:
         seg_slot: np.ndarray,
         seg_row_start: np.ndarray,
         seg_n_rows: np.ndarray,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "StepPlan":
+        device: str | torch.device = "cpu",
+    ) -> StepPlan:
         n_rows_total = int(positions.shape[0])
         seg_n_rows = np.asarray(seg_n_rows)
         is_decode = seg_n_rows == 1
@@ -67,7 +67,7 @@ class StepBatch:
     seg_row_start: torch.Tensor
     seg_n_rows: torch.Tensor
     sample_rows: torch.Tensor
-    plan: Optional[StepPlan] = None
+    plan: StepPlan | None = None
 
     @property
     def n_rows(self) -> int:
@@ -96,8 +96,8 @@ class StepBatch:
         seg_row_start: np.ndarray,
         seg_n_rows: np.ndarray,
         sample_rows: np.ndarray,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "StepBatch":
+        device: str | torch.device = "cpu",
+    ) -> StepBatch:
         """From the scheduler's numpy (int32) arrays, already sliced to real sizes.
 
         Cost: one small host->device copy per array plus an int64 widening; the plan is
@@ -109,17 +109,23 @@ class StepBatch:
 
         plan = StepPlan.from_numpy(positions, seg_slot, seg_row_start, seg_n_rows, device=device)
         return cls(
-            t(token_ids), t(positions), t(slot_of), t(seg_slot), t(seg_row_start), t(seg_n_rows),
-            t(sample_rows), plan,
+            t(token_ids),
+            t(positions),
+            t(slot_of),
+            t(seg_slot),
+            t(seg_row_start),
+            t(seg_n_rows),
+            t(sample_rows),
+            plan,
         )
 
     @classmethod
     def from_segments(
         cls,
         segments: list[tuple[int, list[int], int]],
-        sample_rows: Optional[list[int]] = None,
-        device: Union[str, torch.device] = "cpu",
-    ) -> "StepBatch":
+        sample_rows: list[int] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> StepBatch:
         """Convenience builder: segments = [(slot, token_ids, first_position), ...]. By default
         the last row of every segment is sampled."""
         tok, pos, slot_of, seg_slot, seg_start, seg_n, last = [], [], [], [], [], [], []
@@ -134,6 +140,12 @@ class StepBatch:
         rows = last if sample_rows is None else sample_rows
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         return cls.from_numpy(
-            arr(tok), arr(pos), arr(slot_of), arr(seg_slot), arr(seg_start), arr(seg_n), arr(rows),
+            arr(tok),
+            arr(pos),
+            arr(slot_of),
+            arr(seg_slot),
+            arr(seg_start),
+            arr(seg_n),
+            arr(rows),
             device=device,
         )

@@ -16,9 +16,8 @@ CPU path and the reference in tests.
 
 Under TRITON_INTERPRET=1 (set before this module is imported) the kernel runs on CPU tensors.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -66,15 +65,35 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ragged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, pos_ptr,
-        stride_qt, stride_qh, stride_qd,
-        stride_ks, stride_kn, stride_kh, stride_kd,
-        stride_vs, stride_vn, stride_vh, stride_vd,
-        stride_ot, stride_oh, stride_od,
-        stride_slot, stride_pos,
-        max_ctx, scale_log2e,
-        Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        slot_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ks,
+        stride_kn,
+        stride_kh,
+        stride_kd,
+        stride_vs,
+        stride_vn,
+        stride_vh,
+        stride_vd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_slot,
+        stride_pos,
+        max_ctx,
+        scale_log2e,
+        Q_PER_KV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -96,7 +115,8 @@ if HAVE_TRITON:
 
         q = tl.load(
             q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-            mask=gd_ok, other=0.0,
+            mask=gd_ok,
+            other=0.0,
         )
         k_base = k_ptr + slot64 * stride_ks + kvh * stride_kh
         v_base = v_ptr + slot64 * stride_vs + kvh * stride_vh
@@ -109,7 +129,8 @@ if HAVE_TRITON:
             c_ok = cols < n_ctx
             kt = tl.load(  # [BLOCK_D, BLOCK_N]: k transposed by addressing
                 k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
-                mask=d_ok[:, None] & c_ok[None, :], other=0.0,
+                mask=d_ok[:, None] & c_ok[None, :],
+                other=0.0,
             )
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2e
             s = tl.where(c_ok[None, :], s, float("-inf"))
@@ -120,14 +141,16 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(
                 v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                mask=c_ok[:, None] & d_ok[None, :], other=0.0,
+                mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0,
             )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # pad rows: 0 / 1
         tl.store(
             o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            out.to(o_ptr.dtype.element_ty), mask=gd_ok,
+            out.to(o_ptr.dtype.element_ty),
+            mask=gd_ok,
         )
 
 
@@ -155,7 +178,7 @@ def ragged_attention_triton(
     slot_of: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ragged_attention_reference; slot_of/positions int32 (or int64) [T]."""
     if not HAVE_TRITON:
@@ -167,11 +190,23 @@ def ragged_attention_triton(
     o = torch.empty_like(q) if out is None else out
     cfg = launch_config(H // KV, D, q.dtype)
     _ragged_attention_kernel[(T, KV)](
-        q, k_cache, v_cache, o, slot_of, positions,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
-        slot_of.stride(0), positions.stride(0),
-        C, float(scale) * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
-        Q_PER_KV=H // KV, HEAD_DIM=D, **cfg,
+        q,
+        k_cache,
+        v_cache,
+        o,
+        slot_of,
+        positions,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *o.stride(),
+        slot_of.stride(0),
+        positions.stride(0),
+        C,
+        float(scale) * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
+        Q_PER_KV=H // KV,
+        HEAD_DIM=D,
+        **cfg,
     )
     return o
 

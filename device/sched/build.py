@@ -4,6 +4,7 @@ CPU: the host C++ compiler makes a shared library (cached by content hash, so an
 CUDA: NVRTC makes a CUBIN for the device's own arch; no GPU is needed to compile.
 Both get the same text: the layout header from ipc, primitives.h, sched_step.h, then an entry.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -96,7 +97,7 @@ class KernelBuild:
     cubin: bytes
     log: str
     resources: dict[str, KernelResources]  # per entry function, from ptxas -v
-    ptx: bytes = b""                  # the same program as PTX, for a driver that refuses the CUBIN
+    ptx: bytes = b""  # the same program as PTX, for a driver that refuses the CUBIN
     nvrtc_version: tuple[int, int] = (0, 0)
 
     @property
@@ -115,16 +116,22 @@ def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
     for block in log.split("Compiling entry function '")[1:]:
         name = block.split("'", 1)[0]
 
-        def grab(pattern):
+        def grab(pattern, block=block):
             m = re.search(pattern, block)
             return int(m.group(1)) if m else None
-        out[name] = KernelResources(grab(r"Used (\d+) registers"), grab(r"(\d+) bytes smem") or 0,
-                                    grab(r"(\d+) bytes spill stores"), grab(r"(\d+) bytes stack frame"))
+
+        out[name] = KernelResources(
+            grab(r"Used (\d+) registers"),
+            grab(r"(\d+) bytes smem") or 0,
+            grab(r"(\d+) bytes spill stores"),
+            grab(r"(\d+) bytes stack frame"),
+        )
     return out
 
 
 def _check(result, what: str):
     from cuda.bindings import nvrtc
+
     err = result[0]
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"{what} failed: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
@@ -133,6 +140,7 @@ def _check(result, what: str):
 
 def nvrtc_version() -> tuple[int, int]:
     from cuda.bindings import nvrtc
+
     major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     return int(major), int(minor)
 
@@ -143,9 +151,11 @@ def ptx_loadable(nvrtc: tuple[int, int], driver: tuple[int, int]) -> tuple[bool,
     n, d = "%d.%d" % nvrtc, "%d.%d" % driver
     if tuple(nvrtc) <= tuple(driver):
         return True, f"PTX from NVRTC {n} is no newer than the driver's CUDA {d}"
-    return False, (f"PTX from NVRTC {n} is newer than the driver's CUDA {d} accepts; install "
-                   f"an NVRTC of CUDA {d} or older (cuda-toolkit[nvrtc]=={driver[0]}.{driver[1]}.*) "
-                   f"or a newer driver")
+    return False, (
+        f"PTX from NVRTC {n} is newer than the driver's CUDA {d} accepts; install "
+        f"an NVRTC of CUDA {d} or older (cuda-toolkit[nvrtc]=={driver[0]}.{driver[1]}.*) "
+        f"or a newer driver"
+    )
 
 
 def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
@@ -153,13 +163,14 @@ def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'") from exc
+        raise RuntimeError(
+            "NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'"
+        ) from exc
     src = scheduler_source("kernel.cu").replace(
-        "#define RL_MAX_THREADS 1024", f"#define RL_MAX_THREADS {threads}")
-    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"rl_scheduler.cu", 0, [], []),
-                  "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device",
-            b"--ptxas-options=-v"]
+        "#define RL_MAX_THREADS 1024", f"#define RL_MAX_THREADS {threads}"
+    )
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"rl_scheduler.cu", 0, [], []), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
     compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
     buf = b" " * size
@@ -174,5 +185,6 @@ def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     ptx = b" " * n
     _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
     nvrtc.nvrtcDestroyProgram(prog)
-    return KernelBuild(arch, cubin, log, parse_ptxas_log(log), ptx.rstrip(b"\x00 ") + b"\x00",
-                       nvrtc_version())
+    return KernelBuild(
+        arch, cubin, log, parse_ptxas_log(log), ptx.rstrip(b"\x00 ") + b"\x00", nvrtc_version()
+    )
