@@ -59,6 +59,11 @@ from ipc import layout
 from ipc.rings import RingConfig
 from tests.sched_driver import scheduler, token_for
 
+try:
+    from ipc.sampling_params import SamplingParams
+except ImportError:  # a --before tree from before it
+    SamplingParams = None  # type: ignore[assignment,misc]
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +83,18 @@ _OLD_PREFIX = {
     "SlotState": "RL_SLOT_",
     "SqFlag": "RL_FLAG_",
 }
+
+
+def push_generate(sq, handle: int, prompt_off: int, prompt_len: int, max_tokens: int) -> int:
+    """One ignore-EOS GENERATE, in whichever SubmissionQueue.push form this tree has."""
+    if SamplingParams is None:  # before SamplingParams: the entry's fields as keywords
+        return sq.push(
+            handle, prompt_off=prompt_off, prompt_len=prompt_len, max_tokens=max_tokens, flags=IGNORE_EOS
+        )
+    params = SamplingParams(max_tokens, seed=0, ignore_eos=True)
+    return sq.push(handle, params, prompt_off=prompt_off, prompt_len=prompt_len)
+
+
 STEP_RUN, STEP_IDLE, STEP_SHUTDOWN = (_shared("StepStatus", m) for m in ("RUN", "IDLE", "SHUTDOWN"))
 EV_TOKEN = _shared("EventKind", "TOKEN")
 FINISH_LENGTH, FINISH_ABORT = _shared("Finish", "LENGTH"), _shared("Finish", "ABORT")
@@ -319,9 +336,7 @@ class Harness:
                 start = self.next_handle % (len(self.pool) - n)
                 off = self.rings.arena.allocate(self.pool[start : start + n])
                 max_tokens = int(self.rng.integers(kind.max_tokens[0], kind.max_tokens[1] + 1))
-                pos = sq.push(
-                    self.next_handle, prompt_off=off, prompt_len=n, max_tokens=max_tokens, flags=IGNORE_EOS
-                )
+                pos = push_generate(sq, self.next_handle, off, n, max_tokens)
                 self.live[self.next_handle] = Request(k, off, pos, max_tokens)
                 self.live_by_kind[k] += 1
                 self.next_handle += 1

@@ -25,7 +25,6 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from hostctl.inflight import InFlight, RequestTable
-from ipc import layout
 from ipc.rings import HostRings
 
 
@@ -165,17 +164,7 @@ class Admission:
         if offset is None:
             return False
         pos = sq.push(
-            req.handle,
-            prompt_off=offset,
-            prompt_len=req.prompt_len,
-            max_tokens=req.max_tokens,
-            flags=layout.SqFlag.IGNORE_EOS if req.ignore_eos else 0,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            priority=req.priority,
-            seed=req.seed,
-            stop_ids=req.stop_ids,
+            req.handle, req.sampling, prompt_off=offset, prompt_len=req.prompt_len, priority=req.priority
         )
         req.arena_offset = offset
         req.submit_ns = time.perf_counter_ns()

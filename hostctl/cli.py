@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -15,6 +16,8 @@ from ipc.curve import (
     client_curve_from_args,
     server_curve_from_args,
 )
+from ipc.sampling_params import WIRE_FIELDS as SAMPLING_FIELDS
+from ipc.sampling_params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -179,6 +182,23 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """One option per SamplingParams field, named after it, with the field's default."""
+    special = {
+        "max_tokens": dict(type=int, default=64),
+        "seed": dict(type=int, default=None),
+        "stop_token_ids": dict(type=_int_list, default=()),
+        "ignore_eos": dict(action="store_true"),
+    }
+    for f in dataclasses.fields(SamplingParams):
+        options = special.get(f.name) or dict(type=type(f.default), default=f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FIELDS})
+
+
 def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         print("give a prompt or --prompt-ids (one of them)", file=sys.stderr)
@@ -187,13 +207,7 @@ def cmd_generate(args) -> int:
         stream = client.generate(
             args.prompt,
             prompt_ids=args.prompt_ids,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop_token_ids=args.stop_token_ids or (),
-            ignore_eos=args.ignore_eos,
+            **sampling_from_args(args).wire_fields(),
             priority=args.priority,
             timeout_ms=args.timeout_ms,
         )
@@ -326,13 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?")
     p.add_argument("--prompt-ids", type=_int_list)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop-token-ids", type=_int_list)
-    p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_options(p)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
     p.add_argument(

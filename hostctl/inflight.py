@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ipc.sampling_params import SamplingParams
+
 
 @dataclass(eq=False)
 class InFlight:
@@ -26,13 +28,7 @@ class InFlight:
     client: bytes
     id: Any
     prompt_ids: Any  # numpy int32 tokens, kept until they are in the arena
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    stop_ids: tuple[int, ...]
-    ignore_eos: bool
+    sampling: SamplingParams  # its seed resolved
     priority: int
     detokenizer: Any = None
     arena_offset: int | None = None  # set once the prompt is in the arena

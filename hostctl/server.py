@@ -273,7 +273,7 @@ class Server:
         else:
             prompt_ids = model.tokenizer.encode(r.prompt)
         try:
-            protocol.check_context(len(prompt_ids), r.max_tokens, self.limits, request_id=r.id)
+            protocol.check_context(len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id)
         except protocol.BadRequest as exc:
             self.metrics.rejected_bad_request += 1
             self._reject(client, r.id, protocol.ERR_BAD_REQUEST, str(exc))
@@ -287,19 +287,15 @@ class Server:
                 f"overloaded: {self.admission.queued} requests already wait for a slot",
             )
             return
-        seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
+        sampling = r.sampling
+        if sampling.seed is None:
+            sampling = sampling.with_seed(int.from_bytes(os.urandom(8), "little"))
         req = self.table.add(
             client,
             r.id,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            max_tokens=r.max_tokens,
-            temperature=float(r.temperature),
-            top_p=float(r.top_p),
-            top_k=int(r.top_k),
-            seed=seed,
-            stop_ids=tuple(r.stop_token_ids),
-            ignore_eos=bool(r.ignore_eos),
-            priority=int(r.priority),
+            sampling=sampling,
+            priority=r.priority,
             detokenizer=model.new_detokenizer() if model.new_detokenizer else None,
         )
         self._arm_deadlines(req, r.timeout_ms)

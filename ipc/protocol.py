@@ -9,10 +9,12 @@ See docs/protocol.md for the user-facing specification.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from ipc.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 PROTOCOL_REVISION = 1  # 1.1 added generate.timeout_ms and the `timeout` error code
@@ -81,13 +83,7 @@ class GenerateRequest:
     id: RequestId
     prompt: str | None
     prompt_ids: list[int] | None
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: SamplingParams
     priority: int = 0
     timeout_ms: int | None = None  # from arrival at the server; None: only the server's limits
 
@@ -300,20 +296,16 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     if timeout_ms is not None:
         timeout_ms = _int_field(obj, rid, "timeout_ms", None, 1, limits.max_timeout_ms)
 
-    return GenerateRequest(
-        id=rid,
-        prompt=prompt,
-        prompt_ids=prompt_ids,
+    sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        stop_token_ids=stop_token_ids,
+        stop_token_ids=tuple(stop_token_ids),
         ignore_eos=ignore_eos,
-        priority=priority,
-        timeout_ms=timeout_ms,
     )
+    return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms)
 
 
 def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
@@ -362,22 +354,15 @@ def encode(msg: dict) -> bytes:
 
 
 def generate_msg(req: GenerateRequest) -> dict:
-    """Wire map for a GenerateRequest (prompt or prompt_ids, whichever is set)."""
+    """Wire map for a GenerateRequest (prompt or prompt_ids, whichever is set): the one encoder of
+    the generate message, which both clients use.  Values are not judged here (the server's
+    decoder does that), only shaped so they encode."""
     msg: dict[str, Any] = {"op": OP_GENERATE, "id": req.id}
     if req.prompt is not None:
         msg["prompt"] = req.prompt
     if req.prompt_ids is not None:
-        msg["prompt_ids"] = req.prompt_ids
-    msg.update(
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        priority=req.priority,
-    )
+        msg["prompt_ids"] = list(req.prompt_ids)
+    msg.update(req.sampling.wire_fields(), priority=req.priority)
     if req.timeout_ms is not None:
         msg["timeout_ms"] = req.timeout_ms
     return msg

@@ -24,6 +24,7 @@ import numpy as np
 
 from ipc import layout
 from ipc.atomics import AtomicU32
+from ipc.sampling_params import SamplingParams
 
 ALIGN = 128
 
@@ -176,29 +177,20 @@ class SubmissionQueue(_RingProducer):
         super().__init__(ctl, sq, "sq_tail", "sq_head")
 
     def push(
-        self,
-        handle: int,
-        *,
-        prompt_off: int = 0,
-        prompt_len: int = 0,
-        max_tokens: int = 0,
-        flags: int = 0,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        priority: int = 0,
-        seed: int = 0,
-        stop_ids=(),
+        self, handle: int, sampling: SamplingParams, *, prompt_off: int, prompt_len: int, priority: int = 0
     ) -> int:
-        """Writes one GENERATE; it becomes visible to the device at the next publish().  Returns
-        the free-running u32 position it went to: the sq_pos an abort of this request names."""
+        """Writes one GENERATE (the caller checked free_entries(); `sampling.seed` is resolved,
+        None counts as 0); it becomes visible to the device at the next publish().  Returns the
+        free-running u32 position it went to: the sq_pos an abort of this request names."""
+        stop_ids = sampling.stop_token_ids
         pos = self._tail
         e = self._ring[pos & self._mask]
         e["op"], e["handle"] = layout.Op.GENERATE, handle
         e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
-        e["max_tokens"], e["flags"] = max_tokens, flags
-        e["temperature"], e["top_p"], e["top_k"] = temperature, top_p, top_k
-        e["priority"], e["seed"] = priority, seed
+        e["max_tokens"] = sampling.max_tokens
+        e["flags"] = layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0
+        e["temperature"], e["top_p"], e["top_k"] = sampling.temperature, sampling.top_p, sampling.top_k
+        e["priority"], e["seed"] = priority, sampling.seed or 0
         e["n_stop"], e["arrival"] = len(stop_ids), 0
         e["stop_ids"][:] = -1
         e["stop_ids"][: len(stop_ids)] = stop_ids

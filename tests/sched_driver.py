@@ -12,6 +12,7 @@ from device.backends.host_memory import HostMemory
 from device.sched.build import cpu_scheduler as scheduler
 from ipc import layout
 from ipc.rings import HostRings, RingConfig
+from ipc.sampling_params import SamplingParams
 
 
 def token_for(handle: int, index: int, vocab: int = 1000) -> int:
@@ -50,22 +51,21 @@ class Driver:
     def submit(
         self, prompt, max_tokens: int, *, priority: int = 0, stop_ids=(), flags: int = 0, **sampling
     ) -> int | None:
-        """sampling: temperature, top_p, top_k, seed, as SubmissionQueue.push takes them."""
+        """sampling: SamplingParams fields (temperature, top_k, seed, ...); flags: layout.SqFlag."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if self.rings.submissions.free_entries() < 1 or not self.rings.arena.can_allocate(len(prompt)):
             return None
         off = self.rings.arena.allocate(prompt)
         handle = self._next
         self._next += 1
+        params = SamplingParams(
+            max_tokens,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=bool(flags & layout.SqFlag.IGNORE_EOS),
+            **{"seed": 0, **sampling},
+        )
         self.sq_pos[handle] = self.rings.submissions.push(
-            handle,
-            prompt_off=off,
-            prompt_len=len(prompt),
-            max_tokens=max_tokens,
-            priority=priority,
-            stop_ids=stop_ids,
-            flags=flags,
-            **sampling,
+            handle, params, prompt_off=off, prompt_len=len(prompt), priority=priority
         )
         self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
         return handle

@@ -55,7 +55,7 @@ class EchoServer:
                 self.send(identity, P.done_msg(req.id, "error", 0, 0, P.ERR_DUPLICATE_ID, "id in flight"))
                 return
             ids = list(req.prompt_ids) if req.prompt_ids is not None else [ord(c) % 1000 for c in req.prompt]
-            self.active[key] = [ids[: req.max_tokens], len(ids), 0]
+            self.active[key] = [ids[: req.sampling.max_tokens], len(ids), 0]
         elif isinstance(req, P.AbortRequest):
             self.aborts.append(req.id)
             entry = self.active.pop((identity, req.id), None)

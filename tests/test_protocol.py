@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ipc import protocol as P
+from ipc.sampling_params import SamplingParams
 
 LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 
@@ -152,13 +153,15 @@ def valid_generates(draw):
         id=draw(request_ids),
         prompt=prompt,
         prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=draw(st.floats(min_value=0.0, max_value=1e6)),
-        top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
-        top_k=draw(st.integers(0, LIMITS.vocab_size)),
-        seed=draw(st.none() | st.integers(0, 2**64 - 1)),
-        stop_token_ids=draw(st.lists(token, max_size=LIMITS.max_stop_ids)),
-        ignore_eos=draw(st.booleans()),
+        sampling=SamplingParams(
+            max_tokens=max_tokens,
+            temperature=draw(st.floats(min_value=0.0, max_value=1e6)),
+            top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
+            top_k=draw(st.integers(0, LIMITS.vocab_size)),
+            seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+            stop_token_ids=tuple(draw(st.lists(token, max_size=LIMITS.max_stop_ids))),
+            ignore_eos=draw(st.booleans()),
+        ),
         priority=draw(st.integers(LIMITS.min_priority, LIMITS.max_priority)),
         timeout_ms=draw(st.none() | st.integers(1, LIMITS.max_timeout_ms)),
     )
@@ -182,14 +185,14 @@ def test_stats_and_ping_decode():
 
 def test_defaults_filled_and_extra_fields_ignored():
     req = decode(gen(some_future_field={"nested": [1, 2]}, another=None))
-    assert req == P.GenerateRequest("r1", None, [1, 2, 3], 8, 0.0, 1.0, 0, None, [], False, 0)
+    assert req == P.GenerateRequest("r1", None, [1, 2, 3], SamplingParams(8, 0.0, 1.0, 0, None, (), False), 0)
 
 
 def test_string_prompt_and_int_for_float_fields():
     req = decode(gen(prompt_ids=_DROP, prompt="hello", temperature=1, top_p=1))
     assert req.prompt == "hello" and req.prompt_ids is None
-    assert req.temperature == 1.0 and isinstance(req.temperature, float)
-    assert isinstance(req.top_p, float)
+    assert req.sampling.temperature == 1.0 and isinstance(req.sampling.temperature, float)
+    assert isinstance(req.sampling.top_p, float)
 
 
 def test_null_counts_as_absent_for_prompt_pair():
@@ -255,7 +258,7 @@ def test_bad_prompt_is_named(fields):
 
 
 def test_context_limit_on_prompt_ids():
-    assert decode(gen(prompt_ids=[1] * 4000, max_tokens=96)).max_tokens == 96
+    assert decode(gen(prompt_ids=[1] * 4000, max_tokens=96)).sampling.max_tokens == 96
     with pytest.raises(P.BadRequest) as info:
         decode(gen(prompt_ids=[1] * 4000, max_tokens=97))
     assert info.value.field == "prompt_ids" and "max_context 4096" in info.value.message
@@ -425,10 +428,10 @@ def test_decode_reply():
 
 
 def test_float_checks_are_exact_at_bounds():
-    assert decode(gen(top_p=1.0)).top_p == 1.0
-    assert decode(gen(temperature=0)).temperature == 0.0
-    assert math.isclose(decode(gen(top_p=1e-9)).top_p, 1e-9)
-    assert decode(gen(seed=2**64 - 1)).seed == 2**64 - 1
+    assert decode(gen(top_p=1.0)).sampling.top_p == 1.0
+    assert decode(gen(temperature=0)).sampling.temperature == 0.0
+    assert math.isclose(decode(gen(top_p=1e-9)).sampling.top_p, 1e-9)
+    assert decode(gen(seed=2**64 - 1)).sampling.seed == 2**64 - 1
 
 
 def test_reject_msg():
