@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import sys
+from typing import Any
 
 from ipc.curve import (
     CurveError,
@@ -184,7 +185,7 @@ def cmd_serve(args) -> int:
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """One option per SamplingParams field, named after it, with the field's default."""
-    special = {
+    special: dict[str, dict[str, Any]] = {
         "max_tokens": dict(type=int, default=64),
         "seed": dict(type=int, default=None),
         "stop_token_ids": dict(type=_int_list, default=()),

@@ -232,7 +232,7 @@ class CurveAuthenticator:
     def __init__(
         self, auth: ThreadAuthenticator, curve: ServerCurve, public_key: bytes, authorized: dict[bytes, str]
     ):
-        self._auth = auth
+        self._auth: ThreadAuthenticator | None = auth
         self._lock = threading.Lock()
         self.curve = curve
         self.public_key = public_key

@@ -381,18 +381,18 @@ C_ENUMS: tuple[tuple[type[Enum], str], ...] = (
 
 
 def c_defines() -> list[str]:
-    lines = [f"#define {prefix}{member.name} {int(member)}" for enum, prefix in C_ENUMS for member in enum]
+    lines = [f"#define {prefix}{member.name} {member.value}" for enum, prefix in C_ENUMS for member in enum]
     return lines + [f"#define RL_TRACE_FIELDS {TRACE_FIELDS}"]
 
 
-EXIT_REASON_NAMES = {
+EXIT_REASON_NAMES: dict[int, str] = {
     ExitReason.NONE: "running",
     ExitReason.SHUTDOWN: "shutdown",
     ExitReason.DEADLINE: "deadline",
     ExitReason.BUDGET: "budget",
 }
-STATE_NAMES = {s: s.name.lower() for s in SchedulerState}
-ERROR_NAMES = {
+STATE_NAMES: dict[int, str] = {s: s.name.lower() for s in SchedulerState}
+ERROR_NAMES: dict[int, str] = {
     InitError.NONE: "none",
     InitError.BAD_MAGIC: "bad magic",
     InitError.BAD_VERSION: "bad layout version",

@@ -33,8 +33,9 @@ def cache_dir() -> Path:
 
 def find_compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     raise NativeBuildError("no C++ compiler found (set CXX or install g++)")
 
 

@@ -401,7 +401,7 @@ def token_msg(id: RequestId, token_ids: list[int], text: str | None = None) -> d
 
 
 def done_msg(
-    id: RequestId,
+    id: RequestId | None,  # None only for a bad request whose id could not be read
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,

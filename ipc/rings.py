@@ -331,7 +331,8 @@ class HostRings:
             "state",
             "exit_reason",
         )
-        out = {n: int(c[n]) for n in names}
-        out["state_name"] = layout.STATE_NAMES.get(out["state"], str(out["state"]))
-        out["exit_reason_name"] = layout.EXIT_REASON_NAMES.get(out["exit_reason"], str(out["exit_reason"]))
+        out: dict[str, int | str] = {n: int(c[n]) for n in names}
+        state, exit_reason = int(c["state"]), int(c["exit_reason"])
+        out["state_name"] = layout.STATE_NAMES.get(state, str(state))
+        out["exit_reason_name"] = layout.EXIT_REASON_NAMES.get(exit_reason, str(exit_reason))
         return out
