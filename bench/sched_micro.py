@@ -1,4 +1,4 @@
-"""Scheduler microbenchmark: the CPU build of sched_step.h on synthetic slot states, per phase.
+"""Scheduler microbenchmark: the CPU build of the scheduler (device/sched) on synthetic slot states, per phase.
 
     python bench/sched_micro.py                                   # table on stdout
     python bench/sched_micro.py --json out.json --before ba3cd4b  # also the pre-split scheduler

@@ -2,7 +2,7 @@
 
 CPU: the host C++ compiler makes a shared library (cached by content hash, so an edit rebuilds).
 CUDA: NVRTC makes a CUBIN for the device's own arch; no GPU is needed to compile.
-Both get the same text: the layout header from ipc, primitives.h, sched_step.h, then an entry.
+Both get the same text: the layout header from ipc, then SCHEDULER_SOURCES, then an entry.
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ _HERE = Path(__file__).resolve().parent
 KERNEL_NAME = "rl_scheduler_persistent"
 
 
+# The scheduler's one source, in include order (each file relies on the ones before it).
+SCHEDULER_SOURCES = ("primitives.h", "sched_common.h", "sched_critical.h", "sched_overlapped.h", "sched_step.h")
+
+
 def scheduler_source(entry: str) -> str:
     """entry: "cpu_entry.cpp" or "kernel.cu"."""
     parts = [layout.c_header()]
-    for name in ("primitives.h", "sched_step.h", entry):
+    for name in (*SCHEDULER_SOURCES, entry):
         parts.append(f"// ---- {name}\n" + (_HERE / name).read_text())
     return "\n".join(parts)
 

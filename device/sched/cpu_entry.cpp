@@ -1,9 +1,14 @@
-// CPU build of the scheduler: the same sched_step.h text as the kernel, one thread, C ABI for ctypes.
+// CPU build of the scheduler: the same scheduler source as the kernel (build.SCHEDULER_SOURCES),
+// one thread, C ABI for ctypes.
 extern "C" {
 
-uint64_t rl_layout_fingerprint() { return RL_LAYOUT_FINGERPRINT; }
+uint64_t rl_layout_fingerprint() {
+  return RL_LAYOUT_FINGERPRINT;
+}
 
-uint32_t rl_sched_init(const RlContext* ctx) { return sched_init(*ctx); }
+uint32_t rl_sched_init(const RlContext* ctx) {
+  return sched_init(*ctx);
+}
 
 // Both phases, serially (the CPU backend and the tests).
 uint32_t rl_sched_step(const RlContext* ctx) {
@@ -35,6 +40,8 @@ void rl_host_access_counts(uint64_t* out) {
   out[4] = rl_host_accesses.stores;
 }
 
-void rl_host_access_reset() { rl_host_accesses = RlHostAccesses(); }
+void rl_host_access_reset() {
+  rl_host_accesses = RlHostAccesses();
+}
 
 }  // extern "C"

@@ -9,16 +9,20 @@ __device__ __forceinline__ uint32_t rl_load_turn(const uint32_t* p) {
   return v;
 }
 __device__ __forceinline__ void rl_store_turn(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 #define RL_SH_TURN_EXIT 3
 #define RL_STOP_POLL_ROUNDS 4096u  // polls of `turn` between two looks at shutdown (PCIe reads)
 
 // A step is expected soon: stay within ~64 ns of the hand-off (the scheduler owns its SM anyway).
-__device__ __forceinline__ void rl_pause_expecting() { __nanosleep(32); }
+__device__ __forceinline__ void rl_pause_expecting() {
+  __nanosleep(32);
+}
 // Nothing to do: poll the host rings about once a microsecond.
-__device__ __forceinline__ void rl_pause_idle() { __nanosleep(1024); }
+__device__ __forceinline__ void rl_pause_idle() {
+  __nanosleep(1024);
+}
 
 // Leader only: waits for the step graph to hand the turn back (at once when no step is out).
 // Returns RL_EXIT_NONE once it has, or RL_EXIT_DEADLINE when a stop was asked and compute kept
@@ -31,8 +35,10 @@ __device__ uint32_t rl_wait_for_turn(const RlContext& ctx) {
     if (++round % RL_STOP_POLL_ROUNDS == 0) {
       uint64_t now = rl_now_ns();
       if (rl_stop_reason_leader(ctx, now) != RL_EXIT_NONE) {
-        if (stop_seen == 0) stop_seen = now;
-        else if (now - stop_seen > ctx.sched->stop_grace_ns) return RL_EXIT_DEADLINE;
+        if (stop_seen == 0)
+          stop_seen = now;
+        else if (now - stop_seen > ctx.sched->stop_grace_ns)
+          return RL_EXIT_DEADLINE;
       }
     }
     rl_pause_expecting();
@@ -44,7 +50,7 @@ __device__ uint32_t rl_wait_for_turn(const RlContext& ctx) {
 // an occupancy this kernel never has.  Per iteration: wait for the turn, the critical phase,
 // hand the step to compute, then the overlapped phase while it runs.
 extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
-rl_scheduler_persistent(RlContext ctx) {
+    rl_scheduler_persistent(RlContext ctx) {
   __shared__ RlShared sh;
   if (sched_init(ctx) != RL_ERR_NONE) return;
   uint32_t stop = RL_EXIT_NONE;  // a stop the overlapped phase saw while a step was out
@@ -101,7 +107,8 @@ extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandl
     if (turn != RL_TURN_SCHED) break;
     if ((++round & 4095u) == 0) {
       uint32_t state = rl_load_acquire(&ctx.ctl->state);
-      if (state == RL_STATE_EXITED || (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown))) {
+      if (state == RL_STATE_EXITED ||
+          (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown))) {
         turn = RL_TURN_EXIT;
         break;
       }
@@ -113,7 +120,10 @@ extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandl
   if (turn == RL_TURN_COMPUTE) {
     uint32_t bucket = ctx.step->bucket;
     for (uint32_t b = 0; b < cfg.n_buckets; ++b)
-      if (cfg.buckets[b] == bucket) { branch = b; break; }
+      if (cfg.buckets[b] == bucket) {
+        branch = b;
+        break;
+      }
   } else if (use_while) {
     cudaGraphSetConditional(while_handle, 0u);
   }

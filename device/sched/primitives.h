@@ -1,5 +1,6 @@
-// The few primitives sched_step.h is written against, in a GPU form (one thread block, NVRTC)
-// and a CPU form (one thread, host C++ compiler).  Everything else in the scheduler is shared text.
+// The few primitives the scheduler (sched_*.h) is written against, in a GPU form (one thread block,
+// NVRTC) and a CPU form (one thread, host C++ compiler).  Everything else in the scheduler is
+// shared text.
 //
 // Host-shared memory (ctl, sq, arena, cq, aq) is touched only through the rl_load_acquire,
 // rl_store_release, rl_fence_system, rl_host_read and rl_host_write below; the CPU form counts
@@ -25,21 +26,31 @@ RL_FN uint32_t rl_load_acquire(const uint32_t* p) {
   return v;
 }
 RL_FN void rl_store_release(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 // Plain access to host-shared payload (entries, events, mirrored counters); the acquire or
 // release of the ring index around it does the ordering.
-template <typename T> RL_FN T rl_host_read(const T* p) { return *p; }
-template <typename T> RL_FN void rl_host_write(T* p, const T& v) { *p = v; }
+template <typename T>
+RL_FN T rl_host_read(const T* p) {
+  return *p;
+}
+template <typename T>
+RL_FN void rl_host_write(T* p, const T& v) {
+  *p = v;
+}
 RL_FN uint64_t rl_now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 // Makes this thread's writes to host memory visible before a leader's release store.
-RL_FN void rl_fence_system() { __threadfence_system(); }
+RL_FN void rl_fence_system() {
+  __threadfence_system();
+}
 // Waiting on the host (CQ room): it may be a while.
-RL_FN void rl_backoff(uint32_t round) { __nanosleep(round < 8 ? 64u : 1024u); }
+RL_FN void rl_backoff(uint32_t round) {
+  __nanosleep(round < 8 ? 64u : 1024u);
+}
 
 #else  // CPU form
 #include <string.h>
@@ -67,11 +78,13 @@ RL_FN void rl_store_release(uint32_t* p, uint32_t v) {
   rl_host_accesses.release_stores += 1;
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
-template <typename T> RL_FN T rl_host_read(const T* p) {
+template <typename T>
+RL_FN T rl_host_read(const T* p) {
   rl_host_accesses.loads += 1;
   return *p;
 }
-template <typename T> RL_FN void rl_host_write(T* p, const T& v) {
+template <typename T>
+RL_FN void rl_host_write(T* p, const T& v) {
   rl_host_accesses.stores += 1;
   *p = v;
 }
@@ -85,7 +98,10 @@ RL_FN void rl_fence_system() {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 RL_FN void rl_backoff(uint32_t round) {
-  if (round < 64) { sched_yield(); return; }
+  if (round < 64) {
+    sched_yield();
+    return;
+  }
   struct timespec ts = {0, 50000};  // the host is behind: stop burning its core
   nanosleep(&ts, 0);
 }
@@ -103,20 +119,22 @@ struct RlShared {
 
 #ifdef RL_GPU
 // Sum / or / and of one value per thread over the block; every thread gets the result.
-#define RL_BLOCK_REDUCE(name, op, identity)                                       \
-  RL_FN uint32_t name(uint32_t v, RlShared* sh) {                                 \
+#define RL_BLOCK_REDUCE(name, op, identity)                                             \
+  RL_FN uint32_t name(uint32_t v, RlShared* sh) {                                       \
     for (uint32_t d = 16; d > 0; d >>= 1) v = v op __shfl_xor_sync(RL_FULL_WARP, v, d); \
-    if ((RL_TID & 31u) == 0) sh->warp[RL_TID >> 5] = v;                           \
-    RL_SYNC();                                                                    \
-    uint32_t all = identity;                                                      \
-    for (uint32_t w = 0; w < (RL_NTHREADS + 31u) >> 5; ++w) all = all op sh->warp[w]; \
-    RL_SYNC();                                                                    \
-    return all;                                                                   \
+    if ((RL_TID & 31u) == 0) sh->warp[RL_TID >> 5] = v;                                 \
+    RL_SYNC();                                                                          \
+    uint32_t all = identity;                                                            \
+    for (uint32_t w = 0; w < (RL_NTHREADS + 31u) >> 5; ++w) all = all op sh->warp[w];   \
+    RL_SYNC();                                                                          \
+    return all;                                                                         \
   }
 #else
 // One thread holds the whole block's share: its value is the result.
-#define RL_BLOCK_REDUCE(name, op, identity) \
-  RL_FN uint32_t name(uint32_t v, RlShared*) { return v; }
+#define RL_BLOCK_REDUCE(name, op, identity)    \
+  RL_FN uint32_t name(uint32_t v, RlShared*) { \
+    return v;                                  \
+  }
 #endif
 RL_BLOCK_REDUCE(rl_block_sum, +, 0u)
 RL_BLOCK_REDUCE(rl_block_or, |, 0u)
@@ -155,7 +173,11 @@ RL_FN uint32_t rl_exclusive_scan(uint32_t* a, uint32_t n, RlShared* sh) {
   return carry;
 #else
   uint32_t run = 0;
-  for (uint32_t i = 0; i < n; ++i) { uint32_t v = a[i]; a[i] = run; run += v; }
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t v = a[i];
+    a[i] = run;
+    run += v;
+  }
   return run;
 #endif
 }

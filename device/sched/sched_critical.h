@@ -1,0 +1,177 @@
+// The critical phase (steps 1-2 of sched_step.h's order): runs between two model steps, so it is
+// all the GPU waits for; device memory only.
+#pragma once
+
+// Critical 1: the last step's samples become slot progress and the events to write later.
+RL_FN void rl_consume_samples(const RlContext& c) {
+  const RlConfig& cfg = *c.cfg;
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    if (sl.state == RL_SLOT_ABORTED) {  // its DONE is out; the step that still used it is over
+      sl.state = RL_SLOT_FREE;
+      sl.sampled = 0;
+    } else if (sl.state != RL_SLOT_FREE && sl.sampled) {
+      int32_t tok = c.next_token[s];
+      sl.sampled = 0;
+      sl.n_generated += 1;
+      sl.last_token = tok;
+      sl.ev_token = 1;
+      uint32_t why = rl_finish_reason(cfg, sl, tok);
+      if (why != RL_FINISH_NONE) {
+        sl.finish = why;
+        sl.state = RL_SLOT_ENDING;
+      }
+    }
+  }
+  RL_SYNC();
+}
+
+// Critical 2: lays out one step under the token budget.  Returns the number of token rows.
+RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  const RlSchedState& st = *c.sched;
+  const uint32_t n_queued = st.n_queued;
+  uint32_t* dec_rank = c.work_a;  // per slot: rank among decoding slots
+  uint32_t* pre_rank = c.work_b;  // per prefill_queue entry: rank among those still prefilling
+  uint32_t* before = c.work_c;    // per prefill_queue entry: prompt tokens wanted by earlier ones
+  RL_FOR(s, cfg.n_slots) dec_rank[s] = c.slots[s].state == RL_SLOT_DECODE ? 1u : 0u;
+  RL_FOR(q, n_queued) {
+    const RlSlot& sl = c.slots[c.prefill_queue[q]];
+    bool live = sl.state == RL_SLOT_PREFILL;  // an aborted one waits for compaction
+    pre_rank[q] = live ? 1u : 0u;
+    before[q] = live ? sl.prompt_len - sl.n_prefilled : 0u;
+  }
+  RL_SYNC();
+  uint32_t n_decode = rl_exclusive_scan(dec_rank, cfg.n_slots, sh);
+  rl_exclusive_scan(pre_rank, n_queued, sh);
+  uint32_t wanted = rl_exclusive_scan(before, n_queued, sh);
+  uint32_t budget = cfg.token_budget - n_decode;  // decode rows first: they protect TPOT
+  // Segments: decode slots at [0, n_decode), prefill chunks after, in admission order.  A
+  // prefilling slot wants at least one token, so `before` rises strictly over live entries and
+  // the ones with a chunk are a prefix of them in admission order.
+  uint32_t my_prefill_segs = 0;
+  RL_FOR(s, cfg.n_slots) {
+    if (c.slots[s].state != RL_SLOT_DECODE) continue;
+    uint32_t seg = dec_rank[s];
+    c.seg_slot[seg] = (int32_t)s;
+    c.seg_row_start[seg] = (int32_t)seg;
+    c.seg_n_rows[seg] = 1;
+  }
+  RL_FOR(q, n_queued) {
+    uint32_t s = c.prefill_queue[q];
+    const RlSlot& sl = c.slots[s];
+    if (sl.state != RL_SLOT_PREFILL || before[q] >= budget) continue;
+    uint32_t want = sl.prompt_len - sl.n_prefilled;
+    uint32_t seg = n_decode + pre_rank[q];
+    c.seg_slot[seg] = (int32_t)s;
+    c.seg_row_start[seg] = (int32_t)(n_decode + before[q]);
+    c.seg_n_rows[seg] = (int32_t)(budget - before[q] < want ? budget - before[q] : want);
+    my_prefill_segs += 1;
+  }
+  uint32_t n_seg = n_decode + rl_block_sum(my_prefill_segs, sh);  // its barrier publishes seg_*
+  uint32_t n_rows = n_decode + (wanted < budget ? wanted : budget);
+  uint32_t* sample_flag = c.work_a;  // per segment; dec_rank is no longer needed
+  RL_FOR(g, n_seg) {
+    const RlSlot& sl = c.slots[c.seg_slot[g]];
+    bool last_chunk =
+        sl.state == RL_SLOT_DECODE || sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.prompt_len;
+    sample_flag[g] = last_chunk ? 1u : 0u;
+  }
+  RL_SYNC();
+  uint32_t n_samples = rl_exclusive_scan(sample_flag, n_seg, sh);
+  // Rows: token, position and slot, found per row by a binary search over segment starts.
+  RL_FOR(row, n_rows) {
+    uint32_t lo = 0, hi = n_seg;
+    while (hi - lo > 1) {
+      uint32_t mid = (lo + hi) / 2;
+      if ((uint32_t)c.seg_row_start[mid] <= row)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    uint32_t s = (uint32_t)c.seg_slot[lo];
+    const RlSlot& sl = c.slots[s];
+    uint32_t k = row - (uint32_t)c.seg_row_start[lo];
+    if (sl.state == RL_SLOT_DECODE) {
+      c.token_ids[row] = sl.last_token;
+      c.positions[row] = (int32_t)(sl.prompt_len + sl.n_generated - 1);
+    } else {
+      uint32_t p = sl.n_prefilled + k;
+      c.token_ids[row] = c.prompt_copy[(sl.prompt_off + p) & (cfg.arena_size - 1)];
+      c.positions[row] = (int32_t)p;
+    }
+    c.slot_of[row] = (int32_t)s;
+  }
+  RL_SYNC();
+  // Sampling parameters per sample, and slot progress for the rows just laid out.
+  RL_FOR(g, n_seg) {
+    uint32_t s = (uint32_t)c.seg_slot[g];
+    RlSlot& sl = c.slots[s];
+    uint32_t n = (uint32_t)c.seg_n_rows[g];
+    bool samples = sl.state == RL_SLOT_DECODE || sl.n_prefilled + n == sl.prompt_len;
+    if (samples) {
+      uint32_t q = sample_flag[g];
+      c.sample_row[q] = c.seg_row_start[g] + (int32_t)n - 1;
+      c.sample_slot[q] = (int32_t)s;
+      c.sample_temperature[q] = sl.temperature;
+      c.sample_top_p[q] = sl.top_p;
+      c.sample_top_k[q] = sl.top_k;
+      c.sample_seed[q] = sl.seed;
+      c.sample_counter[q] = (int32_t)sl.n_generated;
+      sl.sampled = 1;
+    }
+    if (sl.state == RL_SLOT_PREFILL) {
+      sl.n_prefilled += n;
+      if (sl.n_prefilled == sl.prompt_len) sl.state = RL_SLOT_DECODE;
+    }
+  }
+  // Pad rows up to the bucket so a captured graph of that size can run the step.
+  uint32_t bucket = n_rows;
+  for (uint32_t b = 0; b < cfg.n_buckets; ++b)
+    if (n_rows > 0 && cfg.buckets[b] >= n_rows) {
+      bucket = cfg.buckets[b];
+      break;
+    }
+  if (bucket > cfg.token_budget) bucket = cfg.token_budget;
+  RL_FOR(row, bucket - n_rows) {
+    c.token_ids[n_rows + row] = 0;
+    c.positions[n_rows + row] = 0;
+    c.slot_of[n_rows + row] = -1;
+  }
+  RL_SYNC();
+  if (RL_LEADER) {
+    c.step->n_tokens = n_rows;
+    c.step->bucket = bucket;
+    c.step->n_segments = n_seg;
+    c.step->n_samples = n_samples;
+    c.step->n_decode = n_decode;
+  }
+  RL_SYNC();
+  return n_rows;
+}
+
+// The critical phase: the last step's samples in, the next step's layout out, device memory
+// only.  Returns RL_STEP_RUN when the layout holds rows for the model step, else RL_STEP_IDLE.
+RL_FN uint32_t sched_critical(const RlContext& c, RlShared* sh) {
+  RlSchedState& st = *c.sched;
+  if (st.n_active == 0) return RL_STEP_IDLE;  // every slot is FREE: nothing to consume or build
+  uint64_t began = rl_now_ns();
+  rl_consume_samples(c);
+  uint32_t n_rows = rl_build_step(c, sh);
+  if (n_rows == 0) return RL_STEP_IDLE;
+  if (RL_LEADER) {  // the step's timeline row; the step and the overlapped phase stamp the rest
+    uint64_t* t = c.trace + (st.step & (c.cfg->trace_len - 1)) * RL_TRACE_FIELDS;
+    t[RL_TRACE_STEP_BEGIN] = t[RL_TRACE_STEP_END] = 0;
+    t[RL_TRACE_OVERLAP_BEGIN] = t[RL_TRACE_OVERLAP_END] = 0;
+    t[RL_TRACE_FLAGS] = st.chained ? RL_TRACE_CHAINED : 0;
+    t[RL_TRACE_SEQ] = st.step + 1;
+    t[RL_TRACE_SCHED_BEGIN] = began;
+    t[RL_TRACE_SCHED_END] = rl_now_ns();
+    c.step->seq = (uint32_t)st.step;
+    st.step += 1;
+    st.step_tokens += n_rows;
+    st.last_step_tokens = n_rows;
+    st.chained = 1;
+  }
+  return RL_STEP_RUN;
+}

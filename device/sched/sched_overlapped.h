@@ -1,0 +1,394 @@
+// The overlapped phase (steps 3-6 of sched_step.h's order): runs beside the step the critical
+// phase built; every access to host-shared memory is here (or in init and exit).
+#pragma once
+
+// Whether `h` is among sorted[0..n) (ascending).
+RL_FN bool rl_sorted_contains(const uint32_t* sorted, uint32_t n, uint32_t h) {
+  uint32_t lo = 0, hi = n;
+  while (lo < hi) {
+    uint32_t mid = (lo + hi) / 2;
+    if (sorted[mid] < h)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && sorted[lo] == h;
+}
+
+// Overlapped 3a: applies every new abort entry, in batches of up to work_len: the block reads a
+// batch from host memory at once; an abort whose GENERATE is still in the SQ (maybe not even
+// published) is parked in sq_cancel for the drain; the handles of the others are radix-sorted
+// so each pending entry and each slot looks itself up once (O(n log n), not one scan of every
+// pending entry and slot per abort).  An abort whose request already finished matches nothing.
+// A running request's DONE is written in this same phase; its slot stays out of every new step
+// and is freed by the next critical phase, once the step in flight no longer uses it.
+RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  const uint32_t head = st.aq_head, tail = sh->u[RL_SH_AQ_TAIL];
+  if (head == tail) return;
+  const uint32_t sq_head = st.sq_head, n_pending = st.n_pending;
+  uint32_t* key = c.work_a;  // per batch entry: the handle if drained, else 0 (handles are never 0)
+  uint32_t my_slot_aborts = 0, my_cancelled = 0;
+  for (uint32_t base = head; base != tail;) {
+    uint32_t m = tail - base < cfg.work_len ? tail - base : cfg.work_len;
+    uint32_t my_drained = 0;
+    RL_FOR(i, m) {
+      RlAbortEntry e = rl_host_read(&c.aq[(base + i) & (cfg.aq_size - 1)]);
+      bool in_sq = (int32_t)(e.sq_pos - sq_head) >= 0;
+      if (in_sq) c.sq_cancel[e.sq_pos & (cfg.sq_size - 1)] = e.handle;
+      key[i] = in_sq ? 0u : e.handle;
+      c.work_b[i] = i;
+      my_drained += in_sq ? 0u : 1u;
+    }
+    if (rl_block_sum(my_drained, sh) != 0) {  // its barrier: the batch is read
+      uint32_t* order = rl_radix_sort(key, c.work_b, c.work_c, c.work_d, m, sh);
+      uint32_t* sorted = order == c.work_b ? c.work_c : c.work_b;  // the buffer not holding order
+      RL_FOR(r, m) sorted[r] = key[order[r]];
+      RL_SYNC();
+      RL_FOR(j, n_pending) {
+        RlSqEntry& e = c.pending[j];
+        if (e.op == RL_OP_GENERATE && rl_sorted_contains(sorted, m, e.handle)) {
+          e.op = RL_OP_CANCELLED;
+          my_cancelled += 1;
+        }
+      }
+      RL_FOR(s, cfg.n_slots) {
+        RlSlot& sl = c.slots[s];
+        if ((sl.state != RL_SLOT_PREFILL && sl.state != RL_SLOT_DECODE) ||
+            !rl_sorted_contains(sorted, m, sl.handle))
+          continue;
+        if (sl.ev_token) {  // an aborted request gets no further tokens
+          sl.ev_token = 0;
+          sl.n_generated -= 1;
+        }
+        sl.state = RL_SLOT_ABORTED;
+        sl.finish = RL_FINISH_ABORT;
+        my_slot_aborts += 1;
+      }
+    }
+    RL_SYNC();  // the next batch reuses the work arrays
+    base += m;
+  }
+  uint32_t slot_aborts = rl_block_sum(my_slot_aborts, sh);
+  uint32_t cancelled = rl_block_sum(my_cancelled, sh);
+  if (RL_LEADER) {
+    st.aq_head = tail;
+    st.aborts += slot_aborts;  // cancelled pending entries are counted as their DONE goes out
+    if (cancelled) st.has_cancelled = 1;
+    rl_store_release(&c.ctl->aq_head, tail);  // the host may now reuse those entries
+  }
+  RL_SYNC();
+}
+
+// Overlapped 3b: copies new SQ entries into pending, as many as it has room for (the rest
+// stays in the SQ, abort marks and all).
+RL_FN void rl_drain_sq(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  uint32_t head = st.sq_head, tail = sh->u[RL_SH_SQ_TAIL];
+  uint32_t n_pending = st.n_pending;
+  uint32_t room = cfg.pending_cap - n_pending;
+  uint32_t n_take = tail - head;
+  if (n_take > room) n_take = room;
+  if (n_take == 0) return;
+  uint64_t now = rl_now_ns();
+  uint32_t my_cancelled = 0;
+  RL_FOR(i, n_take) {
+    uint32_t p = (head + i) & (cfg.sq_size - 1);
+    RlSqEntry e = rl_host_read(&c.sq[p]);
+    if (c.sq_cancel[p] == e.handle) {  // aborted while in the SQ
+      e.op = RL_OP_CANCELLED;
+      my_cancelled += 1;
+    }
+    c.sq_cancel[p] = 0;
+    e.arrival = (uint32_t)st.step;
+    e.drained_ns = now;
+    c.pending[n_pending + i] = e;
+  }
+  uint32_t cancelled = rl_block_sum(my_cancelled, sh);  // its barrier: every entry is read
+  if (RL_LEADER) {
+    st.sq_head = head + n_take;
+    st.n_pending = n_pending + n_take;
+    if (cancelled) st.has_cancelled = 1;
+    rl_store_release(&c.ctl->sq_head, head + n_take);  // the host may now reuse those entries
+  }
+  RL_SYNC();
+}
+
+// Overlapped 4: writes the events the critical phase decided (TOKEN, DONE of finished slots),
+// the DONE of aborted slots and of cancelled pending requests, all reserved and published at
+// once.  Returns false if a stop arrived while waiting for CQ room (its reason in
+// sh->u[RL_SH_STOP]).
+RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  // Events per slot packed as tokens + (dones << 16), so one scan yields both counts
+  // (n_slots < 65536) and a slot's first event is at low + high of its prefix.
+  uint32_t* count = c.work_a;
+  uint32_t* pcount = c.work_b;  // DONE per cancelled pending entry, then offsets
+  RL_FOR(s, cfg.n_slots) {
+    const RlSlot& sl = c.slots[s];
+    count[s] =
+        sl.state == RL_SLOT_FREE ? 0u : sl.ev_token + (sl.finish != RL_FINISH_NONE ? 1u << 16 : 0u);
+  }
+  uint32_t n_pending = st.has_cancelled ? st.n_pending : 0u;  // no scan over pending otherwise
+  RL_FOR(j, n_pending) pcount[j] = c.pending[j].op == RL_OP_CANCELLED ? 1u : 0u;
+  RL_SYNC();
+  uint32_t packed = rl_exclusive_scan(count, cfg.n_slots, sh);
+  uint32_t n_tokens = packed & 0xFFFFu, n_slot_dones = packed >> 16;
+  uint32_t n_slot_events = n_tokens + n_slot_dones;
+  uint32_t n_pending_events = rl_exclusive_scan(pcount, n_pending, sh);
+  uint32_t total = n_slot_events + n_pending_events;
+  if (total == 0) return true;
+  uint32_t tail = st.cq_tail;
+  // A full CQ makes the scheduler wait (and count it), never drop an event.  cq_head is read
+  // from the host only when the last value read leaves too little room.
+  if (RL_LEADER) {
+    uint32_t round = 0;
+    bool ok = true;
+    while (tail + total - st.cq_head_seen > cfg.cq_size) {
+      st.cq_head_seen = rl_load_acquire(&c.ctl->cq_head);
+      if (tail + total - st.cq_head_seen <= cfg.cq_size) break;
+      if (round == 0) {
+        st.cq_stalls += 1;
+        rl_host_write(&c.ctl->cq_stalls, st.cq_stalls);  // seen at once: the host is behind
+      }
+      uint32_t why = rl_stop_reason_leader(c, rl_now_ns());
+      if (why != RL_EXIT_NONE) {
+        sh->u[RL_SH_STOP] = why;
+        ok = false;
+        break;
+      }
+      rl_backoff(round++);
+    }
+    sh->u[RL_SH_CQ_OK] = ok;
+  }
+  RL_SYNC();
+  if (!sh->u[RL_SH_CQ_OK]) return false;
+  uint64_t now = rl_now_ns();
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    if (sl.state == RL_SLOT_FREE) continue;
+    uint32_t pos = tail + (count[s] & 0xFFFFu) + (count[s] >> 16);
+    if (sl.ev_token) {
+      rl_put_event(c, pos++, sl.handle, RL_EV_TOKEN, 0, sl.last_token, sl.n_generated - 1, now);
+      sl.ev_token = 0;
+    }
+    if (sl.finish != RL_FINISH_NONE) {
+      rl_put_event(c, pos, sl.handle, RL_EV_DONE, sl.finish, -1, sl.n_generated, now, sl.queued_us);
+      sl.finish = RL_FINISH_NONE;
+      if (sl.state == RL_SLOT_ENDING) sl.state = RL_SLOT_FREE;  // ABORTED waits for its step
+    }
+  }
+  RL_FOR(j, n_pending) {
+    RlSqEntry& e = c.pending[j];
+    if (e.op != RL_OP_CANCELLED) continue;
+    rl_put_event(c, tail + n_slot_events + pcount[j], e.handle, RL_EV_DONE, RL_FINISH_ABORT, -1, 0,
+                 now, rl_clamp_us(now - e.drained_ns));
+    e.op = RL_OP_NONE;  // removed by the next compaction
+  }
+  rl_fence_system();
+  RL_SYNC();
+  if (RL_LEADER) {
+    st.cq_tail = tail + total;
+    rl_store_release(&c.ctl->cq_tail, tail + total);
+    st.generated += n_tokens;
+    st.finished += n_slot_dones + n_pending_events;
+    st.aborts += n_pending_events;  // every cancelled pending entry is an abort
+  }
+  RL_SYNC();
+  return true;
+}
+
+// Effective priority with aging: one level per aging_steps waited, so nothing starves.  As an
+// ascending sort key: the highest priority sorts first; clamped to 32 bits.
+RL_FN uint32_t rl_priority_key(const RlConfig& cfg, const RlSqEntry& e, uint64_t step) {
+  uint32_t waited = (uint32_t)step - e.arrival;
+  int64_t p = (int64_t)e.priority + (int64_t)(waited / (cfg.aging_steps ? cfg.aging_steps : 1u));
+  if (p > 0x7FFFFFFFll) p = 0x7FFFFFFFll;
+  if (p < -0x80000000ll) p = -0x80000000ll;
+  return ~((uint32_t)(int32_t)p ^ 0x80000000u);
+}
+
+// Removes pending entries that are no longer GENERATE (admitted, or cancelled and answered),
+// keeping arrival order.
+RL_FN void rl_compact_pending(const RlContext& c, RlShared* sh) {
+  RlSchedState& st = *c.sched;
+  uint32_t n = st.n_pending;
+  uint32_t* keep = c.work_a;
+  RL_FOR(j, n) keep[j] = c.pending[j].op == RL_OP_GENERATE ? 1u : 0u;
+  RL_SYNC();
+  uint32_t n_keep = rl_exclusive_scan(keep, n, sh);
+  if (n_keep != n) {
+    RL_FOR(j, n)
+      if (c.pending[j].op == RL_OP_GENERATE) c.pending_tmp[keep[j]] = c.pending[j];
+    RL_SYNC();
+    RL_FOR(j, n_keep) c.pending[j] = c.pending_tmp[j];
+  }
+  RL_SYNC();
+  if (RL_LEADER) {
+    st.n_pending = n_keep;
+    st.has_cancelled = 0;
+  }
+  RL_SYNC();
+}
+
+// Drops prefill_queue entries whose slot no longer prefills (decoding now, or aborted), keeping
+// admission order.  Runs before admission appends, so a slot re-admitted later is never found
+// twice.
+RL_FN void rl_compact_prefill_queue(const RlContext& c, RlShared* sh) {
+  RlSchedState& st = *c.sched;
+  uint32_t n = st.n_queued;
+  if (n == 0) return;
+  uint32_t* keep = c.work_a;
+  uint32_t* tmp = c.work_b;
+  RL_FOR(q, n) keep[q] = c.slots[c.prefill_queue[q]].state == RL_SLOT_PREFILL ? 1u : 0u;
+  RL_SYNC();
+  uint32_t n_keep = rl_exclusive_scan(keep, n, sh);
+  if (n_keep == n) return;
+  RL_FOR(q, n)
+    if (c.slots[c.prefill_queue[q]].state == RL_SLOT_PREFILL) tmp[keep[q]] = c.prefill_queue[q];
+  RL_SYNC();
+  RL_FOR(q, n_keep) c.prefill_queue[q] = tmp[q];
+  RL_SYNC();
+  if (RL_LEADER) st.n_queued = n_keep;
+  RL_SYNC();
+}
+
+// Overlapped 5: moves pending requests into free slots (FIFO, or priority with aging; or static
+// batching, the baseline that admits only into an empty batch), copies their prompts into
+// device memory and queues them for prefill in admission order.
+RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  rl_compact_prefill_queue(c, sh);
+  uint32_t n_pending = st.n_pending;
+  uint32_t my_free = 0;
+  RL_FOR(s, cfg.n_slots) my_free += c.slots[s].state == RL_SLOT_FREE;
+  uint32_t n_free = rl_block_sum(my_free, sh);
+  uint32_t* live = c.work_a;  // per pending entry: its rank among live GENERATE entries
+  RL_FOR(j, n_pending) live[j] = c.pending[j].op == RL_OP_GENERATE ? 1u : 0u;
+  RL_SYNC();
+  uint32_t n_live = rl_exclusive_scan(live, n_pending, sh);
+  uint32_t n_admit = n_free < n_live ? n_free : n_live;
+  // Static batching (a baseline): a new batch starts only once the whole last one has finished.
+  if (cfg.policy == RL_POLICY_STATIC && n_free < cfg.n_slots) n_admit = 0;
+  if (n_admit == 0) {
+    if (st.has_cancelled) rl_compact_pending(c, sh);
+    return;
+  }
+  // The admission order: live entries in arrival order, sorted by priority when it decides.
+  uint32_t* order = c.work_b;
+  RL_FOR(j, n_pending)
+    if (c.pending[j].op == RL_OP_GENERATE) order[live[j]] = j;
+  RL_SYNC();
+  if (cfg.policy == RL_POLICY_PRIORITY && n_live > n_free) {
+    uint32_t* key = c.work_a;  // live ranks are spent
+    RL_FOR(j, n_pending) key[j] = rl_priority_key(cfg, c.pending[j], st.step);
+    RL_SYNC();
+    order = rl_radix_sort(key, order, c.work_c, c.work_d, n_live, sh);
+  }
+  uint32_t* free_rank = c.work_a;  // per slot: its rank among free slots
+  uint32_t* slot_for = c.work_d;   // the k-th free slot
+  RL_FOR(s, cfg.n_slots) free_rank[s] = c.slots[s].state == RL_SLOT_FREE ? 1u : 0u;
+  RL_SYNC();
+  rl_exclusive_scan(free_rank, cfg.n_slots, sh);
+  RL_FOR(s, cfg.n_slots)
+    if (c.slots[s].state == RL_SLOT_FREE && free_rank[s] < n_admit) slot_for[free_rank[s]] = s;
+  RL_SYNC();
+  uint64_t admit_now = rl_now_ns();
+  const uint32_t n_queued = st.n_queued;
+  RL_FOR(k, n_admit) {
+    RlSqEntry& e = c.pending[order[k]];
+    uint32_t s = slot_for[k];
+    RlSlot& sl = c.slots[s];
+    sl.handle = e.handle;
+    sl.prompt_off = e.prompt_off;
+    sl.prompt_len = e.prompt_len;
+    sl.n_prefilled = 0;
+    sl.n_generated = 0;
+    sl.max_tokens = e.max_tokens;
+    sl.flags = e.flags;
+    sl.temperature = e.temperature;
+    sl.top_p = e.top_p;
+    sl.top_k = e.top_k;
+    sl.last_token = -1;
+    sl.seed = e.seed;
+    sl.n_stop = e.n_stop < RL_MAX_STOP_IDS ? e.n_stop : RL_MAX_STOP_IDS;
+    for (uint32_t q = 0; q < RL_MAX_STOP_IDS; ++q) sl.stop_ids[q] = e.stop_ids[q];
+    sl.sampled = 0;
+    sl.ev_token = 0;
+    sl.finish = RL_FINISH_NONE;
+    sl.queued_us = rl_clamp_us(admit_now - e.drained_ns);
+    sl.state = RL_SLOT_PREFILL;
+    c.prefill_queue[n_queued + k] = s;
+    e.op = RL_OP_NONE;  // admitted: removed by the compaction below
+  }
+  RL_SYNC();
+  // Prompts into device memory, one request at a time, its tokens spread over the block.  The
+  // host wrote them before publishing sq_tail, which an earlier drain acquired.
+  for (uint32_t k = 0; k < n_admit; ++k) {
+    const RlSlot& sl = c.slots[slot_for[k]];
+    uint32_t off = sl.prompt_off, len = sl.prompt_len;
+    RL_FOR(t, len) {
+      uint32_t p = (off + t) & (cfg.arena_size - 1);
+      c.prompt_copy[p] = rl_host_read(&c.arena[p]);
+    }
+  }
+  RL_SYNC();
+  if (RL_LEADER) {
+    st.n_queued = n_queued + n_admit;
+    st.admitted += n_admit;
+  }
+  rl_compact_pending(c, sh);
+}
+
+// The overlapped phase, run while the step the critical phase built computes (step_built), or
+// after an idle critical phase.  Returns RL_STEP_SHUTDOWN when the loop must end (the host
+// asked, or the run budget is spent; its RL_EXIT_* reason in sh->u[RL_SH_STOP]; the caller
+// marks the exit once no step of its own is in flight), RL_STEP_RUN when the next critical
+// phase has work (slots in use, or SQ entries behind a full pending queue), else RL_STEP_IDLE.
+RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_built) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  uint64_t began = rl_now_ns();
+  if (RL_LEADER) {  // the only reads of host indices in a step, and the one look at shutdown
+    sh->u[RL_SH_STOP] = rl_stop_reason_leader(c, began);
+    sh->u[RL_SH_AQ_TAIL] = rl_load_acquire(&c.ctl->aq_tail);
+    sh->u[RL_SH_SQ_TAIL] = rl_load_acquire(&c.ctl->sq_tail);
+  }
+  RL_SYNC();
+  if (sh->u[RL_SH_STOP] != RL_EXIT_NONE) return RL_STEP_SHUTDOWN;
+  rl_apply_aborts(c, sh);
+  rl_drain_sq(c, sh);
+  if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
+  rl_admit(c, sh);
+  uint32_t my_active = 0;
+  RL_FOR(s, cfg.n_slots) my_active += c.slots[s].state != RL_SLOT_FREE;
+  uint32_t n_active = rl_block_sum(my_active, sh);
+  bool more = n_active > 0 || sh->u[RL_SH_SQ_TAIL] != st.sq_head;
+  if (RL_LEADER) {
+    uint64_t now = rl_now_ns();
+    st.n_active = n_active;
+    st.idle = more ? 0u : 1u;
+    if (!more) {
+      st.chained = 0;  // the next step is not waited for: its gap is idle time, not bubble
+      if (!step_built) st.idle_polls += 1;
+    }
+    if (step_built) {
+      uint64_t* t = c.trace + ((st.step - 1) & (cfg.trace_len - 1)) * RL_TRACE_FIELDS;
+      t[RL_TRACE_OVERLAP_BEGIN] = began;
+      t[RL_TRACE_OVERLAP_END] = now;
+    }
+    // Mirror when due, and when idle with news: idle means nothing pending or active, and
+    // every other counter moves with steps or finished requests.  An idle pass without news
+    // mirrors only by time (the heartbeat), not on every poll.
+    bool news = st.step != st.mirrored_step || st.finished != st.mirrored_finished;
+    if ((!more && news) || st.step - st.mirrored_step >= RL_MIRROR_STEPS ||
+        now - st.mirrored_ns >= RL_MIRROR_NS)
+      rl_mirror_counters(c, now);
+  }
+  RL_SYNC();
+  return more ? RL_STEP_RUN : RL_STEP_IDLE;
+}
