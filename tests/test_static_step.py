@@ -114,7 +114,7 @@ def check_kernel_matches_reference(attention, n_heads, n_kv, head_dim, dtype=tor
 
 
 def test_reference_matches_eager_ragged_attention():
-    from device.model.llama import ragged_attention
+    from device.model.eager_attention import ragged_attention
 
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(4, 40, 2, 16, generator=gen)

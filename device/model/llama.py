@@ -2,6 +2,10 @@
 
 A step takes rows from many requests at once (decode rows and prefill chunks), writes each
 row's k/v into the per-slot KV cache and attends over that slot's cached prefix.
+
+`LlamaModel.forward` is the trunk both steps share (embedding, the layers, final norm and
+lm_head on the sampled rows); each step passes in its own KV-cache side (`CacheAttention`):
+`step` the eager one (device/model/eager_attention.py), `StaticStep.run` the capturable one.
 """
 
 from __future__ import annotations
@@ -17,124 +21,14 @@ from torch import nn
 
 from device.model.checkpoint import hf_to_internal, load_config, load_state_dict
 from device.model.config import ModelConfig
+from device.model.decoder_layer import CacheAttention, DecoderLayer, RMSNorm
+from device.model.eager_attention import EagerAttention
 from device.model.kv_cache import KVCache
+from device.model.ops import rope_tables
 from device.model.presets import LOGIT_STD, PRESETS, preset_config
-from device.model.step_batch import StepBatch, StepPlan
+from device.model.step_batch import StepBatch
 
 Device = str | torch.device
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: Device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, scale in the model dtype (as the HF reference does)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (fp32), with llama3 scaling when configured."""
-    dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = config.rope_scaling
-    if not rs:
-        return inv
-    factor, lo_f, hi_f = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    orig = rs["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    # long wavelengths are slowed down by `factor`, short ones kept, the band between blended
-    scaled = torch.where(wavelen > orig / lo_f, inv / factor, inv)
-    smooth = (orig / wavelen - lo_f) / (hi_f - lo_f)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = ~(wavelen < orig / hi_f) & ~(wavelen > orig / lo_f)
-    return torch.where(in_band, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim]. Half-split (rotate_half) convention."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def ragged_attention(
-    q: torch.Tensor,
-    batch: StepBatch,
-    plan: StepPlan,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]; each row attends causally over its slot's cache [0, pos].
-
-    GQA without repeating k/v: the G query heads sharing a kv head are folded into the
-    query-length axis, so k/v keep their num_kv_heads heads.
-    """
-    T, H, D = q.shape
-    KV = k_cache.shape[2]
-    G = H // KV
-    dev = q.device
-    all_decode = plan.n_decode == T and plan.decode_rows is None
-    out = None if all_decode else torch.empty_like(q)
-    if plan.n_decode:
-        rows = plan.decode_rows
-        qd = q if rows is None else q.index_select(0, rows)
-        slots = batch.slot_of if rows is None else batch.slot_of.index_select(0, rows)
-        pos = batch.positions if rows is None else batch.positions.index_select(0, rows)
-        B, L = qd.shape[0], plan.decode_max_ctx
-        # padded only to the longest context among these rows
-        kd = k_cache[slots, :L].transpose(1, 2)  # [B, KV, L, D]
-        vd = v_cache[slots, :L].transpose(1, 2)
-        mask = torch.arange(L, device=dev)[None, :] <= pos[:, None]  # [B, L]
-        od = F.scaled_dot_product_attention(qd.view(B, KV, G, D), kd, vd, attn_mask=mask[:, None, None, :])
-        od = od.reshape(B, H, D)
-        if rows is None:
-            out = od
-        else:
-            out.index_copy_(0, rows, od)
-    for slot, start, n, ctx_end in plan.prefill:
-        qs = q[start : start + n].view(n, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * n, D)
-        ks = k_cache[slot, :ctx_end].transpose(0, 1)[None]  # [1, KV, L, D]
-        vs = v_cache[slot, :ctx_end].transpose(0, 1)[None]
-        # offset causal mask: this chunk's first row sits at position ctx_end - n
-        q_pos = torch.arange(ctx_end - n, ctx_end, device=dev)
-        mask = torch.arange(ctx_end, device=dev)[None, :] <= q_pos[:, None]  # [n, L]
-        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.repeat(G, 1))
-        out[start : start + n] = os_.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
-    return out
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: Device) -> None:
-        super().__init__()
-        c = config
-        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        kw = dict(dtype=dtype, device=device)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.qkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias, **kw)
-        self.o = nn.Linear(q_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
-        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **kw)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
-
-    def forward(self, x, cos, sin, batch: StepBatch, plan: StepPlan, k_cache, v_cache):
-        T = x.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = self.qkv(self.attn_norm(x)).split([H * D, KV * D, KV * D], dim=-1)
-        q = apply_rope(q.view(T, H, D), cos, sin)
-        k = apply_rope(k.view(T, KV, D), cos, sin)
-        # every row lands in the cache first, so attention reads its own k/v from there too
-        k_cache[batch.slot_of, batch.positions] = k.to(k_cache.dtype)
-        v_cache[batch.slot_of, batch.positions] = v.view(T, KV, D).to(v_cache.dtype)
-        attn = ragged_attention(q, batch, plan, k_cache, v_cache)
-        x = x + self.o(attn.reshape(T, H * D))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -232,12 +126,31 @@ class LlamaModel(nn.Module):
         too, but call it up front before capturing CUDA graphs)."""
         if self._cos is not None and self._cos.shape[0] >= max_ctx and self._cos.device == self.device:
             return
-        inv = rope_inv_freq(self.config).to(self.device)
-        freqs = torch.outer(torch.arange(max_ctx, device=self.device, dtype=torch.float32), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self._cos, self._sin = rope_tables(self.config, max_ctx, self.dtype, self.device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     # ---- the step -------------------------------------------------------------------------
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: CacheAttention,
+        out_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The trunk of both steps: token_ids [T] (int64); cos/sin [T, head_dim] (the rows'
+        RoPE entries); `cache` writes and reads the KV cache; returns fp32 logits
+        [len(out_rows), vocab]. Only the out_rows go through the final norm and the (large)
+        lm_head."""
+        x = self.embed(token_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        h = self.norm(x.index_select(0, out_rows))
+        return F.linear(h, self.lm_head_weight).float()
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
@@ -246,13 +159,8 @@ class LlamaModel(nn.Module):
         self.prepare(kv.max_ctx)
         cos = self._cos.index_select(0, batch.positions)
         sin = self._sin.index_select(0, batch.positions)
-        x = self.embed(batch.token_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, plan, kv.k[i], kv.v[i])
-        # only the sampled rows go through the final norm and the (large) lm_head
-        h = self.norm(x.index_select(0, batch.sample_rows))
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        cache = EagerAttention(batch, plan, kv)
+        return self(batch.token_ids, cos, sin, cache, batch.sample_rows)
 
 
 def generate_greedy(

@@ -1,7 +1,8 @@
 """The model step in static shapes, for capture as one CUDA graph per token-count bucket.
 
 `StaticStep.run(bucket, layout)` reads the scheduler's step layout straight from device
-tensors (`StepLayout`) and does what `LlamaModel.step` + `sample` do for the CPU backend, but
+tensors (`StepLayout`) and does what `LlamaModel.step` + `sample` do for the CPU backend (the
+same trunk and decoder-layer body, with `StaticAttention` as the KV-cache side), but
 without anything that depends on tensor values on the host: rows [0, bucket) are processed
 (pad rows carry slot_of = -1), logits are computed for all n_slots sample entries, and only the
 first n_samples entries (a device-side count) write next_token.
@@ -27,10 +28,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from device.model.kv_cache import KVCache
-from device.model.llama import LlamaModel, apply_rope
+from device.model.llama import LlamaModel
 from device.model.sampling import sample
 from device.model.triton_attention import ragged_attention_reference
 
@@ -114,6 +114,36 @@ class StepLayout:
                 getattr(self, f.name).copy_(src, non_blocking=non_blocking)
 
 
+class StaticAttention:
+    """CacheAttention for one static step: fixed shapes, index tensors, no host syncs.
+
+    Row t's k/v go to flat cache row cache_row[t] (slot * max_ctx + position; pad rows to the
+    scratch slot) with index_copy_; `attend` has the signature of ragged_attention_reference.
+    """
+
+    def __init__(
+        self,
+        kv: KVCache,
+        attend: Callable[..., torch.Tensor],
+        cache_row: torch.Tensor,
+        slot_of: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.kv, self._attend, self.cache_row = kv, attend, cache_row
+        self.slot_of, self.positions, self.scale = slot_of, positions, scale
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+        KV, D = k.shape[1], k.shape[2]
+        k_cache.view(-1, KV, D).index_copy_(0, self.cache_row, k.to(k_cache.dtype))
+        v_cache.view(-1, KV, D).index_copy_(0, self.cache_row, v.to(v_cache.dtype))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+        return self._attend(q, k_cache, v_cache, self.slot_of, self.positions, self.scale)
+
+
 class StaticStep:
     """The unified ragged step with static shapes; see the module docstring for capture."""
 
@@ -156,7 +186,6 @@ class StaticStep:
         dev = model.device
         model.prepare(max_ctx)
         self._cos, self._sin = model._cos, model._sin  # kept: prepare() may swap them later
-        self._lm_head = model.embed.weight if model.lm_head is None else model.lm_head.weight
         self._entry_ids = torch.arange(n_slots, dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
         self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
@@ -184,28 +213,11 @@ class StaticStep:
         cache_row = write_slot * self.kv.max_ctx + pos
         cos = self._cos.index_select(0, pos)
         sin = self._sin.index_select(0, pos)
-        x = self.model.embed(layout.token_ids[:bucket].long())
-        for i, layer in enumerate(self.model.layers):
-            x = self._layer(i, layer, x, cos, sin, cache_row, slot_of, positions)
+        cache = StaticAttention(self.kv, self._attend, cache_row, slot_of, positions, self.scale)
         rows = layout.sample_row.long().clamp(0, bucket - 1)  # stale entries may point anywhere
-        logits = F.linear(self.model.norm(x.index_select(0, rows)), self._lm_head).float()
+        logits = self.model(layout.token_ids[:bucket].long(), cos, sin, cache, rows)
         self._sample_into(logits, layout)
         return logits
-
-    def _layer(self, i, layer, x, cos, sin, cache_row, slot_of, positions) -> torch.Tensor:
-        T = x.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = layer.qkv(layer.attn_norm(x)).split([H * D, KV * D, KV * D], dim=-1)
-        q = apply_rope(q.view(T, H, D), cos, sin)
-        k = apply_rope(k.view(T, KV, D), cos, sin)
-        k_cache, v_cache = self.kv.k[i], self.kv.v[i]
-        # the row's own k/v land in the cache first, so attention reads them from there
-        k_cache.view(-1, KV, D).index_copy_(0, cache_row, k.to(k_cache.dtype))
-        v_cache.view(-1, KV, D).index_copy_(0, cache_row, v.view(T, KV, D).to(v_cache.dtype))
-        attn = self._attend(q, k_cache, v_cache, slot_of, positions, self.scale)
-        x = x + layer.o(attn.reshape(T, H * D))
-        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
 
     def _sample_into(self, logits: torch.Tensor, layout: StepLayout) -> None:
         valid = self._entry_ids < layout.n_samples  # [n_slots], n_samples read on the device
