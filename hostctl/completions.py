@@ -2,8 +2,11 @@
 the frames to the frontend thread (the only one that touches the ROUTER socket).
 
 Tokens of one request that arrive in one batch of events are coalesced into one `token` frame.
-A request's DONE removes it from the table; a request that is no longer in the table (ended by
-the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
+A request's DONE ends it through Finisher.end; a request that is no longer in the table (ended
+by the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
+The watchdog lives here too: when the backend reports a failure or the device's heartbeat
+stalls, every request in flight ends with engine_dead, and `dead_reason` tells the frontend to
+accept no more.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from hostctl.inflight import InFlight, RequestTable
+from hostctl.finisher import Finisher, Frame
+from hostctl.inflight import RequestTable
+from hostctl.metrics import ServerMetrics
 from ipc import layout, protocol
 from ipc.backend import Backend
 
-FINISH_NAMES = {
+FINISH_NAMES: dict[int, str] = {
     layout.Finish.STOP: protocol.FINISH_STOP,
     layout.Finish.LENGTH: protocol.FINISH_LENGTH,
     layout.Finish.ABORT: protocol.FINISH_ABORT,
@@ -25,67 +30,47 @@ FINISH_NAMES = {
 
 
 class Outbox:
-    """Frames waiting for the frontend thread; `notify` wakes it."""
+    """Frames from the completion thread (put_many) to the frontend thread (take_all); `notify`
+    wakes the frontend.  A deque's append and popleft are safe across threads."""
 
     def __init__(self, notify: Callable[[], None]):
-        self._frames: deque[tuple[bytes, bytes]] = deque()
+        self._frames: deque[Frame] = deque()
         self._notify = notify
 
-    def put_many(self, frames: list[tuple[bytes, bytes]]) -> None:
+    def put_many(self, frames: list[Frame]) -> None:
         if frames:
             self._frames.extend(frames)
             self._notify()
 
-    def take_all(self) -> list[tuple[bytes, bytes]]:
+    def take_all(self) -> list[Frame]:
         out = []
         while self._frames:
             out.append(self._frames.popleft())
         return out
 
 
-def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
-    """Where the request's time went, as the server saw it (an extra field of `done`):
-    queue = waiting on the host for ring space + waiting on the device for a slot."""
-    now = time.perf_counter_ns()
-    out = {"e2e_ms": (now - req.arrival_ns) / 1e6}
-    if req.first_token_ns:
-        out["ttft_ms"] = (req.first_token_ns - req.arrival_ns) / 1e6
-    if req.submit_ns and device_queued_us is not None:
-        out["queue_ms"] = (req.submit_ns - req.arrival_ns) / 1e6 + device_queued_us / 1e3
-    return out
-
-
-def done_frame(
-    req: InFlight,
-    finish_reason: str,
-    code: str | None = None,
-    message: str | None = None,
-    device_queued_us: int | None = None,
-) -> tuple[bytes, bytes]:
-    # a request that timed out before its first token is billed nothing, like a rejected one
-    unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
-    msg = protocol.done_msg(
-        req.id,
-        finish_reason,
-        0 if unstarted_timeout else req.prompt_len,
-        req.completion_tokens,
-        error_code=code,
-        error_message=message,
-    )
-    msg["timing"] = server_timing(req, device_queued_us)
-    return req.client, protocol.encode(msg)
-
-
 class CompletionRouter:
-    def __init__(self, backend: Backend, table: RequestTable, outbox: Outbox, metrics, watchdog_s: float):
+    """Runs the completion thread, the one reader of the CQ."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        table: RequestTable,
+        finisher: Finisher,
+        outbox: Outbox,
+        metrics: ServerMetrics,
+        watchdog_s: float,
+    ):
         self._backend = backend
         self._rings = backend.rings
         self._table = table
+        self._finisher = finisher
         self._outbox = outbox
         self._metrics = metrics
         self._watchdog_s = watchdog_s
         self._stop = threading.Event()
-        self.dead_reason: str | None = None
+        # written by the completion thread only, once (None -> why); read through `dead_reason`
+        self._dead_reason: str | None = None
         self._thread = threading.Thread(target=self._run, name="rl-completions", daemon=True)
 
     def start(self) -> None:
@@ -99,16 +84,28 @@ class CompletionRouter:
     def native_id(self) -> int | None:
         return self._thread.native_id
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead, or None while it lives.  Set by the completion thread only
+        (the frontend reads it to refuse new work); once set it never changes."""
+        return self._dead_reason
+
     def _run(self) -> None:
         last_progress = time.monotonic()
         last_heartbeat = None
         while not self._stop.is_set():
+            # 1. wait (at most 50 ms) for the backend to signal new CQ events
             self._backend.wait_for_events(0.05)
+            # 2. take the CQ's events and route them: token frames, and the `done` of each DONE
             events = self._rings.completions.take()
             if len(events):
                 self._route(events)
-            if self.dead_reason is not None:
+            # 3. engine dead: end whatever the frontend accepted before it saw dead_reason
+            if self._dead_reason is not None:
+                if len(self._table):
+                    self._fail_all(self._dead_reason)
                 continue
+            # 4. watchdog: a failure the backend reports, or a heartbeat that stopped moving
             failure = self._backend.failure()
             heartbeat = int(self._rings.control[0]["heartbeat_ns"])
             now = time.monotonic()
@@ -117,22 +114,22 @@ class CompletionRouter:
             elif now - last_progress > self._watchdog_s:
                 failure = failure or f"device heartbeat stalled for {now - last_progress:.1f} s"
             if failure is not None:
-                self.fail_all(failure)
+                self._dead_reason = failure
+                self._fail_all(failure)
 
-    def fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str) -> None:
         """Engine dead: every in-flight request ends now with engine_dead."""
-        self.dead_reason = reason
         frames = []
         for req in self._table.all():
-            if self._table.finish(req.handle) is req:
-                frames.append(
-                    done_frame(req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}")
-                )
-                self._metrics.finished(req, protocol.FINISH_ERROR)
+            frame = self._finisher.end(
+                req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}"
+            )
+            if frame is not None:
+                frames.append(frame)
         self._outbox.put_many(frames)
 
     def _route(self, events) -> None:
-        frames: list[tuple[bytes, bytes]] = []
+        frames: list[Frame] = []
         tokens: dict[int, list[int]] = {}
         order: list[int] = []  # handles in first-event order, so frames keep event order
         dones: dict[int, int] = {}
@@ -165,17 +162,17 @@ class CompletionRouter:
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
                 frames.append((req.client, protocol.encode(protocol.token_msg(req.id, ids, text))))
                 self._metrics.tokens(len(ids))
-            if handle in dones and self._table.finish(handle) is req:
-                if req.completion_tokens == 0 and req.arena_offset is not None:
-                    self._rings.arena.release(req.arena_offset)
-                if req.detokenizer is not None:
-                    tail = req.detokenizer.flush()
-                    if tail:
-                        frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
-                reason = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
-                code = message = None
-                if reason == protocol.FINISH_ABORT and req.end_as is not None:
-                    reason, (code, message) = protocol.FINISH_ERROR, req.end_as
-                frames.append(done_frame(req, reason, code, message, queued[handle]))
-                self._metrics.finished(req, reason)
+            if handle not in dones:
+                continue
+            finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
+            code = message = None
+            if finish == protocol.FINISH_ABORT and req.end_as is not None:
+                finish, (code, message) = protocol.FINISH_ERROR, req.end_as
+            done = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle])
+            if done is None:
+                continue  # the frontend ended it meanwhile (shutdown)
+            tail = req.detokenizer.flush() if req.detokenizer is not None else None
+            if tail:
+                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
+            frames.append(done)
         self._outbox.put_many(frames)

@@ -1,15 +1,26 @@
 """A request from acceptance until its one `done` is sent: the host's request table.
 
-Written by the frontend thread (add, mark_in_sq) and the completion thread (finish); both go
-through the lock.  A request leaves the table exactly once (`finish`), which is what makes its
-`done` unique.  The table also keeps, under the same lock, what admission and fairness need in
-O(1): the requests of each client, and how many requests have entered the SQ and not ended.
+Written by the frontend thread (add, mark_in_sq) and by both threads through Finisher.end
+(finish); all of it under the lock.  A request leaves the table exactly once (`finish`), which
+is what makes its `done` unique.  The table also keeps, under the same lock, what admission and
+fairness need in O(1): the requests of each client, and how many requests have entered the SQ
+and not ended.
 
-Fields of InFlight shared between threads, and their one writer:
-  in_sq, sq_pos, submit_ns, end_as,
-  abort_sent, deadline fields  frontend thread (end_as is written before the abort enters the ring)
+Fields of InFlight and their one writer (the other thread only reads):
+  handle, client, id, prompt_ids,
+  sampling, priority, detokenizer,
+  arrival_ns                   set at creation, never written again (the detokenizer is used by
+                               the completion thread only)
+  in_sq, sq_pos                frontend thread, under the table lock (mark_in_sq)
+  arena_offset, submit_ns      frontend thread, before the GENERATE is published; the completion
+                               thread reads them after the request's first event
+  abort_sent, deadline_ns,
+  queue_deadline_ns            frontend thread, which alone reads them too
+  end_as                       frontend thread, only before the request's abort enters the ring;
+                               the completion thread reads it after it sees the request's DONE
   first_token_ns,
-  completion_tokens            completion thread (the frontend only reads them, for timeouts)
+  completion_tokens            completion thread; the frontend reads them (timeouts, and the
+                               usage of a `done` it sends itself)
 """
 
 from __future__ import annotations
@@ -31,17 +42,21 @@ class InFlight:
     sampling: SamplingParams  # its seed resolved
     priority: int
     detokenizer: Any = None
-    arena_offset: int | None = None  # set once the prompt is in the arena
-    in_sq: bool = False  # its GENERATE entry was written to the SQ (the device owns it now)
-    sq_pos: int = 0  # the SQ index of that entry, which its abort names
-    abort_sent: bool = False
-    end_as: tuple[str, str] | None = None  # (code, message) that turns the device's abort into an error
-    completion_tokens: int = 0
+    arena_offset: int | None = None  # frontend thread, once the prompt is in the arena
+    # frontend thread, under the table lock: its GENERATE entry was written to the SQ (the device
+    # owns it now), and the SQ index of that entry, which its abort names
+    in_sq: bool = False
+    sq_pos: int = 0
+    abort_sent: bool = False  # frontend thread only
+    # frontend thread, only before its abort enters the ring; read by the completion thread after
+    # the DONE: (code, message) that turns the device's abort into an error
+    end_as: tuple[str, str] | None = None
+    completion_tokens: int = 0  # completion thread
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
-    submit_ns: int = 0
-    first_token_ns: int = 0
-    deadline_ns: int = 0  # perf_counter_ns by which it must end (0: none)
-    queue_deadline_ns: int = 0  # perf_counter_ns by which its first token must come (0: none)
+    submit_ns: int = 0  # frontend thread, when it enters the SQ
+    first_token_ns: int = 0  # completion thread
+    deadline_ns: int = 0  # frontend thread only: perf_counter_ns by which it must end (0: none)
+    queue_deadline_ns: int = 0  # frontend thread only: by when its first token must come (0: none)
 
     @property
     def prompt_len(self) -> int:
@@ -54,7 +69,7 @@ class InFlight:
 
 class RequestTable:
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # everything below is read and written under it, by both threads
         self._by_handle: dict[int, InFlight] = {}
         self._by_key: dict[tuple[bytes, Any], InFlight] = {}
         self._by_client: dict[bytes, dict[int, InFlight]] = {}
@@ -117,7 +132,8 @@ class RequestTable:
             return list(self._by_handle.values())
 
     def finish(self, handle: int) -> InFlight | None:
-        """Removes the request; only the caller that gets it back may send its `done`."""
+        """Removes the request; only the caller that gets it back may send its `done`.  Called
+        by Finisher.end only, which builds that `done`."""
         with self._lock:
             req = self._by_handle.pop(handle, None)
             if req is not None:

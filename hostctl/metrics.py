@@ -12,6 +12,8 @@ import os
 import threading
 import time
 
+from ipc import protocol
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -42,19 +44,29 @@ def thread_cpu_seconds(native_id: int | None) -> float | None:
 
 
 class ServerMetrics:
+    """Counters of the server.  Each is written by one thread; `snapshot` may run on any."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self.started = time.time()
-        self.accepted = 0
-        self.rejected_bad_request = 0
-        self.rejected_overloaded = 0
-        self.finished_by_reason: dict[str, int] = {}
-        self.output_tokens = 0
-        self.bad_frames = 0
+        self.accepted = 0  # frontend thread
+        self.rejected_bad_request = 0  # frontend thread, through rejected()
+        self.rejected_overloaded = 0  # frontend thread, through rejected()
+        self.finished_by_reason: dict[str, int] = {}  # both threads, under the lock (Finisher.end)
+        self.output_tokens = 0  # completion thread, under the lock
+        self.bad_frames = 0  # frontend thread
 
     def tokens(self, n: int) -> None:
         with self._lock:
             self.output_tokens += n
+
+    def rejected(self, code: str) -> None:
+        """Counts a generate that was never accepted; shutdown and engine_dead are not counted."""
+        with self._lock:
+            if code == protocol.ERR_OVERLOADED:
+                self.rejected_overloaded += 1
+            elif code in (protocol.ERR_BAD_REQUEST, protocol.ERR_DUPLICATE_ID):
+                self.rejected_bad_request += 1
 
     def finished(self, req, reason: str) -> None:
         with self._lock:

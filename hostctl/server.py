@@ -2,9 +2,10 @@
 
 Threads: the frontend thread owns the ROUTER socket, the SQ and the abort ring (decode, validate,
 tokenize, admit, abort, time out, send); the completion thread owns the CQ (see completions.py);
-the backend runs the scheduler.  Every accepted generate gets exactly one `done`: from the device
-(stop, length, abort, or an abort the host turned into an error such as timeout), from the
-watchdog (engine_dead), or from the host for requests the device never saw.
+the backend runs the scheduler.  Every accepted generate gets exactly one `done`, made by
+Finisher.end (finisher.py): from the device (stop, length, abort, or an abort the host turned into
+an error such as timeout), from the watchdog (engine_dead), or from the host for requests the
+device never saw.  A generate that is never accepted gets reject_frame's `done` instead.
 
 Per-frame work is O(1) in the number of requests in flight: the request table indexes requests
 by client, a client found gone is handled once (its later frames are dropped, not re-examined),
@@ -25,7 +26,8 @@ import numpy as np
 import zmq
 
 from hostctl.admission import Admission
-from hostctl.completions import CompletionRouter, Outbox, done_frame
+from hostctl.completions import CompletionRouter, Outbox
+from hostctl.finisher import Finisher, Frame, reject_frame
 from hostctl.inflight import InFlight, RequestTable
 from hostctl.metrics import ServerMetrics, thread_cpu_seconds
 from ipc import protocol
@@ -73,41 +75,45 @@ class Server:
         )
         self.table = RequestTable()
         self.metrics = ServerMetrics()
+        self.finisher = Finisher(self.table, self.metrics, backend.rings.arena)
         self.admission = Admission(backend.rings, self.table, max_queued=max_queued)
         self.max_inflight_per_client = max_inflight_per_client
         self._max_queue_ns = int(max_queue_ms * 1e6) if max_queue_ms else 0
         self._drain_timeout_s = drain_timeout_s
         self._deadlines: list[tuple[int, int, int]] = []  # (perf_counter_ns, handle, kind)
-        self.timed_out = 0
+        self.timed_out = 0  # frontend thread only
         # ZAP is per context: a CURVE server keeps its own (and terminates it at shutdown)
         self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._auth = secure_server_socket(self._ctx, self._router, curve) if curve else None
+        self._socket = self._ctx.socket(zmq.ROUTER)  # the frontend thread's alone
+        self._auth = secure_server_socket(self._ctx, self._socket, curve) if curve else None
         warning = unauthenticated_bind_warning(bind, curve)
         if warning:
             log.warning(warning)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.LINGER, 1000)
-        self._router.setsockopt(zmq.SNDHWM, 100_000)
-        self._router.setsockopt(zmq.RCVHWM, 100_000)
-        self._router.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 4 * max_frame_bytes))
-        self._router.bind(bind)
-        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        self._socket.setsockopt(zmq.RCVHWM, 100_000)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 4 * max_frame_bytes))
+        self._socket.bind(bind)
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         wake_addr = f"inproc://rl-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_rx.bind(wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PUSH)
         self._wake_tx.connect(wake_addr)
         self._wake_lock = threading.Lock()
-        self._wake_pending = False
-        self.outbox = Outbox(self._notify_frontend)
+        self._wake_pending = False  # under _wake_lock (both threads)
+        self.outbox = Outbox(self._notify_frontend)  # completion thread -> frontend thread
         if watchdog_s is None:  # a CPU step of a big model can take seconds; a GPU step cannot
             watchdog_s = 60.0 if backend.description.get("device") == "cpu" else 2.0
-        self.completions = CompletionRouter(backend, self.table, self.outbox, self.metrics, watchdog_s)
+        self.router = CompletionRouter(
+            backend, self.table, self.finisher, self.outbox, self.metrics, watchdog_s
+        )
         self._poller = zmq.Poller()
-        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._backlog: dict[bytes, deque] = defaultdict(deque)
+        # the rest is the frontend thread's alone
+        self._backlog: dict[bytes, deque[bytes]] = defaultdict(deque)  # frames zmq had no room for
         self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
         self._next_gone_sweep = 0.0
         self._stop_requested = threading.Event()
@@ -119,7 +125,7 @@ class Server:
         """Runs the frontend on the calling thread until request_stop(); then shuts down."""
         self._frontend_tid = threading.get_native_id()
         self.backend.start()
-        self.completions.start()
+        self.router.start()
         log.info("serving %s on %s", self.backend.model.name, self.address)
         try:
             while not self._stop_requested.is_set():
@@ -151,6 +157,7 @@ class Server:
 
     # ---- the frontend loop -----------------------------------------------------------------
     def _frontend_iteration(self, timeout_ms: int) -> None:
+        # 1. poll the socket and the wake-up pipe; drain the wake-ups
         ready = dict(self._poller.poll(timeout_ms))
         if self._wake_rx in ready:
             with self._wake_lock:
@@ -160,19 +167,26 @@ class Server:
                         self._wake_rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-        if self._router in ready:
+        # 2. receive and decode up to RECV_BATCH frames: admit, abort, reject, answer stats/ping
+        if self._socket in ready:
             for _ in range(RECV_BATCH):
                 try:
-                    parts = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
                 self._handle_parts(parts)
+        # 3. deadlines: time out what passed its queue limit or its timeout_ms
         self._expire_deadlines()
+        # 4. admission pump: held-back aborts, then queued requests into the SQ
         self.admission.pump()
+        # 5. publish what was written to the rings, and wake the device if anything was
         if self.admission.publish():
             self.backend.wake()
+        # 6. send what the completion thread put in the outbox
         self._send_all(self.outbox.take_all())
+        # 7. retry frames zmq had no room for
         self._retry_backlog()
+        # 8. forget gone clients with nothing left in flight
         self._sweep_gone()
 
     def _handle_parts(self, parts: list[bytes]) -> None:
@@ -196,20 +210,7 @@ class Server:
             self._send(client, protocol.encode(protocol.error_msg(protocol.ERR_BAD_REQUEST, str(exc))))
             return
         except protocol.BadRequest as exc:
-            self.metrics.rejected_bad_request += 1
-            self._send(
-                client,
-                protocol.encode(
-                    protocol.done_msg(
-                        exc.id,
-                        protocol.FINISH_ERROR,
-                        0,
-                        0,
-                        error_code=protocol.ERR_BAD_REQUEST,
-                        error_message=str(exc),
-                    )
-                ),
-            )
+            self._reject(client, exc.id, protocol.ERR_BAD_REQUEST, exc.message)
             return
         if isinstance(request, protocol.GenerateRequest):
             self._on_generate(client, request)
@@ -222,37 +223,30 @@ class Server:
         elif isinstance(request, protocol.PingRequest):
             self._send(client, protocol.encode(protocol.pong_msg()))
 
-    def _reject(self, client: bytes, request_id, code: str, message: str) -> None:
-        """A `done` for a generate that is never accepted (usage is zero by the protocol)."""
-        self._send(
-            client,
-            protocol.encode(
-                protocol.done_msg(
-                    request_id, protocol.FINISH_ERROR, 0, 0, error_code=code, error_message=message
-                )
-            ),
-        )
+    def _reject(self, client: bytes, request_id: protocol.RequestId | None, code: str, message: str) -> None:
+        """Answers a generate that is never accepted (it has no table entry): counts it, sends
+        reject_frame's `done`."""
+        self.metrics.rejected(code)
+        self._send(client, reject_frame(request_id, code, message))
 
     def _on_generate(self, client: bytes, r: protocol.GenerateRequest) -> None:
         if self.table.contains(client, r.id):
-            self.metrics.rejected_bad_request += 1
             self._reject(
                 client, r.id, protocol.ERR_DUPLICATE_ID, f"id: {r.id!r} is already in flight for this client"
             )
             return
-        if not self._accepting or self.completions.dead_reason is not None:
-            code = protocol.ERR_SHUTDOWN if not self._accepting else protocol.ERR_ENGINE_DEAD
+        dead_reason = self.router.dead_reason
+        if not self._accepting:
             self._reject(
-                client,
-                r.id,
-                code,
-                "server is not accepting requests: "
-                + ("shutting down" if not self._accepting else self.completions.dead_reason),
+                client, r.id, protocol.ERR_SHUTDOWN, "server is not accepting requests: shutting down"
             )
+            return
+        if dead_reason is not None:
+            message = f"server is not accepting requests: {dead_reason}"
+            self._reject(client, r.id, protocol.ERR_ENGINE_DEAD, message)
             return
         cap = self.max_inflight_per_client
         if cap and self.table.count_of(client) >= cap:
-            self.metrics.rejected_overloaded += 1
             self._reject(
                 client,
                 r.id,
@@ -265,7 +259,6 @@ class Server:
         if r.prompt_ids is not None:
             prompt_ids = r.prompt_ids
         elif model.tokenizer is None:
-            self.metrics.rejected_bad_request += 1
             self._reject(
                 client, r.id, protocol.ERR_BAD_REQUEST, "prompt: this model has no tokenizer; send prompt_ids"
             )
@@ -275,11 +268,9 @@ class Server:
         try:
             protocol.check_context(len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id)
         except protocol.BadRequest as exc:
-            self.metrics.rejected_bad_request += 1
-            self._reject(client, r.id, protocol.ERR_BAD_REQUEST, str(exc))
+            self._reject(client, r.id, protocol.ERR_BAD_REQUEST, exc.message)
             return
         if not self.admission.can_accept(len(prompt_ids)):
-            self.metrics.rejected_overloaded += 1
             self._reject(
                 client,
                 r.id,
@@ -303,24 +294,26 @@ class Server:
         self.metrics.accepted += 1
 
     # ---- ending requests early ---------------------------------------------------------------
-    def _abort(self, req: InFlight, code: str | None = None, message: str | None = None) -> None:
+    def _abort(self, req: InFlight, error: tuple[str, str] | None = None) -> None:
         """Ends a request: at once if it is still on the host, else through the abort ring (its
-        `done` then comes from the device, as an error with `code` when one is given)."""
+        `done` then comes from the device, as an error (code, message) when `error` is given,
+        unless an earlier abort of it was already sent: that one's outcome stands)."""
+        if error is not None and req.end_as is None and not req.abort_sent:
+            req.end_as = error  # before the abort enters the ring (InFlight.end_as's rule)
         if self.admission.abort(req):
-            if code is None:
+            if error is None:
                 self._end_on_host(req, protocol.FINISH_ABORT)
             else:
-                self._end_on_host(req, protocol.FINISH_ERROR, code, message)
-        elif code is not None and req.end_as is None:
-            req.end_as = (code, message)
+                self._end_on_host(req, protocol.FINISH_ERROR, *error)
 
     def _end_on_host(
         self, req: InFlight, reason: str, code: str | None = None, message: str | None = None
     ) -> None:
-        """The `done` of a request the device does not hold (or no longer answers for)."""
-        if self.table.finish(req.handle) is req:
-            self._send(req.client, done_frame(req, reason, code, message)[1])
-            self.metrics.finished(req, reason)
+        """Sends the `done` of a request the device does not hold (or no longer answers for),
+        unless the completion thread ended it first."""
+        frame = self.finisher.end(req, reason, code, message)
+        if frame is not None:
+            self._send(*frame)
 
     def _arm_deadlines(self, req: InFlight, timeout_ms: int | None) -> None:
         if self._max_queue_ns:
@@ -350,10 +343,10 @@ class Server:
             else:
                 continue  # started in time, or the handle now belongs to another request
             self.timed_out += 1
-            self._abort(req, protocol.ERR_TIMEOUT, message)
+            self._abort(req, (protocol.ERR_TIMEOUT, message))
 
     # ---- sending -----------------------------------------------------------------------------
-    def _send_all(self, frames) -> None:
+    def _send_all(self, frames: list[Frame]) -> None:
         for client, frame in frames:
             self._send(client, frame)
 
@@ -367,7 +360,7 @@ class Server:
                 self._client_gone(client, "client does not read its replies")
             return
         try:
-            self._router.send_multipart([client, frame], zmq.NOBLOCK)
+            self._socket.send_multipart([client, frame], zmq.NOBLOCK)
         except zmq.Again:
             self._backlog[client].append(frame)
         except zmq.ZMQError as exc:
@@ -381,7 +374,7 @@ class Server:
             q = self._backlog[client]
             while q:
                 try:
-                    self._router.send_multipart([client, q[0]], zmq.NOBLOCK)
+                    self._socket.send_multipart([client, q[0]], zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
@@ -415,7 +408,7 @@ class Server:
         s.update(
             in_flight=len(self.table),
             host_queue=self.admission.queued,
-            in_device=self.table.in_sq,
+            in_device=self.table.in_sq,  # wire name; requests in the SQ or on the device
             device_window=self.admission.device_window,
             timed_out=self.timed_out,
             arena_used=self.backend.rings.arena.used(),
@@ -425,7 +418,7 @@ class Server:
         )
         threads = {
             "frontend": thread_cpu_seconds(self._frontend_tid),
-            "completions": thread_cpu_seconds(self.completions.native_id),
+            "completions": thread_cpu_seconds(self.router.native_id),
         }
         for name, tid in s["device"].pop("threads", {}).items():
             threads[name] = thread_cpu_seconds(tid)
@@ -448,19 +441,19 @@ class Server:
                 "server shut down before the request started",
             )
         for req in self.table.all():
-            self._abort(req, protocol.ERR_SHUTDOWN, "server shut down")
+            self._abort(req, (protocol.ERR_SHUTDOWN, "server shut down"))
         deadline = time.monotonic() + ABORT_WAIT_S
-        while len(self.table) and time.monotonic() < deadline and self.completions.dead_reason is None:
+        while len(self.table) and time.monotonic() < deadline and self.router.dead_reason is None:
             self._frontend_iteration(timeout_ms=10)
         for req in self.table.all():  # the device did not answer: end them on the host
             self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN, "server shut down")
         self._send_all(self.outbox.take_all())
         self._retry_backlog()
-        self.completions.stop()
+        self.router.stop()
         try:
             self.backend.stop()  # raises EngineDead if the device did not stop: never silent
         finally:
-            self._router.close(linger=1000)
+            self._socket.close(linger=1000)
             self._wake_rx.close(0)
             self._wake_tx.close(0)
             if self._auth is not None:
