@@ -55,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
   if (sched_init(ctx) != RL_ERR_NONE) return;
   uint32_t stop = RL_EXIT_NONE;  // a stop the overlapped phase saw while a step was out
   for (;;) {
+    // 1. wait for the step graph to hand the turn back; exit if told to stop (or it overstayed)
     if (threadIdx.x == 0) sh.u[RL_SH_TURN_EXIT] = rl_wait_for_turn(ctx);
     __syncthreads();
     uint32_t late = sh.u[RL_SH_TURN_EXIT];  // every thread sees the same value
@@ -62,12 +63,15 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
       rl_mark_exited(ctx, late != RL_EXIT_NONE ? late : stop);
       break;
     }
+    // 2. the critical phase: the last step's samples in, the next step's layout out
     uint32_t built = sched_critical(ctx, &sh);
+    // 3. hand that step to compute
     if (built == RL_STEP_RUN) {
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) rl_store_turn(ctx.turn, RL_TURN_COMPUTE);
     }
+    // 4. the overlapped phase, beside the step: aborts, SQ drain, CQ events, admission, mirror
     uint32_t next = sched_overlapped(ctx, &sh, built == RL_STEP_RUN);
     if (next == RL_STEP_SHUTDOWN) {
       stop = sh.u[RL_SH_STOP];
@@ -77,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
       }
       continue;  // exit once the step in flight hands the turn back (or the grace runs out)
     }
+    // 5. nothing out and nothing to do: back off before polling the host rings again
     if (built != RL_STEP_RUN && next == RL_STEP_IDLE && threadIdx.x == 0) rl_pause_idle();
     __syncthreads();
   }
