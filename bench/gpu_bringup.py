@@ -66,7 +66,7 @@ def builtin_stages() -> list[Stage]:
     checks = ["{py}", "-m", "bench.bringup_checks"]
     return [
         Stage("env", ["{py}", "-m", "hostctl.cli", "doctor", "--json", "{dir}/doctor.json"], 180),
-        Stage("probe", ["{py}", "bench/gpu_limits.py", "--quick", "--out-dir", "{dir}"], 420),
+        Stage("probe", ["{py}", "-m", "bench.gpu_limits", "--quick", "--out-dir", "{dir}"], 420),
         Stage("module", checks + ["module"], 120, env=EAGER),
         Stage("graphs-fp32", checks + ["graphs", "--dtype", "float32"], 300, env=EAGER),
         Stage("graphs-bf16", checks + ["graphs", "--dtype", "bfloat16"], 300, env=EAGER),

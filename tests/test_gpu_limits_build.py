@@ -1,15 +1,16 @@
-"""Tests for bench/gpu_limits.py, the GPU-limits probe.
+"""Tests for bench/gpu_limits/, the GPU-limits probe (``python -m bench.gpu_limits``).
 
 On any machine (CI has no GPU):
   * --compile-only compiles every kernel with NVRTC for sm_90 and says so;
   * without a CUDA driver the plain command exits 0 with the 'no CUDA device'
     message;
-  * the helpers (check, parse_ptxas, device_slug, summarize, --only) behave;
+  * the helpers (cuda_driver's check, parse_ptxas, device_slug, summarize, --only) behave;
   * every probe runs end to end against FakeDriver, a simulation of the CUDA
-    driver below. Each driver call is first made on the real cuda-python
+    driver below, set as ``device.backends.cuda_driver.cu`` (every driver call of
+    the probe goes through that module). Each driver call is first made on the real cuda-python
     binding, whose argument conversion runs before it finds no libcuda, so a
     wrong argument type for the installed bindings fails the test. The
-    simulated kernels implement the same protocols as gpu_limits_kernels.cu
+    simulated kernels implement the same protocols as bench/gpu_limits/kernels.cu
     (doorbell echo, ping-pong flag, WHILE/SWITCH counting), so the host side's
     checks and statistics run on realistic data. torch has no CUDA here, so
     probes 4 and 6 and the torch half of probe 5 are not exercised.
@@ -17,14 +18,14 @@ On a machine with a GPU (torch.cuda.is_available()):
   * the whole probe runs with --quick.
 
 Run as a script, ``python tests/test_gpu_limits_build.py --fake-run OUT_DIR``
-runs gpu_limits.main under FakeDriver (the fake test does so in a subprocess).
+runs bench.gpu_limits.__main__.main under FakeDriver (the fake test does so in a subprocess).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import importlib.util
+import importlib
 import itertools
 import json
 import queue
@@ -39,18 +40,23 @@ from typing import ClassVar
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "gpu_limits.py"
+if str(ROOT) not in sys.path:  # run as a script (--fake-run), not by pytest
+    sys.path.insert(0, str(ROOT))
+COMMAND = [sys.executable, "-m", "bench.gpu_limits"]  # run from ROOT
 N_KERNELS = 8
 
 
-def load_gpu_limits():
-    if "gpu_limits" in sys.modules:
-        return sys.modules["gpu_limits"]
-    spec = importlib.util.spec_from_file_location("gpu_limits", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_limits"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def load(name: str):
+    """A module of the package: "__main__" (the CLI), "common", "kernels", ..."""
+    return importlib.import_module(f"bench.gpu_limits.{name}")
+
+
+def cuda_driver():
+    return importlib.import_module("device.backends.cuda_driver")
+
+
+def run_probe(*args: str, timeout: int):
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def _libcuda_present() -> bool:
@@ -82,16 +88,14 @@ def _compile_line(stdout: str) -> dict:
 
 def test_compile_only_builds_every_kernel():
     pytest.importorskip("cuda.bindings")
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--compile-only"], capture_output=True, text=True, timeout=300
-    )
+    r = run_probe("--compile-only", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     info = _compile_line(r.stdout)
-    gl = load_gpu_limits()
+    kernels = load("kernels")
     assert info["ok"] is True
     assert info["arch"] == "sm_90"
-    assert info["n_expected"] == info["n_compiled"] == len(gl.ALL_KERNELS) == N_KERNELS
-    assert set(info["kernels"]) == set(gl.ALL_KERNELS)
+    assert info["n_expected"] == info["n_compiled"] == len(kernels.ALL_KERNELS) == N_KERNELS
+    assert set(info["kernels"]) == set(kernels.ALL_KERNELS)
     for name, k in info["kernels"].items():
         assert k["ok"], name
         assert isinstance(k["regs"], int) and 0 < k["regs"] <= 64, (name, k)
@@ -103,7 +107,7 @@ def test_compile_only_builds_every_kernel():
 @pytest.mark.skipif(_libcuda_present(), reason="a CUDA driver is installed here")
 def test_without_a_device_exits_zero_with_message():
     pytest.importorskip("cuda.bindings")
-    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    r = run_probe(timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (
         f"no CUDA device: compiled {N_KERNELS} kernels for sm_90; measurements need an H100/H200" in r.stdout
@@ -113,8 +117,10 @@ def test_without_a_device_exits_zero_with_message():
 
 def test_check_names_the_failing_call():
     pytest.importorskip("cuda.bindings")
-    gl = load_gpu_limits()
+    gl = cuda_driver()  # the probe's check, call and CudaError are the runtime's
     from cuda.bindings import driver, nvrtc
+
+    assert load("device").CudaError is gl.CudaError and load("common").CudaError is gl.CudaError
 
     ok = gl.check((driver.CUresult.CUDA_SUCCESS, 7))
     assert ok == 7
@@ -134,6 +140,14 @@ def test_check_names_the_failing_call():
         gl.call(_named("cuStreamQuery", driver.CUresult.CUDA_ERROR_INVALID_HANDLE), 1)
 
 
+def test_probe_reuses_the_runtime_driver_helpers():
+    """The package makes no driver binding of its own: every call goes through cuda_driver."""
+    for path in (ROOT / "bench" / "gpu_limits").glob("*.py"):
+        text = path.read_text()
+        assert "import driver" not in text and "from cuda import cuda" not in text, path.name
+        assert "cuda.bindings.driver" not in text, path.name
+
+
 def _named(name, err):
     def f(*_a):
         return (err,)
@@ -143,12 +157,12 @@ def _named(name, err):
 
 
 def test_helpers():
-    gl = load_gpu_limits()
-    assert gl.device_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert gl.device_slug("NVIDIA H100 PCIe") == "h100"
-    assert gl.device_slug("NVIDIA H200") == "h200"
-    assert gl.device_slug("NVIDIA GH200 480GB") == "gh200"
-    assert gl.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    common, kernels, cli = load("common"), load("kernels"), load("__main__")
+    assert common.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert common.device_slug("NVIDIA H100 PCIe") == "h100"
+    assert common.device_slug("NVIDIA H200") == "h200"
+    assert common.device_slug("NVIDIA GH200 480GB") == "gh200"
+    assert common.device_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
     log = (
         "ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
         "ptxas info    : Function properties for k1\n"
@@ -159,7 +173,7 @@ def test_helpers():
         "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
         "ptxas info    : Used 6 registers, used 0 barriers\n"
     )
-    p = gl.parse_ptxas(log)
+    p = kernels.parse_ptxas(log)
     assert p["k1"] == {
         "regs": 40,
         "smem_bytes": 1024,
@@ -169,16 +183,16 @@ def test_helpers():
         "cmem0_bytes": 380,
     }
     assert p["k2"]["regs"] == 6 and p["k2"]["smem_bytes"] == 0
-    s = gl.summarize([1000, 2000, 3000, 4000])
+    s = common.summarize([1000, 2000, 3000, 4000])
     assert s["n"] == 4 and s["median_us"] == 2.5 and s["min_us"] == 1.0 and s["max_us"] == 4.0
-    assert gl.summarize([]) == {"n": 0}
-    assert gl.parse_args(["--only", "4,1,3-4"]).selected == [1, 3, 4]
-    everything = gl.parse_args([]).selected
-    assert sorted(everything) == [1, 2, 3, 4, 5, 6, 7] and everything == list(gl.RUN_ORDER)
+    assert common.summarize([]) == {"n": 0}
+    assert cli.parse_args(["--only", "4,1,3-4"]).selected == [1, 3, 4]
+    everything = cli.parse_args([]).selected
+    assert sorted(everything) == [1, 2, 3, 4, 5, 6, 7] and everything == list(common.RUN_ORDER)
     # the probes that depend on cudaGraphSetConditional run last
     assert everything[-2:] == [3, 4]
     with pytest.raises(SystemExit):
-        gl.parse_args(["--only", "9"])
+        cli.parse_args(["--only", "9"])
 
 
 @pytest.mark.skipif(_libcuda_present(), reason="a CUDA driver is installed: the real-GPU test covers this")
@@ -252,12 +266,7 @@ def test_every_probe_against_fake_driver(tmp_path):
 
 @pytest.mark.skipif(not _torch_cuda(), reason="needs a CUDA GPU (torch.cuda.is_available())")
 def test_quick_probe_on_gpu(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = run_probe("--quick", "--out-dir", str(tmp_path), timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     files = list(tmp_path.glob("*-gpu-limits-quick.json"))
     assert len(files) == 1, list(tmp_path.iterdir())
@@ -355,7 +364,7 @@ class _FNode:
 
 
 class FakeDriver:
-    """Stands in for ``cuda.bindings.driver`` inside gpu_limits (see module doc)."""
+    """Stands in for ``cuda.bindings.driver`` as cuda_driver.cu (see module doc)."""
 
     SIGS: ClassVar[dict[str, str]] = {
         "rl_empty": "",
@@ -369,7 +378,7 @@ class FakeDriver:
     }
     VALIDATE_CALLS = 4
 
-    def __init__(self, gl):
+    def __init__(self, gl):  # gl: bench.gpu_limits.kernels (the control-block layout)
         from cuda.bindings import driver as real
 
         self._real = real
@@ -900,10 +909,10 @@ class FakeDriver:
 
 def _fake_run(out_dir: str) -> int:
     sys.setswitchinterval(2e-5)  # the simulated kernels are Python threads
-    gl = load_gpu_limits()
-    fake = FakeDriver(gl)
-    gl.driver = fake
-    rc = gl.main(["--quick", "--out-dir", out_dir])
+    drv = cuda_driver()
+    fake = FakeDriver(load("kernels"))
+    drv.cu = fake  # every driver call of the probe goes through cuda_driver
+    rc = load("__main__").main(["--quick", "--out-dir", out_dir])
     if fake.errors:
         print(f"fake driver: {len(fake.errors)} device op(s) raised", file=sys.stderr)
         return 1

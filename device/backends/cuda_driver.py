@@ -1,4 +1,5 @@
-"""Checked cuda-python driver calls: pinned memory, streams, modules, launches and graph nodes.
+"""Checked cuda-python driver calls: pinned and device memory, streams, events, modules, launches,
+graphs and graph nodes; the runtime and bench/gpu_limits both use these (none written twice).
 
 Every call's result goes through check(), which raises with the function's name and the
 driver's error string.  Kernel arguments are passed in the driver's raw form (an array of
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import inspect
+import re
 
 import numpy as np
 
@@ -24,16 +27,57 @@ class CudaError(RuntimeError):
     pass
 
 
-def check(result, what: str = "CUDA call"):
-    """cuda-python returns (err, *values); raise on error, return the values."""
+_CALL_RE = re.compile(r"\b((?:cu|nvrtc|cuda)[A-Z]\w*)\s*[,(]")
+
+
+def err_text(err) -> str:
+    """'NAME (code): description' for a CUresult or an nvrtcResult."""
+    try:
+        code = int(err)
+    except Exception:
+        return repr(err)
+    name = getattr(err, "name", None) or str(err)
+    desc = ""
+    try:
+        if cu is not None and isinstance(err, cu.CUresult):
+            r, s = cu.cuGetErrorString(err)
+        else:
+            from cuda.bindings import nvrtc
+
+            r, s = nvrtc.nvrtcGetErrorString(err) if isinstance(err, nvrtc.nvrtcResult) else (1, b"")
+        if int(r) == 0 and s:
+            desc = s.decode(errors="replace") if isinstance(s, bytes) else str(s)
+    except Exception:
+        pass
+    return f"{name} ({code})" + (f": {desc}" if desc and desc != name else "")
+
+
+def _guess_call_name() -> str:
+    """The cu*/nvrtc* function named on the source line of check()'s caller."""
+    try:
+        for fr in inspect.stack()[2:6]:
+            m = _CALL_RE.search("".join(fr.code_context or []))
+            if m:
+                return m.group(1)
+    except Exception:
+        pass
+    return "CUDA call"
+
+
+def check(result, what: str | None = None):
+    """cuda-python returns (err, *values); raise on error, return None, the value or the values.
+    The error names `what`, or else the function called on the caller's source line."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        _, name = cu.cuGetErrorName(err)
-        _, text = cu.cuGetErrorString(err)
-        raise CudaError(f"{what} failed: {name.decode() if name else err}: {text.decode() if text else ''}")
+        raise CudaError(f"{what or _guess_call_name()} failed: {err_text(err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def call(fn, *args):
+    """fn(*args) with its result checked; an error names fn."""
+    return check(fn(*args), getattr(fn, "__name__", None))
 
 
 def current_context():
@@ -46,9 +90,19 @@ def bind_context(ctx) -> None:
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def device_attribute(device, attribute) -> int:
+    return int(check(cu.cuDeviceGetAttribute(attribute, device), "cuDeviceGetAttribute"))
+
+
+def stream_priority_range() -> tuple[int, int]:
+    """(least, greatest) stream priority of the current context; greatest is numerically lowest."""
+    least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    return int(least), int(greatest)
+
+
 def create_stream(highest_priority: bool = True):
     """A non-blocking stream of our own: never the legacy stream, never torch's pool."""
-    least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    least, greatest = stream_priority_range()
     prio = greatest if highest_priority else least
     flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
     return check(cu.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
@@ -59,6 +113,19 @@ def stream_done(stream) -> bool:
     if err == cu.CUresult.CUDA_ERROR_NOT_READY:
         return False
     check((err,), "cuStreamQuery")
+    return True
+
+
+def synchronize(stream) -> None:
+    """Waits (spinning in the driver) for the stream's work; never while a persistent kernel runs on it."""
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def event_done(event) -> bool:
+    err = cu.cuEventQuery(event)[0]
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    check((err,), "cuEventQuery")
     return True
 
 
@@ -77,11 +144,32 @@ class PinnedBuffer:
         self.array = np.frombuffer(raw, dtype=np.uint8)
         self.array[:] = 0
 
+    def view(self, dtype, offset: int = 0, count: int | None = None) -> np.ndarray:
+        """count items of dtype from byte offset (all the rest when count is None)."""
+        dt = np.dtype(dtype)
+        if count is None:
+            count = (self.nbytes - offset) // dt.itemsize
+        return self.array[offset : offset + count * dt.itemsize].view(dt)
+
     def free(self) -> None:
         if self.host_ptr:
             self.array = None
             check(cu.cuMemFreeHost(self.host_ptr), "cuMemFreeHost")
             self.host_ptr = 0
+
+
+def mem_alloc(nbytes: int) -> int:
+    """Device memory outside torch's caching allocator; free it with mem_free."""
+    return int(check(cu.cuMemAlloc(int(nbytes)), "cuMemAlloc"))
+
+
+def mem_free(ptr: int) -> None:
+    check(cu.cuMemFree(ptr), "cuMemFree")
+
+
+def memset_d32(ptr: int, value: int, count: int, stream) -> None:
+    """count 32-bit words at ptr set to value, in stream order."""
+    check(cu.cuMemsetD32Async(ptr, int(value) & 0xFFFFFFFF, int(count), stream), "cuMemsetD32Async")
 
 
 def driver_version() -> tuple[int, int]:
@@ -98,7 +186,7 @@ def load_module(build, driver: tuple[int, int] | None = None):
     key = hashlib.sha256(build.cubin).hexdigest()[:16]
     (cache_dir() / f"rlsched-{build.arch}-{key}.cubin").write_bytes(build.cubin)  # for cuobjdump
     try:
-        return check(cu.cuModuleLoadData(build.cubin), "cuModuleLoadData(cubin)"), "cubin"
+        return load_image(build.cubin, "cuModuleLoadData(cubin)"), "cubin"
     except CudaError as cubin_error:
         driver = driver or driver_version()
         ok, why = ptx_loadable(build.nvrtc_version, driver)
@@ -108,13 +196,18 @@ def load_module(build, driver: tuple[int, int] | None = None):
                 f"and the PTX fallback is not possible: {why or 'no PTX'}"
             ) from cubin_error
         try:
-            module = check(cu.cuModuleLoadData(build.ptx), "cuModuleLoadData(ptx)")
+            module = load_image(build.ptx, "cuModuleLoadData(ptx)")
         except CudaError as ptx_error:
             raise CudaError(
                 f"the driver refused the scheduler's CUBIN ({cubin_error}) and its PTX "
                 f"(ISA {build.ptx_isa}: {ptx_error})"
             ) from ptx_error
         return module, f"ptx (ISA {build.ptx_isa}; the CUBIN was refused: {cubin_error})"
+
+
+def load_image(image: bytes, what: str = "cuModuleLoadData"):
+    """A module from a CUBIN or PTX image in memory."""
+    return check(cu.cuModuleLoadData(image), what)
 
 
 def get_function(module, name: str):
@@ -124,22 +217,47 @@ def get_function(module, name: str):
     return fn
 
 
+def function_attribute(function, name: str) -> int:
+    """A CUfunction_attribute by name, e.g. "CU_FUNC_ATTRIBUTE_NUM_REGS"."""
+    attr = getattr(cu.CUfunction_attribute, name)
+    return int(check(cu.cuFuncGetAttribute(attr, function), f"cuFuncGetAttribute({name})"))
+
+
+def create_event(*, timing: bool = True, blocking_sync: bool = False):
+    """A raw event handle; timing events can give elapsed_ms."""
+    flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    if blocking_sync:
+        flags = int(flags) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+    return check(cu.cuEventCreate(int(flags)), "cuEventCreate")
+
+
+def record_event(event, stream) -> None:
+    check(cu.cuEventRecord(event, stream), "cuEventRecord")
+
+
+def elapsed_ms(start, end) -> float:
+    return float(check(cu.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+
+
+def destroy_event(event) -> None:
+    check(cu.cuEventDestroy(event), "cuEventDestroy")
+
+
 class BlockingEvent:
     """An event whose synchronize sleeps in the driver instead of spinning a host core."""
 
     def __init__(self):
-        flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.handle = check(cu.cuEventCreate(int(flags)), "cuEventCreate")
+        self.handle = create_event(timing=False, blocking_sync=True)
 
     def record(self, stream) -> None:
-        check(cu.cuEventRecord(self.handle, stream), "cuEventRecord")
+        record_event(self.handle, stream)
 
     def synchronize(self) -> None:
         check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
 
     def destroy(self) -> None:
         if self.handle is not None:
-            check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            destroy_event(self.handle)
             self.handle = None
 
 
@@ -151,10 +269,37 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream) -> None:
     check(cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync")
 
 
+def create_graph():
+    return check(cu.cuGraphCreate(0), "cuGraphCreate")
+
+
+def instantiate_graph(graph):
+    return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+
+def launch_graph(graph_exec, stream) -> None:
+    check(cu.cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
+
+
+def destroy_graph(graph) -> None:
+    check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
+
+def destroy_graph_exec(graph_exec) -> None:
+    check(cu.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
+
+
+def add_child_graph_node(graph, deps: list, child):
+    """A node that runs a clone of child (the driver copies it now)."""
+    return check(
+        cu.cuGraphAddChildGraphNode(graph, deps or None, len(deps), child), "cuGraphAddChildGraphNode"
+    )
+
+
 def upload_graph(graph_exec, stream) -> None:
     """Moves an instantiated graph's device work to the GPU now rather than at its first launch."""
     check(cu.cuGraphUpload(graph_exec, stream), "cuGraphUpload")
-    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    synchronize(stream)
 
 
 def read_graph(graph):
@@ -163,21 +308,31 @@ def read_graph(graph):
     return _read_nodes(graph), _programmatic_edges(graph)
 
 
+def _node_kinds(graph) -> list:
+    """[(node handle, CUgraphNodeType)] of the graph's own nodes (child graphs not expanded)."""
+    _, count = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+    if not count:
+        return []
+    handles, count = check(cu.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+    return [(h, check(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType")) for h in list(handles)[: int(count)]]
+
+
+def node_types(graph) -> list[str]:
+    """The type names of the graph's own nodes, e.g. ["CU_GRAPH_NODE_TYPE_KERNEL"]."""
+    return [getattr(kind, "name", str(kind)) for _, kind in _node_kinds(graph)]
+
+
 def _read_nodes(graph) -> list:
     from device.backends.cuda_graph_rules import GraphNode
 
-    _, count = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes = []
-    if count:
-        handles, count = check(cu.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-        for h in list(handles)[: int(count)]:
-            kind = check(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType")
-            node = GraphNode(getattr(kind, "name", str(kind)))
-            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH:
-                node.children = _read_nodes(
-                    check(cu.cuGraphChildGraphNodeGetGraph(h), "cuGraphChildGraphNodeGetGraph")
-                )
-            nodes.append(node)
+    for h, kind in _node_kinds(graph):
+        node = GraphNode(getattr(kind, "name", str(kind)))
+        if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH:
+            node.children = _read_nodes(
+                check(cu.cuGraphChildGraphNodeGetGraph(h), "cuGraphChildGraphNodeGetGraph")
+            )
+        nodes.append(node)
     return nodes
 
 
@@ -246,12 +401,18 @@ def add_conditional_node(graph, deps: list, handle, kind, size: int, ctx):
     p.conditional.type = kind
     p.conditional.size = size
     p.conditional.ctx = ctx
-    node = check(cu.cuGraphAddNode(graph, deps or None, None, len(deps), p), "cuGraphAddNode(conditional)")
+    try:
+        node = check(
+            cu.cuGraphAddNode(graph, deps or None, None, len(deps), p), "cuGraphAddNode(conditional)"
+        )
+    except TypeError:  # bindings before dependencyData (12.3)
+        node = check(cu.cuGraphAddNode(graph, deps or None, len(deps), p), "cuGraphAddNode(conditional)")
     return node, [p.conditional.phGraph_out[i] for i in range(size)]
 
 
-def conditional_handle(graph, ctx, default: int):
-    flags = cu.CU_GRAPH_COND_ASSIGN_DEFAULT
+def conditional_handle(graph, ctx, default: int, assign_default: bool = True):
+    """A WHILE/SWITCH handle; with assign_default it is reset to default at each graph launch."""
+    flags = cu.CU_GRAPH_COND_ASSIGN_DEFAULT if assign_default else 0
     return check(
         cu.cuGraphConditionalHandleCreate(graph, ctx, default, flags), "cuGraphConditionalHandleCreate"
     )
