@@ -29,7 +29,7 @@ class LaunchGraph:
         self.mode = mode
         self._graphs, self._fn, self._ctx_arg, self._cu_ctx = graphs, functions, ctx_arg, cu_ctx
         self._keep_args: list[drv.KernelArgs] = []  # kernel node parameters must outlive the graph
-        self._graph = drv.check(drv.cu.cuGraphCreate(0), "cuGraphCreate")
+        self._graph = drv.create_graph()
         if mode == "resident":
             loop = drv.conditional_handle(self._graph, cu_ctx, 1)
             _, (body,) = drv.add_conditional_node(
@@ -40,7 +40,7 @@ class LaunchGraph:
             last = []
             for _ in range(PUMP_STEPS_PER_LAUNCH):
                 last = [self._step_body(self._graph, last, None, use_while=0)]
-        self.exec = drv.check(drv.cu.cuGraphInstantiate(self._graph, 0), f"cuGraphInstantiate({mode})")
+        self.exec = drv.instantiate_graph(self._graph)
         drv.upload_graph(self.exec, stream)
 
     def _step_body(self, graph, deps, while_handle, use_while: int):
@@ -66,18 +66,13 @@ class LaunchGraph:
         )
         for body, bucket in zip(bodies, buckets):  # branch i runs bucket i (cfg.buckets order)
             begin = drv.add_kernel_node(body, [], self._fn["rl_step_begin"], ctx_args)
-            drv.check(
-                drv.cu.cuGraphAddChildGraphNode(
-                    body, [begin], 1, drv.cu.CUgraph(int(self._graphs.raw(bucket)))
-                ),
-                f"cuGraphAddChildGraphNode(bucket {bucket})",
-            )
+            drv.add_child_graph_node(body, [begin], drv.cu.CUgraph(int(self._graphs.raw(bucket))))
         return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], ctx_args)
 
     def launch(self, stream) -> None:
-        drv.check(drv.cu.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+        drv.launch_graph(self.exec, stream)
 
     def destroy(self) -> None:
         """Only once no launch of it can still run."""
-        drv.check(drv.cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
-        drv.check(drv.cu.cuGraphDestroy(self._graph), "cuGraphDestroy")
+        drv.destroy_graph_exec(self.exec)
+        drv.destroy_graph(self._graph)
