@@ -3,9 +3,9 @@
 
     python3 bench/gpu_bringup.py --wheels .whl --out OUT --pack
 
-Stages run in a fixed order (the order of ../shared/GPU-REVIEW.md, section c), each in its own
-process group under a hard kill timeout; a stage whose `needs` did not pass is skipped, every
-other stage runs whatever failed before it.  OUT/bringup.json (per stage: status, seconds, key
+Stages run in a fixed order (cheapest and most basic first, as the static review of the CUDA
+path advised), each in its own process group under a hard kill timeout; a stage whose `needs`
+did not pass is skipped, every other stage runs whatever failed before it.  OUT/bringup.json (per stage: status, seconds, key
 figures, the tail of its log) and OUT/bringup.log (every log in full) are rewritten after each
 stage, so a run cut short keeps what it learned.
 
