@@ -31,6 +31,7 @@ import msgpack
 import zmq
 
 from bench.servers import ServerOptions, ServerProcess
+from device.engine_config import EngineConfig
 from hostctl.metrics import thread_cpu_seconds
 from ipc.client import AsyncClient, Client
 
@@ -178,7 +179,7 @@ def vanished(address: str, server: ServerProcess, n: int = 1700) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default=EngineConfig.model)
     p.add_argument("--slots", type=int, default=None, help="default: the serve default")
     p.add_argument("--drain-timeout", type=float, default=5.0)
     p.add_argument("--idle-s", type=float, default=5.0)

@@ -34,6 +34,7 @@ from bench.report import (
     write_json,
 )
 from bench.workloads import LENGTH_DISTS, WorkloadConfig, arrival_times, make_requests, parse_rate
+from device.engine_config import DEVICES, LAUNCHES, EngineConfig
 
 QUICK_ARGS = [
     "--concurrency",
@@ -49,7 +50,10 @@ QUICK_ARGS = [
     "ringleader-bench",
 ]
 DEFAULT_COMPARE = "device,host,static"
-DEFAULT_MAX_CTX = 2048  # the server's default --max-ctx
+SERVER_DEFAULTS = EngineConfig()  # what a server started without the option uses
+# the server's default --max-ctx on a CPU; the workload keeps to it on CUDA too, where the
+# server's default is the longest context that fits in memory (known only once it runs)
+DEFAULT_MAX_CTX = SERVER_DEFAULTS.resolved("cpu").max_ctx
 
 
 def _ints(text: str) -> list[int]:
@@ -88,19 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})",
     )
-    g.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--model", default=SERVER_DEFAULTS.model, help="preset or checkpoint directory (default %(default)s)"
+    )
+    g.add_argument("--device", default=SERVER_DEFAULTS.device, choices=DEVICES)
     g.add_argument(
         "--launch",
-        choices=["auto", "resident", "pump"],
-        help="CUDA launch mode of the device scheduler (the server's default: auto); the "
-        "mode that ran is in each run's backend.launch",
+        choices=LAUNCHES,
+        help=f"CUDA launch mode of the device scheduler (the server's default: {SERVER_DEFAULTS.launch}); "
+        "the mode that ran is in each run's backend.launch",
     )
-    g.add_argument("--slots", type=int, help="server batch slots (server default 32)")
+    g.add_argument("--slots", type=int, help=f"server batch slots (server default {SERVER_DEFAULTS.n_slots})")
     g.add_argument(
         "--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})"
     )
-    g.add_argument("--token-budget", type=int, help="server max token rows per step (server default 256)")
+    g.add_argument(
+        "--token-budget",
+        type=int,
+        help=f"server max token rows per step (server default {SERVER_DEFAULTS.token_budget})",
+    )
     g.add_argument("--threads", type=int, help="server torch CPU threads")
     g.add_argument("--max-queue", type=int, help="server host queue bound")
     g.add_argument("--weights-seed", type=int, help="seed of the preset's random weights (server --seed)")

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from bench.loadgen import read_stats, wait_ready
+from device.engine_config import EngineConfig
+from device.engine_config import resolve_device as _resolve_device
 
 VARIANTS = ("device", "host", "static", "hf")
 STARTUP_TIMEOUT_S = 60.0
@@ -44,7 +46,7 @@ class Variant:
 class ServerOptions:
     """Flags of `ringleader serve` shared by every variant of one invocation."""
 
-    model: str = "tiny"
+    model: str = EngineConfig.model
     device: str = "cpu"  # already resolved: cpu or cuda
     launch: str | None = None
     slots: int | None = None
@@ -72,15 +74,8 @@ class ServerOptions:
 
 
 def resolve_device(device: str) -> str:
-    """auto -> cuda when torch sees a GPU, else cpu (the rule the server itself applies)."""
-    if device != "auto":
-        return device
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:
-        return "cpu"
+    """auto -> cuda when torch sees a GPU, else cpu (the server's own rule, from EngineConfig)."""
+    return _resolve_device(device)
 
 
 def plan_variants(

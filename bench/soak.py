@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # `python bench/soak.py` from the repository root
 from bench.metrics import percentile
 from bench.servers import ServerOptions, ServerProcess, resolve_device
 from bench.workloads import FIRST_PROMPT_ID, LAST_PROMPT_ID, LENGTH_DISTS, fit_context, sample_lengths
+from device.engine_config import DEVICES, EngineConfig
 from ipc.client import AsyncClient
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -484,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", help="write every row and the summary here")
     g = p.add_argument_group("the server it starts (ignored with --address)")
-    g.add_argument("--model", default="tiny")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model", default=EngineConfig.model)
+    g.add_argument("--device", default=EngineConfig.device, choices=DEVICES)
     g.add_argument("--slots", type=int)
     g.add_argument("--max-ctx", type=int)
     g.add_argument("--token-budget", type=int)

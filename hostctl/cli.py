@@ -10,6 +10,8 @@ import signal
 import sys
 from typing import Any
 
+from device.engine_config import DEVICES, LAUNCHES, POLICIES, SCHEDULERS, EngineConfig
+from ipc.backend import Backend
 from ipc.curve import (
     CurveError,
     add_curve_client_options,
@@ -30,56 +32,69 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def add_server_options(p: argparse.ArgumentParser) -> None:
-    """Options that shape a server; `bench` reuses them for the servers it starts."""
-    p.add_argument(
+# The EngineConfig fields `serve` takes: field -> (flag, argparse options, help).  Each default
+# comes from the field (EngineConfig's, written once); None there means "per device", which
+# EngineConfig.resolved() fills in and the help says.
+ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "model": (
         "--model",
-        default="tiny",
-        help="preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory (default: tiny)",
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument(
+        {},
+        "preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory (default: %(default)s)",
+    ),
+    "device": ("--device", {"choices": DEVICES}, "auto: cuda when torch sees a GPU, else cpu"),
+    "scheduler": (
         "--scheduler",
-        default=None,
-        choices=["device", "host"],
-        help="CUDA: where sched_step runs (default device); the CPU backend is host-only",
-    )
-    p.add_argument(
+        {"choices": SCHEDULERS},
+        "CUDA: where sched_step runs (default device); the CPU backend is host-only",
+    ),
+    "launch": (
         "--launch",
-        default="auto",
-        choices=["auto", "resident", "pump"],
-        help="CUDA launch mode of the device scheduler: resident (one WHILE graph; "
+        {"choices": LAUNCHES},
+        "CUDA launch mode of the device scheduler: resident (one WHILE graph; "
         "fails start-up if it cannot run), pump, or auto (resident, else pump; the "
         "mode that runs is in the log and in stats)",
-    )
-    p.add_argument(
+    ),
+    "policy": (
         "--policy",
-        default="fifo",
-        choices=["fifo", "priority", "static"],
-        help="admission: fifo, priority with aging, or static batching (a baseline)",
-    )
-    p.add_argument("--slots", type=int, default=32, help="batch slots (max concurrent sequences)")
-    p.add_argument(
+        {"choices": POLICIES},
+        "admission: fifo, priority with aging, or static batching (a baseline)",
+    ),
+    "n_slots": ("--slots", {"type": int}, "batch slots (max concurrent sequences)"),
+    "max_ctx": (
         "--max-ctx",
-        type=int,
-        default=None,
-        help="tokens of KV cache per slot "
-        "(default: 2048 on cpu; on cuda the longest that fits --gpu-memory-fraction, "
-        "up to the model's limit)",
-    )
-    p.add_argument(
+        {"type": int},
+        "tokens of KV cache per slot (default: %s on cpu; on cuda the longest that fits "
+        "--gpu-memory-fraction, up to the model's limit)" % EngineConfig().resolved("cpu").max_ctx,
+    ),
+    "gpu_memory_fraction": (
         "--gpu-memory-fraction",
-        type=float,
-        default=0.9,
-        help="CUDA: share of device memory for weights, KV cache and workspace",
-    )
-    p.add_argument("--token-budget", type=int, default=256, help="max token rows per step")
-    p.add_argument(
+        {"type": float},
+        "CUDA: share of device memory for weights, KV cache and workspace",
+    ),
+    "token_budget": ("--token-budget", {"type": int}, "max token rows per step"),
+    "aging_steps": (
         "--aging-steps",
-        type=int,
-        default=64,
-        help="priority policy: a waiting request gains one level per this many steps",
-    )
+        {"type": int},
+        "priority policy: a waiting request gains one level per this many steps",
+    ),
+    "seed": ("--seed", {"type": int}, "seed of the preset's random weights"),
+    "threads": ("--threads", {"type": int}, "torch CPU threads"),
+    "trace_path": (
+        "--trace",
+        {},
+        "CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
+    ),
+}
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """Options that shape a server; `bench` reuses them for the servers it starts.  The engine's
+    (ENGINE_OPTIONS) land on args under their EngineConfig field names."""
+    defaults = EngineConfig()
+    for name, (flag, options, help) in ENGINE_OPTIONS.items():
+        if "choices" not in options:
+            options = {"metavar": flag[2:].upper().replace("-", "_"), **options}
+        p.add_argument(flag, dest=name, default=getattr(defaults, name), help=help, **options)
     p.add_argument(
         "--max-queue",
         type=int,
@@ -105,33 +120,16 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--trace",
-        default=None,
-        help="CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
-    )
 
 
-def open_configured_backend(args):
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_OPTIONS})
+
+
+def open_configured_backend(args: argparse.Namespace) -> Backend:
     from device.backends import open_backend  # the one place hostctl reaches into device/
 
-    options = dict(
-        n_slots=args.slots,
-        max_ctx=args.max_ctx,
-        token_budget=args.token_budget,
-        policy=args.policy,
-        aging_steps=args.aging_steps,
-        seed=args.seed,
-        threads=args.threads,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-    )
-    if args.trace:
-        options["trace_path"] = args.trace
-    return open_backend(
-        args.model, device=args.device, scheduler=args.scheduler, launch=args.launch, **options
-    )
+    return open_backend(engine_config_from_args(args))
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:

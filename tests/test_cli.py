@@ -144,3 +144,32 @@ def test_doctor_names_an_unsafe_variable():
 def test_serve_offers_the_launch_modes():
     r = subprocess.run(CLI + ["serve", "--help"], capture_output=True, text=True, timeout=60)
     assert "{auto,resident,pump}" in r.stdout and "--gpu-memory-fraction" in r.stdout
+
+
+def test_serve_options_are_the_engine_config_and_its_defaults():
+    from device.engine_config import EngineConfig
+    from hostctl.cli import build_parser, engine_config_from_args
+
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["serve"])) == EngineConfig()
+    args = parser.parse_args(
+        ["serve", "--slots", "4", "--max-ctx", "256", "--trace", "t.json", "--seed", "3"]
+    )
+    assert engine_config_from_args(args) == EngineConfig(n_slots=4, max_ctx=256, trace_path="t.json", seed=3)
+
+
+def test_engine_config_fills_the_per_device_defaults_in_one_place():
+    from device.engine_config import EngineConfig
+
+    cpu, cuda = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
+    assert (cpu.device, cpu.scheduler, cpu.max_ctx, cpu.dtype) == ("cpu", "host", 2048, "float32")
+    assert (cuda.device, cuda.scheduler, cuda.max_ctx, cuda.dtype) == ("cuda", "device", None, "bfloat16")
+    assert (cpu.n_slots, cpu.token_budget) == (cuda.n_slots, cuda.token_budget) == (32, 256)
+    given = EngineConfig(scheduler="host", max_ctx=512, dtype="float16").resolved("cuda")
+    assert (given.scheduler, given.max_ctx, given.dtype) == ("host", 512, "float16")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        EngineConfig(scheduler="device").resolved("cpu")
+    with pytest.raises(ValueError, match="no.* timeline|has none"):
+        EngineConfig(trace_path="t.json").resolved("cpu")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        EngineConfig(policy="lifo")

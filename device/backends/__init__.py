@@ -2,46 +2,19 @@
 
 from __future__ import annotations
 
+from device.engine_config import EngineConfig
 from ipc.backend import Backend
 
 
-def open_backend(
-    model: str = "tiny",
-    *,
-    device: str = "auto",
-    scheduler: str | None = None,
-    launch: str = "auto",
-    **options,
-) -> Backend:
-    """device: auto | cpu | cuda.  scheduler (CUDA only): device | host.  launch (device
-    scheduler only): resident | pump | auto (resident, else pump; the only mode that falls back)."""
-    if device == "auto":
-        device = "cuda" if _cuda_available() else "cpu"
-    if device == "cpu":
-        if scheduler not in (None, "host"):
-            raise ValueError("the cpu backend schedules on a host thread; --scheduler device needs CUDA")
+def open_backend(config: EngineConfig | str | None = None, /, **fields) -> Backend:
+    """config: an EngineConfig, or a model spec (default: EngineConfig's), with fields by name on
+    top: open_backend("tiny", device="cpu", n_slots=8).  device auto picks cuda when torch sees a
+    GPU; see EngineConfig.resolved() for what each device fills in."""
+    cfg = EngineConfig.of(config, **fields).resolved()
+    if cfg.device == "cpu":
         from device.backends.cpu import CpuBackend
 
-        if options.pop("trace_path", None):
-            raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
-        options.pop("gpu_memory_fraction", None)
-        return CpuBackend(model, **options)
-    if device == "cuda":
-        from device.backends.cuda import CudaBackend
+        return CpuBackend(cfg)
+    from device.backends.cuda import CudaBackend
 
-        return CudaBackend(
-            model,
-            scheduler=scheduler or "device",
-            launch=launch,
-            **{k: v for k, v in options.items() if v is not None},
-        )
-    raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+    return CudaBackend(cfg)

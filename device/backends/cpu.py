@@ -17,158 +17,45 @@ import traceback
 import numpy as np
 import torch
 
+from device.backends.common import StepTimer, model_info, ring_config_for
 from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory
+from device.engine_config import EngineConfig
 from device.model import LlamaModel, StepBatch, sample
 from device.sched.build import CpuScheduler
-from device.tokenizer import IncrementalDetokenizer, tokenizer_for
 from ipc import layout
-from ipc.backend import Backend, EngineDead, ModelInfo
-from ipc.rings import RingConfig
+from ipc.backend import Backend, EngineDead
 
 log = logging.getLogger("ringleader.cpu")
 
-POLICIES = {"fifo": layout.Policy.FIFO, "priority": layout.Policy.PRIORITY, "static": layout.Policy.STATIC}
 IDLE_WAIT_S = 0.05  # also bounds how stale the heartbeat gets while idle
-DEFAULT_MAX_CTX = 2048
 STOP_TIMEOUT_S = 30.0  # one model step of a big model on a slow CPU can take seconds
 
 
-def percentile(values, q: float) -> float | None:
-    return float(np.percentile(np.fromiter(values, dtype=np.float64), q)) if len(values) else None
-
-
-class RecentValues:
-    """The last `size` values in a preallocated array: appending allocates nothing, so the
-    memory held is the same from the first step on (a deque of floats grew for 4096 steps)."""
-
-    def __init__(self, size: int = 4096):
-        self._buf = np.zeros(size, dtype=np.float64)
-        self._n = 0  # values appended so far
-
-    def append(self, value: float) -> None:
-        self._buf[self._n % len(self._buf)] = value
-        self._n += 1
-
-    def __len__(self) -> int:
-        return min(self._n, len(self._buf))
-
-    def __iter__(self):
-        return iter(self._buf[: len(self)].copy())
-
-
-class StepTimer:
-    """Recent durations, for stats (the last 4096 of each): the scheduler's critical phase (what
-    the model step waits for), its overlapped phase, both (sched_step), and the model step."""
-
-    def __init__(self):
-        self.critical_us = RecentValues(4096)
-        self.overlapped_us = RecentValues(4096)
-        self.sched_us = RecentValues(4096)
-        self.model_us = RecentValues(4096)
-
-    def add_sched(self, critical_us: float, overlapped_us: float) -> None:
-        self.critical_us.append(critical_us)
-        self.overlapped_us.append(overlapped_us)
-        self.sched_us.append(critical_us + overlapped_us)
-
-    def summary(self) -> dict:
-        out = {}
-        for name, values in (
-            ("sched_critical_us", self.critical_us),
-            ("sched_overlapped_us", self.overlapped_us),
-            ("sched_step_us", self.sched_us),
-            ("model_step_us", self.model_us),
-        ):
-            out[name + "_p50"], out[name + "_p99"] = percentile(values, 50), percentile(values, 99)
-        return out
-
-
-def ring_config_for(
-    model: LlamaModel,
-    *,
-    n_slots: int,
-    max_ctx: int,
-    token_budget: int,
-    policy: str,
-    aging_steps: int,
-    sq_size: int = 1024,
-    pending_cap: int = 1024,
-) -> RingConfig:
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
-    arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
-    cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
-    return RingConfig(
-        n_slots=n_slots,
-        max_ctx=max_ctx,
-        token_budget=max(token_budget, n_slots),
-        sq_size=sq_size,
-        cq_size=max(cq, 8192),
-        arena_size=arena,
-        pending_cap=pending_cap,
-        policy=POLICIES[policy],
-        aging_steps=aging_steps,
-        eos_ids=tuple(model.config.eos_token_ids[: layout.MAX_EOS_IDS]),
-    )
-
-
-def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
-    tokenizer = tokenizer_for(spec)
-    return ModelInfo(
-        name=str(spec),
-        vocab_size=model.config.vocab_size,
-        max_context=max_ctx,
-        eos_token_ids=tuple(model.config.eos_token_ids),
-        tokenizer=tokenizer,
-        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
-    )
-
-
 class CpuBackend(Doorbells, Backend):
-    def __init__(
-        self,
-        spec: str = "tiny",
-        *,
-        n_slots: int = 32,
-        max_ctx: int | None = None,
-        token_budget: int = 256,
-        policy: str = "fifo",
-        aging_steps: int = 64,
-        seed: int = 0,
-        threads: int | None = None,
-        sq_size: int = 1024,
-        pending_cap: int = 1024,
-    ):
-        if threads:
-            torch.set_num_threads(threads)
-        self._model = LlamaModel.from_spec(spec, torch.float32, "cpu", seed)
-        max_ctx = min(max_ctx or DEFAULT_MAX_CTX, self._model.config.max_position_embeddings)
-        self._kv = self._model.new_kv_cache(n_slots, max_ctx)
+    def __init__(self, config: EngineConfig | str | None = None, /, **fields):
+        """config: an EngineConfig, or a model spec; fields: EngineConfig fields by name
+        (CpuBackend("tiny", n_slots=8)).  The CUDA-only fields are not used here."""
+        cfg = self.config = EngineConfig.of(config, **fields).resolved("cpu")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self._model = LlamaModel.from_spec(cfg.model, getattr(torch, cfg.dtype), "cpu", cfg.seed)
+        assert cfg.max_ctx is not None  # resolved("cpu") gives every config one
+        max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
+        self._kv = self._model.new_kv_cache(cfg.n_slots, max_ctx)
         self._model.prepare(max_ctx)
-        self._memory = HostMemory(
-            ring_config_for(
-                self._model,
-                n_slots=n_slots,
-                max_ctx=max_ctx,
-                token_budget=token_budget,
-                policy=policy,
-                aging_steps=aging_steps,
-                sq_size=sq_size,
-                pending_cap=pending_cap,
-            )
-        )
+        self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx))
         self.rings = self._memory.rings
-        self.model = model_info(spec, self._model, max_ctx)
+        self.model = model_info(cfg.model, self._model, max_ctx)
         self.description = {
             "device": "cpu",
             "scheduler": "host-thread",
             "launch": "none",
-            "dtype": "float32",
-            "n_slots": n_slots,
+            "dtype": cfg.dtype,
+            "n_slots": cfg.n_slots,
             "max_ctx": max_ctx,
             "token_budget": self._memory.config.token_budget,
-            "policy": policy,
+            "policy": cfg.policy,
             "torch_threads": torch.get_num_threads(),
         }
         self._scheduler = CpuScheduler()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from device.backends import cuda_driver as drv
-from device.backends.cpu import StepTimer, model_info, ring_config_for
+from device.backends.common import StepTimer, model_info, ring_config_for
 from device.backends.cuda_preflight import plan_kv_cache, refuse_unsafe_environment, step_workspace_bytes
 from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
 from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
@@ -36,6 +36,7 @@ from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory
 from device.backends.launch_graph import LaunchGraph
 from device.backends.step_graphs import StepGraphs
+from device.engine_config import EngineConfig
 from device.model import LlamaModel
 from device.model.kv_cache import KVCache
 from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
@@ -46,7 +47,6 @@ from ipc.rings import RingConfig
 log = logging.getLogger("ringleader.cuda")
 
 SCHED_THREADS = 256
-LAUNCHES = ("auto", "resident", "pump")
 START_TIMEOUT_S = 10.0  # the scheduler kernel reports RUNNING (or FAILED) within this
 STOP_MARGIN_S = 3.0  # beyond the kernel's own grace, before stop() calls it stuck
 
@@ -69,34 +69,14 @@ def device_arch() -> str:
 
 
 class CudaBackend(Doorbells, Backend):
-    def __init__(
-        self,
-        spec: str = "llama-1b",
-        *,
-        scheduler: str = "device",
-        launch: str = "auto",
-        n_slots: int = 32,
-        max_ctx: int | None = None,
-        token_budget: int = 256,
-        policy: str = "fifo",
-        aging_steps: int = 64,
-        seed: int = 0,
-        threads=None,
-        sq_size: int = 1024,
-        pending_cap: int = 1024,
-        dtype=torch.bfloat16,
-        trace_path: str | None = None,
-        attention: str = "triton",
-        gpu_memory_fraction: float = 0.9,
-        stop_grace_s: float = 2.0,
-        run_budget_s: float | None = None,
-    ):
+    def __init__(self, config: EngineConfig | str | None = None, /, **fields):
+        """config: an EngineConfig, or a model spec; fields: EngineConfig fields by name
+        (CudaBackend("tiny", scheduler="host")).  threads is not used here."""
         from device.model.static_step import StaticStep, StepLayout
 
-        if scheduler not in ("device", "host"):
-            raise ValueError(f"scheduler must be device or host, got {scheduler!r}")
-        if launch not in LAUNCHES:
-            raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
+        cfg = self.config = EngineConfig.of(config, **fields).resolved("cuda")  # validated there
+        scheduler, launch, n_slots = cfg.scheduler, cfg.launch, cfg.n_slots
+        dtype = getattr(torch, cfg.dtype)
         if scheduler == "device":
             refuse_unsafe_environment()  # before CUDA is touched: some of these hang at once
         if not torch.cuda.is_available():
@@ -104,27 +84,20 @@ class CudaBackend(Doorbells, Backend):
         torch.cuda.init()
         if scheduler == "device":
             refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())
-        self._model = LlamaModel.from_spec(spec, dtype, "cuda", seed)
+        self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed)
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
-        self._memory_plan = self._plan_memory(n_slots, max_ctx, token_budget, dtype, gpu_memory_fraction)
+        self._memory_plan = self._plan_memory(
+            n_slots, cfg.max_ctx, cfg.token_budget, dtype, cfg.gpu_memory_fraction
+        )
         max_ctx = self._memory_plan.max_ctx
         self._model.prepare(max_ctx)
         self._kv = StaticStep.new_kv_cache(self._model, n_slots, max_ctx)  # + a scratch slot for pad rows
-        ring_cfg = ring_config_for(
-            self._model,
-            n_slots=n_slots,
-            max_ctx=max_ctx,
-            token_budget=token_budget,
-            policy=policy,
-            aging_steps=aging_steps,
-            sq_size=sq_size,
-            pending_cap=pending_cap,
-        )
+        ring_cfg = ring_config_for(self._model, cfg, max_ctx)
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
         self._scheduler_mode = scheduler
-        self._trace_path = trace_path
-        self._stop_grace_s, self._run_budget_s = stop_grace_s, run_budget_s
+        self._trace_path = cfg.trace_path
+        self._stop_grace_s, self._run_budget_s = cfg.stop_grace_s, cfg.run_budget_s
         self._mem = DeviceMemory(ring_cfg)
         self._compute = torch.cuda.Stream(priority=0)
         self._compute_cu = drv.cu.CUstream(self._compute.cuda_stream)
@@ -135,10 +108,10 @@ class CudaBackend(Doorbells, Backend):
             self._cpu_scheduler = CpuScheduler()
         else:
             self.rings = self._mem.rings
-        self.model = model_info(spec, self._model, max_ctx)
+        self.model = model_info(cfg.model, self._model, max_ctx)
         self._layout = StepLayout(**self._mem.layout_views())
         self._step = StaticStep(
-            self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=attention
+            self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=cfg.attention
         )
         try:
             self._graphs = StepGraphs(self._step, self._layout, ring_cfg.buckets, self._compute)
@@ -155,14 +128,14 @@ class CudaBackend(Doorbells, Backend):
             "scheduler": scheduler,
             "launch": "host-loop",
             "launch_requested": launch,
-            "dtype": str(dtype).replace("torch.", ""),
+            "dtype": cfg.dtype,
             "n_slots": n_slots,
             "max_ctx": max_ctx,
             "token_budget": ring_cfg.token_budget,
-            "policy": policy,
+            "policy": cfg.policy,
             "buckets": list(ring_cfg.buckets),
             "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
-            "gpu_memory_fraction": gpu_memory_fraction,
+            "gpu_memory_fraction": cfg.gpu_memory_fraction,
         }
         if scheduler == "device":
             self._prepare_device_scheduler(launch)

@@ -1,0 +1,100 @@
+"""What the CPU and CUDA backends share: step timing for stats, the ring configuration an
+EngineConfig asks for, and the ModelInfo the frontend reads."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from device.engine_config import POLICIES as POLICY_NAMES
+from device.engine_config import EngineConfig
+from device.model import LlamaModel
+from device.tokenizer import IncrementalDetokenizer, tokenizer_for
+from ipc import layout
+from ipc.backend import ModelInfo
+from ipc.rings import RingConfig
+
+POLICIES = {name: layout.Policy[name.upper()] for name in POLICY_NAMES}
+
+
+def percentile(values, q: float) -> float | None:
+    return float(np.percentile(np.fromiter(values, dtype=np.float64), q)) if len(values) else None
+
+
+class RecentValues:
+    """The last `size` values in a preallocated array: appending allocates nothing, so the
+    memory held is the same from the first step on (a deque of floats grew for 4096 steps)."""
+
+    def __init__(self, size: int = 4096):
+        self._buf = np.zeros(size, dtype=np.float64)
+        self._n = 0  # values appended so far
+
+    def append(self, value: float) -> None:
+        self._buf[self._n % len(self._buf)] = value
+        self._n += 1
+
+    def __len__(self) -> int:
+        return min(self._n, len(self._buf))
+
+    def __iter__(self):
+        return iter(self._buf[: len(self)].copy())
+
+
+class StepTimer:
+    """Recent durations, for stats (the last 4096 of each): the scheduler's critical phase (what
+    the model step waits for), its overlapped phase, both (sched_step), and the model step."""
+
+    def __init__(self):
+        self.critical_us = RecentValues(4096)
+        self.overlapped_us = RecentValues(4096)
+        self.sched_us = RecentValues(4096)
+        self.model_us = RecentValues(4096)
+
+    def add_sched(self, critical_us: float, overlapped_us: float) -> None:
+        self.critical_us.append(critical_us)
+        self.overlapped_us.append(overlapped_us)
+        self.sched_us.append(critical_us + overlapped_us)
+
+    def summary(self) -> dict:
+        out = {}
+        for name, values in (
+            ("sched_critical_us", self.critical_us),
+            ("sched_overlapped_us", self.overlapped_us),
+            ("sched_step_us", self.sched_us),
+            ("model_step_us", self.model_us),
+        ):
+            out[name + "_p50"], out[name + "_p99"] = percentile(values, 50), percentile(values, 99)
+        return out
+
+
+def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int) -> RingConfig:
+    """The rings for `config` at `max_ctx` (the context the backend settled on: the model's
+    limit or the device's memory may cut the configured one)."""
+    if config.policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
+    n_slots, pending_cap = config.n_slots, config.pending_cap
+    arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
+    cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
+    return RingConfig(
+        n_slots=n_slots,
+        max_ctx=max_ctx,
+        token_budget=max(config.token_budget, n_slots),
+        sq_size=config.sq_size,
+        cq_size=max(cq, 8192),
+        arena_size=arena,
+        pending_cap=pending_cap,
+        policy=POLICIES[config.policy],
+        aging_steps=config.aging_steps,
+        eos_ids=tuple(model.config.eos_token_ids[: layout.MAX_EOS_IDS]),
+    )
+
+
+def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
+    tokenizer = tokenizer_for(spec)
+    return ModelInfo(
+        name=str(spec),
+        vocab_size=model.config.vocab_size,
+        max_context=max_ctx,
+        eos_token_ids=tuple(model.config.eos_token_ids),
+        tokenizer=tokenizer,
+        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
+    )

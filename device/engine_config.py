@@ -1,0 +1,103 @@
+"""EngineConfig: what shapes the engine (the backend), carried from the CLI to the backends and
+the bench.  Each default is written once, here: the field defaults, and the few that differ per
+device in EngineConfig.resolved(), which says why.  Light to import (no torch): the CLI builds its
+options from it on every invocation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULERS = ("device", "host")
+LAUNCHES = ("auto", "resident", "pump")
+POLICIES = ("fifo", "priority", "static")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
+    scheduler: str | None = None  # where sched_step runs: device | host (None: per device, resolved())
+    launch: str = "auto"  # CUDA launch mode of the device scheduler: auto | resident | pump
+    policy: str = "fifo"  # admission: fifo | priority (with aging) | static batching
+    n_slots: int = 32  # batch slots: max concurrent sequences
+    max_ctx: int | None = None  # KV cache tokens per slot (None: per device, resolved())
+    token_budget: int = 256  # max token rows per step (raised to n_slots if below)
+    aging_steps: int = 64  # priority policy: a waiting request gains one level per this many steps
+    gpu_memory_fraction: float = 0.9  # CUDA: share of device memory for weights, KV cache, workspace
+    dtype: str | None = None  # weights and KV cache (None: per device, resolved()); a torch dtype is accepted
+    seed: int = 0  # seed of a preset's random weights
+    threads: int | None = None  # torch CPU threads (CPU backend; None: torch's default)
+    trace_path: str | None = None  # CUDA: the device timeline as Chrome-trace JSON, written at stop
+    sq_size: int = 1024  # submission ring entries
+    pending_cap: int = 1024  # requests the scheduler holds beyond the slots
+    attention: str = "triton"  # CUDA step attention kernel
+    stop_grace_s: float = 2.0  # CUDA: the scheduler kernel's grace to finish a stop
+    run_budget_s: float | None = None  # CUDA: the scheduler kernel exits on its own after this long
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not isinstance(self.dtype, str):  # torch.float32 -> "float32"
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        for name, allowed in (
+            ("device", DEVICES),
+            ("scheduler", SCHEDULERS),
+            ("launch", LAUNCHES),
+            ("policy", POLICIES),
+            ("dtype", DTYPES),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+    @classmethod
+    def of(cls, config: EngineConfig | str | None = None, /, **fields) -> EngineConfig:
+        """Keyword construction, as backends and open_backend() take it: a config or a model
+        spec (or neither), with fields given by name on top."""
+        if isinstance(config, EngineConfig):
+            return dataclasses.replace(config, **fields) if fields else config
+        if config is not None:
+            fields["model"] = config
+        return cls(**fields)
+
+    def resolved(self, device: str | None = None) -> EngineConfig:
+        """This config on `device` (default: self.device; auto: what torch sees), with the
+        defaults that differ per device filled in.  The one place they are written."""
+        kind = resolve_device(device or self.device)
+        if kind == "cpu":
+            if self.scheduler not in (None, "host"):
+                raise ValueError("the cpu backend schedules on a host thread; --scheduler device needs CUDA")
+            if self.trace_path:
+                raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
+            if self.dtype not in (None, "float32"):
+                raise ValueError(f"the cpu backend computes in float32, got dtype {self.dtype!r}")
+            return dataclasses.replace(
+                self,
+                device="cpu",
+                scheduler="host",  # the CPU build only: no device to run a persistent kernel on
+                # no free-memory probe on the host (CUDA has one): a fixed context per slot
+                max_ctx=self.max_ctx or 2048,
+                dtype="float32",  # the only dtype the CPU backend computes in
+            )
+        return dataclasses.replace(
+            self,
+            device="cuda",
+            scheduler=self.scheduler or "device",  # the persistent scheduler kernel is the product
+            # max_ctx None stays: the backend fits the longest context into --gpu-memory-fraction
+            dtype=self.dtype or "bfloat16",  # half the memory of float32 for weights and KV cache
+        )
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu; cpu and cuda as they are."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device != "auto":
+        return device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
