@@ -1,9 +1,8 @@
 """Tokenizers: a byte-level one for presets, a wrapper over HF `tokenizers` for checkpoints,
 and an incremental detokenizer for streaming output.
 
-Which tokenizer goes with a model spec: `tokenizer_for(spec)` (spec = preset name or
-checkpoint directory) returns a ByteTokenizer for presets, an HFTokenizer when the checkpoint
-directory has tokenizer.json, else None (the caller then serves token ids only).
+Which tokenizer goes with a model spec is device.model.presets.tokenizer_for (presets know
+their names; this module knows no model).
 """
 
 from __future__ import annotations
@@ -169,12 +168,3 @@ def load_tokenizer(model_dir: str | Path | None):
     if (Path(model_dir) / "tokenizer.json").exists():
         return HFTokenizer(model_dir)
     return None
-
-
-def tokenizer_for(spec: str | Path):
-    """Tokenizer for a model spec as the server gets it: a preset name or a checkpoint dir."""
-    from device.model.presets import PRESETS
-
-    if isinstance(spec, str) and spec in PRESETS:
-        return load_tokenizer(None)
-    return load_tokenizer(spec)

@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from device.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    IncrementalDetokenizer,
-    load_tokenizer,
-    tokenizer_for,
-)
+from device.model.presets import tokenizer_for
+from device.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world! héllo wörld",

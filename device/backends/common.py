@@ -8,7 +8,8 @@ import numpy as np
 from device.engine_config import POLICIES as POLICY_NAMES
 from device.engine_config import EngineConfig
 from device.model import LlamaModel
-from device.tokenizer import IncrementalDetokenizer, tokenizer_for
+from device.model.presets import tokenizer_for
+from device.tokenizer import IncrementalDetokenizer
 from ipc import layout
 from ipc.backend import ModelInfo
 from ipc.rings import RingConfig

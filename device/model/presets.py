@@ -3,8 +3,10 @@ byte-level tokenizer, so the runtime can be exercised and benchmarked without do
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from device.model.config import ModelConfig
-from device.tokenizer import ByteTokenizer
+from device.tokenizer import ByteTokenizer, load_tokenizer
 
 _BYTE = ByteTokenizer
 
@@ -85,3 +87,12 @@ def preset_config(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown preset {name!r}; have {sorted(PRESETS)}") from None
+
+
+def tokenizer_for(spec: str | Path):
+    """Tokenizer for a model spec as the server gets it: a ByteTokenizer for a preset name; for a
+    checkpoint directory an HFTokenizer when it has tokenizer.json, else None (the server then
+    serves token ids only)."""
+    if isinstance(spec, str) and spec in PRESETS:
+        return load_tokenizer(None)
+    return load_tokenizer(spec)
