@@ -105,16 +105,20 @@ class CpuBackend(Doorbells, Backend):
             while True:
                 self._doorbell.clear()
                 tail_before = int(control[0]["cq_tail"])
+                # 1. the critical phase: the last step's samples in, the next step's layout out
                 t0 = time.perf_counter()
                 built = self._scheduler.critical(ctx) == layout.StepStatus.RUN
                 t1 = time.perf_counter()
+                # 2. the overlapped phase (serial here: one thread): aborts, SQ, events, admission
                 following = self._scheduler.overlapped(ctx, built)
                 t2 = time.perf_counter()
                 self._timer.add_sched((t1 - t0) * 1e6, (t2 - t1) * 1e6)
+                # 3. wake the completion thread if events were published
                 if int(control[0]["cq_tail"]) != tail_before:
                     self._events.set()
                 if following == layout.StepStatus.SHUTDOWN:
                     break
+                # 4. the model step on the layout the critical phase built; else, idle, sleep
                 if built:
                     self._run_model_step()
                     self._timer.model_us.append((time.perf_counter() - t2) * 1e6)

@@ -317,20 +317,24 @@ class CudaBackend(Doorbells, Backend):
             while True:
                 self._doorbell.clear()
                 tail = int(a["ctl"][0]["cq_tail"])
+                # 1. the critical phase on the CPU
                 t0 = time.perf_counter()
                 built = self._cpu_scheduler.critical(ctx) == layout.StepStatus.RUN
                 t1 = time.perf_counter()
+                # 2. layout up, step graph, next_token down: all queued, none waited for
                 if built:
                     io.upload(stream)
                     self._graphs.replay(int(a["step"][0]["bucket"]))
                     io.download(stream)
                 t2 = time.perf_counter()
+                # 3. the overlapped phase on the CPU while the GPU computes
                 following = self._cpu_scheduler.overlapped(ctx, built)
                 self._timer.add_sched((t1 - t0) * 1e6, (time.perf_counter() - t2) * 1e6)
+                # 4. wake the completion thread; wait for the step (the next critical reads next_token)
                 if int(a["ctl"][0]["cq_tail"]) != tail:
                     self._events.set()
                 if built:
-                    io.wait()  # the next critical phase reads next_token
+                    io.wait()
                     self._timer.model_us.append((time.perf_counter() - t1) * 1e6)
                 if following == layout.StepStatus.SHUTDOWN:
                     return
