@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import inspect
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +87,7 @@ _OLD_PREFIX = {
 
 def push_generate(sq, handle: int, prompt_off: int, prompt_len: int, max_tokens: int) -> int:
     """One ignore-EOS GENERATE, in whichever SubmissionQueue.push form this tree has."""
-    if SamplingParams is None:  # before SamplingParams: the entry's fields as keywords
+    if "sampling" not in inspect.signature(sq.push).parameters:  # before SamplingParams: fields as keywords
         return sq.push(
             handle, prompt_off=prompt_off, prompt_len=prompt_len, max_tokens=max_tokens, flags=IGNORE_EOS
         )
@@ -488,46 +488,6 @@ def run_all(args, whole_step: bool) -> dict:
     return doc
 
 
-def run_before(rev: str, args) -> dict:
-    """This script, with --whole-step, in a temporary detached worktree of `rev`."""
-    tmp = Path(tempfile.mkdtemp(prefix="sched_micro_"))
-    tree, out = tmp / "tree", tmp / "before.json"
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), rev], check=True
-    )
-    try:
-        shutil.copy(Path(__file__).resolve(), tree / "bench" / "sched_micro.py")
-        cmd = [
-            sys.executable,
-            str(tree / "bench" / "sched_micro.py"),
-            "--whole-step",
-            "--json",
-            str(out),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--seed",
-            str(args.seed),
-            "--scenarios",
-            ",".join(args.scenarios),
-            "--sizes",
-            ",".join(map(str, args.sizes)),
-            "--quiet",
-        ]
-        subprocess.run(
-            cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.DEVNULL
-        )  # its table: this run prints both
-        doc = json.loads(out.read_text())
-        if Path(doc["machine"]["source_root"]) != tree.resolve():
-            raise RuntimeError(f"the --before run imported {doc['machine']['source_root']}, not {tree}")
-        doc["rev"] = rev
-        return doc
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ---------------------------------------------------------------- the null-host check
 
 
@@ -563,48 +523,6 @@ def _first_difference(a: list[dict], b: list[dict]) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- output
-
-
-def _kinds(st) -> str:
-    if not st or st.get("host_accesses_by_kind") is None:
-        return "-"
-    k = st["host_accesses_by_kind"]
-    return (
-        f"{st['host_accesses_per_step']:.1f} (acq {k['acquire_loads']:.1f} rel {k['release_stores']:.1f} "
-        f"fen {k['system_fences']:.1f} ld {k['loads']:.1f} st {k['stores']:.1f})"
-    )
-
-
-def table(after: dict, before: dict | None) -> str:
-    old = {(s["name"], s["n_slots"]): s for s in before["scenarios"]} if before else {}
-    head = f"{'scenario':16} {'slots':>5} "
-    if before:
-        head += f"{'before step p50/p99':>20} "
-    head += f"{'critical p50/p99':>17} {'overlapped p50/p99':>19} {'exposed p50/p99':>16} {'pass':>4}  host accesses/step: critical | overlapped"
-    lines = [
-        f"us per step ({after['mode']}"
-        + (f"; before = {before.get('rev')}, whole step" if before else "")
-        + ")",
-        head,
-    ]
-    for s in after["scenarios"]:
-        c, o, e = s["phases"]["critical"], s["phases"]["overlapped"], s["exposed"]
-        row = f"{s['name']:16} {s['n_slots']:>5} "
-        if before:
-            b = old.get((s["name"], s["n_slots"]))
-            bc = b["phases"]["critical"] if b else None
-            row += f"{bc['us_per_step']:>9.1f}/{bc['us_p99']:<10.1f} " if bc else f"{'-':>20} "
-        row += (
-            f"{c['us_per_step']:>7.1f}/{c['us_p99']:<9.1f} "
-            + (f"{o['us_per_step']:>8.1f}/{o['us_p99']:<10.1f} " if o else f"{'-':>19} ")
-            + f"{e['us_per_step']:>6.1f}/{e['us_p99']:<9.1f} {s['passes_per_step']:>4.2f}  "
-            + f"{_kinds(c)} | {_kinds(o)}"
-        )
-        lines.append(row)
-    return "\n".join(lines)
-
-
 def _csv(kind):
     return lambda text: [kind(v) for v in text.split(",") if v]
 
@@ -624,19 +542,22 @@ def main(argv=None) -> int:
         action="store_true",
         help="critical on a context without host-shared pointers must build the same layouts",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no table on stdout")
     args = p.parse_args(argv)
     for name in args.scenarios:
         workload(name, 1, 256)  # unknown names fail before anything runs
     if args.null_host_check:
         return null_host_check(args)
-    before = run_before(args.before, args) if args.before else None
+    if args.before or not args.quiet:  # not in a --before child, which may run in an older tree
+        from bench.sched_micro_report import run_before, table
+    before = run_before(Path(__file__).resolve(), args.before, args) if args.before else None
     doc = run_all(args, args.whole_step)
     if before:
         doc["before"] = before
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
-    print(table(doc, before))
+    if not args.quiet:
+        print(table(doc, before))
     return 0
 
 
