@@ -23,6 +23,7 @@ from ipc.client_core import (
     ERR_CLIENT_CLOSED,
     Actions,
     ClientCore,
+    CoreView,
     Done,
     StreamState,
     TokenChunk,
@@ -120,7 +121,7 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class AsyncClient:
+class AsyncClient(CoreView):
     """asyncio client (zmq.asyncio); use from one event loop. The socket is created on first use.
 
     The options mean what they mean for `Client`."""
@@ -235,23 +236,6 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._core.streams)
-
-    @property
-    def last_error(self) -> dict | None:
-        """The latest id-less `error` op from the server."""
-        return self._core.last_error
-
-    @property
-    def max_frame_bytes(self) -> int | None:
-        return self._core.max_frame_bytes
-
-    @max_frame_bytes.setter
-    def max_frame_bytes(self, value: int | None) -> None:
-        self._core.max_frame_bytes = value
 
     # -- internals
 

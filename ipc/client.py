@@ -41,6 +41,7 @@ from ipc.client_core import (
     ERR_DISCONNECTED,
     Actions,
     ClientCore,
+    CoreView,
     Done,
     StreamState,
     TokenChunk,
@@ -146,7 +147,7 @@ class _Waiter:
         self.event.set()
 
 
-class Client:
+class Client(CoreView):
     """Thread-safe sync client; only the background I/O thread touches the ZeroMQ socket.
 
     timeout: default wait of one call (a chunk, stats, ping), None waits on the liveness checks.
@@ -281,23 +282,6 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._core.streams)
-
-    @property
-    def last_error(self) -> dict | None:
-        """The latest id-less `error` op from the server."""
-        return self._core.last_error
-
-    @property
-    def max_frame_bytes(self) -> int | None:
-        return self._core.max_frame_bytes
-
-    @max_frame_bytes.setter
-    def max_frame_bytes(self, value: int | None) -> None:
-        self._core.max_frame_bytes = value
 
     # -- internals (any thread)
 

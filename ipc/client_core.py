@@ -409,3 +409,26 @@ class ClientCore(Generic[S, W]):
         actions.events = [(s, local_done(code, message, s)) for s in streams if s is not None]
         actions.errors = [(w, waiter_error) for w in waiters]
         return actions
+
+
+class CoreView:
+    """What both clients show of their core (`self._core`, a ClientCore)."""
+
+    _core: ClientCore
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._core.streams)
+
+    @property
+    def last_error(self) -> dict | None:
+        """The latest id-less `error` op from the server."""
+        return self._core.last_error
+
+    @property
+    def max_frame_bytes(self) -> int | None:
+        return self._core.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int | None) -> None:
+        self._core.max_frame_bytes = value
