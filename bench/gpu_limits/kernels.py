@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
-from device.backends import cuda_driver as drv
-from device.backends.cuda_driver import CudaError
-
-try:
-    from cuda.bindings import nvrtc
-except ImportError:  # cuda-python < 12.6 layout
-    from cuda import nvrtc  # type: ignore[no-redef]
+from device.sched.build import NvrtcError, nvrtc_compile, parse_ptxas_log
 
 KERNEL_SRC = Path(__file__).resolve().parent / "kernels.cu"
 COMPILE_TAG = "GPU_LIMITS_COMPILE"
@@ -74,45 +67,19 @@ def kernel_defines() -> list[str]:
 
 
 def parse_ptxas(log: str) -> dict:
-    """Per-function resource use from NVRTC's --ptxas-options=-v log."""
-    out: dict[str, dict] = {}
-    cur = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            out.setdefault(
-                cur,
-                {
-                    "regs": None,
-                    "smem_bytes": 0,
-                    "stack_bytes": 0,
-                    "spill_store_bytes": 0,
-                    "spill_load_bytes": 0,
-                    "cmem0_bytes": None,
-                },
-            )
-            continue
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
-            cur = m.group(1) if m.group(1) in out else None
-            continue
-        if cur is None:
-            continue
-        d = out[cur]
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m:
-            d["stack_bytes"], d["spill_store_bytes"], d["spill_load_bytes"] = map(int, m.groups())
-        m = re.search(r"Used (\d+) registers", line)
-        if m:
-            d["regs"] = int(m.group(1))
-        m = re.search(r"(\d+) bytes smem", line)
-        if m:
-            d["smem_bytes"] = int(m.group(1))
-        m = re.search(r"(\d+) bytes cmem\[0\]", line)
-        if m:
-            d["cmem0_bytes"] = int(m.group(1))
-    return out
+    """Per-function resource use from NVRTC's --ptxas-options=-v log (the runtime's parser), as
+    this probe's JSON keys; stack and spill bytes the log leaves out count as 0."""
+    return {
+        name: {
+            "regs": r.registers,
+            "smem_bytes": r.shared_bytes,
+            "stack_bytes": r.stack_bytes or 0,
+            "spill_store_bytes": r.spill_bytes or 0,
+            "spill_load_bytes": r.spill_load_bytes or 0,
+            "cmem0_bytes": r.cmem0_bytes,
+        }
+        for name, r in parse_ptxas_log(log).items()
+    }
 
 
 # ----------------------------------------------------------------------------
@@ -126,15 +93,6 @@ def nvrtc_version() -> str:
         return "%d.%d" % version()
     except Exception as e:
         return f"unknown ({type(e).__name__}: {e})"
-
-
-def _program_log(prog) -> str:
-    n = drv.call(nvrtc.nvrtcGetProgramLogSize, prog)
-    if not n:
-        return ""
-    buf = b" " * n
-    drv.call(nvrtc.nvrtcGetProgramLog, prog, buf)
-    return buf.rstrip(b"\0 ").decode(errors="replace")
 
 
 def compile_group(group: str, arch: str, src: str | None = None) -> dict:
@@ -162,32 +120,20 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
     ]
     info["options"] = opts
     t0 = time.perf_counter()
-    prog = None
+    name = f"gpu_limits_{group}.cu"
     try:
-        prog = drv.call(nvrtc.nvrtcCreateProgram, src.encode(), f"gpu_limits_{group}.cu".encode(), 0, [], [])
-        ob = [o.encode() for o in opts]
-        res = nvrtc.nvrtcCompileProgram(prog, len(ob), ob)
-        if res[0] == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION:
+        try:
+            out = nvrtc_compile(src, name, opts)
+        except NvrtcError as e:
+            if e.result != "NVRTC_ERROR_INVALID_OPTION":
+                raise
             # an NVRTC without --ptxas-options: compile anyway, resources unknown
-            drv.call(nvrtc.nvrtcDestroyProgram, prog)
-            prog = drv.call(
-                nvrtc.nvrtcCreateProgram, src.encode(), f"gpu_limits_{group}.cu".encode(), 0, [], []
-            )
             opts = [o for o in opts if not o.startswith("--ptxas-options")]
             info["options"] = opts
-            ob = [o.encode() for o in opts]
-            res = nvrtc.nvrtcCompileProgram(prog, len(ob), ob)
-        try:
-            info["log"] = _program_log(prog)
-        except Exception as e:
-            info["log"] = f"(no log: {e})"
-        if int(res[0]) != 0:
-            raise CudaError(f"nvrtcCompileProgram failed: {drv.err_text(res[0])}\n{info['log']}")
-        size = drv.call(nvrtc.nvrtcGetCUBINSize, prog)
-        buf = b" " * size
-        drv.call(nvrtc.nvrtcGetCUBIN, prog, buf)
-        info["cubin"] = bytes(buf)
-        info["cubin_bytes"] = size
+            out = nvrtc_compile(src, name, opts)
+        info["log"] = out.log
+        info["cubin"] = out.cubin
+        info["cubin_bytes"] = len(out.cubin)
         res_use = parse_ptxas(info["log"])
         for k in KERNEL_GROUPS[group]:
             present = k in res_use or (b".text." + k.encode()) in info["cubin"]
@@ -200,15 +146,11 @@ def compile_group(group: str, arch: str, src: str | None = None) -> dict:
                 k for k, v in info["kernels"].items() if not v["ok"]
             )
     except Exception as e:
+        if isinstance(e, NvrtcError):
+            info["log"] = e.log
         info["error"] = f"{type(e).__name__}: {e}"
         for k in KERNEL_GROUPS[group]:
             info["kernels"].setdefault(k, {"ok": False, "group": group})
-    finally:
-        if prog is not None:
-            try:
-                drv.call(nvrtc.nvrtcDestroyProgram, prog)
-            except Exception:
-                pass
     info["compile_s"] = round(time.perf_counter() - t0, 3)
     return info
 

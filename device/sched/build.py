@@ -21,7 +21,13 @@ KERNEL_NAME = "rl_scheduler_persistent"
 
 
 # The scheduler's one source, in include order (each file relies on the ones before it).
-SCHEDULER_SOURCES = ("primitives.h", "sched_common.h", "sched_critical.h", "sched_overlapped.h", "sched_step.h")
+SCHEDULER_SOURCES = (
+    "primitives.h",
+    "sched_common.h",
+    "sched_critical.h",
+    "sched_overlapped.h",
+    "sched_step.h",
+)
 
 
 def scheduler_source(entry: str) -> str:
@@ -89,10 +95,14 @@ KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_begin", "rl_step_signal")
 
 @dataclass
 class KernelResources:
+    """One entry function's resource use, as ptxas -v reports it (None: not in the log)."""
+
     registers: int | None
     shared_bytes: int | None
-    spill_bytes: int | None
-    stack_bytes: int | None
+    spill_bytes: int | None  # spill stores
+    stack_bytes: int | None  # stack frame
+    spill_load_bytes: int | None = None
+    cmem0_bytes: int | None = None  # constant bank 0 (kernel parameters and the like)
 
 
 @dataclass
@@ -115,37 +125,137 @@ class KernelBuild:
         raise AttributeError(name)
 
 
+_PTXAS_NUMBERS = (
+    ("stack_bytes", re.compile(r"(\d+) bytes stack frame")),
+    ("spill_bytes", re.compile(r"(\d+) bytes spill stores")),
+    ("spill_load_bytes", re.compile(r"(\d+) bytes spill loads")),
+    ("registers", re.compile(r"Used (\d+) registers")),
+    ("shared_bytes", re.compile(r"(\d+) bytes smem")),
+    ("cmem0_bytes", re.compile(r"(\d+) bytes cmem\[0\]")),
+)
+
+
 def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
-    out = {}
-    for block in log.split("Compiling entry function '")[1:]:
-        name = block.split("'", 1)[0]
+    """Per entry function resource use from an NVRTC --ptxas-options=-v log.
 
-        def grab(pattern, block=block):
-            m = re.search(pattern, block)
-            return int(m.group(1)) if m else None
-
-        out[name] = KernelResources(
-            grab(r"Used (\d+) registers"),
-            grab(r"(\d+) bytes smem") or 0,
-            grab(r"(\d+) bytes spill stores"),
-            grab(r"(\d+) bytes stack frame"),
-        )
+    A line belongs to the entry function last named by "Compiling entry function" or by
+    "Function properties for"; the properties of a device (non-entry) function are skipped.
+    shared_bytes is 0 when the log names no smem; any other number missing is None."""
+    out: dict[str, KernelResources] = {}
+    cur = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            out.setdefault(cur, KernelResources(None, 0, None, None))
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            cur = m.group(1) if m.group(1) in out else None
+            continue
+        if cur is None:
+            continue
+        for field, pattern in _PTXAS_NUMBERS:
+            m = pattern.search(line)
+            if m:
+                setattr(out[cur], field, int(m.group(1)))
     return out
 
 
-def _check(result, what: str):
-    from cuda.bindings import nvrtc
+class NvrtcError(RuntimeError):
+    """An NVRTC step failed. result: the nvrtcResult's name (e.g. "NVRTC_ERROR_INVALID_OPTION",
+    an option this NVRTC does not know); log: the program log ("" when there is none)."""
 
+    def __init__(self, headline: str, *, result: str, log: str = ""):
+        super().__init__(f"{headline}: {result}" + (f"\n{log}" if log else ""))
+        self.headline, self.result, self.log = headline, result, log
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # type: ignore[no-redef]  # cuda-python < 12.6 layout
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'"
+            ) from exc
+    return nvrtc
+
+
+def _result_name(nvrtc, err) -> str:
+    try:
+        status, text = nvrtc.nvrtcGetErrorString(err)
+        if int(status) == 0 and text:
+            return text.decode()
+    except Exception:
+        pass
+    return getattr(err, "name", None) or str(err)
+
+
+def _check(result, what: str):
+    """An NVRTC call's (err, *values): raise NvrtcError on error, else the value or values."""
+    nvrtc = _nvrtc()
     err = result[0]
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"{what} failed: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+        raise NvrtcError(f"{what} failed", result=_result_name(nvrtc, err))
     return result[1] if len(result) == 2 else result[1:]
 
 
-def nvrtc_version() -> tuple[int, int]:
-    from cuda.bindings import nvrtc
+@dataclass
+class NvrtcOutput:
+    cubin: bytes
+    log: str  # the program log: ptxas -v output when asked for with --ptxas-options=-v
+    ptx: bytes = b""  # NUL-terminated PTX text, when asked for
 
-    major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+
+def _program_log(nvrtc, prog) -> str:
+    size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    if not size:
+        return ""
+    buf = b" " * size
+    _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+    return buf.rstrip(b"\0 ").decode(errors="replace")
+
+
+def nvrtc_compile(source: str, name: str, options: list[str], *, ptx: bool = False) -> NvrtcOutput:
+    """Compile one CUDA source with NVRTC: the CUBIN, the PTX when ptx is true, and the log.
+
+    Raises NvrtcError (with .result and .log) when a step fails: a failed compile carries the
+    program log, and NVRTC_ERROR_INVALID_OPTION tells an option this NVRTC does not know.
+    The program is always destroyed."""
+    nvrtc = _nvrtc()
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        failed = compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS
+        try:
+            log = _program_log(nvrtc, prog)
+        except NvrtcError as exc:
+            if not failed:
+                raise
+            log = f"(no log: {exc})"
+        if failed:
+            raise NvrtcError("nvrtcCompileProgram failed", result=_result_name(nvrtc, compiled[0]), log=log)
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        text = b""
+        if ptx:
+            text = b" " * _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            _check(nvrtc.nvrtcGetPTX(prog, text), "nvrtcGetPTX")
+            text = text.rstrip(b"\x00 ") + b"\x00"
+        return NvrtcOutput(cubin, log, text)
+    finally:
+        try:
+            nvrtc.nvrtcDestroyProgram(prog)
+        except Exception:  # pragma: no cover - nothing to do about it
+            pass
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = _check(_nvrtc().nvrtcVersion(), "nvrtcVersion")
     return int(major), int(minor)
 
 
@@ -164,31 +274,16 @@ def ptx_loadable(nvrtc: tuple[int, int], driver: tuple[int, int]) -> tuple[bool,
 
 def compile_kernel(arch: str = "sm_90", threads: int = 256) -> KernelBuild:
     """Compile the persistent scheduler kernel with NVRTC; ptxas -v gives resource usage."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError(
-            "NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'"
-        ) from exc
     src = scheduler_source("kernel.cu").replace(
         "#define RL_MAX_THREADS 1024", f"#define RL_MAX_THREADS {threads}"
     )
-    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"rl_scheduler.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
-    compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    buf = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    log = buf.decode(errors="replace").rstrip("\x00 ")
-    if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC could not compile the scheduler for {arch}:\n{log}")
-    n = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * n
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    n = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-    ptx = b" " * n
-    _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-    nvrtc.nvrtcDestroyProgram(prog)
-    return KernelBuild(
-        arch, cubin, log, parse_ptxas_log(log), ptx.rstrip(b"\x00 ") + b"\x00", nvrtc_version()
-    )
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "--ptxas-options=-v"]
+    try:
+        out = nvrtc_compile(src, "rl_scheduler.cu", opts, ptx=True)
+    except NvrtcError as exc:
+        raise NvrtcError(
+            f"NVRTC could not compile the scheduler for {arch}: {exc.headline}",
+            result=exc.result,
+            log=exc.log,
+        ) from exc
+    return KernelBuild(arch, out.cubin, out.log, parse_ptxas_log(out.log), out.ptx, nvrtc_version())
