@@ -194,8 +194,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), **options)
 
 
-def sampling_from_args(args) -> SamplingParams:
-    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FIELDS})
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    fields = {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    return SamplingParams(**{**fields, "stop_token_ids": tuple(fields["stop_token_ids"])})
 
 
 def cmd_generate(args) -> int:
@@ -206,7 +207,7 @@ def cmd_generate(args) -> int:
         stream = client.generate(
             args.prompt,
             prompt_ids=args.prompt_ids,
-            **sampling_from_args(args).wire_fields(),
+            sampling=sampling_from_args(args),
             priority=args.priority,
             timeout_ms=args.timeout_ms,
         )
