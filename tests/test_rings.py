@@ -47,12 +47,8 @@ def test_sq_full_and_empty():
     sq = mem.rings.submissions
     assert sq.free_entries() == 4
     params = SamplingParams(max_tokens=1, seed=0)
-    assert [sq.push(h + 1, params, prompt_off=0, prompt_len=1) for h in range(4)] == [
-        0,
-        1,
-        2,
-        3,
-    ]  # the SQ position
+    positions = [sq.push(h + 1, params, prompt_off=0, prompt_len=1) for h in range(4)]
+    assert positions == [0, 1, 2, 3]  # push returns the SQ position
     assert (mem.arrays["sq"]["op"] == layout.Op.GENERATE).all()
     assert sq.free_entries() == 0
     assert not mem.rings.completions.take().size  # empty CQ reads nothing
