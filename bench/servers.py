@@ -27,8 +27,11 @@ import time
 from dataclasses import dataclass, field
 
 from bench.loadgen import read_stats, wait_ready
-from device.engine_config import EngineConfig
-from device.engine_config import resolve_device as _resolve_device
+from device.engine_config import (
+    EngineConfig,
+    resolve_device,  # noqa: F401 - the bench's name for the server's rule
+)
+from hostctl.cli import serve_flags
 
 VARIANTS = ("device", "host", "static", "hf")
 STARTUP_TIMEOUT_S = 60.0
@@ -58,24 +61,19 @@ class ServerOptions:
     extra: list[str] = field(default_factory=list)
 
     def args(self) -> list[str]:
-        out = ["--model", self.model, "--device", self.device]
-        for flag, value in (
-            ("--launch", self.launch),
-            ("--slots", self.slots),
-            ("--max-ctx", self.max_ctx),
-            ("--token-budget", self.token_budget),
-            ("--threads", self.threads),
-            ("--seed", self.weights_seed),
-            ("--max-queue", self.max_queue),
-        ):
-            if value is not None:
-                out += [flag, str(value)]
+        out = serve_flags(
+            model=self.model,
+            device=self.device,
+            launch=self.launch,
+            n_slots=self.slots,
+            max_ctx=self.max_ctx,
+            token_budget=self.token_budget,
+            threads=self.threads,
+            seed=self.weights_seed,
+        )
+        if self.max_queue is not None:  # a server option, not the engine's
+            out += ["--max-queue", str(self.max_queue)]
         return out + list(self.extra)
-
-
-def resolve_device(device: str) -> str:
-    """auto -> cuda when torch sees a GPU, else cpu (the server's own rule, from EngineConfig)."""
-    return _resolve_device(device)
 
 
 def plan_variants(

@@ -122,6 +122,15 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def serve_flags(**fields: Any) -> list[str]:
+    """`ringleader serve` flags for EngineConfig fields given by name (None: leave the default)."""
+    out: list[str] = []
+    for name, value in fields.items():
+        if value is not None:
+            out += [ENGINE_OPTIONS[name][0], str(value)]
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{name: getattr(args, name) for name in ENGINE_OPTIONS})
 

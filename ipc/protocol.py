@@ -361,7 +361,8 @@ def generate_msg(req: GenerateRequest) -> dict:
     if req.prompt is not None:
         msg["prompt"] = req.prompt
     if req.prompt_ids is not None:
-        msg["prompt_ids"] = list(req.prompt_ids)
+        ids = req.prompt_ids
+        msg["prompt_ids"] = ids if isinstance(ids, list) else list(ids)
     msg.update(req.sampling.wire_fields(), priority=req.priority)
     if req.timeout_ms is not None:
         msg["timeout_ms"] = req.timeout_ms
