@@ -30,8 +30,8 @@ from bench.loadgen import read_stats, wait_ready
 from device.engine_config import (
     EngineConfig,
     resolve_device,  # noqa: F401 - the bench's name for the server's rule
+    serve_flags,
 )
-from hostctl.cli import serve_flags
 
 VARIANTS = ("device", "host", "static", "hf")
 STARTUP_TIMEOUT_S = 60.0

@@ -89,6 +89,34 @@ class EngineConfig:
         )
 
 
+# The `ringleader serve` flag of each EngineConfig field it takes (hostctl/cli.py adds the
+# options; the bench writes flags for the servers it starts).
+SERVE_FLAGS = {
+    "model": "--model",
+    "device": "--device",
+    "scheduler": "--scheduler",
+    "launch": "--launch",
+    "policy": "--policy",
+    "n_slots": "--slots",
+    "max_ctx": "--max-ctx",
+    "gpu_memory_fraction": "--gpu-memory-fraction",
+    "token_budget": "--token-budget",
+    "aging_steps": "--aging-steps",
+    "seed": "--seed",
+    "threads": "--threads",
+    "trace_path": "--trace",
+}
+
+
+def serve_flags(**fields) -> list[str]:
+    """`ringleader serve` flags for EngineConfig fields given by name (None: the server's default)."""
+    out: list[str] = []
+    for name, value in fields.items():
+        if value is not None:
+            out += [SERVE_FLAGS[name], str(value)]
+    return out
+
+
 def resolve_device(device: str) -> str:
     """auto -> cuda when torch sees a GPU, else cpu; cpu and cuda as they are."""
     if device not in DEVICES:

@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from device.engine_config import DEVICES, LAUNCHES, POLICIES, SCHEDULERS, EngineConfig
+from device.engine_config import DEVICES, LAUNCHES, POLICIES, SCHEDULERS, SERVE_FLAGS, EngineConfig
 from ipc.backend import Backend
 from ipc.curve import (
     CurveError,
@@ -32,55 +32,47 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-# The EngineConfig fields `serve` takes: field -> (flag, argparse options, help).  Each default
-# comes from the field (EngineConfig's, written once); None there means "per device", which
-# EngineConfig.resolved() fills in and the help says.
-ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any], str]] = {
+# The EngineConfig fields `serve` takes: field -> (argparse options, help); the flag is
+# SERVE_FLAGS[field].  Each default comes from the field (EngineConfig's, written once); None
+# there means "per device", which EngineConfig.resolved() fills in and the help says.
+ENGINE_OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
     "model": (
-        "--model",
         {},
         "preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory (default: %(default)s)",
     ),
-    "device": ("--device", {"choices": DEVICES}, "auto: cuda when torch sees a GPU, else cpu"),
+    "device": ({"choices": DEVICES}, "auto: cuda when torch sees a GPU, else cpu"),
     "scheduler": (
-        "--scheduler",
         {"choices": SCHEDULERS},
         "CUDA: where sched_step runs (default device); the CPU backend is host-only",
     ),
     "launch": (
-        "--launch",
         {"choices": LAUNCHES},
         "CUDA launch mode of the device scheduler: resident (one WHILE graph; "
         "fails start-up if it cannot run), pump, or auto (resident, else pump; the "
         "mode that runs is in the log and in stats)",
     ),
     "policy": (
-        "--policy",
         {"choices": POLICIES},
         "admission: fifo, priority with aging, or static batching (a baseline)",
     ),
-    "n_slots": ("--slots", {"type": int}, "batch slots (max concurrent sequences)"),
+    "n_slots": ({"type": int}, "batch slots (max concurrent sequences)"),
     "max_ctx": (
-        "--max-ctx",
         {"type": int},
         "tokens of KV cache per slot (default: %s on cpu; on cuda the longest that fits "
         "--gpu-memory-fraction, up to the model's limit)" % EngineConfig().resolved("cpu").max_ctx,
     ),
     "gpu_memory_fraction": (
-        "--gpu-memory-fraction",
         {"type": float},
         "CUDA: share of device memory for weights, KV cache and workspace",
     ),
-    "token_budget": ("--token-budget", {"type": int}, "max token rows per step"),
+    "token_budget": ({"type": int}, "max token rows per step"),
     "aging_steps": (
-        "--aging-steps",
         {"type": int},
         "priority policy: a waiting request gains one level per this many steps",
     ),
-    "seed": ("--seed", {"type": int}, "seed of the preset's random weights"),
-    "threads": ("--threads", {"type": int}, "torch CPU threads"),
+    "seed": ({"type": int}, "seed of the preset's random weights"),
+    "threads": ({"type": int}, "torch CPU threads"),
     "trace_path": (
-        "--trace",
         {},
         "CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
     ),
@@ -91,7 +83,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     """Options that shape a server; `bench` reuses them for the servers it starts.  The engine's
     (ENGINE_OPTIONS) land on args under their EngineConfig field names."""
     defaults = EngineConfig()
-    for name, (flag, options, help) in ENGINE_OPTIONS.items():
+    for name, (options, help) in ENGINE_OPTIONS.items():
+        flag = SERVE_FLAGS[name]
         if "choices" not in options:
             options = {"metavar": flag[2:].upper().replace("-", "_"), **options}
         p.add_argument(flag, dest=name, default=getattr(defaults, name), help=help, **options)
@@ -120,15 +113,6 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="heartbeat stall that declares the engine dead (default 2 on cuda, 60 on cpu)",
     )
-
-
-def serve_flags(**fields: Any) -> list[str]:
-    """`ringleader serve` flags for EngineConfig fields given by name (None: leave the default)."""
-    out: list[str] = []
-    for name, value in fields.items():
-        if value is not None:
-            out += [ENGINE_OPTIONS[name][0], str(value)]
-    return out
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
