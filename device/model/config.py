@@ -23,6 +23,8 @@ class ModelConfig:
     # None, or llama3-style scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}.
     rope_scaling: dict | None = None
+    # None, or one divisor per rotary frequency [head_dim/2] (how GGUF files store Llama-3's scaling)
+    rope_freq_factors: list[float] | None = None
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -39,6 +41,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries, want head_dim/2 = {self.head_dim // 2}"
+            )
 
     @property
     def q_per_kv(self) -> int:

@@ -23,6 +23,7 @@ from device.model.checkpoint import hf_to_internal, load_config, load_state_dict
 from device.model.config import ModelConfig
 from device.model.decoder_layer import CacheAttention, DecoderLayer, RMSNorm
 from device.model.eager_attention import EagerAttention
+from device.model.gguf_checkpoint import is_gguf, load_gguf
 from device.model.kv_cache import KVCache
 from device.model.ops import rope_tables
 from device.model.presets import LOGIT_STD, PRESETS, preset_config
@@ -76,12 +77,24 @@ class LlamaModel(nn.Module):
         return model.requires_grad_(False)
 
     @classmethod
+    def from_gguf(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu"
+    ) -> LlamaModel:
+        """A Llama-family GGUF file, dequantized to `dtype` at load."""
+        config, state = load_gguf(path, dtype, device)
+        model = cls(config, dtype, "meta")
+        model.load_state_dict(hf_to_internal(state, config), strict=True, assign=True)
+        return model.requires_grad_(False)
+
+    @classmethod
     def from_spec(
         cls, spec: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
     ) -> LlamaModel:
-        """A preset name, or else a checkpoint directory."""
+        """A preset name, a .gguf file, or else a checkpoint directory."""
         if isinstance(spec, str) and spec in PRESETS:
             return cls.from_preset(spec, dtype, device, seed)
+        if is_gguf(spec):
+            return cls.from_gguf(spec, dtype, device)
         return cls.from_checkpoint(spec, dtype, device)
 
     @torch.no_grad()

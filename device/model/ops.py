@@ -24,9 +24,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (fp32), with llama3 scaling when configured."""
+    """Inverse frequencies [head_dim/2] (fp32), with llama3 scaling when configured (as HF's
+    parameters, or as the per-frequency divisors GGUF files store)."""
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        return inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     rs = config.rope_scaling
     if not rs:
         return inv

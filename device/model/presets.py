@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from device.model.config import ModelConfig
+from device.model.gguf_checkpoint import is_gguf, open_gguf
 from device.tokenizer import ByteTokenizer, load_tokenizer
 
 _BYTE = ByteTokenizer
@@ -90,9 +91,13 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def tokenizer_for(spec: str | Path):
-    """Tokenizer for a model spec as the server gets it: a ByteTokenizer for a preset name; for a
-    checkpoint directory an HFTokenizer when it has tokenizer.json, else None (the server then
-    serves token ids only)."""
+    """Tokenizer for a model spec as the server gets it: a ByteTokenizer for a preset name; the
+    file's own for a .gguf file; for a checkpoint directory an HFTokenizer when it has
+    tokenizer.json, else None (the server then serves token ids only)."""
     if isinstance(spec, str) and spec in PRESETS:
         return load_tokenizer(None)
+    if is_gguf(spec):
+        from device.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(open_gguf(spec).metadata)
     return load_tokenizer(spec)
