@@ -193,36 +193,66 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
-    if (args.prompt is None) == (args.prompt_ids is None):
+    if args.chat:
+        if args.prompt_ids is not None:
+            print("--chat takes text (a user turn), not --prompt-ids", file=sys.stderr)
+            return 2
+    elif (args.prompt is None) == (args.prompt_ids is None):
         print("give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
     with _client(args) as client:
-        stream = client.generate(
-            args.prompt,
-            prompt_ids=args.prompt_ids,
-            sampling=sampling_from_args(args),
-            priority=args.priority,
-            timeout_ms=args.timeout_ms,
-        )
-        show_ids = args.prompt_ids is not None or args.ids
-        try:
-            for chunk in stream:
-                if show_ids or chunk.text is None:
-                    if chunk.token_ids:
-                        print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
-                else:
-                    print(chunk.text, end="", flush=True)
-        except KeyboardInterrupt:
-            stream.abort()
-            stream.wait(timeout=5)
-        done = stream.done
-        print()
-        print(
-            f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
-            f"completion tokens]" + (f" {done.error_code}: {done.error_message}" if done.error_code else ""),
-            file=sys.stderr,
-        )
-        return 0 if done.finish_reason != "error" else 1
+        if not args.chat:
+            return _print_stream(client, args, prompt=args.prompt, prompt_ids=args.prompt_ids)[0]
+        turns = [{"role": "system", "content": args.system}] if args.system else []
+        if args.prompt is not None:  # one question, one answer
+            return _print_stream(client, args, messages=turns + [{"role": "user", "content": args.prompt}])[0]
+        return _chat_loop(client, args, turns)
+
+
+def _chat_loop(client, args, turns: list[dict[str, str]]) -> int:
+    """A conversation on stdin: each line is a user turn; the answers join the history."""
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        turns.append({"role": "user", "content": line.rstrip("\n")})
+        rc, answer = _print_stream(client, args, messages=turns)
+        if rc:
+            return rc
+        turns.append({"role": "assistant", "content": answer})
+
+
+def _print_stream(client, args, **inputs) -> tuple[int, str]:
+    """Streams one request to stdout, its end to stderr; (exit code, the text streamed)."""
+    stream = client.generate(
+        **inputs, sampling=sampling_from_args(args), priority=args.priority, timeout_ms=args.timeout_ms
+    )
+    show_ids = inputs.get("prompt_ids") is not None or args.ids
+    text: list[str] = []
+    try:
+        for chunk in stream:
+            if show_ids or chunk.text is None:
+                if chunk.token_ids:
+                    print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+            else:
+                text.append(chunk.text)
+                print(chunk.text, end="", flush=True)
+    except KeyboardInterrupt:
+        stream.abort()
+        stream.wait(timeout=5)
+    done = stream.done
+    print()
+    print(
+        f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
+        f"completion tokens]" + (f" {done.error_code}: {done.error_message}" if done.error_code else ""),
+        file=sys.stderr,
+    )
+    return (0 if done.finish_reason != "error" else 1), "".join(text)
 
 
 def _client(args):
@@ -331,8 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_curve_server_options(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
-    p.add_argument("prompt", nargs="?")
+    p.add_argument("prompt", nargs="?", help="the prompt text (with --chat: the user's turn)")
     p.add_argument("--prompt-ids", type=_int_list)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send chat messages, rendered by the model's chat template; without a prompt, "
+        "a conversation with one user turn per line of stdin",
+    )
+    p.add_argument("--system", help="with --chat: a system turn first")
     add_sampling_options(p)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")

@@ -255,18 +255,11 @@ class Server:
                 f"(the server's --max-inflight-per-client)",
             )
             return
-        model = self.backend.model
-        if r.prompt_ids is not None:
-            prompt_ids = r.prompt_ids
-        elif model.tokenizer is None:
-            self._reject(
-                client, r.id, protocol.ERR_BAD_REQUEST, "prompt: this model has no tokenizer; send prompt_ids"
-            )
-            return
-        else:
-            prompt_ids = model.tokenizer.encode(r.prompt)
         try:
-            protocol.check_context(len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id)
+            prompt_ids, field = self._prompt_ids(r)
+            protocol.check_context(
+                len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id, field=field
+            )
         except protocol.BadRequest as exc:
             self._reject(client, r.id, protocol.ERR_BAD_REQUEST, exc.message)
             return
@@ -287,11 +280,34 @@ class Server:
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             sampling=sampling,
             priority=r.priority,
-            detokenizer=model.new_detokenizer() if model.new_detokenizer else None,
+            detokenizer=self._new_detokenizer(),
         )
         self._arm_deadlines(req, r.timeout_ms)
         self.admission.submit(req)  # can_accept was checked just above
         self.metrics.accepted += 1
+
+    def _new_detokenizer(self):
+        factory = self.backend.model.new_detokenizer
+        return factory() if factory is not None else None
+
+    def _prompt_ids(self, r: protocol.GenerateRequest) -> tuple[list[int], str]:
+        """(prompt token ids, the field they came from); BadRequest naming that field when the
+        model cannot turn it into tokens."""
+        model = self.backend.model
+        if r.prompt_ids is not None:
+            return r.prompt_ids, "prompt_ids"
+        if r.messages is not None:
+            if model.encode_chat is None:
+                raise protocol.BadRequest(
+                    r.id, "messages", "this model has no chat template; send prompt or prompt_ids"
+                )
+            try:
+                return model.encode_chat(r.messages), "messages"
+            except ValueError as exc:  # the template refused the conversation
+                raise protocol.BadRequest(r.id, "messages", str(exc)) from None
+        if model.tokenizer is None:
+            raise protocol.BadRequest(r.id, "prompt", "this model has no tokenizer; send prompt_ids")
+        return model.tokenizer.encode(r.prompt), "prompt"
 
     # ---- ending requests early ---------------------------------------------------------------
     def _abort(self, req: InFlight, error: tuple[str, str] | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -161,6 +161,7 @@ class AsyncClient(CoreView):
         prompt: str | None = None,
         *,
         prompt_ids: Iterable[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         sampling: SamplingParams | None = None,
         priority: int = 0,
         timeout_ms: int | None = None,
@@ -171,7 +172,9 @@ class AsyncClient(CoreView):
         """See Client.generate."""
         self._ensure_started()
         params = resolve_sampling(sampling, sampling_fields)
-        rid, frame = self._core.prepare_generate(request_id, prompt, prompt_ids, params, priority, timeout_ms)
+        rid, frame = self._core.prepare_generate(
+            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages
+        )
         stream = AsyncStream(self, rid, self.timeout if timeout is None else timeout)
         self._core.add_stream(stream, self._on_stream_collected)  # before sending: no reply can miss it
         self._kick.set()

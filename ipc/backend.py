@@ -20,6 +20,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     tokenizer: Any = None  # encode(str) -> list[int]; None: ids only
     new_detokenizer: Callable[[], Any] | None = None  # -> object with push(ids) -> str, flush()
+    # chat turns -> prompt ids through the model's chat template (ValueError naming the fault);
+    # None: the model has no template
+    encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None
     extra: dict = field(default_factory=dict)
 
 

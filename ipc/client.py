@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -210,6 +210,7 @@ class Client(CoreView):
         prompt: str | None = None,
         *,
         prompt_ids: Iterable[int] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         sampling: SamplingParams | None = None,
         priority: int = 0,
         timeout_ms: int | None = None,
@@ -220,7 +221,9 @@ class Client(CoreView):
         """Send a generate request and return its Stream (timeout: per chunk, default the client's;
         timeout_ms: the server ends the request with code `timeout` after this long).
 
-        The sampling settings are `sampling` or SamplingParams fields as keywords (max_tokens=16
+        The input is one of `prompt` (text), `prompt_ids` (token ids) or `messages` (chat turns,
+        [{"role", "content"}, ...], rendered by the model's chat template on the server). The
+        sampling settings are `sampling` or SamplingParams fields as keywords (max_tokens=16
         unless given), not both."""
         params = resolve_sampling(sampling, sampling_fields)
         if request_id is not None:
@@ -228,7 +231,7 @@ class Client(CoreView):
         with self._lock:
             self._check_open()
             rid, frame = self._core.prepare_generate(
-                request_id, prompt, prompt_ids, params, priority, timeout_ms
+                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages
             )
             stream = Stream(self, rid, self.timeout if timeout is None else timeout)
             self._core.add_stream(stream, self._on_stream_collected)

@@ -15,7 +15,7 @@ import collections
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -278,6 +278,7 @@ class ClientCore(Generic[S, W]):
         sampling: SamplingParams,
         priority: int,
         timeout_ms: int | None,
+        messages: Sequence[Mapping[str, str]] | None = None,
     ) -> tuple[P.RequestId, bytes]:
         """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream)."""
         if request_id is None:
@@ -290,7 +291,8 @@ class ClientCore(Generic[S, W]):
                 raise ValueError(f"request id {request_id!r} is already in flight on this client")
         if prompt_ids is not None and not isinstance(prompt_ids, list):
             prompt_ids = list(prompt_ids)
-        request = P.GenerateRequest(request_id, prompt, prompt_ids, sampling, priority, timeout_ms)
+        turns = None if messages is None else [dict(m) for m in messages]
+        request = P.GenerateRequest(request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns)
         return request_id, self.encode_checked(P.generate_msg(request))
 
     def encode_checked(self, msg: dict) -> bytes:

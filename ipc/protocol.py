@@ -17,7 +17,8 @@ import msgpack
 from ipc.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
-PROTOCOL_REVISION = 1  # 1.1 added generate.timeout_ms and the `timeout` error code
+# 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat)
+PROTOCOL_REVISION = 2
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -70,7 +71,8 @@ class Limits:
     max_tokens_cap: int = 4096
     max_stop_ids: int = 8  # a device ring entry holds 8 stop ids
     max_id_len: int = 256  # characters, for str ids
-    max_prompt_chars: int = 512 * 1024
+    max_prompt_chars: int = 512 * 1024  # also bounds the characters of all chat messages together
+    max_messages: int = 1024
     min_priority: int = -1000
     max_priority: int = 1000
     min_seed: int = 0
@@ -86,6 +88,7 @@ class GenerateRequest:
     sampling: SamplingParams
     priority: int = 0
     timeout_ms: int | None = None  # from arrival at the server; None: only the server's limits
+    messages: list[dict[str, str]] | None = None  # chat turns, rendered by the model's template (1.2)
 
 
 @dataclass(slots=True)
@@ -256,11 +259,25 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
 
     prompt = obj.get("prompt")
     prompt_ids = obj.get("prompt_ids")
-    if prompt is not None and prompt_ids is not None:
-        raise BadRequest(rid, "prompt", "give exactly one of prompt and prompt_ids, not both")
-    if prompt is None and prompt_ids is None:
-        raise BadRequest(rid, "prompt", "one of prompt (str) or prompt_ids (array of ints) is required")
-    if prompt is not None:
+    messages = obj.get("messages")
+    given = [
+        name
+        for name, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("messages", messages))
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise BadRequest(
+            rid, given[0], f"give exactly one of prompt, prompt_ids and messages, not {' and '.join(given)}"
+        )
+    if not given:
+        raise BadRequest(
+            rid,
+            "prompt",
+            "one of prompt (str), prompt_ids (array of ints) or messages (array of maps) is required",
+        )
+    if messages is not None:
+        messages = _messages(messages, rid, limits)
+    elif prompt is not None:
         if not isinstance(prompt, str):
             raise BadRequest(rid, "prompt", f"must be a str, got {type(prompt).__name__}")
         if not 1 <= len(prompt) <= limits.max_prompt_chars:
@@ -305,7 +322,47 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=ignore_eos,
     )
-    return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms)
+    return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages)
+
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _messages(value: Any, rid: RequestId, limits: Limits) -> list[dict[str, str]]:
+    """Chat turns: a non-empty array of {role, content} maps (and an optional name); the model's
+    template, on the server, judges their order."""
+    if not isinstance(value, list) or not 1 <= len(value) <= limits.max_messages:
+        raise BadRequest(
+            rid, "messages", f"must be an array of 1..{limits.max_messages} maps, got {_show(value)}"
+        )
+    out: list[dict[str, str]] = []
+    chars = 0
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(rid, where, f"must be a map with role and content, got {_show(m)}")
+        unknown = sorted(str(k) for k in m if k not in ("role", "content", "name"))
+        if unknown:
+            raise BadRequest(rid, where, f"unknown field {unknown[0]!r} (allowed: role, content, name)")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise BadRequest(rid, f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {_show(role)}")
+        if not isinstance(content, str):
+            raise BadRequest(rid, f"{where}.content", f"must be a str, got {_show(content)}")
+        turn = {"role": role, "content": content}
+        if "name" in m:
+            if not isinstance(m["name"], str) or not 1 <= len(m["name"]) <= 256:
+                raise BadRequest(
+                    rid, f"{where}.name", f"must be a str of 1..256 characters, got {_show(m['name'])}"
+                )
+            turn["name"] = m["name"]
+        chars += len(content)
+        out.append(turn)
+    if chars > limits.max_prompt_chars:
+        raise BadRequest(
+            rid, "messages", f"hold {chars} characters of content, limit is {limits.max_prompt_chars}"
+        )
+    return out
 
 
 def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
@@ -354,10 +411,12 @@ def encode(msg: dict) -> bytes:
 
 
 def generate_msg(req: GenerateRequest) -> dict:
-    """Wire map for a GenerateRequest (prompt or prompt_ids, whichever is set): the one encoder of
+    """Wire map for a GenerateRequest (prompt, prompt_ids or messages, whichever is set): the one encoder of
     the generate message, which both clients use.  Values are not judged here (the server's
     decoder does that), only shaped so they encode."""
     msg: dict[str, Any] = {"op": OP_GENERATE, "id": req.id}
+    if req.messages is not None:
+        msg["messages"] = req.messages
     if req.prompt is not None:
         msg["prompt"] = req.prompt
     if req.prompt_ids is not None:

@@ -139,16 +139,24 @@ request_ids = st.text(min_size=1, max_size=LIMITS.max_id_len) | st.integers(
 )
 
 
+chat_turns = st.builds(
+    lambda role, content: {"role": role, "content": content},
+    st.sampled_from(sorted(P.CHAT_ROLES)),
+    st.text(max_size=50),
+)
+
+
 @st.composite
 def valid_generates(draw):
     max_tokens = draw(st.integers(1, LIMITS.max_tokens_cap))
-    use_ids = draw(st.booleans())
+    given = draw(st.sampled_from(["prompt_ids", "prompt", "messages"]))
     prompt_ids = (
         draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - max_tokens)))
-        if use_ids
+        if given == "prompt_ids"
         else None
     )
-    prompt = None if use_ids else draw(st.text(min_size=1, max_size=200))
+    prompt = draw(st.text(min_size=1, max_size=200)) if given == "prompt" else None
+    messages = draw(st.lists(chat_turns, min_size=1, max_size=5)) if given == "messages" else None
     return P.GenerateRequest(
         id=draw(request_ids),
         prompt=prompt,
@@ -164,6 +172,7 @@ def valid_generates(draw):
         ),
         priority=draw(st.integers(LIMITS.min_priority, LIMITS.max_priority)),
         timeout_ms=draw(st.none() | st.integers(1, LIMITS.max_timeout_ms)),
+        messages=messages,
     )
 
 
@@ -255,6 +264,42 @@ def test_bad_prompt_is_named(fields):
     with pytest.raises(P.BadRequest) as info:
         decode(gen(**fields))
     assert info.value.field == "prompt"
+
+
+def test_messages_decode_to_chat_turns():
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}]
+    req = decode(gen(prompt_ids=_DROP, messages=turns))
+    assert req.messages == turns and req.prompt is None and req.prompt_ids is None
+    assert P.generate_msg(req)["messages"] == turns
+
+
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "user", "content": "x"}] * (LIMITS.max_messages + 1), "messages"),
+        (["hello"], "messages[0]"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], "messages[1].role"),
+        ([{"role": 1, "content": "a"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": ["parts"]}], "messages[0].content"),
+        ([{"role": "user", "content": "a", "images": []}], "messages[0]"),
+        ([{"role": "user", "content": "a", "name": ""}], "messages[0].name"),
+        ([{"role": "user", "content": "x" * (LIMITS.max_prompt_chars + 1)}], "messages"),
+    ],
+    ids=lambda v: repr(v)[:30],
+)
+def test_bad_messages_are_named(messages, field):
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(prompt_ids=_DROP, messages=messages))
+    assert info.value.field == field and info.value.message.startswith(field + ":")
+
+
+@pytest.mark.parametrize("other", [{"prompt": "hi", "prompt_ids": _DROP}, {}])
+def test_messages_exclude_the_other_inputs(other):
+    with pytest.raises(P.BadRequest, match="exactly one of prompt, prompt_ids and messages"):
+        decode(gen(messages=[{"role": "user", "content": "hi"}], **other))
 
 
 def test_context_limit_on_prompt_ids():

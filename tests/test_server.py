@@ -145,6 +145,15 @@ def test_prompt_longer_than_the_context_is_a_bad_request(tiny_server, peer):
     assert done["error"]["code"] == "bad_request" and "max_tokens" in done["error"]["message"]
 
 
+def test_chat_messages_on_a_model_without_a_template_are_a_bad_request(tiny_server, peer):
+    peer.send({"op": "generate", "id": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    (done,) = peer.recv_until(lambda m: m["op"] == "done")
+    assert done["error"]["code"] == "bad_request"
+    assert done["error"]["message"] == "messages: this model has no chat template; send prompt or prompt_ids"
+    peer.send({"op": "generate", "id": "p", "prompt": "hi", "max_tokens": 4})
+    assert peer.recv_until(lambda m: m["op"] == "done")[-1]["finish_reason"] in ("stop", "length")
+
+
 def test_overload_rejects_with_overloaded_and_everyone_gets_one_done():
     with running_server(n_slots=2, sq_size=4, pending_cap=4, server_options={"max_queued": 3}) as bg:
         peer = RawPeer(bg.address)

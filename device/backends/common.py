@@ -98,4 +98,5 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
         eos_token_ids=tuple(model.config.eos_token_ids),
         tokenizer=tokenizer,
         new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
+        encode_chat=tokenizer.encode_chat if getattr(tokenizer, "chat_template", None) else None,
     )
