@@ -1,5 +1,6 @@
-"""Tokenizers: a byte-level one for presets, a wrapper over HF `tokenizers` for checkpoints,
-and an incremental detokenizer for streaming output.
+"""Tokenizers: a byte-level one for presets, a wrapper over HF `tokenizers` for checkpoints
+(and for GGUF files, via device.gguf_tokenizer), chat-template encoding (encode_chat, templates
+in device.chat_template), and an incremental detokenizer for streaming output.
 
 Which tokenizer goes with a model spec is device.model.presets.tokenizer_for (presets know
 their names; this module knows no model).
@@ -9,19 +10,28 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from device.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]
+    chat_template: ChatTemplate | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
+
+def _no_template() -> ChatTemplateError:
+    return ChatTemplateError("this model has no chat template: send a plain prompt instead of messages")
 
 
 class ByteTokenizer:
@@ -40,6 +50,7 @@ class ByteTokenizer:
         self.bos_token_id: int | None = self.BOS
         self.eos_token_ids: list[int] = [self.EOS]
         self.pad_token_id = self.PAD
+        self.chat_template: ChatTemplate | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -47,6 +58,9 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        raise _no_template()
 
 
 def _token_content(tok) -> str | None:
@@ -56,15 +70,54 @@ def _token_content(tok) -> str | None:
     return tok
 
 
-class HFTokenizer:
-    """Wraps `tokenizers.Tokenizer.from_file(model_dir/"tokenizer.json")`.
+def _read_chat_template(model_dir: Path, tcfg: Mapping[str, Any]) -> str | None:
+    """The default chat template of a checkpoint, as transformers finds it: chat_template.jinja
+    beside tokenizer_config.json wins; else tokenizer_config.json's `chat_template`, a string or a
+    list of {name, template} of which "default" is taken."""
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    tmpl = tcfg.get("chat_template")
+    if isinstance(tmpl, list):
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default")
+    return tmpl if isinstance(tmpl, str) and tmpl.strip() else None
 
-    BOS handling follows transformers: when tokenizer_config.json sets `add_bos_token`
-    (Llama-2 / Mistral style) that flag decides; otherwise the tokenizer.json post-processor
-    does (Llama-3 adds <|begin_of_text|>, Qwen2 adds nothing).
+
+class HFTokenizer:
+    """Wraps an in-memory `tokenizers.Tokenizer` plus what the checkpoint says around it.
+
+    Built by from_dir (a checkpoint's tokenizer.json + tokenizer_config.json) or by
+    device.gguf_tokenizer.tokenizer_from_gguf (a GGUF's metadata).
+
+    BOS handling follows transformers: `add_bos` True/False (tokenizer_config.json's
+    `add_bos_token`, Llama-2 / Mistral style, or a GGUF's flag) decides; None leaves it to the
+    tokenizer's post-processor (Llama-3's tokenizer.json adds <|begin_of_text|>, Qwen2's nothing).
+    `add_eos` is only applied when `add_bos` is not None (as before).
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        add_bos: bool | None = None,
+        add_eos: bool = False,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = bos_token_id
+        self.eos_token_ids: list[int] = [int(i) for i in eos_token_ids]
+        self._add_bos: bool | None = add_bos
+        self._add_eos: bool = bool(add_eos)
+        self.chat_template: ChatTemplate | None = chat_template
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> HFTokenizer:
+        """model_dir/tokenizer.json, with bos/eos, add_bos_token/add_eos_token and the chat
+        template from tokenizer_config.json (or chat_template.jinja) when present."""
         try:
             from tokenizers import Tokenizer as _HFTok
         except ImportError as e:  # optional dependency: pip install 'ringleader[hf]'
@@ -72,20 +125,31 @@ class HFTokenizer:
                 "HFTokenizer needs the `tokenizers` package: pip install 'ringleader[hf]'"
             ) from e
         model_dir = Path(model_dir)
-        self._tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
+        tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
         tcfg: dict = {}
         tcfg_path = model_dir / "tokenizer_config.json"
         if tcfg_path.exists():
             tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
-        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_token_id = self._lookup(_token_content(tcfg.get("bos_token")))
-        eos = self._lookup(_token_content(tcfg.get("eos_token")))
-        self.eos_token_ids: list[int] = [] if eos is None else [eos]
-        self._add_bos: bool | None = tcfg.get("add_bos_token")
-        self._add_eos: bool = bool(tcfg.get("add_eos_token", False))
+
+        def lookup(token: str | None) -> int | None:
+            return None if token is None else tok.token_to_id(token)
+
+        eos = lookup(_token_content(tcfg.get("eos_token")))
+        source = _read_chat_template(model_dir, tcfg)
+        return cls(
+            tok,
+            bos_token_id=lookup(_token_content(tcfg.get("bos_token"))),
+            eos_token_ids=[] if eos is None else [eos],
+            add_bos=tcfg.get("add_bos_token"),
+            add_eos=bool(tcfg.get("add_eos_token", False)),
+            chat_template=load_chat_template(source, str(model_dir)),
+        )
 
     def _lookup(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not add_special_tokens:
@@ -102,12 +166,36 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text the chat template makes of `messages`, ending with the assistant's
+        turn opener (add_generation_prompt=True)."""
+        if self.chat_template is None:
+            raise _no_template()
+        return self.chat_template.render(
+            messages,
+            add_generation_prompt=True,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of render_chat(messages), encoded without adding special tokens (the
+        template writes BOS and the turn markers itself), as transformers' apply_chat_template."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text, never emitting half a character.
 
     push(ids) returns only newly completed text; flush() returns whatever was held back
     (an incomplete UTF-8 tail becomes U+FFFD).
+
+    The rule: the stream's text ("".join(pushes) + flush()) equals decoding the whole output
+    (tokenizer.decode(all ids, skip_special_tokens)); an output that ends inside a character
+    ends with U+FFFD, and only flush() emits it. While the decoded text ends in U+FFFD (the last
+    token may have left a character unfinished), push() returns "" and waits for more, so a pushed
+    chunk never carries a U+FFFD standing for half a character. Tested over a real byte-level
+    vocabulary with random ids in tests/test_detokenizer_real_vocab.py.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
@@ -166,5 +254,5 @@ def load_tokenizer(model_dir: str | Path | None):
     if model_dir is None:
         return ByteTokenizer()
     if (Path(model_dir) / "tokenizer.json").exists():
-        return HFTokenizer(model_dir)
+        return HFTokenizer.from_dir(model_dir)
     return None

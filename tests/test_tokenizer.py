@@ -109,11 +109,11 @@ def test_hf_incremental_matches_full_decode(tmp_path, style):
 def test_hf_add_bos_token_flag(tmp_path):
     pytest.importorskip("tokenizers")
     _build_hf_tokenizer(tmp_path, "bytelevel", {"bos_token": "<s>", "add_bos_token": False})
-    tok = HFTokenizer(tmp_path)
+    tok = HFTokenizer.from_dir(tmp_path)
     ids = tok.encode("hello there")
     assert tok.bos_token_id not in ids and tok.decode(ids) == "hello there"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": True}))
-    tok = HFTokenizer(tmp_path)
+    tok = HFTokenizer.from_dir(tmp_path)
     assert tok.encode("hello")[0] == tok.bos_token_id
     assert tok.bos_token_id not in tok.encode("hello", add_special_tokens=False)
 

@@ -1,0 +1,192 @@
+"""Chat templates: the Jinja programs that turn a list of messages into a model's prompt text.
+
+A template comes with the checkpoint (tokenizer_config.json, chat_template.jinja, or a GGUF's
+`tokenizer.chat_template`) and is untrusted code, so it runs in Jinja's immutable sandbox, set up
+the way transformers' apply_chat_template sets it up (trim_blocks, lstrip_blocks, loop controls,
+{% generation %} blocks, a `tojson` that does not HTML-escape, and the `raise_exception` / `strftime_now` globals), so that a
+template renders here exactly as it does there.
+
+jinja2 is imported only when a template is compiled: ringleader imports without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+log = logging.getLogger("ringleader.chat")
+
+MAX_MESSAGES = 1024
+MESSAGE_KEYS = ("role", "content", "name")
+
+
+class ChatTemplateError(ValueError):
+    """A chat request that cannot be rendered: bad messages, no template, or a template that fails
+    (its own `raise_exception` message, or a Jinja error)."""
+
+
+def validate_messages(messages: Any) -> None:
+    """Raises ChatTemplateError naming the first thing wrong with `messages`.
+
+    Accepted: a non-empty list of at most MAX_MESSAGES dicts, each with a str `role` and a str
+    `content`, and optionally a str `name`; no other keys (tool calls, content parts and the like
+    are not supported, and are refused rather than silently dropped).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages: must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise ChatTemplateError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ChatTemplateError(f"{where}: must be an object with role and content")
+        extra = [k for k in msg if k not in MESSAGE_KEYS]
+        if extra:
+            raise ChatTemplateError(
+                f"{where}.{extra[0]}: unknown key (only {', '.join(MESSAGE_KEYS)} are allowed)"
+            )
+        for key in ("role", "content"):
+            if key not in msg:
+                raise ChatTemplateError(f"{where}.{key}: missing")
+        if not isinstance(msg["role"], str) or not msg["role"]:
+            raise ChatTemplateError(f"{where}.role: must be a str")
+        if not isinstance(msg["content"], str):
+            raise ChatTemplateError(f"{where}.content: must be a str")
+        if "name" in msg and not isinstance(msg["name"], str):
+            raise ChatTemplateError(f"{where}.name: must be a str")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes (<, >, &, '); templates expect plain JSON
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _build_env():
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ImportError("chat templates need the `jinja2` package: pip install jinja2") from e
+
+    class TemplateRaised(jinja2.exceptions.TemplateError):
+        """What the template's raise_exception(message) raises: message is the template's."""
+
+    def raise_exception(message):
+        raise TemplateRaised(message)
+
+    class Namespace(jinja2.utils.Namespace):
+        # like transformers: no underscore-prefixed attributes on a namespace (CPython internals)
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with '_'")
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %} (transformers marks assistant text with it for
+        training masks): renders its body unchanged."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = Namespace
+    return env, TemplateRaised
+
+
+class ChatTemplate:
+    """A chat template compiled once from its Jinja source.
+
+    render(messages) validates the messages (validate_messages) and renders them with the
+    variables transformers passes (messages, add_generation_prompt, bos_token / eos_token when
+    known, tools=None, documents=None). Any failure is a ChatTemplateError: the template's own
+    raise_exception message verbatim, or "chat template ...: <jinja error>".
+    """
+
+    def __init__(self, source: str) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("chat template: empty source")
+        self.source = source
+        env, self._raised = _build_env()
+        import jinja2
+
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({self.source[:40]!r}{'...' if len(self.source) > 40 else ''})"
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> str:
+        validate_messages(messages)
+        # plain copies: the template sees only str-valued dicts, never the caller's objects
+        msgs = [{str(k): str(v) for k, v in m.items()} for m in messages]
+        variables: dict[str, Any] = {
+            "messages": msgs,
+            "add_generation_prompt": bool(add_generation_prompt),
+            "tools": None,
+            "documents": None,
+        }
+        if bos_token is not None:
+            variables["bos_token"] = bos_token
+        if eos_token is not None:
+            variables["eos_token"] = eos_token
+        try:
+            return self._template.render(**variables)
+        except self._raised as e:
+            raise ChatTemplateError(e.message or "chat template raised an exception") from e
+        except Exception as e:  # Jinja errors, and Python errors from template expressions
+            raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+
+def load_chat_template(source: str | None, where: str) -> ChatTemplate | None:
+    """The model's template, or None (with a warning naming `where`) when there is none or it
+    cannot be compiled here: the model still serves prompts, and chat requests are refused with
+    a bad_request instead of the server refusing to start."""
+    if not isinstance(source, str) or not source.strip():
+        return None
+    try:
+        return ChatTemplate(source)
+    except (ChatTemplateError, ImportError) as exc:
+        log.warning("%s: chat template not loaded, chat requests will be refused: %s", where, exc)
+        return None
