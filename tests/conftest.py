@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import msgpack
@@ -79,3 +80,20 @@ def peer(tiny_server):
     p = RawPeer(tiny_server.address)
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the real model's GGUF file (bench/smollm2.py: $RINGLEADER_TEST_GGUF, the cache, or
+    a download); skips when it cannot be had, unless RINGLEADER_REQUIRE_REAL_MODEL is set (CI)."""
+    from bench import smollm2
+
+    path = smollm2.cached_path()
+    if path is None:
+        try:
+            path = smollm2.fetch()
+        except Exception as exc:
+            if os.environ.get("RINGLEADER_REQUIRE_REAL_MODEL"):
+                raise
+            pytest.skip(f"the SmolLM2 GGUF file is not available: {exc}")
+    return path

