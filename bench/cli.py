@@ -26,6 +26,7 @@ from bench.loadgen import Load, SendOptions, measure
 from bench.report import (
     build_document,
     format_degradation,
+    format_ratios,
     format_table,
     loadgen_warnings,
     make_run_entry,
@@ -33,7 +34,15 @@ from bench.report import (
     run_label,
     write_json,
 )
-from bench.workloads import LENGTH_DISTS, WorkloadConfig, arrival_times, make_requests, parse_rate
+from bench.workloads import (
+    LENGTH_DISTS,
+    PRESET_PROMPT_IDS,
+    WorkloadConfig,
+    arrival_times,
+    make_requests,
+    parse_rate,
+    prompt_id_range_for,
+)
 from device.engine_config import DEVICES, LAUNCHES, EngineConfig
 
 QUICK_ARGS = [
@@ -66,6 +75,17 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _counts(text: str) -> int | list[int]:
+    """--requests: one count (an int, for every load point) or a comma list (one per point)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma list, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma list, got {text!r}")
+    return vals[0] if len(vals) == 1 else vals
+
+
 def _rates(text: str) -> list[float]:
     try:
         return [parse_rate(x.strip()) for x in text.split(",") if x.strip()]
@@ -90,10 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         type=_names,
         default=None,
-        help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE})",
+        help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE}); hf = "
+        "transformers' continuous batching (generate_batch's engine) in this process",
     )
     g.add_argument(
-        "--model", default=SERVER_DEFAULTS.model, help="preset or checkpoint directory (default %(default)s)"
+        "--model",
+        default=SERVER_DEFAULTS.model,
+        help="preset, checkpoint directory or .gguf file (default %(default)s)",
     )
     g.add_argument("--device", default=SERVER_DEFAULTS.device, choices=DEVICES)
     g.add_argument(
@@ -121,7 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra argument for `ringleader serve` (repeat for several)",
     )
-    g.add_argument("--hf-on-cpu", action="store_true", help=argparse.SUPPRESS)  # harness tests only
 
     g = p.add_argument_group("workload")
     g.add_argument(
@@ -139,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="shape of the gamma inter-arrival gaps; 1.0 = Poisson, lower = burstier",
     )
-    g.add_argument("--requests", type=int, default=48, help="measured requests per run (default 48)")
+    g.add_argument(
+        "--requests",
+        type=_counts,
+        default=48,
+        help="measured requests per run (default 48); a comma list gives one per load point, "
+        "in the order of --concurrency then --request-rate (e.g. --concurrency 1,8,32 --requests 8,24,64)",
+    )
     g.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
     g.add_argument("--output-len", type=int, default=32, help="mean max_tokens (default 32)")
     g.add_argument("--length-dist", choices=LENGTH_DISTS, default="fixed")
@@ -206,8 +234,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check(args) -> list[str]:
     out = []
-    if args.requests < 1:
+    counts = args.requests if isinstance(args.requests, list) else [args.requests]
+    if any(n < 1 for n in counts):
         out.append("--requests must be >= 1")
+    if len(counts) > 1 and len(counts) != len(_load_points(args)):
+        out.append(
+            f"--requests has {len(counts)} counts for {len(_load_points(args))} load points "
+            "(--concurrency values, then --request-rate values)"
+        )
     if args.input_len < 1 or args.output_len < 1:
         out.append("--input-len and --output-len must be >= 1")
     if args.burstiness <= 0:
@@ -223,30 +257,55 @@ def _check(args) -> list[str]:
     return out
 
 
-def _loads(args, n: int) -> list[Load]:
-    loads = []
+def _load_points(args) -> list[tuple[str, float]]:
+    """("concurrency", c) for each --concurrency value, then ("rate", r) for each rate."""
     concurrency = args.concurrency if args.concurrency or args.request_rate else [1, 16]
-    for c in concurrency or []:
-        loads.append(Load(concurrency=c))
-    for rate in args.request_rate or []:
-        times = arrival_times(n, rate, args.burstiness, args.seed)
-        loads.append(Load(request_rate=rate, arrival_s=times.tolist()))
-    return loads
+    return [("concurrency", c) for c in concurrency or []] + [("rate", r) for r in args.request_rate or []]
+
+
+def request_counts(args) -> list[int]:
+    """Measured requests of each load point (--requests: one for all, or one each)."""
+    n_points = len(_load_points(args))
+    return list(args.requests) if isinstance(args.requests, list) else [args.requests] * n_points
+
+
+def _loads(args) -> list[tuple[Load, int]]:
+    out = []
+    for (kind, value), n in zip(_load_points(args), request_counts(args)):
+        if kind == "concurrency":
+            out.append((Load(concurrency=value), n))
+        else:
+            times = arrival_times(n, value, args.burstiness, args.seed)
+            out.append((Load(request_rate=value, arrival_s=times.tolist()), n))
+    return out
 
 
 def _run(args, command: list[str], say: Console) -> int:
     notes: list[str] = []
     max_ctx = args.max_ctx or DEFAULT_MAX_CTX
-    wl = WorkloadConfig(
-        args.requests,
-        args.input_len,
-        args.output_len,
-        args.length_dist,
-        args.range_ratio,
-        args.seed,
-        max_context=max_ctx,
-    )
-    specs = make_requests(wl)
+    try:
+        id_range = prompt_id_range_for(args.model)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"ringleader bench: cannot read the vocabulary of {args.model}: {exc}", file=sys.stderr)
+        return 2
+    # one workload per request count, from the same seed (with fixed lengths a shorter one is a
+    # prefix of a longer one)
+    workloads: dict[int, list] = {}
+    points = []
+    for load, n in _loads(args):
+        if n not in workloads:
+            wl = WorkloadConfig(
+                n,
+                args.input_len,
+                args.output_len,
+                args.length_dist,
+                args.range_ratio,
+                args.seed,
+                max_context=max_ctx,
+                prompt_id_range=id_range,
+            )
+            workloads[n] = make_requests(wl)
+        points.append((load, workloads[n]))
     warm = (
         make_requests(
             WorkloadConfig(
@@ -256,12 +315,12 @@ def _run(args, command: list[str], say: Console) -> int:
                 "fixed",
                 seed=args.seed + 1,
                 max_context=max_ctx,
+                prompt_id_range=id_range,
             )
         )
         if args.warmup
         else []
     )
-    loads = _loads(args, len(specs))
     options = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed)
     busy_levels = [0, args.cpu_interference] if args.cpu_interference else [0]
 
@@ -271,7 +330,7 @@ def _run(args, command: list[str], say: Console) -> int:
         targets = [("connected", None)]
     else:
         device = S.resolve_device(args.device)
-        variants, skipped = S.plan_variants(requested, device, hf_on_cpu=args.hf_on_cpu)
+        variants, skipped = S.plan_variants(requested, device)
         for note in skipped:
             say(f"note: {note}", always=True)
         notes += skipped
@@ -282,8 +341,16 @@ def _run(args, command: list[str], say: Console) -> int:
         targets = [(v.name, v) for v in variants]
     if "hf" in [name for name, _ in targets]:
         notes.append(
-            "hf: transformers continuous batching in the benchmark process; unverified on a GPU; "
-            "its CPU figure is the whole benchmark process and loadgen CPU is not separable"
+            "hf: transformers' continuous batching (ContinuousBatchingManager, the engine of "
+            "generate_batch) in the benchmark process, on the same prompt ids and output lengths; "
+            "its CPU figure is the whole benchmark process (model, scheduling and load generation "
+            "together) and loadgen CPU is not separable"
+            + ("" if device == "cpu" else "; unverified on a GPU")
+        )
+    if id_range != PRESET_PROMPT_IDS:
+        notes.append(
+            f"prompt token ids drawn uniformly from [{id_range[0]}, {id_range[1]}): the model's "
+            "longest run of ordinary ids (no BOS/EOS/control tokens)"
         )
     notes.append(
         "queue time comes from the server's done.timing.queue_ms; ttft_after_queue_ms is "
@@ -296,7 +363,8 @@ def _run(args, command: list[str], say: Console) -> int:
         )
     say(
         f"ringleader bench: model {model}, device {device}, variants {', '.join(n for n, _ in targets)}; "
-        f"{len(loads)} load point(s) x {len(specs)} requests"
+        f"{len(points)} load point(s) x {'/'.join(str(len(sp)) for _, sp in points)} requests, "
+        f"prompt ids in [{id_range[0]}, {id_range[1]})"
         + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else "")
     )
 
@@ -304,17 +372,18 @@ def _run(args, command: list[str], say: Console) -> int:
     t_start = time.perf_counter()
     loadavg_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for name, variant in targets:
-        runs += _run_target(args, name, variant, device, model, specs, warm, loads, options, busy_levels, say)
+        runs += _run_target(args, name, variant, device, model, points, warm, options, busy_levels, say)
     if args.connect and runs:
         device = (runs[0].get("backend") or {}).get("device", "?")
         model = runs[0]["model"]
         for r in runs:
             r["device"] = device
 
-    settings = {k: v for k, v in vars(args).items() if k != "hf_on_cpu" or v}
+    settings = dict(vars(args))
     settings.update(
         resolved_device=device,
         max_context=max_ctx,
+        prompt_id_range=list(id_range),
         variants=[n for n, _ in targets],
         skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
         elapsed_s=time.perf_counter() - t_start,
@@ -325,6 +394,9 @@ def _run(args, command: list[str], say: Console) -> int:
     )
     say()
     say(format_table(runs), always=True)
+    ratios = format_ratios(doc["ratios_vs_hf"])
+    if ratios:
+        say(ratios, always=True)
     deg = format_degradation(doc["degradation"])
     if deg:
         say(deg, always=True)
@@ -335,9 +407,7 @@ def _run(args, command: list[str], say: Console) -> int:
     return 1 if bad else 0
 
 
-def _run_target(
-    args, name, variant, device, model, specs, warm, loads, options, busy_levels, say
-) -> list[dict]:
+def _run_target(args, name, variant, device, model, points, warm, options, busy_levels, say) -> list[dict]:
     runs = []
     server = runner = None
     try:
@@ -347,13 +417,30 @@ def _run_target(
             from bench.hf_baseline import HfRunner, build_hf_model
 
             say(f"[{name}] building the transformers model ...")
+            import torch
+
+            if args.threads:  # as the servers get it
+                torch.set_num_threads(args.threads)
+            t0 = time.perf_counter()
             hf_model, _ = build_hf_model(args.model, device, args.weights_seed or 0)
+            # the servers' batch limits and KV capacity (their defaults when not given; CUDA sizes
+            # its KV from free memory, the workload keeps to DEFAULT_MAX_CTX), so both batch alike
+            slots = args.slots or SERVER_DEFAULTS.n_slots
+            budget = max(args.token_budget or SERVER_DEFAULTS.token_budget, slots)
+            max_ctx = args.max_ctx or DEFAULT_MAX_CTX  # the context the workload keeps to
             runner = HfRunner(
                 hf_model,
-                slots=args.slots,
-                token_budget=args.token_budget,
+                slots=slots,
+                token_budget=budget,
+                kv_tokens=slots * max_ctx,
                 options=options,
                 timeout_s=args.timeout,
+            )
+            say(
+                f"[{name}] transformers model up in {time.perf_counter() - t0:.1f} s: "
+                f"{type(hf_model).__name__} {hf_model.dtype} on {device}, max_requests_per_batch "
+                f"{slots}, max_batch_tokens {budget}, KV cache {slots} x {max_ctx} tokens, "
+                f"torch threads {torch.get_num_threads()}, in this process"
             )
         else:
             opts = S.ServerOptions(
@@ -377,7 +464,7 @@ def _run_target(
                 + (f", launch {launch}" if launch else "")
                 + f": {' '.join(server.serve_args)}"
             )
-        for load in loads:
+        for load, specs in points:
             for busy in busy_levels:
                 with CpuInterference(busy) as spinners:
                     if runner is not None:

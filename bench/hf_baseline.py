@@ -1,13 +1,17 @@
 """The `hf` variant: transformers' own continuous batching on the same model, in this process.
 
-UNVERIFIED on a GPU: written against transformers 5.x's ContinuousBatchingManager (the engine
-behind `model.generate_batch`) and exercised here only on the CPU with the tiny preset. The
-benchmark offers it on CUDA only.
+Written against transformers 5.x's ContinuousBatchingManager (the engine behind
+`model.generate_batch`); run on the CPU (the tiny preset in the tests, SmolLM2-135M GGUF in
+bench/results/2026-11-23-cpu-smollm2/), UNVERIFIED on a GPU. The benchmark offers it on both.
 
-The model: for a preset, transformers' LlamaForCausalLM is built from the preset's config and
-the weights are copied from `device.model.LlamaModel.from_preset(...)` (same name, seed, dtype
-and device as the server uses, hence the same random weights; fused qkv and gate_up are split
-back into HF's projections). A checkpoint directory is loaded with from_pretrained.
+The model, in the dtype the server computes in on that device (float32 on the CPU):
+- a preset: transformers' LlamaForCausalLM is built from the preset's config and the weights
+  are copied from `device.model.LlamaModel.from_preset(...)` (same name, seed, dtype and device
+  as the server uses, hence the same random weights; fused qkv and gate_up are split back into
+  HF's projections);
+- a .gguf file: `from_pretrained(dir, gguf_file=name)`, transformers' own GGUF loader, which
+  dequantizes the file as ringleader's loader does (needs the `gguf` package);
+- a checkpoint directory: from_pretrained.
 
 The load: `generate_batch` submits everything at once and returns at the end, which fits neither
 a closed nor an open loop, so this drives the same manager through `add_request` /
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from bench.loadgen import Load, RunResult, SendOptions
 from bench.metrics import RequestRecord
@@ -86,12 +91,20 @@ def build_hf_model(spec: str, device: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from device.model import LlamaModel
+    from device.model.gguf_checkpoint import is_gguf
     from device.model.presets import PRESETS
 
     dtype = getattr(torch, DTYPES.get(device, "float32"))
     if spec not in PRESETS:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
-        return model, None
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its weight-loading bar (the GGUF dequantizing bar is plain tqdm)
+        path = Path(spec)
+        if is_gguf(spec):
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        return model.to(device).eval(), None
     ours = LlamaModel.from_preset(spec, dtype, device, seed)
     model = LlamaForCausalLM(hf_config_for(ours.config)).to(dtype=dtype, device=device).eval()
     missing, unexpected = model.load_state_dict(internal_to_hf(ours.state_dict(), ours.config), strict=False)
@@ -148,6 +161,7 @@ class HfRunner:
         slots: int | None,
         token_budget: int | None,
         options: SendOptions,
+        kv_tokens: int | None = None,
         timeout_s: float = 600.0,
     ):
         from transformers import GenerationConfig
@@ -166,6 +180,8 @@ class HfRunner:
             from transformers import ContinuousBatchingConfig
 
             cb = ContinuousBatchingConfig(max_requests_per_batch=slots, max_batch_tokens=token_budget)
+            if kv_tokens:  # the cache's capacity in tokens (else sized from free memory)
+                cb.num_blocks = -(-kv_tokens // cb.page_size)
         except (ImportError, TypeError):
             pass
         kwargs = {"generation_config": gen}

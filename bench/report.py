@@ -3,7 +3,7 @@
 JSON layout (schema "ringleader-bench/1"):
     {"schema", "created", "command", "settings": {...every option...}, "environment": {git
      commit, python/torch versions, CPU, GPU}, "model", "device", "notes": [...],
-     "runs": [run, ...], "degradation": [...]}
+     "runs": [run, ...], "degradation": [...], "ratios_vs_hf": [...]}
 Each run holds at least: scheduler, device, model, concurrency (null in the open loop),
 request_rate (null in the closed loop), completed, failed, output_tokens_per_s, ttft_ms,
 tpot_ms, itl_ms, e2e_ms (each {mean, p50, p90, p99}) and cpu_s_per_1k_tokens; see
@@ -149,6 +149,44 @@ def degradation(runs: list[dict]) -> list[dict]:
     return out
 
 
+RATIO_BASE = "hf"  # the baseline of a compare run's ratios
+
+
+def _ratio(a, b):
+    return (a / b) if a is not None and b not in (None, 0) else None
+
+
+def ratios_vs_hf(runs: list[dict]) -> list[dict]:
+    """Each ringleader run against the `hf` run at the same load (and busy level): the ratio
+    ringleader / hf of output tok/s (above 1: ringleader is faster) and of TTFT and TPOT p50
+    (below 1: ringleader is faster). Empty when the runs have no hf variant."""
+    base = {
+        (r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0): r
+        for r in runs
+        if r["scheduler"] == RATIO_BASE
+    }
+    out = []
+    for r in runs:
+        b = base.get((r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0))
+        if r["scheduler"] == RATIO_BASE or b is None:
+            continue
+        out.append(
+            {
+                "scheduler": r["scheduler"],
+                "baseline": RATIO_BASE,
+                "concurrency": r["concurrency"],
+                "request_rate": r["request_rate"],
+                "cpu_interference": r.get("cpu_interference") or 0,
+                "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
+                "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
+                "ttft_ms_p50_ratio": _ratio(r["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
+                "tpot_ms_p50_ratio": _ratio(r["tpot_ms"]["p50"], b["tpot_ms"]["p50"]),
+                "cpu_s_per_1k_tokens_ratio": _ratio(r["cpu_s_per_1k_tokens"], b["cpu_s_per_1k_tokens"]),
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------- environment
 
 
@@ -220,6 +258,7 @@ def build_document(
         "notes": notes,
         "runs": runs,
         "degradation": degradation(runs),
+        "ratios_vs_hf": ratios_vs_hf(runs),
     }
 
 
@@ -328,6 +367,45 @@ def format_degradation(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ratio_cells(d: dict) -> list[str]:
+    a, b = d["output_tokens_per_s"]
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    return [
+        d["scheduler"],
+        load_label(d) + busy,
+        f"{_f(a, '{:.1f}')} / {_f(b, '{:.1f}')}",
+        f"x{_f(d['output_tokens_per_s_ratio'], '{:.2f}')}",
+        f"x{_f(d['ttft_ms_p50_ratio'], '{:.2f}')}",
+        f"x{_f(d['tpot_ms_p50_ratio'], '{:.2f}')}",
+    ]
+
+
+RATIO_HEAD = ["scheduler", "load", "out tok/s (it / hf)", "tok/s ratio", "TTFT p50 ratio", "TPOT p50 ratio"]
+
+
+def format_ratios(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cells = [_ratio_cells(d) for d in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(RATIO_HEAD)]
+    lines = [
+        "ringleader / hf (transformers continuous batching) at the same load: tok/s above 1 and "
+        "TTFT/TPOT below 1 favour ringleader",
+        "  " + "  ".join(h.ljust(w) for h, w in zip(RATIO_HEAD, widths)),
+    ]
+    lines += [
+        "  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def _requests_text(requests) -> str:
+    if isinstance(requests, list):
+        return "/".join(str(n) for n in requests) + " requests (one count per load point)"
+    return f"{requests} requests"
+
+
 def markdown_summary(doc: dict, plots: list[str]) -> str:
     s, env = doc["settings"], doc["environment"]
     git = env.get("git") or {}
@@ -341,7 +419,7 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         + (f", GPU {env['gpu']}" if env.get("gpu") else "")
         + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
         f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
-        f"- workload: {s.get('requests')} requests per run, input {s.get('input_len')}, "
+        f"- workload: {_requests_text(s.get('requests'))} per run, input {s.get('input_len')}, "
         f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
         f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
         "",
@@ -350,6 +428,19 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     out.append("")
+    ratios = doc.get("ratios_vs_hf") or []
+    if ratios:
+        out += [
+            "## ringleader / hf",
+            "",
+            "Each ringleader variant against transformers' continuous batching (`hf`) at the same "
+            "load: output tok/s ratio above 1, and TTFT / TPOT p50 ratios below 1, favour ringleader.",
+            "",
+            "| " + " | ".join(RATIO_HEAD) + " |",
+            "|" + "---|" * len(RATIO_HEAD),
+        ]
+        out += ["| " + " | ".join(_ratio_cells(d)) + " |" for d in ratios]
+        out.append("")
     deg = doc.get("degradation") or []
     if deg:
         out += [
@@ -378,6 +469,13 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         "`process_cpu_s` in its `stats` before and after the run; per-thread figures are in the JSON. "
         "On the CPU backend this includes the model's compute.",
         "- loadgen CPU: CPU-seconds of the benchmark process during the run, and that as a share of one core.",
+    ]
+    if any(r["scheduler"] == RATIO_BASE for r in doc["runs"]):
+        out.append(
+            "- hf runs in the benchmark's own process: its CPU s/1k tok is that whole process (model, "
+            "batching and load generation), and it has no separate loadgen CPU."
+        )
+    out += [
         "",
     ]
     if doc.get("notes"):

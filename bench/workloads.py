@@ -10,6 +10,12 @@ Length distributions (`--length-dist`), each around the requested mean length L:
 - longtail: log-normal with sigma 1.0, scaled so the untruncated mean is L, clipped to
             [1, 8*L]. Most requests are shorter than L, a few are much longer (median ~0.6 L).
 
+Prompt tokens are uniform over an id range [lo, hi) (`WorkloadConfig.prompt_id_range`): 3..255 for
+the byte tokenizer of the presets (PRESET_PROMPT_IDS, the default), and for a model with a real
+vocabulary (a .gguf file, a checkpoint directory with a tokenizer) its longest run of ordinary
+ids, i.e. between special tokens and below the vocabulary size (`prompt_id_range_for(spec)`), so a
+prompt never holds BOS/EOS/chat-control tokens and never an id the embedding lacks.
+
 Arrivals for the open loop (`--request-rate R --burstiness B`): gaps between consecutive
 requests are Gamma(shape=B, scale=1/(R*B)), whose mean is 1/R for every B. B = 1 is a Poisson
 process; B < 1 is burstier, B > 1 more regular. R = inf sends every request at time 0.
@@ -17,19 +23,22 @@ process; B < 1 is burstier, B > 1 more regular. R = inf sends every request at t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 LENGTH_DISTS = ("fixed", "uniform", "longtail")
 LONGTAIL_SIGMA = 1.0
 LONGTAIL_CAP = 8.0  # longtail lengths are clipped to this many times the mean
-# Prompt tokens are drawn from [FIRST_PROMPT_ID, LAST_PROMPT_ID): plain bytes for the byte
-# tokenizer of the presets, and ordinary tokens of any real vocabulary (ids >= 256 hold the
-# byte tokenizer's BOS/EOS/PAD, so they are avoided and EOS never appears in a prompt).
+# The presets' prompt tokens are drawn from [FIRST_PROMPT_ID, LAST_PROMPT_ID): plain bytes for
+# their byte tokenizer (ids >= 256 hold its BOS/EOS/PAD, so EOS never appears in a prompt). A real
+# vocabulary gets its own range (prompt_id_range_for): its low ids are often control tokens.
 FIRST_PROMPT_ID = 3
 LAST_PROMPT_ID = 256
+PRESET_PROMPT_IDS = (FIRST_PROMPT_ID, LAST_PROMPT_ID)
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class WorkloadConfig:
     range_ratio: float = 0.5
     seed: int = 0
     max_context: int | None = None  # prompt + output are trimmed to fit (the server's limit)
+    prompt_id_range: tuple[int, int] = PRESET_PROMPT_IDS  # prompt tokens are drawn from [lo, hi)
 
     def describe(self) -> dict:
         return {
@@ -59,6 +69,7 @@ class WorkloadConfig:
             "range_ratio": self.range_ratio,
             "seed": self.seed,
             "max_context": self.max_context,
+            "prompt_id_range": list(self.prompt_id_range),
         }
 
 
@@ -92,15 +103,64 @@ def make_requests(cfg: WorkloadConfig) -> list[RequestSpec]:
     len_seq, tok_seq = root.spawn(2)
     len_rng = np.random.default_rng(len_seq)
     tok_rng = np.random.default_rng(tok_seq)
+    lo, hi = cfg.prompt_id_range
+    if not 0 <= lo < hi:
+        raise ValueError(f"prompt id range must be 0 <= lo < hi, got {cfg.prompt_id_range}")
     ins = sample_lengths(cfg.length_dist, cfg.input_len, cfg.requests, len_rng, cfg.range_ratio)
     outs = sample_lengths(cfg.length_dist, cfg.output_len, cfg.requests, len_rng, cfg.range_ratio)
     specs = []
     for n_in, n_out in zip(ins.tolist(), outs.tolist()):
         if cfg.max_context is not None:
             n_in, n_out = fit_context(n_in, n_out, cfg.max_context)
-        prompt = tok_rng.integers(FIRST_PROMPT_ID, LAST_PROMPT_ID, size=n_in).tolist()
+        prompt = tok_rng.integers(lo, hi, size=n_in).tolist()
         specs.append(RequestSpec(prompt_ids=prompt, max_tokens=n_out))
     return specs
+
+
+def ordinary_id_range(vocab_size: int, special_ids) -> tuple[int, int]:
+    """[lo, hi): the longest run of ids below vocab_size holding no special id (the first such
+    run on a tie). SmolLM2 (controls 0..16 of 49152) gives (17, 49152); Llama-3 (specials from
+    128000 of 128256) gives (0, 128000); Llama-2 (unk, bos, eos = 0, 1, 2) gives (3, 32000)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    cuts = sorted({i for i in special_ids if 0 <= i < vocab_size})
+    best, start = (0, 0), 0
+    for cut in [*cuts, vocab_size]:
+        if cut - start > best[1] - best[0]:
+            best = (start, cut)
+        start = cut + 1
+    if best[1] <= best[0]:
+        raise ValueError(f"no ordinary token ids below {vocab_size}")
+    return best
+
+
+def tokenizer_special_ids(tokenizer) -> set[int]:
+    """Ids a prompt of random tokens must avoid: BOS, the EOS ids, and every special added
+    token (control tokens of a GGUF, `special` added tokens of a tokenizer.json)."""
+    ids = {getattr(tokenizer, "bos_token_id", None), *(getattr(tokenizer, "eos_token_ids", None) or ())}
+    inner = getattr(tokenizer, "_tok", None)  # device.tokenizer.HFTokenizer wraps a tokenizers.Tokenizer
+    if inner is not None and hasattr(inner, "get_added_tokens_decoder"):
+        ids |= {i for i, tok in inner.get_added_tokens_decoder().items() if getattr(tok, "special", True)}
+    return {int(i) for i in ids if i is not None}
+
+
+def prompt_id_range_for(spec: str) -> tuple[int, int]:
+    """The prompt id range for a model spec as `ringleader serve --model` takes it: the presets'
+    byte range, else the longest run of ordinary ids of its tokenizer's vocabulary (capped at
+    the checkpoint's config vocab_size when it has one). A checkpoint without a tokenizer keeps
+    the byte range (ordinary ids of any real vocabulary past the first few)."""
+    from device.model.presets import PRESETS, tokenizer_for
+
+    if spec in PRESETS:
+        return PRESET_PROMPT_IDS
+    tokenizer = tokenizer_for(spec)
+    if tokenizer is None:
+        return PRESET_PROMPT_IDS
+    vocab = int(tokenizer.vocab_size)
+    config = Path(spec) / "config.json"
+    if config.is_file():
+        vocab = min(vocab, int(json.loads(config.read_text()).get("vocab_size") or vocab))
+    return ordinary_id_range(vocab, tokenizer_special_ids(tokenizer))
 
 
 def fit_context(n_in: int, n_out: int, max_context: int) -> tuple[int, int]:

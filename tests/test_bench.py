@@ -12,12 +12,16 @@ from bench import cli
 from bench.metrics import RequestRecord, run_metrics, summarize
 from bench.servers import ServerError, ServerProcess, cpu_deltas, plan_variants
 from bench.workloads import (
+    PRESET_PROMPT_IDS,
     WorkloadConfig,
     arrival_times,
     fit_context,
     gamma_gaps,
     make_requests,
+    ordinary_id_range,
+    prompt_id_range_for,
     sample_lengths,
+    tokenizer_special_ids,
 )
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
@@ -155,9 +159,10 @@ def test_server_that_cannot_start_reports_its_output():
 
 def test_variants_on_cpu():
     variants, notes = plan_variants(["device", "host", "static", "hf"], "cpu")
-    assert [v.name for v in variants] == ["host", "static"]
-    assert len(notes) == 2 and "device" in notes[0] and "hf" in notes[1]
+    assert [v.name for v in variants] == ["host", "static", "hf"]  # hf runs on the CPU too
+    assert len(notes) == 1 and "device" in notes[0]
     assert variants[1].server_args[-2:] == ("--policy", "static")
+    assert variants[2].kind == "hf" and variants[2].server_args == ()
     variants, _ = plan_variants(["device", "host"], "cuda")
     assert variants[0].server_args[:2] == ("--scheduler", "device")
     assert variants[1].server_args[:2] == ("--scheduler", "host")
@@ -170,6 +175,19 @@ def test_no_argument_run_is_the_quick_comparison():
     assert args.concurrency == [1, 16] and args.requests == 48 and args.ignore_eos
     assert args.out == "ringleader-bench" and args.device == "auto" and args.compare is None
     assert cli.main(["--requests", "0"]) == 2
+
+
+def test_requests_per_load_point():
+    parse = cli.build_parser().parse_args
+    args = parse(["--concurrency", "1,8,32", "--requests", "8,24,64"])
+    assert cli.request_counts(args) == [8, 24, 64] and cli._check(args) == []
+    assert [(load.concurrency, n) for load, n in cli._loads(args)] == [(1, 8), (8, 24), (32, 64)]
+    args = parse(["--concurrency", "1,8", "--request-rate", "5", "--requests", "10"])
+    assert cli.request_counts(args) == [10, 10, 10] and args.requests == 10
+    (_, _, (rate, n)) = cli._loads(args)
+    assert rate.request_rate == 5 and n == 10 and len(rate.arrival_s) == 10
+    assert cli._check(parse(["--concurrency", "1,8", "--requests", "4,8,16"]))  # 3 counts, 2 points
+    assert cli.main(["--concurrency", "1,8", "--requests", "4,0"]) == 2
 
 
 # ---------------------------------------------------------------- workloads
@@ -185,6 +203,77 @@ def test_workload_is_reproducible(dist):
     for s in a:
         assert len(s.prompt_ids) >= 1 and s.max_tokens >= 1
         assert all(3 <= t < 256 for t in s.prompt_ids)
+
+
+def test_preset_prompts_are_unchanged():
+    """The presets' prompts (ids 3..255 from the seed's token stream) are what they always were."""
+    specs = make_requests(WorkloadConfig(3, 6, 4, "uniform", seed=5))
+    assert [(s.prompt_ids, s.max_tokens) for s in specs] == [
+        ([139, 67, 232, 21], 5),
+        ([187, 210, 106, 144, 98], 5),
+        ([115, 124, 219, 196, 72, 9, 100, 147, 73], 2),
+    ]
+    assert WorkloadConfig(1, 1, 1).prompt_id_range == PRESET_PROMPT_IDS == (3, 256)
+    assert prompt_id_range_for("tiny") == PRESET_PROMPT_IDS
+
+
+def test_prompt_ids_of_a_real_vocabulary():
+    cfg = WorkloadConfig(40, 50, 4, "uniform", seed=5, prompt_id_range=(17, 49152))
+    specs = make_requests(cfg)
+    ids = [t for s in specs for t in s.prompt_ids]
+    assert min(ids) >= 17 and max(ids) < 49152 and max(ids) > 40000  # the whole range, not bytes
+    # lengths come from their own stream: the same as the presets' for the same seed
+    base = make_requests(WorkloadConfig(40, 50, 4, "uniform", seed=5))
+    assert [len(s.prompt_ids) for s in specs] == [len(s.prompt_ids) for s in base]
+    assert make_requests(cfg) == specs
+    with pytest.raises(ValueError):
+        make_requests(WorkloadConfig(1, 4, 4, prompt_id_range=(10, 10)))
+
+
+def test_ordinary_id_range():
+    assert ordinary_id_range(49152, range(17)) == (17, 49152)  # SmolLM2: controls first
+    assert ordinary_id_range(128256, range(128000, 128256)) == (0, 128000)  # Llama-3: specials last
+    assert ordinary_id_range(32000, {0, 1, 2}) == (3, 32000)  # Llama-2: unk, bos, eos
+    assert ordinary_id_range(100, {50, 200, -1}) == (0, 50)  # ties: the first; out-of-range ids ignored
+    assert ordinary_id_range(10, set()) == (0, 10)
+    with pytest.raises(ValueError):
+        ordinary_id_range(2, {0, 1})
+
+
+def _tokenizer_dir(tmp_path, config_vocab=None):
+    """A checkpoint directory with a word-level tokenizer.json: 3 special tokens first, then
+    2 ordinary words, one more special, then 20 ordinary words."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<s>", "</s>", "<pad>", "a", "b", "<|im_end|>", *[f"w{i}" for i in range(20)]]
+    tk = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>")
+    )
+    tk.add_special_tokens(["<s>", "</s>", "<pad>", "<|im_end|>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    if config_vocab is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"vocab_size": config_vocab}))
+    return tmp_path
+
+
+def test_prompt_id_range_of_a_checkpoint_directory(tmp_path):
+    d = _tokenizer_dir(tmp_path)
+    from device.model.presets import tokenizer_for
+
+    assert tokenizer_special_ids(tokenizer_for(str(d))) == {0, 1, 2, 5}
+    assert prompt_id_range_for(str(d)) == (6, 26)
+    (d / "config.json").write_text(json.dumps({"vocab_size": 16}))  # an embedding smaller than the vocab
+    assert prompt_id_range_for(str(d)) == (6, 16)
+
+
+def test_prompt_id_range_of_the_smollm2_gguf():
+    """The real GGUF's vocabulary (no server): 17 control tokens, then ordinary ids to 49152."""
+    from bench.smollm2 import cached_path
+
+    path = cached_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not cached (python -m bench.smollm2 fetches it)")
+    assert prompt_id_range_for(str(path)) == (17, 49152)
 
 
 def test_length_distributions():
@@ -293,6 +382,71 @@ def test_cpu_deltas():
     assert cpu_deltas({}, {})["cpu_s_per_1k_tokens"] is None
 
 
+# ---------------------------------------------------------------- ringleader / hf ratios
+
+
+def _fake_run(scheduler, concurrency, tok_s, ttft, tpot, busy=0):
+    stat = lambda v: {"mean": v, "p50": v, "p90": v, "p99": v}  # noqa: E731
+    return {
+        "scheduler": scheduler,
+        "concurrency": concurrency,
+        "request_rate": None,
+        "cpu_interference": busy,
+        "output_tokens_per_s": tok_s,
+        "ttft_ms": stat(ttft),
+        "tpot_ms": stat(tpot),
+        "itl_ms": stat(tpot),
+        "e2e_ms": stat(ttft + 10 * tpot),
+        "queue_ms": stat(0.0),
+        "completed": 4,
+        "failed": 0,
+        "request_throughput": 1.0,
+        "cpu_s_per_1k_tokens": 2.0,
+        "loadgen_cpu_s": None,
+        "loadgen_cpu_frac": None,
+    }
+
+
+def test_ratios_vs_hf_in_the_summary():
+    from bench.report import format_ratios, markdown_summary, ratios_vs_hf
+
+    runs = [
+        _fake_run("host", 1, 30.0, 100.0, 20.0),
+        _fake_run("host", 8, 120.0, 300.0, 40.0),
+        _fake_run("static", 8, 60.0, 900.0, 40.0),
+        _fake_run("hf", 1, 10.0, 400.0, 80.0),
+        _fake_run("hf", 8, 40.0, 600.0, 160.0),
+        _fake_run("host", 32, 200.0, 1.0, 1.0),  # no hf run at c=32: no ratio
+    ]
+    rows = ratios_vs_hf(runs)
+    assert [(r["scheduler"], r["concurrency"]) for r in rows] == [("host", 1), ("host", 8), ("static", 8)]
+    assert [r["output_tokens_per_s_ratio"] for r in rows] == pytest.approx([3.0, 3.0, 1.5])
+    assert rows[0]["ttft_ms_p50_ratio"] == pytest.approx(0.25) and rows[1][
+        "tpot_ms_p50_ratio"
+    ] == pytest.approx(0.25)
+    assert rows[0]["output_tokens_per_s"] == [30.0, 10.0] and rows[0]["baseline"] == "hf"
+    assert ratios_vs_hf([r for r in runs if r["scheduler"] != "hf"]) == []
+    text = format_ratios(rows)
+    assert "ringleader / hf" in text and "x3.00" in text and "x1.50" in text and "x0.25" in text
+    assert format_ratios([]) == ""
+    doc = {
+        "model": "m.gguf",
+        "device": "cpu",
+        "created": "now",
+        "command": ["--compare", "host,static,hf"],
+        "environment": {"git": {}},
+        "settings": {},
+        "runs": runs,
+        "degradation": [],
+        "ratios_vs_hf": rows,
+        "notes": [],
+    }
+    md = markdown_summary(doc, [])
+    assert "## ringleader / hf" in md
+    assert "| host | c=8 | 120.0 / 40.0 | x3.00 | x0.50 | x0.25 |" in md
+    assert "hf runs in the benchmark's own process" in md
+
+
 # ---------------------------------------------------------------- the hf baseline's weight copy
 
 
@@ -304,17 +458,45 @@ def test_hf_baseline_copies_the_preset_weights():
     assert logits_gap(hf, ours, list(range(3, 40))) < 1e-3
 
 
+def test_hf_loads_a_gguf_file_with_transformers(monkeypatch):
+    """A .gguf spec goes to from_pretrained(dir, gguf_file=name) in float32 on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from bench.hf_baseline import build_hf_model
+
+    seen = {}
+
+    class Fake(torch.nn.Module):
+        def eval(self):
+            seen["eval"] = True
+            return self
+
+    def from_pretrained(path, **kwargs):
+        seen.update(path=path, **kwargs)
+        return Fake()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    model, ours = build_hf_model("/models/x/SmolLM2.Q4_1.gguf", "cpu")
+    assert ours is None and seen["eval"]
+    assert seen["path"] == "/models/x" and seen["gguf_file"] == "SmolLM2.Q4_1.gguf"
+    assert seen["dtype"] == torch.float32
+    seen.clear()
+    build_hf_model("/models/dir", "cpu")  # a checkpoint directory: plain from_pretrained
+    assert seen["path"] == "/models/dir" and "gguf_file" not in seen
+
+
 def test_hf_variant_runs_through_the_harness_on_cpu(tmp_path):
-    """The hf driver on the CPU (the CLI offers it on CUDA only; --hf-on-cpu is for this test)."""
+    """The hf driver on the CPU, beside a server variant: the same workload goes to both, and
+    the summary carries the ringleader / hf ratio."""
     pytest.importorskip("transformers")
-    path = tmp_path / "hf.json"
+    out = tmp_path / "res"
     rc = cli.main(
         [
             "--device",
             "cpu",
             "--compare",
-            "hf",
-            "--hf-on-cpu",
+            "host,hf",
             "--concurrency",
             "2",
             "--requests",
@@ -326,12 +508,23 @@ def test_hf_variant_runs_through_the_harness_on_cpu(tmp_path):
             "--ignore-eos",
             "--warmup",
             "1",
-            "--json",
-            str(path),
+            "--out",
+            str(out),
+            "--no-plots",
             "--quiet",
         ]
     )
     assert rc == 0
-    (run,) = json.loads(path.read_text())["runs"]
+    doc = json.loads((out / "results.json").read_text())
+    host, run = doc["runs"]
     assert run["scheduler"] == "hf" and run["completed"] == 4 and run["output_tokens"] == 20
     assert run["tpot_ms"]["p50"] > 0 and run["cpu_s_per_1k_tokens"] > 0 and run["loadgen_cpu_s"] is None
+    assert host["scheduler"] == "host" and host["output_tokens"] == 20  # same lengths to both
+    (ratio,) = doc["ratios_vs_hf"]
+    assert ratio["scheduler"] == "host" and ratio["concurrency"] == 2
+    assert ratio["output_tokens_per_s_ratio"] == pytest.approx(
+        host["output_tokens_per_s"] / run["output_tokens_per_s"]
+    )
+    assert "## ringleader / hf" in (out / "summary.md").read_text()
+    assert "ringleader / hf" in (out / "console.txt").read_text()
+    assert doc["settings"]["prompt_id_range"] == [3, 256]
