@@ -120,30 +120,10 @@ def logits_gap(hf_model, ours, prompt_ids: list[int]) -> float:
     """Max |difference| of the last position's logits, HF vs ringleader (a weight-copy check)."""
     import torch
 
-    from device.model import StepBatch
-
-    n = len(prompt_ids)
-    kv = ours.new_kv_cache(1, max(64, n + 1))
-    batch = StepBatch.from_numpy(*_single_prefill_layout(prompt_ids), device=ours.device)
+    a = ours.prompt_logits(prompt_ids).float()
     with torch.inference_mode():
-        a = ours.step(batch, kv)[0].float()
         b = hf_model(torch.tensor([prompt_ids], device=hf_model.device)).logits[0, -1].float()
     return float((a - b.to(a.device)).abs().max())
-
-
-def _single_prefill_layout(prompt_ids: list[int]):
-    import numpy as np
-
-    n = len(prompt_ids)
-    return (
-        np.asarray(prompt_ids, np.int32),
-        np.arange(n, dtype=np.int32),
-        np.zeros(n, np.int32),
-        np.zeros(1, np.int32),
-        np.zeros(1, np.int32),
-        np.array([n], np.int32),
-        np.array([n - 1], np.int32),
-    )
 
 
 def _cpu_s() -> float:

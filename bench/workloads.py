@@ -134,16 +134,6 @@ def ordinary_id_range(vocab_size: int, special_ids) -> tuple[int, int]:
     return best
 
 
-def tokenizer_special_ids(tokenizer) -> set[int]:
-    """Ids a prompt of random tokens must avoid: BOS, the EOS ids, and every special added
-    token (control tokens of a GGUF, `special` added tokens of a tokenizer.json)."""
-    ids = {getattr(tokenizer, "bos_token_id", None), *(getattr(tokenizer, "eos_token_ids", None) or ())}
-    inner = getattr(tokenizer, "_tok", None)  # device.tokenizer.HFTokenizer wraps a tokenizers.Tokenizer
-    if inner is not None and hasattr(inner, "get_added_tokens_decoder"):
-        ids |= {i for i, tok in inner.get_added_tokens_decoder().items() if getattr(tok, "special", True)}
-    return {int(i) for i in ids if i is not None}
-
-
 def prompt_id_range_for(spec: str) -> tuple[int, int]:
     """The prompt id range for a model spec as `ringleader serve --model` takes it: the presets'
     byte range, else the longest run of ordinary ids of its tokenizer's vocabulary (capped at
@@ -160,7 +150,7 @@ def prompt_id_range_for(spec: str) -> tuple[int, int]:
     config = Path(spec) / "config.json"
     if config.is_file():
         vocab = min(vocab, int(json.loads(config.read_text()).get("vocab_size") or vocab))
-    return ordinary_id_range(vocab, tokenizer_special_ids(tokenizer))
+    return ordinary_id_range(vocab, tokenizer.special_token_ids())
 
 
 def fit_context(n_in: int, n_out: int, max_context: int) -> tuple[int, int]:

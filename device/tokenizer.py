@@ -29,6 +29,8 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
 
+    def special_token_ids(self) -> set[int]: ...
+
 
 def _no_template() -> ChatTemplateError:
     return ChatTemplateError("this model has no chat template: send a plain prompt instead of messages")
@@ -61,6 +63,9 @@ class ByteTokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         raise _no_template()
+
+    def special_token_ids(self) -> set[int]:
+        return {self.BOS, self.EOS, self.PAD}
 
 
 def _token_content(tok) -> str | None:
@@ -182,6 +187,13 @@ class HFTokenizer:
         """Token ids of render_chat(messages), encoded without adding special tokens (the
         template writes BOS and the turn markers itself), as transformers' apply_chat_template."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def special_token_ids(self) -> set[int]:
+        """BOS, the EOS ids and every special added token (a GGUF's control tokens, the `special`
+        added tokens of a tokenizer.json): the ids a prompt of random ordinary tokens avoids."""
+        ids = {self.bos_token_id, *self.eos_token_ids}
+        ids |= {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+        return {int(i) for i in ids if i is not None}
 
 
 class IncrementalDetokenizer:

@@ -21,7 +21,6 @@ from bench.workloads import (
     ordinary_id_range,
     prompt_id_range_for,
     sample_lengths,
-    tokenizer_special_ids,
 )
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
@@ -260,7 +259,7 @@ def test_prompt_id_range_of_a_checkpoint_directory(tmp_path):
     d = _tokenizer_dir(tmp_path)
     from device.model.presets import tokenizer_for
 
-    assert tokenizer_special_ids(tokenizer_for(str(d))) == {0, 1, 2, 5}
+    assert tokenizer_for(str(d)).special_token_ids() == {0, 1, 2, 5}
     assert prompt_id_range_for(str(d)) == (6, 26)
     (d / "config.json").write_text(json.dumps({"vocab_size": 16}))  # an embedding smaller than the vocab
     assert prompt_id_range_for(str(d)) == (6, 16)

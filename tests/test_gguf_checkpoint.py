@@ -12,7 +12,13 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from device.model import LlamaModel  # noqa: E402
-from device.model.gguf_checkpoint import GGUFError, config_from_gguf, load_gguf, open_gguf  # noqa: E402
+from device.model.gguf_checkpoint import (  # noqa: E402
+    GGUFError,
+    config_from_gguf,
+    gguf_metadata,
+    load_gguf,
+    open_gguf,
+)
 from device.model.gguf_quants import UnsupportedQuantization  # noqa: E402
 from device.model.ops import rope_inv_freq  # noqa: E402
 
@@ -111,12 +117,10 @@ def test_f32_file_loads_to_exactly_the_hf_state_dict(hf_model, tmp_path):
 
 def test_f32_file_gives_transformers_logits(hf_model, tmp_path):
     model = LlamaModel.from_gguf(write_gguf(tmp_path / "m.gguf", hf_model))
-    from tests.test_real_model import _prefill_logits
-
     ids = [3, 17, 42, 8, 60, 1]
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0, -1]
-    assert (_prefill_logits(model, ids) - theirs).abs().max() < 1e-4
+    assert (model.prompt_logits(ids) - theirs).abs().max() < 1e-4
 
 
 def test_q8_0_file_dequantizes_close_to_the_weights(hf_model, tmp_path):
@@ -162,6 +166,14 @@ def test_unsupported_quantization_is_named(hf_model, tmp_path):
         f.write(int(gguf.GGMLQuantizationType.IQ2_XS).to_bytes(4, "little"))
     with pytest.raises((UnsupportedQuantization, ValueError), match="IQ2_XS"):
         load_gguf(path)
+
+
+def test_metadata_is_parsed_once_for_a_load_then_a_tokenizer(hf_model, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", hf_model)
+    file = open_gguf(path)
+    assert gguf_metadata(path) is file.metadata  # no second parse
+    write_gguf(path, hf_model, drop={"output.weight"})  # a changed file is parsed anew
+    assert gguf_metadata(path) is not file.metadata
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

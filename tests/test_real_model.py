@@ -94,19 +94,9 @@ def test_logits_match_transformers(ours, hf, tokenizer):
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0, -1]
-    logits = _prefill_logits(ours, ids)
+    logits = ours.prompt_logits(ids)
     assert logits.argmax() == theirs.argmax()
     assert (logits - theirs).abs().max() < 1e-3  # fp32; measured 2.8e-5
-
-
-def _prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    from bench.hf_baseline import _single_prefill_layout
-    from device.model import StepBatch
-
-    kv = model.new_kv_cache(1, 64 + len(ids))
-    batch = StepBatch.from_numpy(*_single_prefill_layout(ids), device=model.device)
-    with torch.inference_mode():
-        return model.step(batch, kv)[0].float()
 
 
 def test_gguf_load_equals_safetensors_load(ours, hf, tmp_path):
@@ -120,7 +110,7 @@ def test_gguf_load_equals_safetensors_load(ours, hf, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     from_st = LlamaModel.from_checkpoint(tmp_path)
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 314]
-    a, b = _prefill_logits(ours, ids), _prefill_logits(from_st, ids)
+    a, b = ours.prompt_logits(ids), from_st.prompt_logits(ids)
     assert torch.equal(a, b)
 
 

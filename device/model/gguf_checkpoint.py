@@ -93,20 +93,30 @@ class GGUFFile:
         return self.metadata[key]
 
 
-# Metadata of the last file opened, keyed by (path, size, mtime): the backend loads the weights
-# and then asks for the tokenizer, and parsing a 50k-token vocabulary twice costs seconds.
-_last: tuple[tuple, GGUFFile] | None = None
+# The metadata of the last file parsed, keyed by (path, size, mtime): the backend loads the
+# weights and then asks for the tokenizer, and parsing a 50k-token vocabulary twice costs
+# seconds. Only the metadata is kept: tensor records would keep the whole file mapped.
+_last_metadata: tuple[tuple, dict[str, Any]] | None = None
+
+
+def _file_key(path: str | Path) -> tuple:
+    st = os.stat(path)
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    global _last
-    st = os.stat(path) if Path(path).is_file() else None
-    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns) if st else None
-    if _last is not None and key is not None and _last[0] == key:
-        return _last[1]
+    """Parses the file (metadata and tensor records) and remembers its metadata."""
+    global _last_metadata
     file = GGUFFile.open(path)
-    _last = (key, file) if key is not None else None
+    _last_metadata = (_file_key(path), file.metadata)
     return file
+
+
+def gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The file's metadata, parsed once for a load followed by a tokenizer."""
+    if _last_metadata is not None and Path(path).is_file() and _last_metadata[0] == _file_key(path):
+        return _last_metadata[1]
+    return open_gguf(path).metadata
 
 
 def config_from_gguf(file: GGUFFile, name: str | None = None) -> ModelConfig:

@@ -166,6 +166,14 @@ class LlamaModel(nn.Module):
         return F.linear(h, self.lm_head_weight).float()
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """fp32 logits of the next token after `prompt_ids`, from one prefill into a scratch
+        cache (parity checks against other implementations)."""
+        kv = self.new_kv_cache(1, max(64, len(prompt_ids) + 1))
+        batch = StepBatch.from_segments([(0, list(prompt_ids), 0)], device=self.device)
+        return self.step(batch, kv)[0]
+
     def step(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Runs all rows of `batch`, updating `kv`; returns fp32 logits [len(sample_rows), vocab]."""
         plan = batch.get_plan()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from device.model.config import ModelConfig
-from device.model.gguf_checkpoint import is_gguf, open_gguf
+from device.model.gguf_checkpoint import gguf_metadata, is_gguf
 from device.tokenizer import ByteTokenizer, load_tokenizer
 
 _BYTE = ByteTokenizer
@@ -99,5 +99,5 @@ def tokenizer_for(spec: str | Path):
     if is_gguf(spec):
         from device.gguf_tokenizer import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(open_gguf(spec).metadata)
+        return tokenizer_from_gguf(gguf_metadata(spec))
     return load_tokenizer(spec)
