@@ -265,14 +265,9 @@ def test_prompt_id_range_of_a_checkpoint_directory(tmp_path):
     assert prompt_id_range_for(str(d)) == (6, 16)
 
 
-def test_prompt_id_range_of_the_smollm2_gguf():
+def test_prompt_id_range_of_the_smollm2_gguf(smollm2_gguf):
     """The real GGUF's vocabulary (no server): 17 control tokens, then ordinary ids to 49152."""
-    from bench.smollm2 import cached_path
-
-    path = cached_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not cached (python -m bench.smollm2 fetches it)")
-    assert prompt_id_range_for(str(path)) == (17, 49152)
+    assert prompt_id_range_for(str(smollm2_gguf)) == (17, 49152)
 
 
 def test_length_distributions():
