@@ -13,6 +13,7 @@ the measured requests, the stats again.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -185,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each point with N busy processes and report the degradation",
     )
 
+    g.add_argument(
+        "--roofline",
+        action="store_true",
+        help="instead of the load test: --model's decode step (1 and --slots rows, default 32, at "
+        "context --max-ctx, default 512) against its memory roofline on --device (bench/roofline.py)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write results.json, summary.md, console.txt and PNGs here")
     g.add_argument("--json", metavar="FILE", help="write the JSON here (default DIR/results.json)")
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         for msg in problems:
             print(f"ringleader bench: {msg}", file=sys.stderr)
         return 2
+    if args.roofline:
+        return _roofline(args, say)
     previous = signal.signal(signal.SIGTERM, _raise_exit) if _main_thread() else None
     try:
         return _run(args, command, say)
@@ -512,6 +521,28 @@ def _label_from(stats: dict) -> str:
         return "static"
     sched = str(backend.get("scheduler", "connected"))
     return "host" if sched.startswith("host") else sched
+
+
+def _roofline(args, say: Console) -> int:
+    from bench import roofline
+
+    cuda = args.device == "cuda"
+    result = roofline.measure(
+        args.model,
+        "cuda" if cuda else "cpu",
+        "bfloat16" if cuda else "float32",
+        rows_list=tuple(sorted({1, args.slots or 32})),
+        ctx=args.max_ctx or 512,
+        repeats=50 if cuda else 5,
+        copy_bytes=(1 << 30) if cuda else (256 << 20),
+    )
+    say(roofline.format_table(result), always=True)
+    json_path = Path(args.json) if args.json else (Path(args.out) / "roofline.json" if args.out else None)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        say(f"wrote {json_path}", always=True)
+    return 0
 
 
 def _write_outputs(args, doc: dict, say: Console) -> None:

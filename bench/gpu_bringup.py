@@ -70,6 +70,15 @@ def builtin_stages() -> list[Stage]:
         Stage("module", checks + ["module"], 120, env=EAGER),
         Stage("graphs-fp32", checks + ["graphs", "--dtype", "float32"], 300, env=EAGER),
         Stage("graphs-bf16", checks + ["graphs", "--dtype", "bfloat16"], 300, env=EAGER),
+        # llama-1b bf16 decode steps (1 and 32 rows) against the memory roofline
+        Stage(
+            "roofline",
+            ["{py}", "-m", "bench.roofline", "--model", "llama-1b", "--rows", "1,32", "--ctx", "512"]
+            + ["--json", "{dir}/result.json"],
+            300,
+            ("graphs-bf16",),
+            EAGER,
+        ),
         Stage("backend-host", checks + ["backend", "--scheduler", "host"], 240, ("graphs-fp32",), EAGER),
         Stage(
             "backend-resident",

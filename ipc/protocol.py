@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import MAX_TOP_K, SamplingParams
 
 PROTOCOL_VERSION = 1
 # 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat)
@@ -290,7 +290,7 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
 
     temperature = _float_field(obj, rid, "temperature", 0.0, 0.0, math.inf, lo_open=False)
     top_p = _float_field(obj, rid, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _int_field(obj, rid, "top_k", 0, 0, limits.vocab_size)
+    top_k = _int_field(obj, rid, "top_k", 0, 0, min(limits.vocab_size, MAX_TOP_K))
 
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not limits.min_seed <= seed <= limits.max_seed):

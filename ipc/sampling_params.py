@@ -12,13 +12,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# top_k's upper bound: the device sampler draws top-k and top-p from this many candidates
+# (device/model/sampling.py), so its cost does not grow with the vocabulary
+MAX_TOP_K = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1: off
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0: off; at most MAX_TOP_K
     seed: int | None = (
         None  # None: the server draws one (a seeded request samples the same under any batching)
     )

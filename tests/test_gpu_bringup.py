@@ -24,6 +24,7 @@ BUILTIN = [
     "module",
     "graphs-fp32",
     "graphs-bf16",
+    "roofline",
     "backend-host",
     "backend-resident",
     "backend-pump",

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ipc import protocol as P
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import MAX_TOP_K, SamplingParams
 
 LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 
@@ -165,7 +165,7 @@ def valid_generates(draw):
             max_tokens=max_tokens,
             temperature=draw(st.floats(min_value=0.0, max_value=1e6)),
             top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
-            top_k=draw(st.integers(0, LIMITS.vocab_size)),
+            top_k=draw(st.integers(0, MAX_TOP_K)),
             seed=draw(st.none() | st.integers(0, 2**64 - 1)),
             stop_token_ids=tuple(draw(st.lists(token, max_size=LIMITS.max_stop_ids))),
             ignore_eos=draw(st.booleans()),
@@ -220,7 +220,7 @@ INVALID_FIELDS = [
     ("max_tokens", [_DROP, None, 0, -3, 1025, True, 1.0, "8", [8]]),
     ("temperature", [-0.1, float("nan"), float("inf"), "0", True, None]),
     ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), True, None]),
-    ("top_k", [-1, 32001, 1.0, True, None]),
+    ("top_k", [-1, MAX_TOP_K + 1, 32001, 1.0, True, None]),
     ("seed", [-1, 1.5, "1", True]),
     ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, None, {"a": 1}]),
     ("ignore_eos", [0, 1, "true", None]),
@@ -483,7 +483,7 @@ def test_reject_msg():
     with pytest.raises(P.BadRequest) as bad:
         decode(gen(top_k=-1))
     assert P.reject_msg(bad.value) == P.done_msg(
-        "r1", "error", 0, 0, "bad_request", "top_k: must be an int in [0, 32000], got -1"
+        "r1", "error", 0, 0, "bad_request", f"top_k: must be an int in [0, {MAX_TOP_K}], got -1"
     )
     with pytest.raises(P.FrameError) as frame_error:
         decode({"op": "nope"})

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from bench.sampler_micro import sorted_reference
 from device.model.sampling import _mul32, counter_uniform, sample
+from ipc.sampling_params import MAX_TOP_K
 
 
 def _params(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, counter=0):
@@ -110,3 +112,43 @@ def test_uniform_range_and_mul32():
     for c in (0x7FEB352D, 0x846CA68B, 0xFFFFFFFF):
         want = torch.tensor([(int(x) * c) & 0xFFFFFFFF for x in a])
         assert torch.equal(_mul32(a, c), want)
+
+
+def test_candidates_match_a_full_sort_when_the_kept_set_fits():
+    """Over a vocabulary 5x MAX_TOP_K: any top_k up to the bound, and top_p on peaked rows
+    (nucleus inside the candidates), draw what sorting the whole vocabulary draws."""
+    n, v = 400, 5 * MAX_TOP_K
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, v, generator=gen) * torch.linspace(2.0, 9.0, n)[:, None]
+    temp = torch.rand(n, generator=gen) * 1.5 + 0.2
+    top_k = torch.tensor([1, 7, 50, MAX_TOP_K, 0])[torch.arange(n) % 5]
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.97])[torch.arange(n) % 4]
+    top_p = torch.where(top_k == 0, torch.full_like(top_p, 0.6), top_p)  # k off: p binds
+    seed, ctr = torch.arange(n) * 31 + 7, torch.arange(n)
+    got = sample(logits, temp, top_k, top_p, seed, ctr)
+    want = sorted_reference(logits, temp, top_k, top_p, seed, ctr)
+    # rounding of the cumulative sums may move a draw that lands on a boundary: allow 1 in 100
+    assert (got == want).float().mean() >= 0.99, (got != want).sum()
+
+
+def test_unrestricted_rows_reach_the_whole_vocabulary():
+    """top_k off and top_p 1: the tail beyond the candidates is drawn, in its true proportion."""
+    v, n = 4 * MAX_TOP_K, 8000
+    logits = torch.zeros(1, v)
+    logits[0, :8] = 3.0  # a head of 8 likely tokens; the rest is the tail
+    t, k, p, _, _ = _params(n)
+    out = sample(logits.repeat(n, 1), t, k, p, torch.full((n,), 77), torch.arange(n))
+    tail_share = (out >= 8).float().mean().item()
+    want = (v - 8) / (v - 8 + 8 * torch.e**3)
+    assert abs(tail_share - want) < 0.02, (tail_share, want)
+    assert int(out.max()) >= MAX_TOP_K  # beyond any candidate set
+
+
+def test_flat_top_p_nucleus_is_cut_at_the_candidates():
+    """The documented bound: when the K most likely tokens hold less than top_p, the draw stays
+    among them."""
+    v, n = 4 * MAX_TOP_K, 3000
+    logits = torch.linspace(0.0, -0.01, v)[None, :].repeat(n, 1)  # nearly flat, descending
+    t, k, _, _, _ = _params(n)
+    out = sample(logits, t, k, torch.full((n,), 0.95), torch.full((n,), 5), torch.arange(n))
+    assert int(out.max()) < MAX_TOP_K and len(set(out.tolist())) > 500

@@ -8,6 +8,7 @@ skips when triton is not installed.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -44,13 +45,20 @@ def run_interpreted_checks() -> None:
     from device.model import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+    # the single-pass kernel here; tests/test_split_k_attention.py covers the split-K path
+    one_pass = functools.partial(ta.ragged_attention_triton, n_splits=1)
     for shape in KERNEL_SHAPES:
-        check_kernel_matches_reference(ta.ragged_attention_triton, *shape)
+        check_kernel_matches_reference(one_pass, *shape)
     # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
     # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
-    check_kernel_matches_reference(ta.ragged_attention_triton, 8, 2, 64, torch.float16)
+    check_kernel_matches_reference(one_pass, 8, 2, 64, torch.float16)
     model = LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
     _, seen = _drive(model, ta.ragged_attention_triton, max_steps=7)
+    assert seen["mixed"] and seen["padded"], seen
+    # the product path: Triton attention, the fused pointwise kernels, the Triton uniform
+    step = StaticStep(model, StaticStep.new_kv_cache(model, N_SLOTS, MAX_CTX), N_SLOTS, MAX_CTX, BUDGET)
+    assert step.fused
+    _, seen = _drive(model, "triton", max_steps=7)
     assert seen["mixed"] and seen["padded"], seen
     print("interpreted checks passed")
 

@@ -1,11 +1,16 @@
 """One Llama-family decoder layer: its weights and the one body both steps run.
 
 The body is shared by the eager step (`LlamaModel.step`, the CPU backend) and the static step
-(`StaticStep.run`, captured into CUDA graphs). What legitimately differs between them, where
-this layer's k/v go in the KV cache and how attention reads it back, is passed in as a
-`CacheAttention`: `EagerAttention` (ragged, Python-side plan) or `StaticAttention` (fixed
-shapes, index tensors, no host syncs). Everything else (norms, QKV, RoPE, output projection,
-residuals, MLP) is written here once, calling the ops in device/model/ops.py.
+(`StaticStep.run`, captured into CUDA graphs). What legitimately differs between them is passed
+in: the KV-cache side as a `CacheAttention` (RoPE with the k/v write into the cache, and
+attention reading it back: `EagerAttention` with a Python-side plan, or `StaticAttention` with
+fixed shapes and index tensors), and the pointwise kernels as `PointwiseKernels` (torch's
+device/model/ops.py, or the fused Triton kernels of device/model/triton_fused.py). The matrix
+products and the order of everything are written here once.
+
+The residual stream travels as (x, delta): each block's output is added by the next block's
+norm (`add_rms_norm`), so that add costs no kernel of its own; the trunk's final norm takes the
+last delta.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import torch
 from torch import nn
 
 from device.model.config import ModelConfig
-from device.model.ops import apply_rope, rms_norm, swiglu
 
 Device = str | torch.device
 
@@ -24,24 +28,33 @@ Device = str | torch.device
 class CacheAttention(Protocol):
     """The KV-cache side of a step, for layer `layer` of the model.
 
-    write_kv: k, v [T, num_kv_heads, head_dim] (k already rotated) into the cache rows of the
-    step's T rows. attend: q [T, num_heads, head_dim] -> [T, num_heads, head_dim], each row over
-    its slot's cached prefix, its own k/v included (write_kv runs first).
+    rope_and_store: qkv [T, (H + 2 KV) * D] -> rotated q [T, H, D]; rotated k and v go into the
+    cache rows of the step's T rows. attend: q [T, H, D] -> [T, H, D], each row over its slot's
+    cached prefix, its own k/v included (rope_and_store runs first).
     """
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor: ...
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
 
 
+class PointwiseKernels(Protocol):
+    """device/model/ops.py (torch) or device/model/triton_fused.py (one launch each)."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
 class RMSNorm(nn.Module):
+    """The weight and eps of one RMSNorm; the math is the kernels' add_rms_norm."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: Device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -61,20 +74,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
         cache: CacheAttention,
+        kernels: PointwiseKernels,
         layer: int,
-    ) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, head_dim] (the rows' positions) -> x [T, hidden]."""
-        T = x.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta) [T, hidden], the residual stream and the previous block's output not yet
+        added (None before the first layer) -> the same pair after this layer."""
+        T, HD = x.shape[0], self.n_heads * self.head_dim
         an, mn = self.attn_norm, self.mlp_norm
-        q, k, v = self.qkv(rms_norm(x, an.weight, an.eps)).split([H * D, KV * D, KV * D], dim=-1)
-        q = apply_rope(q.view(T, H, D), cos, sin)
-        k = apply_rope(k.view(T, KV, D), cos, sin)
+        x, h = kernels.add_rms_norm(x, delta, an.weight, an.eps)
         # every row lands in the cache first, so attention reads its own k/v from there too
-        cache.write_kv(layer, k, v.view(T, KV, D))
+        q = cache.rope_and_store(layer, self.qkv(h))
         attn = cache.attend(layer, q)
-        x = x + self.o(attn.reshape(T, H * D))
-        return x + self.down(swiglu(self.gate_up(rms_norm(x, mn.weight, mn.eps))))
+        x, h = kernels.add_rms_norm(x, self.o(attn.reshape(T, HD)), mn.weight, mn.eps)
+        return x, self.down(kernels.silu_mul(self.gate_up(h)))

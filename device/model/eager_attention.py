@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from device.model.kv_cache import KVCache
+from device.model.ops import rope_split
 from device.model.step_batch import StepBatch, StepPlan
 
 
@@ -61,15 +62,20 @@ def ragged_attention(
 
 
 class EagerAttention:
-    """CacheAttention for one eager step: rows go to (slot_of, positions) of `kv`."""
+    """CacheAttention for one eager step: rows go to (slot_of, positions) of `kv`; cos/sin
+    [T, head_dim] are the rows' RoPE entries."""
 
-    def __init__(self, batch: StepBatch, plan: StepPlan, kv: KVCache) -> None:
-        self.batch, self.plan, self.kv = batch, plan, kv
+    def __init__(
+        self, batch: StepBatch, plan: StepPlan, kv: KVCache, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        self.batch, self.plan, self.kv, self.cos, self.sin = batch, plan, kv, cos, sin
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         b, k_cache, v_cache = self.batch, self.kv.k[layer], self.kv.v[layer]
+        q, k, v = rope_split(qkv, self.cos, self.sin, self.kv.num_kv_heads, self.kv.head_dim)
         k_cache[b.slot_of, b.positions] = k.to(k_cache.dtype)
         v_cache[b.slot_of, b.positions] = v.to(v_cache.dtype)
+        return q
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return ragged_attention(q, self.batch, self.plan, self.kv.k[layer], self.kv.v[layer])

@@ -5,7 +5,8 @@ row's k/v into the per-slot KV cache and attends over that slot's cached prefix.
 
 `LlamaModel.forward` is the trunk both steps share (embedding, the layers, final norm and
 lm_head on the sampled rows); each step passes in its own KV-cache side (`CacheAttention`):
-`step` the eager one (device/model/eager_attention.py), `StaticStep.run` the capturable one.
+`step` the eager one (device/model/eager_attention.py), `StaticStep.run` the capturable one,
+and its pointwise kernels (torch's ops, or the fused Triton ones on the GPU).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from device.model import ops
 from device.model.checkpoint import hf_to_internal, load_config, load_state_dict
 from device.model.config import ModelConfig
-from device.model.decoder_layer import CacheAttention, DecoderLayer, RMSNorm
+from device.model.decoder_layer import CacheAttention, DecoderLayer, PointwiseKernels, RMSNorm
 from device.model.eager_attention import EagerAttention
 from device.model.gguf_checkpoint import is_gguf, load_gguf
 from device.model.kv_cache import KVCache
@@ -137,8 +139,13 @@ class LlamaModel(nn.Module):
     def prepare(self, max_ctx: int) -> None:
         """Precomputes the RoPE cos/sin tables for positions [0, max_ctx) (once; step calls it
         too, but call it up front before capturing CUDA graphs)."""
-        if self._cos is not None and self._cos.shape[0] >= max_ctx and self._cos.device == self.device:
-            return
+        cos = self._cos
+        if (
+            cos is not None
+            and cos.shape[0] >= max_ctx
+            and (cos.device, cos.dtype) == (self.device, self.dtype)
+        ):
+            return  # (rebuilt after .to(): the tables are not parameters)
         self._cos, self._sin = rope_tables(self.config, max_ctx, self.dtype, self.device)
 
     @property
@@ -150,22 +157,21 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         token_ids: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         cache: CacheAttention,
         out_rows: torch.Tensor,
+        kernels: PointwiseKernels = ops,
     ) -> torch.Tensor:
-        """The trunk of both steps: token_ids [T] (int64); cos/sin [T, head_dim] (the rows'
-        RoPE entries); `cache` writes and reads the KV cache; returns fp32 logits
-        [len(out_rows), vocab]. Only the out_rows go through the final norm and the (large)
-        lm_head."""
-        x = self.embed(token_ids)
+        """The trunk of both steps: token_ids [T] (int64); `cache` applies RoPE, writes and
+        reads the KV cache; returns fp32 logits [len(out_rows), vocab]. Only the out_rows go
+        through the final norm and the (large) lm_head."""
+        x, delta = self.embed(token_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
-        h = self.norm(x.index_select(0, out_rows))
+            x, delta = layer(x, delta, cache, kernels, i)
+        x = x.index_select(0, out_rows)
+        delta = None if delta is None else delta.index_select(0, out_rows)
+        _, h = kernels.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         return F.linear(h, self.lm_head_weight).float()
 
-    @torch.inference_mode()
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """fp32 logits of the next token after `prompt_ids`, from one prefill into a scratch
@@ -180,8 +186,7 @@ class LlamaModel(nn.Module):
         self.prepare(kv.max_ctx)
         cos = self._cos.index_select(0, batch.positions)
         sin = self._sin.index_select(0, batch.positions)
-        cache = EagerAttention(batch, plan, kv)
-        return self(batch.token_ids, cos, sin, cache, batch.sample_rows)
+        return self(batch.token_ids, EagerAttention(batch, plan, kv, cos, sin), batch.sample_rows)
 
 
 def generate_greedy(

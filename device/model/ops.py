@@ -1,9 +1,11 @@
-"""The decoder's pointwise math, each op written once: RMSNorm, RoPE and the SwiGLU gate.
+"""The decoder's pointwise math in torch, each op written once: RMSNorm (+ the residual add),
+RoPE and the SwiGLU gate.
 
-Both steps (the eager `LlamaModel.step` and the CUDA-graph `StaticStep.run`) reach these only
-through `DecoderLayer.forward` and `LlamaModel.forward`, so a fused kernel (RMSNorm + residual,
-RoPE + KV write, SiLU * up) replaces the call here and in the layer body, nowhere else. The op
-order inside each function is what the bit-identity tests pin down: keep it when fusing.
+These are the reference and the CPU path. The CUDA-graph step runs the fused Triton kernels of
+device/model/triton_fused.py instead (one launch each, the same contract): the layer body
+takes either as its `PointwiseKernels` (this module, or that one), and RoPE reaches it through
+the step's `CacheAttention.rope_and_store`. The op order inside each function is what the
+bit-identity tests pin down: keep it here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed): residual = x + delta (x itself when delta is None), normed its RMSNorm.
+    The layer body carries each block's output as `delta` into the next norm, so a fused kernel
+    does the add and the norm in one pass."""
+    residual = x if delta is None else x + delta
+    return residual, rms_norm(residual, weight, eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -61,7 +73,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def rope_split(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_kv: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 KV) * D] (q | k | v columns) -> rotated q [T, H, D], rotated k and v
+    [T, KV, D]; cos/sin [T, D] are the rows' entries."""
+    T, KV, D = qkv.shape[0], n_kv, head_dim
+    q, k, v = qkv.split([qkv.shape[1] - 2 * KV * D, KV * D, KV * D], dim=-1)
+    return apply_rope(q.view(T, -1, D), cos, sin), apply_rope(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate then up halves) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -5,14 +5,22 @@ the token within its request. So a seeded request samples the same tokens whatev
 the batch, and no torch RNG state is touched. Everything is static-shape tensor math (no
 .item(), no boolean indexing, no host syncs), so it can run inside a CUDA graph.
 
-Draw method: inverse CDF over the probabilities sorted in descending order (stable sort). The
-sort is needed for top-k/top-p anyway, and this needs one hash per row instead of one per
-vocab entry (as Gumbel-max would).
+Draw method: inverse CDF with one hash per row (Gumbel-max would need one per vocab entry).
+Nothing sorts the vocabulary. Rows that restrict the draw (top_k > 0 or top_p < 1) draw from the
+K = min(vocab, MAX_TOP_K) most likely tokens (`torch.topk`, in descending order): exact
+whenever the kept set lies among them, which top_k <= MAX_TOP_K (the protocol's bound) always
+does, and top_p does whenever those K tokens hold at least top_p of the mass; otherwise (a very
+flat distribution) the nucleus is cut at those K. Rows that restrict nothing draw from the
+whole vocabulary in vocabulary order: exact, no candidates involved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from ipc.sampling_params import MAX_TOP_K
 
 _MASK32 = 0xFFFFFFFF
 
@@ -58,36 +66,48 @@ def sample(
     top_p: torch.Tensor,
     seed: torch.Tensor,
     counter: torch.Tensor,
+    uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
 ) -> torch.Tensor:
     """Sampled token ids [N] (int64) from fp32 logits [N, V].
 
     Per row: temperature <= 0 -> argmax. Otherwise logits / temperature, keep the top_k
     largest (0 = no limit), then the smallest prefix whose probability reaches top_p
     (>= 1.0 = no limit; the top token is always kept), renormalise and draw with the uniform
-    counter_uniform(seed, counter).
+    counter_uniform(seed, counter) (`uniform`: the same function, e.g. its one-launch Triton
+    form). See the module docstring for the candidate bound.
     """
     N, V = logits.shape
+    dev = logits.device
     logits = logits.float()
-    temperature = temperature.to(logits.device, torch.float32)
-    top_p = top_p.to(logits.device, torch.float32)
-    top_k = top_k.to(logits.device, torch.int64)
+    temperature = temperature.to(dev, torch.float32)
+    top_p = top_p.to(dev, torch.float32)[:, None]
+    top_k = top_k.to(dev, torch.int64)[:, None]
     greedy = temperature <= 0
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / safe_t[:, None]
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    target = uniform(seed.to(dev), counter.to(dev))[:, None]  # in (0, 1)
 
-    sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    sorted_vals = sorted_vals.masked_fill(~in_top_k, float("-inf"))
-    probs = torch.softmax(sorted_vals, dim=-1)
+    # the whole distribution, unnormalised, in vocabulary order: the unrestricted rows' draw,
+    # and its total is the mass top_p measures against when top_k is off
+    row_max = scaled.amax(-1, keepdim=True)
+    cum_all = torch.exp(scaled - row_max).cumsum(dim=-1)
+    from_vocab = (cum_all < target * cum_all[:, -1:]).sum(dim=-1).clamp_(max=V - 1)
+
+    # the K most likely tokens, in descending order: the support of every restricted draw
+    K = min(V, MAX_TOP_K)
+    cand_vals, cand_idx = torch.topk(scaled, K, dim=-1)
+    rank = torch.arange(K, device=dev)[None, :]
+    in_top_k = (top_k <= 0) | (rank < top_k)
+    cand_vals = cand_vals.masked_fill(~in_top_k, float("-inf"))
+    # top_p measures mass over the top-k set, or over the whole vocabulary when top_k is off
+    log_total = torch.where(top_k > 0, cand_vals.logsumexp(-1, keepdim=True), row_max + cum_all[:, -1:].log())
+    probs = torch.exp(cand_vals - log_total)
     cum = probs.cumsum(dim=-1)
     # keep an entry if the mass strictly before it is still below top_p
-    in_top_p = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank == 0)
-    probs = probs * (in_top_k & in_top_p)
+    in_top_p = ((cum - probs) < top_p) | (top_p >= 1.0) | (rank == 0)
+    cum = (probs * in_top_p).cumsum(dim=-1)
+    pos = (cum < target * cum[:, -1:]).sum(dim=-1, keepdim=True).clamp_(max=K - 1)
+    from_candidates = cand_idx.gather(1, pos).squeeze(1)
 
-    cum = probs.cumsum(dim=-1)
-    target = counter_uniform(seed.to(logits.device), counter.to(logits.device)) * cum[:, -1]
-    # first sorted position whose cumulative mass reaches the target
-    pos = (cum < target[:, None]).sum(dim=-1).clamp_(max=V - 1)
-    drawn = sorted_idx.gather(1, pos[:, None]).squeeze(1)
+    unrestricted = ((top_k <= 0) & (top_p >= 1.0)).squeeze(1)
+    drawn = torch.where(unrestricted, from_vocab, from_candidates)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -2,10 +2,13 @@
 
 `StaticStep.run(bucket, layout)` reads the scheduler's step layout straight from device
 tensors (`StepLayout`) and does what `LlamaModel.step` + `sample` do for the CPU backend (the
-same trunk and decoder-layer body, with `StaticAttention` as the KV-cache side), but
+same trunk and decoder-layer body, with `StaticAttention` as the KV-cache side, or with
+`attention="triton"` the Triton attention, `FusedStaticAttention` and the fused pointwise
+kernels of triton_fused), but
 without anything that depends on tensor values on the host: rows [0, bucket) are processed
-(pad rows carry slot_of = -1), logits are computed for all n_slots sample entries, and only the
-first n_samples entries (a device-side count) write next_token.
+(pad rows carry slot_of = -1), logits and samples are computed for the first min(bucket,
+n_slots) sample entries (a step never samples more entries than it has rows), and only the
+first n_samples of them (a device-side count) write next_token.
 
 Scratch slot: pad rows still produce k/v; they are written to slot n_slots (position 0), so
 the KV cache must have n_slots + 1 slots (`StaticStep.new_kv_cache`). Real slots are never
@@ -29,9 +32,12 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from device.model import ops
+from device.model.decoder_layer import PointwiseKernels
 from device.model.kv_cache import KVCache
 from device.model.llama import LlamaModel
-from device.model.sampling import sample
+from device.model.ops import rope_split
+from device.model.sampling import counter_uniform, sample
 from device.model.triton_attention import ragged_attention_reference
 
 Device = str | torch.device
@@ -115,33 +121,59 @@ class StepLayout:
 
 
 class StaticAttention:
-    """CacheAttention for one static step: fixed shapes, index tensors, no host syncs.
+    """CacheAttention for one static step in torch: fixed shapes, index tensors, no host syncs.
 
-    Row t's k/v go to flat cache row cache_row[t] (slot * max_ctx + position; pad rows to the
-    scratch slot) with index_copy_; `attend` has the signature of ragged_attention_reference.
+    Row t's k/v go to flat cache row slot * max_ctx + position (pad rows to the scratch slot,
+    position 0) with index_copy_; `attend` has the signature of ragged_attention_reference.
     """
 
-    def __init__(
-        self,
-        kv: KVCache,
-        attend: Callable[..., torch.Tensor],
-        cache_row: torch.Tensor,
-        slot_of: torch.Tensor,
-        positions: torch.Tensor,
-        scale: float,
-    ) -> None:
-        self.kv, self._attend, self.cache_row = kv, attend, cache_row
-        self.slot_of, self.positions, self.scale = slot_of, positions, scale
+    def __init__(self, step: StaticStep, slot_of: torch.Tensor, positions: torch.Tensor) -> None:
+        self.kv, self._attend, self.scale = step.kv, step._attend, step.scale
+        self.slot_of, self.positions = slot_of, positions
+        pos = positions.long().clamp(0, step.max_ctx - 1)
+        write_slot = torch.where(slot_of >= 0, slot_of.long(), step.scratch_slot)
+        self.cache_row = write_slot * step.kv.max_ctx + pos
+        self.cos, self.sin = step._cos.index_select(0, pos), step._sin.index_select(0, pos)
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        KV, D = k.shape[1], k.shape[2]
+        KV, D = self.kv.num_kv_heads, self.kv.head_dim
+        q, k, v = rope_split(qkv, self.cos, self.sin, KV, D)
         k_cache.view(-1, KV, D).index_copy_(0, self.cache_row, k.to(k_cache.dtype))
         v_cache.view(-1, KV, D).index_copy_(0, self.cache_row, v.to(v_cache.dtype))
+        return q
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         return self._attend(q, k_cache, v_cache, self.slot_of, self.positions, self.scale)
+
+
+class FusedStaticAttention(StaticAttention):
+    """StaticAttention whose RoPE and k/v store are one Triton launch per layer
+    (triton_fused.rope_store_kv reads the cos/sin tables and computes the cache rows itself)."""
+
+    def __init__(self, step: StaticStep, slot_of: torch.Tensor, positions: torch.Tensor) -> None:
+        self.kv, self._attend, self.scale = step.kv, step._attend, step.scale
+        self.slot_of, self.positions = slot_of, positions
+        self._step = step
+
+    def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        from device.model.triton_fused import rope_store_kv
+
+        kv, step = self.kv, self._step
+        return rope_store_kv(
+            qkv,
+            step._cos[: step.max_ctx],  # positions clamp to the step's max_ctx, as in torch
+            step._sin[: step.max_ctx],
+            self.slot_of,
+            self.positions,
+            kv.k[layer],
+            kv.v[layer],
+            step.scratch_slot,
+            step.n_heads,
+            kv.num_kv_heads,
+            kv.head_dim,
+        )
 
 
 class StaticStep:
@@ -155,9 +187,12 @@ class StaticStep:
         max_ctx: int,
         token_budget: int,
         attention: str | Callable[..., torch.Tensor] = "triton",
+        fused: bool | None = None,
     ) -> None:
         """attention: "triton", "torch" (the masked reference) or a function with the
-        signature of ragged_attention_reference."""
+        signature of ragged_attention_reference. fused: the pointwise work (RMSNorm + residual,
+        RoPE + k/v store, SiLU * up) as the Triton kernels of triton_fused instead of torch
+        ops; None: with attention="triton"."""
         if kv.n_slots < n_slots + 1:
             raise ValueError(
                 f"the KV cache needs n_slots + 1 = {n_slots + 1} slots (one scratch "
@@ -165,6 +200,7 @@ class StaticStep:
             )
         if kv.max_ctx < max_ctx:
             raise ValueError(f"KV cache max_ctx {kv.max_ctx} < {max_ctx}")
+        self._attend: Callable[..., torch.Tensor]
         if attention == "triton":
             from device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
 
@@ -177,6 +213,16 @@ class StaticStep:
             self._attend = attention
         else:
             raise ValueError(f"attention must be 'triton' or 'torch', got {attention!r}")
+        self.fused = attention == "triton" if fused is None else fused
+        if self.fused:
+            from device.model import triton_fused
+            from device.model.triton_sampling import counter_uniform_triton
+
+            self._kernels: PointwiseKernels = triton_fused
+            self._cache_side: type[StaticAttention] = FusedStaticAttention
+            self._uniform = counter_uniform_triton
+        else:
+            self._kernels, self._cache_side, self._uniform = ops, StaticAttention, counter_uniform
         c = model.config
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
@@ -185,6 +231,7 @@ class StaticStep:
         self.scratch_slot = n_slots
         dev = model.device
         model.prepare(max_ctx)
+        assert model._cos is not None and model._sin is not None  # prepare() made them
         self._cos, self._sin = model._cos, model._sin  # kept: prepare() may swap them later
         self._entry_ids = torch.arange(n_slots, dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
@@ -202,36 +249,33 @@ class StaticStep:
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, bucket) of `layout`, writes next_token for the first n_samples sample
-        entries; returns fp32 logits [n_slots, vocab] (rows >= n_samples are garbage)."""
+        entries; returns fp32 logits [min(bucket, n_slots), vocab] (rows >= n_samples are
+        garbage)."""
         if not 0 < bucket <= self.token_budget:
             raise ValueError(f"bucket {bucket} not in [1, {self.token_budget}]")
-        slot_of = layout.slot_of[:bucket]
-        positions = layout.positions[:bucket]
-        pos = positions.long().clamp(0, self.max_ctx - 1)
-        # pad rows write their k/v to (scratch slot, position 0) instead of a real slot
-        write_slot = torch.where(slot_of >= 0, slot_of.long(), self.scratch_slot)
-        cache_row = write_slot * self.kv.max_ctx + pos
-        cos = self._cos.index_select(0, pos)
-        sin = self._sin.index_select(0, pos)
-        cache = StaticAttention(self.kv, self._attend, cache_row, slot_of, positions, self.scale)
-        rows = layout.sample_row.long().clamp(0, bucket - 1)  # stale entries may point anywhere
-        logits = self.model(layout.token_ids[:bucket].long(), cos, sin, cache, rows)
-        self._sample_into(logits, layout)
+        cache = self._cache_side(self, layout.slot_of[:bucket], layout.positions[:bucket])
+        # a step samples at most one entry per row: the bucket bounds the sampled entries
+        m = min(bucket, self.n_slots)
+        rows = layout.sample_row[:m].long().clamp(0, bucket - 1)  # stale entries may point anywhere
+        logits = self.model(layout.token_ids[:bucket].long(), cache, rows, self._kernels)
+        self._sample_into(logits, layout, m)
         return logits
 
-    def _sample_into(self, logits: torch.Tensor, layout: StepLayout) -> None:
-        valid = self._entry_ids < layout.n_samples  # [n_slots], n_samples read on the device
+    def _sample_into(self, logits: torch.Tensor, layout: StepLayout, m: int) -> None:
+        valid = self._entry_ids[:m] < layout.n_samples  # [m], n_samples read on the device
         # stale entries sample greedily (no NaN from stale parameters) and land in the sink
-        temperature = torch.where(valid, layout.sample_temperature, 0.0)
+        temperature = torch.where(valid, layout.sample_temperature[:m], 0.0)
         tokens = sample(
             logits,
             temperature,
-            layout.sample_top_k,
-            layout.sample_top_p,
-            layout.sample_seed,
-            layout.sample_counter,
+            layout.sample_top_k[:m],
+            layout.sample_top_p[:m],
+            layout.sample_seed[:m],
+            layout.sample_counter[:m],
+            uniform=self._uniform,
         )
-        target = torch.where(valid, layout.sample_slot.long().clamp(0, self.n_slots - 1), self.n_slots)
+        slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
+        target = torch.where(valid, slot, self.n_slots)
         sink = self._token_sink
         sink[: self.n_slots].copy_(layout.next_token)
         sink.index_copy_(0, target, tokens.to(torch.int32))

@@ -1,25 +1,42 @@
-"""Ragged causal attention over a per-slot KV cache, as one graph-capturable Triton launch.
+"""Ragged causal attention over a per-slot KV cache, as graph-capturable Triton launches.
 
 Each of the T rows (a decode token or one row of a prefill chunk) attends over its own slot's
-cache positions [0, positions[row]] (its own k/v are already written there). One program runs
-per (row, kv head) and handles the q_per_kv query heads sharing that kv head together (GQA),
-walking the slot's cache in BLOCK_N blocks only up to the row's own context end with an online
-softmax in fp32, so the cost follows each row's real context and not max_ctx.
+cache positions [0, positions[row]] (its own k/v are already written there). A program handles
+one (row, kv head) and the q_per_kv query heads sharing that kv head together (GQA), walking
+the slot's cache in BLOCK_N blocks only up to the row's own context end with an online softmax
+in fp32, so the cost follows each row's real context and not max_ctx.
 
-Everything the launch depends on is static: the grid is (T, n_kv_heads) with T the bucket size,
-the loop bound is read on the device, and pad rows (slot_of < 0) run zero iterations and write
-zeros. So the same launch can be captured once per bucket in a CUDA graph. Nothing syncs with
-the host; the first call for a dtype / head shape compiles (do it before capturing).
+Split-K (flash-decoding): a few rows give only T * n_kv_heads programs, far fewer than the
+GPU's SMs, so a long decode would run on a handful of them. With n_splits > 1 the grid is
+(T, n_kv_heads, n_splits) and each row's context is cut into n_splits chunks. The chunk length
+is computed on the device from the row's own length (ceil(n_ctx / n_splits) rounded up to a
+multiple of BLOCK_N), so a short row's trailing splits are empty. Every split program writes
+its unnormalised partial (acc [G, D], running max m, sum l; fp32) to scratch, and a second
+"combine" launch, one program per (row, query head), merges the splits with a log-sum-exp
+rescale. Both kernels share the online softmax (`_attend_span`); n_splits=1 is today's
+single launch with no scratch, and `choose_splits` picks n_splits from the bucket's static
+sizes.
+
+Everything a launch depends on is static: the grids come from T (the bucket size) and static
+sizes, loop bounds are read on the device, and pad rows (slot_of < 0) run zero iterations,
+read no cache and write zeros. So the launches can be captured once per bucket in a CUDA
+graph. Nothing syncs with the host; the first call for a dtype / head shape / n_splits
+compiles (do it before capturing). Every launch goes through `triton_launch.launch`, so a step
+walked on the meta device can count them.
 
 `ragged_attention_reference` is the same function in plain torch (masked over max_ctx): the
 CPU path and the reference in tests.
 
-Under TRITON_INTERPRET=1 (set before this module is imported) the kernel runs on CPU tensors.
+Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from device.model.triton_launch import launch
 
 try:
     import triton
@@ -29,6 +46,11 @@ except ImportError:  # CPU-only installs: the torch reference still works
     tl = None
 
 HAVE_TRITON = triton is not None
+
+# an H100 SXM: what choose_splits plans for when q is not on a GPU (meta-device counts, tests)
+DEFAULT_SM_COUNT = 132
+MAX_SPLITS = 32
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
 
 def ragged_attention_reference(
@@ -64,6 +86,56 @@ def ragged_attention_reference(
 if HAVE_TRITON:
 
     @triton.jit
+    def _attend_span(
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        lo,
+        hi,
+        scale_log2e,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Online softmax of q [BLOCK_G, BLOCK_D] over cache columns [lo, hi): the unnormalised
+        acc, the running max m (log2 units; -inf for an empty span) and the sum l."""
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < HEAD_DIM
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + offs_n
+            c_ok = cols < hi
+            kt = tl.load(  # [BLOCK_D, BLOCK_N]: k transposed by addressing
+                k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
+                mask=d_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2e
+            s = tl.where(c_ok[None, :], s, float("-inf"))
+            # every block holds >= 1 valid column (start < hi), so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
     def _ragged_attention_kernel(
         q_ptr,
         k_ptr,
@@ -96,6 +168,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
+        """One program per (row, kv head) over the whole context: writes the normalised output."""
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         slot = tl.load(slot_ptr + row * stride_slot)
@@ -107,50 +180,186 @@ if HAVE_TRITON:
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        g_ok = offs_g < Q_PER_KV
-        d_ok = offs_d < HEAD_DIM
         heads = kvh * Q_PER_KV + offs_g
-        gd_ok = g_ok[:, None] & d_ok[None, :]
-
+        gd_ok = (offs_g < Q_PER_KV)[:, None] & (offs_d < HEAD_DIM)[None, :]
         q = tl.load(
             q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
             mask=gd_ok,
             other=0.0,
         )
-        k_base = k_ptr + slot64 * stride_ks + kvh * stride_kh
-        v_base = v_ptr + slot64 * stride_vs + kvh * stride_vh
-
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(0, n_ctx, BLOCK_N):
-            cols = start + offs_n
-            c_ok = cols < n_ctx
-            kt = tl.load(  # [BLOCK_D, BLOCK_N]: k transposed by addressing
-                k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
-                mask=d_ok[:, None] & c_ok[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2e
-            s = tl.where(c_ok[None, :], s, float("-inf"))
-            # every block holds >= 1 valid column (start < n_ctx), so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                mask=c_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = _attend_span(
+            q,
+            k_ptr + slot64 * stride_ks + kvh * stride_kh,
+            v_ptr + slot64 * stride_vs + kvh * stride_vh,
+            stride_kn,
+            stride_kd,
+            stride_vn,
+            stride_vd,
+            0,
+            n_ctx,
+            scale_log2e,
+            BLOCK_G,
+            BLOCK_D,
+            BLOCK_N,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # pad rows: 0 / 1
         tl.store(
             o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             out.to(o_ptr.dtype.element_ty),
             mask=gd_ok,
+        )
+
+    @triton.jit
+    def _ragged_attention_split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        acc_ptr,
+        m_ptr,
+        l_ptr,
+        slot_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ks,
+        stride_kn,
+        stride_kh,
+        stride_kd,
+        stride_vs,
+        stride_vn,
+        stride_vh,
+        stride_vd,
+        stride_at,
+        stride_ah,
+        stride_as,
+        stride_ad,
+        stride_mt,
+        stride_mh,
+        stride_ms,
+        stride_slot,
+        stride_pos,
+        max_ctx,
+        n_splits,
+        scale_log2e,
+        Q_PER_KV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (row, kv head, split) over that split's chunk of the row's context:
+        writes the partial acc / m / l (an empty split writes acc = 0, m = -inf, l = 0)."""
+        row = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(slot_ptr + row * stride_slot)
+        pos = tl.load(pos_ptr + row * stride_pos)
+        live = slot >= 0
+        n_ctx = tl.where(live, tl.minimum(pos + 1, max_ctx), 0)  # pad rows: every split is empty
+        slot64 = tl.where(live, slot, 0).to(tl.int64)
+        # the chunk follows the row's own length, block-aligned so splits never share a block
+        chunk = tl.cdiv(tl.cdiv(n_ctx, n_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_ctx)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kvh * Q_PER_KV + offs_g
+        g_ok = offs_g < Q_PER_KV
+        gd_ok = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(
+            q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=gd_ok,
+            other=0.0,
+        )
+        acc, m_i, l_i = _attend_span(
+            q,
+            k_ptr + slot64 * stride_ks + kvh * stride_kh,
+            v_ptr + slot64 * stride_vs + kvh * stride_vh,
+            stride_kn,
+            stride_kd,
+            stride_vn,
+            stride_vd,
+            lo,
+            hi,
+            scale_log2e,
+            BLOCK_G,
+            BLOCK_D,
+            BLOCK_N,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
+        stats = row * stride_mt + heads * stride_mh + split * stride_ms
+        tl.store(m_ptr + stats, m_i, mask=g_ok)
+        tl.store(l_ptr + stats, l_i, mask=g_ok)
+        tl.store(
+            acc_ptr
+            + row * stride_at
+            + heads[:, None] * stride_ah
+            + split * stride_as
+            + offs_d[None, :] * stride_ad,
+            acc,
+            mask=gd_ok,
+        )
+
+    @triton.jit
+    def _combine_splits_kernel(
+        acc_ptr,
+        m_ptr,
+        l_ptr,
+        o_ptr,
+        slot_ptr,
+        stride_at,
+        stride_ah,
+        stride_as,
+        stride_ad,
+        stride_mt,
+        stride_mh,
+        stride_ms,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_slot,
+        n_splits,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """One program per (row, query head): merges the row's n_splits partials into o."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        live = tl.load(slot_ptr + row * stride_slot) >= 0
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        # pad rows mask off every load: they read no scratch and come out as 0 / 1 = 0
+        s_ok = offs_s < tl.where(live, n_splits, 0)
+        stats = row * stride_mt + head * stride_mh + offs_s * stride_ms
+        split_max = tl.load(m_ptr + stats, mask=s_ok, other=float("-inf"))
+        split_sum = tl.load(l_ptr + stats, mask=s_ok, other=0.0)
+        acc = tl.load(
+            acc_ptr
+            + row * stride_at
+            + head * stride_ah
+            + offs_s[:, None] * stride_as
+            + offs_d[None, :] * stride_ad,
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_max = tl.max(split_max, axis=0)
+        # a pad row has no finite m: measure from 0 there, so no -inf - -inf = nan
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        weight = tl.exp2(split_max - m_max)  # empty splits (m = -inf) weigh 0
+        l_sum = tl.sum(weight * split_sum, axis=0)
+        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(
+            o_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
+            out.to(o_ptr.dtype.element_ty),
+            mask=d_ok,
         )
 
 
@@ -171,6 +380,32 @@ def launch_config(q_per_kv: int, head_dim: int, dtype: torch.dtype) -> dict:
     )
 
 
+def choose_splits(n_rows: int, max_ctx: int, n_kv_heads: int, n_sms: int, block_n: int = 64) -> int:
+    """n_splits for a bucket, from static sizes only (the same answer at every replay).
+
+    Rule: 1 when n_rows * n_kv_heads programs already fill the SMs or max_ctx <= 2 * block_n;
+    else enough splits for about two waves, ceil(2 * n_sms / (n_rows * n_kv_heads)), capped at
+    MAX_SPLITS and at the ceil(max_ctx / block_n) blocks a full-length row has.
+    """
+    programs = n_rows * n_kv_heads
+    if programs >= n_sms or max_ctx <= 2 * block_n:
+        return 1
+    two_waves = -(-2 * n_sms // max(programs, 1))
+    return max(1, min(two_waves, MAX_SPLITS, -(-max_ctx // block_n)))
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs choose_splits plans for: the GPU's own, else DEFAULT_SM_COUNT."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_SM_COUNT
+
+
 def ragged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -179,8 +414,13 @@ def ragged_attention_triton(
     positions: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    n_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ragged_attention_reference; slot_of/positions int32 (or int64) [T]."""
+    """Same contract as ragged_attention_reference; slot_of/positions int32 (or int64) [T].
+
+    n_splits: 1 = one launch over whole contexts; > 1 = split-K (split launch + combine
+    launch, fp32 scratch); None = choose_splits(T, max_ctx, n_kv_heads, the device's SMs).
+    """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; use attention='torch'")
     T, H, D = q.shape
@@ -189,28 +429,85 @@ def ragged_attention_triton(
         raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     o = torch.empty_like(q) if out is None else out
     cfg = launch_config(H // KV, D, q.dtype)
-    _ragged_attention_kernel[(T, KV)](
+    if n_splits is None:
+        n_splits = choose_splits(T, C, KV, sm_count(q.device), block_n=cfg["BLOCK_N"])
+    if n_splits < 1:
+        raise ValueError(f"n_splits must be >= 1, got {n_splits}")
+    scale_log2e = float(scale) * LOG2E
+    if n_splits == 1:
+        launch(
+            _ragged_attention_kernel,
+            (T, KV),
+            q,
+            k_cache,
+            v_cache,
+            o,
+            slot_of,
+            positions,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *o.stride(),
+            slot_of.stride(0),
+            positions.stride(0),
+            C,
+            scale_log2e,
+            Q_PER_KV=H // KV,
+            HEAD_DIM=D,
+            **cfg,
+        )
+        return o
+
+    # per (row, query head, split): unnormalised acc, running max (log2 units) and sum
+    part_acc = torch.empty((T, H, n_splits, D), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((T, H, n_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    launch(
+        _ragged_attention_split_kernel,
+        (T, KV, n_splits),
         q,
         k_cache,
         v_cache,
-        o,
+        part_acc,
+        part_m,
+        part_l,
         slot_of,
         positions,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        *o.stride(),
+        *part_acc.stride(),
+        *part_m.stride(),
         slot_of.stride(0),
         positions.stride(0),
         C,
-        float(scale) * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
+        n_splits,
+        scale_log2e,
         Q_PER_KV=H // KV,
         HEAD_DIM=D,
         **cfg,
+    )
+    launch(
+        _combine_splits_kernel,
+        (T, H),
+        part_acc,
+        part_m,
+        part_l,
+        o,
+        slot_of,
+        *part_acc.stride(),
+        *part_m.stride(),
+        *o.stride(),
+        slot_of.stride(0),
+        n_splits,
+        HEAD_DIM=D,
+        BLOCK_S=_next_pow2(n_splits),
+        BLOCK_D=cfg["BLOCK_D"],
+        num_warps=4,
     )
     return o
 
 
 def triton_interpreted() -> bool:
-    """True when the kernel was built for the CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    """True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return HAVE_TRITON and type(_ragged_attention_kernel).__name__ == "InterpretedFunction"

@@ -1,0 +1,219 @@
+"""The decode step against its memory roofline.
+
+A decode step is memory-bound: it cannot take less than the bytes it must read (every weight
+the step multiplies by, plus each row's cached k/v) divided by the memory bandwidth. This
+measures, side by side in one process:
+
+  copy bandwidth   a large device-to-device copy (bytes read + written) / time;
+  step time        the static step (the CUDA graph the server replays, or on the CPU the same
+                   step run eagerly) for `rows` decode rows each at context `ctx`, sampling
+                   included, median over replays after warm-up;
+
+and reports floor = (weight bytes + KV bytes) / bandwidth and ratio = step time / floor.
+
+    python -m bench.roofline --model llama-1b --dtype bfloat16 --rows 1,32 --ctx 512 --json PATH
+    ringleader bench --roofline --model llama-1b --device cuda --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from device.model.llama import LlamaModel
+from device.model.static_step import StaticStep, StepLayout
+
+
+def weight_bytes_per_step(model: LlamaModel) -> int:
+    """Bytes of the weights a decode step reads: every layer and the final norm, the lm_head
+    (the embedding when tied), but only the step's own rows of the embedding table (~0)."""
+    total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    total += model.norm.weight.numel() * model.norm.weight.element_size()
+    w = model.lm_head_weight
+    return total + w.numel() * w.element_size()
+
+
+def kv_bytes_per_step(model: LlamaModel, rows: int, ctx: int, dtype: torch.dtype) -> int:
+    """Bytes of cached k and v that `rows` decode rows at context `ctx` read."""
+    c = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * c.num_layers * rows * ctx * c.num_kv_heads * c.head_dim * elem
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes read + written per second by dst.copy_(src), median of repeats."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = _timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * nbytes / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> list[float]:
+    fn()  # warm-up
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def decode_layout(n_slots: int, rows: int, ctx: int, vocab: int, device: torch.device) -> StepLayout:
+    """`rows` decode rows (slots 0..rows-1) at position ctx - 1, each sampled greedily."""
+    layout = StepLayout.allocate(n_slots, rows, device)
+    ids = torch.arange(rows, dtype=torch.int32, device=device)
+    layout.token_ids.copy_((ids * 7919 + 17) % vocab)
+    layout.positions.fill_(ctx - 1)
+    layout.slot_of.copy_(ids)
+    layout.sample_row[:rows] = ids
+    layout.sample_slot[:rows] = ids
+    layout.n_samples.fill_(rows)
+    return layout
+
+
+def step_seconds(
+    model: LlamaModel, rows: int, ctx: int, attention: str, repeats: int
+) -> tuple[float, dict[str, float]]:
+    """Median seconds of one decode step of `rows` rows at context `ctx` (a CUDA graph replay
+    on CUDA), and the spread."""
+    device = model.device
+    max_ctx = max(ctx, 16)
+    kv = StaticStep.new_kv_cache(model, rows, max_ctx)
+    step = StaticStep(model, kv, rows, max_ctx, token_budget=rows, attention=attention)
+    layout = decode_layout(rows, rows, ctx, model.config.vocab_size, device)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            step.run(rows, layout)  # compiles the kernels, initialises cuBLAS
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step.run(rows, layout)
+        fn = graph.replay
+    else:
+
+        def fn() -> None:
+            step.run(rows, layout)
+
+    times = _timed(fn, device, repeats)
+    return statistics.median(times), {"min_s": min(times), "max_s": max(times)}
+
+
+def measure(
+    model_name: str,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    rows_list: tuple[int, ...] = (1, 32),
+    ctx: int = 512,
+    attention: str = "triton",
+    repeats: int = 50,
+    copy_bytes: int = 1 << 30,
+) -> dict:
+    dev = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    model = LlamaModel.from_spec(model_name, torch_dtype, dev)
+    bandwidth = copy_bandwidth(dev, copy_bytes)
+    weights = weight_bytes_per_step(model)
+    steps: list[dict] = []
+    out: dict = {
+        "model": model_name,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": dtype,
+        "attention": attention if dev.type == "cuda" else "torch",
+        "ctx": ctx,
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "weight_bytes": weights,
+        "steps": steps,
+    }
+    for rows in rows_list:
+        kv = kv_bytes_per_step(model, rows, ctx, torch_dtype)
+        seconds, spread = step_seconds(
+            model, rows, ctx, attention if dev.type == "cuda" else "torch", repeats
+        )
+        floor = (weights + kv) / bandwidth
+        steps.append(
+            {
+                "rows": rows,
+                "kv_bytes": kv,
+                "step_us": round(seconds * 1e6, 1),
+                "floor_us": round(floor * 1e6, 1),
+                "ratio": round(seconds / floor, 2),
+                "achieved_GBps": round((weights + kv) / seconds / 1e9, 1),
+                "step_min_us": round(spread["min_s"] * 1e6, 1),
+                "step_max_us": round(spread["max_s"] * 1e6, 1),
+            }
+        )
+    return out
+
+
+def format_table(r: dict) -> str:
+    lines = [
+        f"{r['model']} {r['dtype']} on {r['device']} ({r['attention']} attention), ctx {r['ctx']}: "
+        f"copy bandwidth {r['copy_bandwidth_GBps']} GB/s, weights {r['weight_bytes'] / 1e6:.1f} MB",
+        f"{'rows':>5} {'step us':>9} {'floor us':>9} {'ratio':>6} {'GB/s':>8}",
+    ]
+    for s in r["steps"]:
+        lines.append(
+            f"{s['rows']:5d} {s['step_us']:9.1f} {s['floor_us']:9.1f} {s['ratio']:6.2f} {s['achieved_GBps']:8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--rows", default="1,32", help="decode rows per step, comma-separated")
+    ap.add_argument("--ctx", type=int, default=512, help="every row's context length")
+    ap.add_argument("--attention", default="triton", choices=["triton", "torch"])
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
+    ap.add_argument("--json", type=Path)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = measure(
+        args.model,
+        args.device,
+        args.dtype,
+        tuple(int(x) for x in args.rows.split(",")),
+        args.ctx,
+        args.attention,
+        args.repeats,
+        args.copy_mib << 20,
+    )
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

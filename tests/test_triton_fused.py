@@ -1,0 +1,362 @@
+"""The fused pointwise kernels (device/model/triton_fused.py) against the torch ops of ops.py.
+
+As in test_static_step.py, the kernels run under the Triton interpreter in a child process
+started with TRITON_INTERPRET=1 (`run_interpreted_checks`); the test skips without triton.
+
+Rounding: the interpreter's fp32 -> fp16 cast is numpy's (round to nearest even, as on the
+GPU), but its fp32 -> bf16 cast truncates. The child patches that cast to round to nearest even
+(`_interpreter_rounds_bf16_to_nearest`), so fp16 and bf16 are both checked to round where torch
+rounds: the residual add bit for bit, the norm and silu * up bit for bit but for the rare
+element where the fp32 rsqrt / exp differ by an ulp (<= 0.1% of elements, each within 1 ulp),
+RoPE equal to its fp32 result rounded once and within a few ulps of torch's per-op rounding.
+Should the patch not apply (another triton), bf16 falls back to 2-ulp tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from device.model import ops
+from device.model.config import ModelConfig
+from device.model.triton_fused import HAVE_TRITON
+from device.model.triton_launch import LaunchRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fused_kernels_under_interpreter():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import tests.test_triton_fused as t; t.run_interpreted_checks()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "interpreted checks passed" in proc.stdout
+
+
+def run_interpreted_checks() -> None:
+    """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
+    from device.model import triton_fused as tf
+
+    global BF16_TRUNCATES
+    assert type(tf._silu_mul_kernel).__name__ == "InterpretedFunction", "triton imported too early"
+    BF16_TRUNCATES = not _interpreter_rounds_bf16_to_nearest()
+    t0 = time.perf_counter()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for hidden, strided in ((72, False), (72, True), (1000, True)):
+            check_add_rms_norm(dtype, 5, hidden, strided)
+        check_add_rms_norm(dtype, 2, 8192, False)
+        for inter, strided in ((300, False), (300, True), (1500, False)):
+            check_silu_mul(dtype, 6, inter, strided)
+        # heads, kv heads, head_dim, qkv / cache layout
+        check_rope_store_kv(dtype, 8, 2, 16, "contiguous")
+        check_rope_store_kv(dtype, 4, 4, 64, "transposed")
+        check_rope_store_kv(dtype, 6, 2, 48, "padded")  # half = 24: not a power of two
+    # fp32 activations into an fp16 cache: k rounded once from fp32, v cast
+    check_rope_store_kv(torch.float32, 8, 2, 16, "contiguous", cache_dtype=torch.float16)
+    check_counter_uniform()
+    rounding = "truncating (2-ulp tolerance)" if BF16_TRUNCATES else "round to nearest even"
+    print(f"interpreted checks passed in {time.perf_counter() - t0:.1f} s; bf16 casts {rounding}")
+
+
+def check_counter_uniform() -> None:
+    """The sampler's hash as one Triton launch: bit for bit sampling.counter_uniform, over seeds
+    at the int64 edges and counters of either width (so a seed draws the same on every path)."""
+    from device.model.sampling import counter_uniform
+    from device.model.triton_sampling import counter_uniform_triton
+
+    gen = torch.Generator().manual_seed(9)
+    seed = torch.randint(-(2**63), 2**63 - 1, (3000,), generator=gen, dtype=torch.int64)
+    seed[:5] = torch.tensor([0, -1, 2**32, -(2**63), 2**63 - 1])
+    for counter in (
+        torch.randint(0, 2**31 - 1, (3000,), generator=gen, dtype=torch.int32),
+        torch.randint(-(2**62), 2**62, (3000,), generator=gen, dtype=torch.int64),
+    ):
+        assert torch.equal(counter_uniform_triton(seed, counter), counter_uniform(seed, counter))
+
+
+def _interpreter_rounds_bf16_to_nearest() -> bool:
+    """Makes the interpreter's fp32 -> bf16 cast round to nearest even as the GPU does (it
+    truncates); False where this triton's interpreter has no such hook."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    cast = getattr(builder, "cast_impl", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    if cast is None or handle is None:
+        return False
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # stored as uint16
+            return handle(bits.reshape(np.shape(src.data)), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    return True
+
+
+# ---- tolerances ------------------------------------------------------------------------------
+
+_EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+BF16_TRUNCATES = False  # set in the interpreted child when its bf16 cast could not be patched
+
+
+def _truncated(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and BF16_TRUNCATES
+
+
+def _assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float, what: str) -> None:
+    """|got - want| <= ulps units in the last place of want's dtype (relative to |want|)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+    g, w = got.double(), want.double()
+    eps = _EPS[want.dtype]
+    tiny = 1e-30 if want.dtype == torch.float32 else 1e-6  # away from the subnormal range
+    bound = ulps * eps * w.abs().clamp_min(tiny) * 1.0001
+    bad = (g - w).abs() > bound
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off by more than {ulps} ulp(s)"
+
+
+def _mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
+    return int((got != want).sum())
+
+
+def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """got rounds where want rounds: fp32 tight; fp16 / bf16 equal but for <= 0.1% of elements
+    (an fp32 ulp of exp / rsqrt surviving the rounding), each within 1 ulp."""
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    elif _truncated(want.dtype):  # truncated on the way (twice at most)
+        _assert_within_ulps(got, want, 2.0, what)
+    else:
+        _assert_within_ulps(got, want, 1.0, what)
+        bad = _mismatches(got, want)
+        assert bad <= max(1, got.numel() // 1000), f"{what}: {bad} of {got.numel()} elements differ"
+
+
+# ---- add_rms_norm ----------------------------------------------------------------------------
+
+
+def _rows(T: int, n: int, dtype: torch.dtype, gen: torch.Generator, strided: bool, scale: float = 1.0):
+    """[T, n] in dtype, as a column slice of a wider buffer when strided (row stride > n)."""
+    if strided:
+        return (torch.randn(T, n + 13, generator=gen) * scale).to(dtype)[:, 5 : 5 + n]
+    return (torch.randn(T, n, generator=gen) * scale).to(dtype)
+
+
+def check_add_rms_norm(dtype: torch.dtype, T: int, hidden: int, strided: bool) -> None:
+    from device.model.triton_fused import add_rms_norm
+
+    gen = torch.Generator().manual_seed(hidden + T)
+    eps = 1e-5
+    x = _rows(T, hidden, dtype, gen, strided, scale=3.0)
+    delta = _rows(T, hidden, dtype, gen, strided)
+    weight = (1.0 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    residual, normed = add_rms_norm(x, delta, weight, eps)
+    assert residual.shape == normed.shape == (T, hidden) and normed.dtype == dtype
+    if _truncated(dtype):  # the norm below is then checked on the kernel's own residual
+        _assert_within_ulps(residual, x + delta, 1.0, "bf16 residual")
+    else:
+        assert torch.equal(residual, x + delta), f"{dtype} residual"
+    _assert_rounded_alike(normed, ops.rms_norm(residual, weight, eps), f"{dtype} normed")
+
+    same, normed = add_rms_norm(x, None, weight, eps)
+    assert same is x  # no add: the residual is x itself
+    _assert_rounded_alike(normed, ops.rms_norm(x, weight, eps), f"{dtype} normed, no delta")
+
+
+# ---- silu_mul ----------------------------------------------------------------------------
+
+
+def check_silu_mul(dtype: torch.dtype, T: int, inter: int, strided: bool) -> None:
+    from device.model.triton_fused import silu_mul
+
+    gen = torch.Generator().manual_seed(inter + T)
+    if strided:  # column stride T: a transposed buffer
+        gate_up = (torch.randn(2 * inter, T, generator=gen) * 4).to(dtype).t()
+    else:
+        gate_up = (torch.randn(T, 2 * inter, generator=gen) * 4).to(dtype)
+    out = silu_mul(gate_up)
+    assert out.shape == (T, inter) and out.dtype == dtype
+    # silu rounded to the dtype before the product, as torch does (rounding once would differ
+    # from torch in ~25% of the elements)
+    _assert_rounded_alike(out, ops.silu_mul(gate_up), f"{dtype} silu_mul")
+
+
+# ---- rope_store_kv ---------------------------------------------------------------------------
+
+N_SLOTS, MAX_CTX = 5, 12  # slot 5 = scratch
+ROWS = [  # (slot, position): slot -1 = pad row
+    (0, 0),
+    (1, MAX_CTX - 1),  # the last position
+    (-1, 0),  # pad row: scratch slot, position 0
+    (2, 3),
+    (2, 4),
+    (2, 5),  # a prefill chunk
+    (-1, 7),  # pad row with a stale position: scratch slot, position 7 (as StaticStep)
+    (3, MAX_CTX + 4),  # clamped to the last position
+    (4, 9),
+]
+
+
+def _rope_reference(qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, H, KV, D):
+    """ops.apply_rope on the q / k views, k / v written at StaticStep's cache rows: returns q and
+    updated copies of the caches."""
+    T, S, C = qkv.shape[0], k_cache.shape[0], k_cache.shape[1]
+    pos = positions.long().clamp(0, min(cos_table.shape[0], C) - 1)
+    cos, sin = cos_table.index_select(0, pos), sin_table.index_select(0, pos)
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    q = ops.apply_rope(q.reshape(T, H, D), cos, sin)
+    k = ops.apply_rope(k.reshape(T, KV, D), cos, sin)
+    write_slot = torch.where(slot_of >= 0, slot_of.long(), S - 1)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc[write_slot, pos] = k.to(kc.dtype)
+    vc[write_slot, pos] = v.reshape(T, KV, D).to(vc.dtype)
+    return q, kc, vc
+
+
+def check_rope_store_kv(
+    dtype: torch.dtype,
+    H: int,
+    KV: int,
+    D: int,
+    layout: str,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
+    """layout: "contiguous"; "transposed" (qkv column stride T, caches stored [S, KV, C, D]);
+    "padded" (qkv a column slice of a wider buffer, caches layer 1 of a [2, S, C, KV, D] pair)."""
+    from device.model.triton_fused import rope_store_kv
+
+    cache_dtype = cache_dtype or dtype
+    gen = torch.Generator().manual_seed(H * 100 + D)
+    T, width, S = len(ROWS), (H + 2 * KV) * D, N_SLOTS + 1
+    slot_of = torch.tensor([s for s, _ in ROWS], dtype=torch.int32)
+    positions = torch.tensor([p for _, p in ROWS], dtype=torch.int32)
+    config = ModelConfig(
+        vocab_size=8,
+        hidden_size=H * D,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=H,
+        num_kv_heads=KV,
+        head_dim=D,
+    )
+    # a table longer than the cache: the cache bounds the clamp
+    n_table = MAX_CTX + 4 if layout == "padded" else MAX_CTX
+    cos_table, sin_table = ops.rope_tables(config, n_table, dtype, "cpu")
+
+    def cache_init() -> torch.Tensor:
+        full = torch.randn(2, S, MAX_CTX, KV, D, generator=gen).to(cache_dtype)
+        if layout == "transposed":
+            return full[0].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [S, C, KV, D] view
+        return full[1] if layout == "padded" else full[0].clone()
+
+    if layout == "transposed":
+        qkv = (torch.randn(width, T, generator=gen) * 2).to(dtype).t()
+    elif layout == "padded":
+        qkv = (torch.randn(T, width + 24, generator=gen) * 2).to(dtype)[:, 8 : 8 + width]
+    else:
+        qkv = (torch.randn(T, width, generator=gen) * 2).to(dtype)
+    k_cache, v_cache = cache_init(), cache_init()
+    other_layer = k_cache._base.select(0, 0).clone() if layout == "padded" else None
+    want_q, want_k, want_v = _rope_reference(
+        qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, H, KV, D
+    )
+    # the fp32 result rounded once: what the kernel computes
+    once_q, once_k, _ = _rope_reference(
+        qkv.float(), cos_table.float(), sin_table.float(), slot_of, positions, k_cache, v_cache, H, KV, D
+    )
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    q = rope_store_kv(qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, N_SLOTS, H, KV, D)
+    assert q.shape == (T, H, D) and q.dtype == dtype and k_cache.dtype == cache_dtype
+
+    # exactly the rows (write slot, clamped position) changed, in k and v alike
+    written = torch.zeros(S, MAX_CTX, dtype=torch.bool)
+    for s, p in ROWS:
+        written[s if s >= 0 else N_SLOTS, min(max(p, 0), MAX_CTX - 1)] = True
+    assert torch.equal(k_cache[~written], k_before[~written]), "k cache changed outside the written rows"
+    assert torch.equal(v_cache[~written], v_before[~written]), "v cache changed outside the written rows"
+    assert torch.equal(v_cache, want_v), "v is stored as is (cast to the cache dtype)"
+    if other_layer is not None:
+        assert torch.equal(k_cache._base.select(0, 0), other_layer), "the other layer was written"
+
+    if dtype == torch.float32:
+        torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-5)
+    if cache_dtype == torch.float32:
+        torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-5)
+    # computed in fp32 and rounded once: the fp32 result rounded
+    _assert_rounded_alike(q, once_q.to(dtype), f"{dtype} q")
+    _assert_rounded_alike(k_cache[written], once_k[written], f"{cache_dtype} k")
+    if dtype != torch.float32:  # and close to torch's per-op rounding, within a few ulps of |x|
+        atol = 24 * _EPS[dtype]  # 3 ulps at |qkv| ~ 8 (randn * 2); cos / sin <= 1
+        torch.testing.assert_close(q, want_q, atol=atol, rtol=0)
+        torch.testing.assert_close(k_cache, want_k, atol=atol, rtol=0)
+
+
+# ---- launches, on the meta device ---------------------------------------------------------------
+
+
+def test_each_wrapper_is_one_launch_on_meta():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    T, hidden, inter, H, KV, D, S, C = 7, 4096, 14336, 32, 8, 128, 9, 64
+    x, delta, w = torch.empty(T, hidden, **meta), torch.empty(T, hidden, **meta), torch.empty(hidden, **meta)
+    with LaunchRecorder() as rec:
+        residual, normed = add_rms_norm(x, delta, w, 1e-5)
+    assert dict(rec.counts) == {"_add_rms_norm_kernel": 1}
+    assert residual.shape == normed.shape == (T, hidden) and residual.dtype == normed.dtype == torch.bfloat16
+    assert residual.device.type == normed.device.type == "meta"
+    with LaunchRecorder() as rec:
+        same, normed = add_rms_norm(x, None, torch.empty(hidden, device="meta", dtype=torch.float32), 1e-5)
+    assert dict(rec.counts) == {"_add_rms_norm_kernel": 1}
+    assert same is x and normed.dtype == torch.float32  # weight * x promotes, as ops.rms_norm
+
+    qkv = torch.empty(T, (H + 2 * KV) * D, **meta)
+    cos, sin = torch.empty(C, D, **meta), torch.empty(C, D, **meta)
+    slot_of = torch.empty(T, device="meta", dtype=torch.int32)
+    positions = torch.empty(T, device="meta", dtype=torch.int32)
+    k_cache, v_cache = torch.empty(2, S, C, KV, D, **meta).unbind(0)
+    with LaunchRecorder() as rec:
+        q = rope_store_kv(qkv, cos, sin, slot_of, positions, k_cache, v_cache, S - 1, H, KV, D)
+    assert dict(rec.counts) == {"_rope_store_kv_kernel": 1}
+    assert q.shape == (T, H, D) and q.dtype == torch.bfloat16 and q.device.type == "meta"
+
+    with LaunchRecorder() as rec:
+        out = silu_mul(torch.empty(T, 2 * inter, **meta))
+    assert dict(rec.counts) == {"_silu_mul_kernel": 1}
+    assert out.shape == (T, inter) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_shape_errors():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+
+    meta = dict(device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError):
+        add_rms_norm(torch.empty(3, 8, **meta), None, torch.empty(9, **meta), 1e-5)
+    with pytest.raises(ValueError):
+        silu_mul(torch.empty(3, 7, **meta))
+    idx = torch.empty(3, device="meta", dtype=torch.int32)
+    cache = torch.empty(3, 8, 2, 16, **meta)
+    cos = torch.empty(8, 16, **meta)
+    with pytest.raises(ValueError):  # 4 q + 2 * 2 kv heads of 16 columns is 128, not 120
+        rope_store_kv(torch.empty(3, 120, **meta), cos, cos, idx, idx, cache, cache, 2, 4, 2, 16)
+    with pytest.raises(ValueError):  # the scratch slot must be one of the cache's slots
+        rope_store_kv(torch.empty(3, 128, **meta), cos, cos, idx, idx, cache, cache, 3, 4, 2, 16)
