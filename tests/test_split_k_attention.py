@@ -9,11 +9,6 @@ triton_launch's LaunchRecorder) are checked in this process.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -25,20 +20,11 @@ from device.model.triton_attention import (
     ragged_attention_reference,
 )
 from device.model.triton_launch import LaunchRecorder
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_interpreter import run_interpreted_checks_of
 
 
 def test_split_k_under_interpreter():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_split_k_attention as t; t.run_interpreted_checks()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "split-k interpreted checks passed" in proc.stdout
+    run_interpreted_checks_of("tests.test_split_k_attention", "split-k interpreted checks passed")
 
 
 # ---- the kernels, in the child process --------------------------------------------------------

@@ -9,10 +9,6 @@ skips when triton is not installed.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,24 +16,15 @@ import torch
 
 from device.model import LlamaModel, StepBatch, sample
 from device.model.static_step import StaticStep, StepLayout
-from device.model.triton_attention import HAVE_TRITON, ragged_attention_reference
+from device.model.triton_attention import ragged_attention_reference
 from ipc import layout as L
 from ipc.rings import RingConfig
 from tests.sched_driver import Driver, scheduler
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_interpreter import run_interpreted_checks_of
 
 
 def test_triton_under_interpreter():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_static_step as t; t.run_interpreted_checks()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "interpreted checks passed" in proc.stdout
+    run_interpreted_checks_of("tests.test_static_step", "interpreted checks passed")
 
 
 def run_interpreted_checks() -> None:

@@ -14,11 +14,7 @@ Should the patch not apply (another triton), bf16 falls back to 2-ulp tolerances
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,20 +23,11 @@ from device.model import ops
 from device.model.config import ModelConfig
 from device.model.triton_fused import HAVE_TRITON
 from device.model.triton_launch import LaunchRecorder
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_interpreter import run_interpreted_checks_of
 
 
 def test_fused_kernels_under_interpreter():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_triton_fused as t; t.run_interpreted_checks()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "interpreted checks passed" in proc.stdout
+    run_interpreted_checks_of("tests.test_triton_fused", "interpreted checks passed")
 
 
 def run_interpreted_checks() -> None:

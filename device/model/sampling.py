@@ -10,8 +10,9 @@ Nothing sorts the vocabulary. Rows that restrict the draw (top_k > 0 or top_p < 
 K = min(vocab, MAX_TOP_K) most likely tokens (`torch.topk`, in descending order): exact
 whenever the kept set lies among them, which top_k <= MAX_TOP_K (the protocol's bound) always
 does, and top_p does whenever those K tokens hold at least top_p of the mass; otherwise (a very
-flat distribution) the nucleus is cut at those K. Rows that restrict nothing draw from the
-whole vocabulary in vocabulary order: exact, no candidates involved.
+flat distribution) the nucleus is cut at those K, and a top_k above MAX_TOP_K acts as
+MAX_TOP_K. Rows that restrict nothing draw from the whole vocabulary in vocabulary order:
+exact, no candidates involved.
 """
 
 from __future__ import annotations
