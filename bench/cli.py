@@ -13,7 +13,6 @@ the measured requests, the stats again.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -33,6 +32,7 @@ from bench.report import (
     make_run_entry,
     markdown_summary,
     run_label,
+    save_json,
     write_json,
 )
 from bench.workloads import (
@@ -539,8 +539,7 @@ def _roofline(args, say: Console) -> int:
     say(roofline.format_table(result), always=True)
     json_path = Path(args.json) if args.json else (Path(args.out) / "roofline.json" if args.out else None)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(result, json_path)
         say(f"wrote {json_path}", always=True)
     return 0
 

@@ -263,10 +263,17 @@ def build_document(
 
 
 def write_json(doc: dict, path: str | os.PathLike) -> None:
-    clean = dict(doc, runs=[{k: v for k, v in r.items() if not k.startswith("_")} for r in doc["runs"]])
+    """A benchmark document, without the runs' private (underscored) fields."""
+    save_json(
+        dict(doc, runs=[{k: v for k, v in r.items() if not k.startswith("_")} for r in doc["runs"]]), path
+    )
+
+
+def save_json(obj: dict, path: str | os.PathLike) -> None:
+    """Any result as indented JSON (non-finite floats as strings), making the folder."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(_json_safe(clean), f, indent=2, sort_keys=False)
+        json.dump(_json_safe(obj), f, indent=2, sort_keys=False)
         f.write("\n")
 
 

@@ -18,7 +18,6 @@ and reports floor = (weight bytes + KV bytes) / bandwidth and ratio = step time 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import save_json
 from device.model.llama import LlamaModel
 from device.model.static_step import StaticStep, StepLayout
 
@@ -81,9 +81,9 @@ def _timed(fn, device: torch.device, repeats: int) -> list[float]:
     return out
 
 
-def decode_layout(n_slots: int, rows: int, ctx: int, vocab: int, device: torch.device) -> StepLayout:
-    """`rows` decode rows (slots 0..rows-1) at position ctx - 1, each sampled greedily."""
-    layout = StepLayout.allocate(n_slots, rows, device)
+def decode_layout(rows: int, ctx: int, vocab: int, device: torch.device) -> StepLayout:
+    """`rows` decode rows, one per slot, at position ctx - 1, each sampled greedily."""
+    layout = StepLayout.allocate(rows, rows, device)
     ids = torch.arange(rows, dtype=torch.int32, device=device)
     layout.token_ids.copy_((ids * 7919 + 17) % vocab)
     layout.positions.fill_(ctx - 1)
@@ -103,7 +103,7 @@ def step_seconds(
     max_ctx = max(ctx, 16)
     kv = StaticStep.new_kv_cache(model, rows, max_ctx)
     step = StaticStep(model, kv, rows, max_ctx, token_budget=rows, attention=attention)
-    layout = decode_layout(rows, rows, ctx, model.config.vocab_size, device)
+    layout = decode_layout(rows, ctx, model.config.vocab_size, device)
     if device.type == "cuda":
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
@@ -210,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(result, args.json)
     return 0
 
 

@@ -13,7 +13,6 @@ with top-k / top-p / plain temperature rows.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,6 +24,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import save_json
 from device.model.sampling import counter_uniform, sample
 
 
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['after_ms']:9.2f} {r['speedup']:6.1f}"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(result, args.json)
     return 0
 
 

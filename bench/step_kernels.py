@@ -18,7 +18,6 @@ torch's pointwise ops and next to the all-torch reference, and writes {"kernels_
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import save_json
 from device.model.llama import LlamaModel
 from device.model.presets import preset_config
 from device.model.static_step import StaticStep, StepLayout
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, n in fused["by_kind"].items():
         print(f"    {n:3d}  {kind}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(fused, indent=2) + "\n")
+        save_json(fused, args.json)
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Split-K (flash-decoding) ragged attention: the kernels against the reference, on the CPU.
+"""Ragged attention's Triton kernels (single pass and split-K / flash-decoding) against the
+reference, on the CPU.
 
 The kernels run under the Triton interpreter, which has to be switched on before triton is
 first imported, so those checks run in a child process started with TRITON_INTERPRET=1
-(`run_interpreted_checks`, as in test_static_step); the test skips when triton is not
+(`run_interpreted_checks`); the test skips when triton is not
 installed. choose_splits' rule and the launch count (on the meta device, through
 triton_launch's LaunchRecorder) are checked in this process.
 """
@@ -33,6 +34,9 @@ MAX_CTX = 320  # 5 blocks of BLOCK_N = 64
 # heads, kv heads, head_dim: GQA groups 1, 4, 8 (the interpreter runs ~10 ms a program: keep
 # the grids small)
 SHAPES = [(2, 2, 16), (8, 2, 32), (16, 2, 64)]
+# heads, kv heads, head_dim of the single-pass kernel alone (MHA, a head_dim not a power of
+# two, a group of 16)
+ONE_PASS_SHAPES = [(4, 4, 16), (6, 2, 24), (16, 1, 64)]
 SPLITS = [1, 2, 3, 8]  # 8 is more than the 5 blocks of a full-length row
 ROWS = [  # (slot, first position, n_rows); slot -1 = pad rows
     (0, 0, 1),  # first token of a request: one position, every other split empty
@@ -56,9 +60,14 @@ def run_interpreted_checks() -> None:
         case = make_case(n_heads, n_kv, head_dim, torch.float32)
         for n_splits in SPLITS:
             check_matches_reference(ta.ragged_attention_triton, case, n_splits)
+    for n_heads, n_kv, head_dim in ONE_PASS_SHAPES:
+        check_matches_reference(
+            ta.ragged_attention_triton, make_case(n_heads, n_kv, head_dim, torch.float32), 1
+        )
     # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
     # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
-    for (n_heads, n_kv, head_dim), n_splits in [((16, 2, 64), 1), ((16, 2, 64), 3), ((8, 2, 32), 8)]:
+    fp16_cases = [((16, 2, 64), 1), ((16, 2, 64), 3), ((8, 2, 32), 8), ((8, 2, 64), 1)]
+    for (n_heads, n_kv, head_dim), n_splits in fp16_cases:
         case = make_case(n_heads, n_kv, head_dim, torch.float16)
         check_matches_reference(ta.ragged_attention_triton, case, n_splits)
     print("split-k interpreted checks passed")

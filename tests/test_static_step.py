@@ -1,14 +1,13 @@
 """The static-shape step (CUDA-graph form) against the eager ragged step, on the CPU.
 
-The Triton kernel runs under the Triton interpreter, which has to be switched on before triton
-is first imported (triton.language's own helpers are @triton.jit functions). So those checks
-run in a child process started with TRITON_INTERPRET=1 (`run_interpreted_checks`); the test
-skips when triton is not installed.
+The step with Triton attention, and the product path (Triton attention, the fused pointwise
+kernels, the Triton uniform), runs under the Triton interpreter, which has to be switched on
+before triton is first imported; so those checks run in a child process started with
+TRITON_INTERPRET=1 (`run_interpreted_checks`). The kernels alone are checked against the
+reference in test_split_k_attention.py (attention) and test_triton_fused.py.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import pytest
@@ -32,13 +31,6 @@ def run_interpreted_checks() -> None:
     from device.model import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
-    # the single-pass kernel here; tests/test_split_k_attention.py covers the split-K path
-    one_pass = functools.partial(ta.ragged_attention_triton, n_splits=1)
-    for shape in KERNEL_SHAPES:
-        check_kernel_matches_reference(one_pass, *shape)
-    # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
-    # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
-    check_kernel_matches_reference(one_pass, 8, 2, 64, torch.float16)
     model = LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
     _, seen = _drive(model, ta.ragged_attention_triton, max_steps=7)
     assert seen["mixed"] and seen["padded"], seen
@@ -48,64 +40,6 @@ def run_interpreted_checks() -> None:
     _, seen = _drive(model, "triton", max_steps=7)
     assert seen["mixed"] and seen["padded"], seen
     print("interpreted checks passed")
-
-
-# ---- the kernel ------------------------------------------------------------------------------
-
-
-def _rows(spec):
-    """spec: [(slot, first_pos, n_rows)] -> slot_of, positions (int32); slot -1 = pad rows."""
-    slot_of, pos = [], []
-    for slot, p0, n in spec:
-        slot_of += [slot] * n
-        pos += [0] * n if slot < 0 else list(range(p0, p0 + n))
-    return torch.tensor(slot_of, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
-
-
-KERNEL_SHAPES = [(8, 2, 32), (4, 4, 16), (6, 2, 24), (16, 1, 64)]  # heads, kv heads, head_dim
-
-
-def check_kernel_matches_reference(attention, n_heads, n_kv, head_dim, dtype=torch.float32):
-    """`attention` (the Triton kernel) against the reference on rows of every kind, reading a
-    cache poisoned with NaN wherever no row may read."""
-    gen = torch.Generator().manual_seed(n_heads * 100 + head_dim)
-    n_slots, max_ctx = 5, 150  # slot 5 = scratch
-    shape = (n_slots + 1, max_ctx, n_kv, head_dim)
-    k, v = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-    slot_of, positions = _rows(
-        [
-            (0, 0, 1),  # first token of a request
-            (1, 63, 1),
-            (2, 64, 1),
-            (3, 128, 1),  # around BLOCK_N = 64 boundaries
-            (-1, 0, 2),  # pad rows in the middle
-            (4, 60, 9),  # prefill chunk crossing a block boundary
-            (1, max_ctx - 1, 1),  # the last position
-            (2, 5, 3),
-            (-1, 0, 3),  # bucket padding at the end
-        ]
-    )
-    T = slot_of.shape[0]
-    q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
-    ref = ragged_attention_reference(q, k, v, slot_of, positions, scale)
-
-    # poison everything no row may read: positions past each slot's furthest row, and scratch
-    kp, vp = k.clone(), v.clone()
-    for s in range(n_slots + 1):
-        mine = positions[slot_of == s]
-        end = int(mine.max()) + 1 if mine.numel() else 0
-        kp[s, end:] = float("nan")
-        vp[s, end:] = float("nan")
-    out = attention(q, kp, vp, slot_of, positions, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    # half precision: p is rounded to v's dtype before p @ v, as on the GPU
-    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=1e-2)
-    torch.testing.assert_close(out.float(), ref.float(), **tol)
-    assert torch.all(out[slot_of < 0] == 0)
-    # a decode row over one cached position returns that position's v exactly (GQA mapping)
-    g = n_heads // n_kv
-    torch.testing.assert_close(out[0], v[0, 0].repeat_interleave(g, dim=0), atol=1e-6, rtol=1e-6)
 
 
 def test_reference_matches_eager_ragged_attention():

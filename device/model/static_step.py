@@ -128,10 +128,14 @@ class StaticAttention:
     """
 
     def __init__(self, step: StaticStep, slot_of: torch.Tensor, positions: torch.Tensor) -> None:
-        self.kv, self._attend, self.scale = step.kv, step._attend, step.scale
-        self.slot_of, self.positions = slot_of, positions
-        pos = positions.long().clamp(0, step.max_ctx - 1)
-        write_slot = torch.where(slot_of >= 0, slot_of.long(), step.scratch_slot)
+        self.step, self.kv, self.slot_of, self.positions = step, step.kv, slot_of, positions
+        self._prepare_rows()
+
+    def _prepare_rows(self) -> None:
+        """Once per step: each row's cache row and RoPE entries."""
+        step = self.step
+        pos = self.positions.long().clamp(0, step.max_ctx - 1)
+        write_slot = torch.where(self.slot_of >= 0, self.slot_of.long(), step.scratch_slot)
         self.cache_row = write_slot * step.kv.max_ctx + pos
         self.cos, self.sin = step._cos.index_select(0, pos), step._sin.index_select(0, pos)
 
@@ -145,22 +149,20 @@ class StaticAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        return self._attend(q, k_cache, v_cache, self.slot_of, self.positions, self.scale)
+        return self.step._attend(q, k_cache, v_cache, self.slot_of, self.positions, self.step.scale)
 
 
 class FusedStaticAttention(StaticAttention):
     """StaticAttention whose RoPE and k/v store are one Triton launch per layer
     (triton_fused.rope_store_kv reads the cos/sin tables and computes the cache rows itself)."""
 
-    def __init__(self, step: StaticStep, slot_of: torch.Tensor, positions: torch.Tensor) -> None:
-        self.kv, self._attend, self.scale = step.kv, step._attend, step.scale
-        self.slot_of, self.positions = slot_of, positions
-        self._step = step
+    def _prepare_rows(self) -> None:
+        pass  # the kernel does it per row
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         from device.model.triton_fused import rope_store_kv
 
-        kv, step = self.kv, self._step
+        kv, step = self.kv, self.step
         return rope_store_kv(
             qkv,
             step._cos[: step.max_ctx],  # positions clamp to the step's max_ctx, as in torch
