@@ -4,10 +4,12 @@ With no arguments it runs the quick comparison of the README (QUICK_ARGS): the t
 the best device here, device vs host vs static scheduling (host vs static on a CPU), closed loop
 at concurrency 1 and 16, written under ./ringleader-bench/.
 
-For every variant of `--compare` (or the one server at `--connect`), for every load point
-(each `--concurrency`, then each `--request-rate`), and with `--cpu-interference N` once
-without and once with N busy processes, one run: a few warm-up requests, the server's stats,
-the measured requests, the stats again.
+For every variant of `--compare` (or the one server at `--connect`, or the OpenAI-compatible
+endpoint at `--http`), for every load point (each `--concurrency`, then each
+`--request-rate`), and with `--cpu-interference N` once without and once with N busy
+processes, one run: a few warm-up requests, the server's stats, the measured requests, the
+stats again. The `gateway` variant runs each point twice against one server: over ZeroMQ
+(`native`) and through its HTTP gateway (`gateway`), and reports the difference.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from bench.loadgen import Load, SendOptions, measure
 from bench.report import (
     build_document,
     format_degradation,
+    format_overhead,
     format_ratios,
     format_table,
     loadgen_warnings,
@@ -106,13 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--connect", metavar="ADDR", help="benchmark the server at ADDR instead of starting servers"
     )
-    g.add_argument("--label", help="with --connect: the scheduler name to report (default: from its stats)")
+    g.add_argument(
+        "--http",
+        metavar="URL",
+        help="benchmark the OpenAI-compatible endpoint at URL (streaming /v1/completions, e.g. "
+        "http://127.0.0.1:8000) instead of starting servers",
+    )
+    g.add_argument(
+        "--http-model",
+        metavar="NAME",
+        help="with --http: the `model` field to send (default: the first id of GET URL/v1/models)",
+    )
+    g.add_argument(
+        "--label",
+        help="with --connect: the scheduler name to report (default: from its stats); "
+        "with --http: the name of its rows (default http)",
+    )
     g.add_argument(
         "--compare",
         type=_names,
         default=None,
-        help=f"variants to run, of device, host, static, hf (default {DEFAULT_COMPARE}); hf = "
-        "transformers' continuous batching (generate_batch's engine) in this process",
+        help=f"variants to run, of device, host, static, hf, gateway (default {DEFAULT_COMPARE}); hf = "
+        "transformers' continuous batching (generate_batch's engine) in this process; gateway = one "
+        "server with its OpenAI HTTP gateway (serve --http), each load point measured over ZeroMQ "
+        "(native) and over HTTP (gateway), with the gateway's overhead",
     )
     g.add_argument(
         "--model",
@@ -261,6 +281,17 @@ def _check(args) -> list[str]:
         out.append("--warmup must be >= 0")
     if args.connect and args.compare:
         out.append("--connect benchmarks one running server; --compare starts servers (choose one)")
+    if args.http and (args.connect or args.compare):
+        out.append(
+            "--http benchmarks one running HTTP endpoint; --connect and --compare are other targets "
+            "(choose one)"
+        )
+    if args.http_model and not args.http:
+        out.append("--http-model goes with --http")
+    if args.http:
+        from bench.http_loadgen import base_url
+
+        base_url(args.http)  # raises ValueError on a URL that is not http(s)
     if args.compare is not None:
         S.plan_variants(args.compare, "cuda")  # raises on unknown names
     return out
@@ -334,7 +365,28 @@ def _run(args, command: list[str], say: Console) -> int:
     busy_levels = [0, args.cpu_interference] if args.cpu_interference else [0]
 
     requested = args.compare or _names(DEFAULT_COMPARE)
-    if args.connect:
+    if args.http:
+        from bench.http_loadgen import list_models
+
+        device, model = "?", args.http_model
+        if model is None:
+            try:
+                served = list_models(args.http)
+            except Exception as exc:
+                print(
+                    f"ringleader bench: cannot list the models at {args.http} ({exc}); give --http-model",
+                    file=sys.stderr,
+                )
+                return 2
+            if not served:
+                print(
+                    f"ringleader bench: {args.http}/v1/models lists no model; give --http-model",
+                    file=sys.stderr,
+                )
+                return 2
+            model = served[0]
+        targets = [(args.label or "http", None)]
+    elif args.connect:
         device, model = "?", args.model
         targets = [("connected", None)]
     else:
@@ -365,7 +417,23 @@ def _run(args, command: list[str], say: Console) -> int:
         "queue time comes from the server's done.timing.queue_ms; ttft_after_queue_ms is "
         "TTFT minus it (prefill + transport), decode_ms is E2E - TTFT"
     )
-    if not args.connect and device == "cpu":
+    if any(v is not None and v.kind == "gateway" for _, v in targets):
+        notes.append(
+            "gateway: one server started with its OpenAI-compatible HTTP gateway in the same process "
+            "(serve --http); each load point runs twice against it, back to back: native = the ZeroMQ "
+            "load generator, gateway = streaming POST /v1/completions through the gateway (aiohttp, "
+            "SSE). The gateway rows' server CPU includes the gateway (same process). The two load "
+            "generators do not cost the same CPU (HTTP, SSE framing and one JSON parse per chunk "
+            "against a msgpack frame through zmq.asyncio and its I/O thread): compare their loadgen "
+            "CPU per 1k tokens; on a CPU host both share the cores with the server, so part of a "
+            "difference can be the client's"
+        )
+    if args.http:
+        notes.append(
+            f"http: {args.http}, streaming /v1/completions with the prompt as token ids, model "
+            f"{model!r}; an HTTP endpoint has no stats, so server CPU and device figures are empty"
+        )
+    if not args.connect and not args.http and device == "cpu":
         notes.append(
             "CPU backend: the server's CPU time includes the model's compute, and the load "
             "generator shares the host's cores with the server"
@@ -382,6 +450,7 @@ def _run(args, command: list[str], say: Console) -> int:
     loadavg_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for name, variant in targets:
         runs += _run_target(args, name, variant, device, model, points, warm, options, busy_levels, say)
+    notes += _token_count_notes(runs)
     if args.connect and runs:
         device = (runs[0].get("backend") or {}).get("device", "?")
         model = runs[0]["model"]
@@ -394,7 +463,9 @@ def _run(args, command: list[str], say: Console) -> int:
         max_context=max_ctx,
         prompt_id_range=list(id_range),
         variants=[n for n, _ in targets],
-        skipped=[] if args.connect else [n for n in requested if n not in [t[0] for t in targets]],
+        skipped=[]
+        if args.connect or args.http
+        else [n for n in requested if n not in [t[0] for t in targets]],
         elapsed_s=time.perf_counter() - t_start,
         host_loadavg_at_start=loadavg_start,
     )
@@ -406,6 +477,9 @@ def _run(args, command: list[str], say: Console) -> int:
     ratios = format_ratios(doc["ratios_vs_hf"])
     if ratios:
         say(ratios, always=True)
+    overhead = format_overhead(doc["gateway_overhead"])
+    if overhead:
+        say(overhead, always=True)
     deg = format_degradation(doc["degradation"])
     if deg:
         say(deg, always=True)
@@ -419,8 +493,11 @@ def _run(args, command: list[str], say: Console) -> int:
 def _run_target(args, name, variant, device, model, points, warm, options, busy_levels, say) -> list[dict]:
     runs = []
     server = runner = None
+    http_url = http_model = address = None
     try:
-        if variant is None:
+        if variant is None and args.http:
+            http_url, http_model = args.http, model
+        elif variant is None:
             address = args.connect
         elif variant.kind == "hf":
             from bench.hf_baseline import HfRunner, build_hf_model
@@ -464,47 +541,58 @@ def _run_target(args, name, variant, device, model, points, warm, options, busy_
                 max_queue=args.max_queue,
                 extra=list(args.server_arg),
             )
-            server = S.ServerProcess(opts.args() + list(variant.server_args))
+            gateway = variant.kind == "gateway"
+            server = S.ServerProcess(opts.args() + list(variant.server_args), http=gateway)
             t0 = time.perf_counter()
             address = server.start()
             launch = (server.stats().get("backend") or {}).get("launch")
             say(
-                f"[{name}] server up at {address} in {time.perf_counter() - t0:.1f} s"
+                f"[{name}] server up at {address}"
+                + (f" with its gateway at {server.http_url}" if gateway else "")
+                + f" in {time.perf_counter() - t0:.1f} s"
                 + (f", launch {launch}" if launch else "")
                 + f": {' '.join(server.serve_args)}"
             )
+            if gateway:
+                from bench.http_loadgen import list_models
+
+                http_url = server.http_url
+                try:
+                    http_model = (list_models(http_url) or [None])[0]
+                except Exception as exc:
+                    raise S.ServerError(f"the gateway at {http_url} did not list its models: {exc}") from exc
+        # (label, how): the zmq load generator, the HTTP one, or both against one gateway server
+        if runner is not None:
+            passes = [(name, "hf")]
+        elif variant is not None and variant.kind == "gateway":
+            passes = [("native", "zmq"), ("gateway", "http")]
+        elif http_url is not None:
+            passes = [(name, "http")]
+        else:
+            passes = [(name if variant is not None else None, "zmq")]
         for load, specs in points:
             for busy in busy_levels:
-                with CpuInterference(busy) as spinners:
-                    if runner is not None:
-                        result = runner.measure(specs, load, warm)
-                    else:
-                        result = measure(
-                            address, specs, load, warmup=warm, options=options, timeout_s=args.timeout
+                for label, how in passes:
+                    with CpuInterference(busy) as spinners:
+                        result = _measure_pass(
+                            args, how, runner, address, http_url, http_model, specs, load, warm, options
                         )
-                after = result.stats_after
-                label = name if variant is not None else (args.label or _label_from(after))
-                entry = make_run_entry(
-                    scheduler=label,
-                    device=device,
-                    model=after.get("model", model),
-                    load=load,
-                    result=result,
-                    burstiness=args.burstiness,
-                    busy=spinners.describe(),
-                    backend=after.get("backend"),
-                )
-                runs.append(entry)
-                say(
-                    f"  {run_label(entry):<28} {entry['completed']}/{entry['requests']} ok, "
-                    f"{_fmt(entry['output_tokens_per_s'], '{:.0f}')} tok/s, "
-                    f"TTFT p50 {_fmt(entry['ttft_ms']['p50'], '{:.1f}')} ms, "
-                    f"TPOT p50 {_fmt(entry['tpot_ms']['p50'], '{:.2f}')} ms, "
-                    f"CPU {_fmt(entry['cpu_s_per_1k_tokens'], '{:.3f}')} s/1k tok, "
-                    f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s"
-                )
-                if entry["failed"]:
-                    say(f"    failures: {entry['errors']}", always=True)
+                    after = result.stats_after
+                    entry = make_run_entry(
+                        scheduler=label or args.label or _label_from(after),
+                        device=device,
+                        model=after.get("model") or getattr(result, "model", None) or model,
+                        load=load,
+                        result=result,
+                        burstiness=args.burstiness,
+                        busy=spinners.describe(),
+                        backend=after.get("backend"),
+                    )
+                    if how == "http":
+                        entry["transport"] = "http"
+                        entry["token_count"] = result.token_count
+                    runs.append(entry)
+                    _say_run(say, entry)
     finally:
         if server is not None:
             code = server.stop()
@@ -513,6 +601,61 @@ def _run_target(args, name, variant, device, model, points, warm, options, busy_
         if runner is not None:
             runner.close()
     return runs
+
+
+def _measure_pass(args, how, runner, address, http_url, http_model, specs, load, warm, options):
+    """One measured run: transformers in this process (hf), the ZeroMQ generator, or the HTTP one."""
+    if how == "hf":
+        return runner.measure(specs, load, warm)
+    if how == "http":
+        from bench.http_loadgen import measure_http
+
+        return measure_http(
+            http_url,
+            specs,
+            load,
+            warmup=warm,
+            options=options,
+            timeout_s=args.timeout,
+            model=http_model,
+            stats_address=address,  # the ringleader server behind a gateway, else None
+        )
+    return measure(address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
+
+
+def _say_run(say: Console, entry: dict) -> None:
+    say(
+        f"  {run_label(entry):<28} {entry['completed']}/{entry['requests']} ok, "
+        f"{_fmt(entry['output_tokens_per_s'], '{:.0f}')} tok/s, "
+        f"TTFT p50 {_fmt(entry['ttft_ms']['p50'], '{:.1f}')} ms, "
+        f"TPOT p50 {_fmt(entry['tpot_ms']['p50'], '{:.2f}')} ms, "
+        f"CPU {_fmt(entry['cpu_s_per_1k_tokens'], '{:.3f}')} s/1k tok, "
+        f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s"
+    )
+    if entry["failed"]:
+        say(f"    failures: {entry['errors']}", always=True)
+
+
+def _token_count_notes(runs: list[dict]) -> list[str]:
+    """How the HTTP runs counted tokens per SSE chunk."""
+    seen = {r.get("token_count") for r in runs if r.get("transport") == "http"} - {None}
+    if not seen:
+        return []
+    from bench.http_loadgen import TEXT_CHUNKS, TOKEN_IDS
+
+    out = []
+    if any(TOKEN_IDS in c for c in seen):
+        out.append(
+            "http runs: the tokens of each SSE chunk are counted from choices[].token_ids "
+            "(return_token_ids); completion_tokens from the final usage chunk"
+        )
+    if any(TEXT_CHUNKS in c for c in seen):
+        out.append(
+            "http runs: the server returned no token_ids (return_token_ids unsupported), so each "
+            "non-empty text chunk counts as one token: a chunk carrying several tokens counts once, "
+            "and TPOT/ITL are then per chunk (see token_count in each run)"
+        )
+    return out
 
 
 def _label_from(stats: dict) -> str:

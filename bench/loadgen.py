@@ -22,6 +22,7 @@ import logging
 import resource
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -71,6 +72,65 @@ def cpu_seconds_self() -> float:
     """CPU time of this process (all threads, not child processes)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+async def run_schedule(
+    n: int, load: Load, send: Callable[[int, Callable[[], None]], None], timeout_s: float, lags: list[float]
+) -> int:
+    """Sends requests 0..n-1 as `load` says and waits until all have ended or `timeout_s` passed;
+    returns how many had not ended. Shared by the ZeroMQ and the HTTP load generators.
+
+    `send(i, finished)` starts request i at once (stamping its send time) and must arrange for
+    `finished()` to be called exactly once when that request has ended. Closed loop: the first
+    `concurrency` requests go out at once, and each `finished()` sends the next one straight
+    away (no task per request). Open loop: a sender task sends request i at `load.arrival_s[i]`
+    from the start, however many are in flight, and appends its lateness (s) to `lags`.
+    """
+    if n == 0:
+        return 0
+    loop = asyncio.get_running_loop()
+    all_done = loop.create_future()
+    remaining = n
+    closed = load.concurrency is not None
+    next_index = iter(range(n))
+
+    def finished() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if closed:
+            i = next(next_index, None)
+            if i is not None:
+                send(i, finished)
+        if remaining == 0 and not all_done.done():
+            all_done.set_result(None)
+
+    async def send_on_schedule(arrival_s: list[float]) -> None:
+        start = time.perf_counter()
+        for i, at in enumerate(arrival_s):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            send(i, finished)
+            lags.append(max(0.0, time.perf_counter() - (start + at)))
+
+    if closed:
+        if load.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        for _ in range(min(load.concurrency, n)):
+            send(next(next_index), finished)
+        sender = None
+    else:
+        if load.arrival_s is None or len(load.arrival_s) != n:
+            raise ValueError("an open-loop load needs one arrival time per request")
+        sender = loop.create_task(send_on_schedule(load.arrival_s))
+    try:
+        await asyncio.wait_for(asyncio.shield(all_done), timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("run timed out after %.0f s with %d requests unfinished", timeout_s, remaining)
+    finally:
+        if sender is not None:
+            sender.cancel()
+    return remaining
 
 
 class LoadGenerator:
@@ -156,63 +216,22 @@ class LoadGenerator:
 
     async def run(self, specs: list[RequestSpec], load: Load) -> list[RequestRecord]:
         """Sends every spec (closed or open loop) and waits for all their `done`s (or the timeout)."""
-        loop = asyncio.get_running_loop()
-        n = len(specs)
         records = [RequestRecord(i, len(s.prompt_ids), s.max_tokens) for i, s in enumerate(specs)]
-        ids = [next(self._ids) for _ in range(n)]
+        ids = [next(self._ids) for _ in specs]
         frames = [self._generate_frame(rid, s, i) for i, (rid, s) in enumerate(zip(ids, specs))]
-        all_done = loop.create_future()
-        remaining = n
-        self._lags = []
-        if n == 0:
-            return records
-        closed = load.concurrency is not None
-        next_index = iter(range(n))
 
-        def on_done(_rec: RequestRecord) -> None:
-            nonlocal remaining
-            remaining -= 1
-            if closed:
-                i = next(next_index, None)
-                if i is not None:
-                    send(i)
-            if remaining == 0 and not all_done.done():
-                all_done.set_result(None)
-
-        def send(i: int) -> None:
+        def send(i: int, finished) -> None:
             rec = records[i]
-            self._inflight[ids[i]] = (rec, on_done)
+            self._inflight[ids[i]] = (rec, finished)
             rec.send_t = time.perf_counter()
             self._send_frame(frames[i])
 
-        if closed:
-            if load.concurrency < 1:
-                raise ValueError("concurrency must be >= 1")
-            for _ in range(min(load.concurrency, n)):
-                send(next(next_index))
-            sender = None
-        else:
-            if load.arrival_s is None or len(load.arrival_s) != n:
-                raise ValueError("an open-loop load needs one arrival time per request")
-            sender = loop.create_task(self._send_on_schedule(load.arrival_s, send))
+        self._lags = []
         try:
-            await asyncio.wait_for(asyncio.shield(all_done), self.timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("run timed out after %.0f s with %d requests unfinished", self.timeout_s, remaining)
+            await run_schedule(len(specs), load, send, self.timeout_s, self._lags)
         finally:
-            if sender is not None:
-                sender.cancel()
             self._give_up(ids, records)
         return records
-
-    async def _send_on_schedule(self, arrival_s: list[float], send) -> None:
-        start = time.perf_counter()
-        for i, at in enumerate(arrival_s):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            send(i)
-            self._lags.append(max(0.0, time.perf_counter() - (start + at)))
 
     def _give_up(self, ids: list[int], records: list[RequestRecord]) -> None:
         """Requests still unanswered (timeout) are aborted and counted as failed."""
@@ -282,7 +301,7 @@ class LoadGenerator:
             entry = self._inflight.pop(msg.get("id"), None)
             if entry is None:
                 return
-            rec, on_done = entry
+            rec, finished = entry
             rec.done_t = t
             rec.finish_reason = msg.get("finish_reason")
             rec.completion_tokens = (msg.get("usage") or {}).get("completion_tokens", 0)
@@ -291,7 +310,7 @@ class LoadGenerator:
             timing = msg.get("timing")
             if isinstance(timing, dict) and isinstance(timing.get("queue_ms"), (int, float)):
                 rec.server_queue_ms = float(timing["queue_ms"])
-            on_done(rec)
+            finished()
         elif op in ("stats", "pong"):
             while self._waiters:
                 fut = self._waiters.popleft()

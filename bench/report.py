@@ -3,7 +3,7 @@
 JSON layout (schema "ringleader-bench/1"):
     {"schema", "created", "command", "settings": {...every option...}, "environment": {git
      commit, python/torch versions, CPU, GPU}, "model", "device", "notes": [...],
-     "runs": [run, ...], "degradation": [...], "ratios_vs_hf": [...]}
+     "runs": [run, ...], "degradation": [...], "ratios_vs_hf": [...], "gateway_overhead": [...]}
 Each run holds at least: scheduler, device, model, concurrency (null in the open loop),
 request_rate (null in the closed loop), completed, failed, output_tokens_per_s, ttft_ms,
 tpot_ms, itl_ms, e2e_ms (each {mean, p50, p90, p99}) and cpu_s_per_1k_tokens; see
@@ -187,6 +187,63 @@ def ratios_vs_hf(runs: list[dict]) -> list[dict]:
     return out
 
 
+OVERHEAD_BASE, OVERHEAD_OF = "native", "gateway"  # the --compare gateway variant's two labels
+
+
+def _diff(a, b):
+    return (a - b) if a is not None and b is not None else None
+
+
+def _per_1k(cpu_s, tokens):
+    return cpu_s / (tokens / 1000.0) if cpu_s is not None and tokens else None
+
+
+def gateway_overhead(runs: list[dict]) -> list[dict]:
+    """Each `gateway` run (HTTP through the gateway) against the `native` run (ZeroMQ) of the same
+    server at the same load and busy level: output tok/s gateway / native, and what the gateway
+    adds, gateway - native, to TTFT p50/p99 (ms) and to TPOT p50 and ITL p50/p99 (ms per token);
+    the load generator's CPU per 1k tokens and the server's (which includes the in-process
+    gateway) of each, as [gateway, native]. Empty without a gateway variant."""
+    base = {
+        (r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0): r
+        for r in runs
+        if r["scheduler"] == OVERHEAD_BASE
+    }
+    out = []
+    for r in runs:
+        b = base.get((r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0))
+        if r["scheduler"] != OVERHEAD_OF or b is None:
+            continue
+        out.append(
+            {
+                "scheduler": OVERHEAD_OF,
+                "baseline": OVERHEAD_BASE,
+                "concurrency": r["concurrency"],
+                "request_rate": r["request_rate"],
+                "cpu_interference": r.get("cpu_interference") or 0,
+                "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
+                "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
+                **{
+                    f"{k}_{p}_diff": _diff(r[k][p], b[k][p])
+                    for k, p in (
+                        ("ttft_ms", "p50"),
+                        ("ttft_ms", "p99"),
+                        ("tpot_ms", "p50"),
+                        ("itl_ms", "p50"),
+                        ("itl_ms", "p99"),
+                        ("e2e_ms", "p50"),
+                    )
+                },
+                "loadgen_cpu_s_per_1k_tokens": [
+                    _per_1k(r.get("loadgen_cpu_s"), r.get("output_tokens")),
+                    _per_1k(b.get("loadgen_cpu_s"), b.get("output_tokens")),
+                ],
+                "server_cpu_s_per_1k_tokens": [r.get("cpu_s_per_1k_tokens"), b.get("cpu_s_per_1k_tokens")],
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------- environment
 
 
@@ -259,6 +316,7 @@ def build_document(
         "runs": runs,
         "degradation": degradation(runs),
         "ratios_vs_hf": ratios_vs_hf(runs),
+        "gateway_overhead": gateway_overhead(runs),
     }
 
 
@@ -407,6 +465,66 @@ def format_ratios(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _signed(x, fmt="{:+.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+OVERHEAD_HEAD = [
+    "load",
+    "out tok/s (gateway / native)",
+    "tok/s ratio",
+    "TTFT p50 +ms",
+    "TTFT p99 +ms",
+    "TPOT p50 +ms/tok",
+    "ITL p50 +ms/tok",
+    "ITL p99 +ms/tok",
+    "loadgen CPU s/1k tok (gateway / native)",
+    "server CPU s/1k tok (gateway / native)",
+]
+
+
+def _overhead_cells(d: dict) -> list[str]:
+    a, b = d["output_tokens_per_s"]
+    la, lb = d["loadgen_cpu_s_per_1k_tokens"]
+    sa, sb = d["server_cpu_s_per_1k_tokens"]
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    return [
+        load_label(d) + busy,
+        f"{_f(a, '{:.1f}')} / {_f(b, '{:.1f}')}",
+        f"x{_f(d['output_tokens_per_s_ratio'], '{:.3f}')}",
+        _signed(d["ttft_ms_p50_diff"]),
+        _signed(d["ttft_ms_p99_diff"]),
+        _signed(d["tpot_ms_p50_diff"], "{:+.3f}"),
+        _signed(d["itl_ms_p50_diff"], "{:+.3f}"),
+        _signed(d["itl_ms_p99_diff"], "{:+.3f}"),
+        f"{_f(la, '{:.3f}')} / {_f(lb, '{:.3f}')}",
+        f"{_f(sa, '{:.3f}')} / {_f(sb, '{:.3f}')}",
+    ]
+
+
+OVERHEAD_TEXT = (
+    "the HTTP gateway against ZeroMQ on the same server (gateway - native; +ms/tok = added latency "
+    "per token); the two load generators' own CPU differs (see loadgen CPU), and on a CPU host "
+    "they share the cores with the server"
+)
+
+
+def format_overhead(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cells = [_overhead_cells(d) for d in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(OVERHEAD_HEAD)]
+    lines = [
+        OVERHEAD_TEXT,
+        "  " + "  ".join(h.ljust(w) for h, w in zip(OVERHEAD_HEAD, widths)),
+    ]
+    lines += [
+        "  " + "  ".join(c.rjust(w) if i >= 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
+    return "\n".join(lines)
+
+
 def _requests_text(requests) -> str:
     if isinstance(requests, list):
         return "/".join(str(n) for n in requests) + " requests (one count per load point)"
@@ -447,6 +565,27 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
             "|" + "---|" * len(RATIO_HEAD),
         ]
         out += ["| " + " | ".join(_ratio_cells(d)) + " |" for d in ratios]
+        out.append("")
+    overhead = doc.get("gateway_overhead") or []
+    if overhead:
+        out += [
+            "## gateway / native",
+            "",
+            "The same server measured over ZeroMQ (`native`, bench/loadgen.py) and through its "
+            "OpenAI-compatible HTTP gateway (`gateway`, streaming `/v1/completions`, "
+            "bench/http_loadgen.py), back to back at each load: output tok/s ratio gateway / native, "
+            "and gateway - native for TTFT (ms) and for TPOT and ITL (ms per token: the latency the "
+            "gateway adds to each token). The load generators' own CPU per 1k tokens is shown for both, "
+            "since they differ (the HTTP client: aiohttp, SSE framing, one JSON parse per chunk; the "
+            "ZeroMQ one: a msgpack frame per message through zmq.asyncio and zmq's I/O thread), and on "
+            "a CPU host each takes cores the server could use. The server's CPU of the gateway rows "
+            "includes the gateway, which runs in the server's process. Differences smaller than the "
+            "run-to-run spread (run the command twice to see it) are noise.",
+            "",
+            "| " + " | ".join(OVERHEAD_HEAD) + " |",
+            "|" + "---|" * len(OVERHEAD_HEAD),
+        ]
+        out += ["| " + " | ".join(_overhead_cells(d)) + " |" for d in overhead]
         out.append("")
     deg = doc.get("degradation") or []
     if deg:

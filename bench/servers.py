@@ -9,9 +9,14 @@ Variants (`--compare`):
           CUDA, host thread on CPU).
 - hf:     transformers' continuous batching (the engine of `generate_batch`) on the same model
           and workload, in this process (bench/hf_baseline.py); on the CPU and on CUDA.
+- gateway: one server (the default placement, fifo) started with `--http 127.0.0.1:<port>`, its
+          OpenAI-compatible gateway in the same process; every load point runs twice against
+          it, back to back: `native` over ZeroMQ (bench/loadgen.py), then `gateway` over HTTP
+          (bench/http_loadgen.py), and the report shows what the gateway adds.
 
 A server is `python -m hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>` (`--model` as
-given: a preset, a checkpoint directory or a .gguf file), ready when it answers `ping`. It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
+given: a preset, a checkpoint directory or a .gguf file), ready when it answers `ping` (and,
+with an HTTP gateway, when GET /health answers 200). It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
 stops any that are left, so no server outlives the benchmark.
 """
 
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from bench.loadgen import read_stats, wait_ready
@@ -34,7 +40,7 @@ from device.engine_config import (
     serve_flags,
 )
 
-VARIANTS = ("device", "host", "static", "hf")
+VARIANTS = ("device", "host", "static", "hf", "gateway")
 # a .gguf is dequantized while the server starts: SmolLM2-135M takes ~20 s on 2 CPU cores
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -43,7 +49,7 @@ STOP_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # "server" or "hf"
+    kind: str  # "server", "hf" or "gateway" (a server with its HTTP gateway: native and gateway runs)
     server_args: tuple[str, ...] = ()
 
 
@@ -102,6 +108,8 @@ def plan_variants(names: list[str], device: str) -> tuple[list[Variant], list[st
             variants.append(Variant("static", "server", ("--policy", "static")))
         elif name == "hf":
             variants.append(Variant("hf", "hf"))
+        elif name == "gateway":
+            variants.append(Variant("gateway", "gateway", ("--policy", "fifo")))
     return variants, notes
 
 
@@ -115,6 +123,18 @@ class ServerError(RuntimeError):
     pass
 
 
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 is never proxied
+
+
+def http_healthy(url: str, timeout: float = 2.0) -> bool:
+    """True when GET {url}/health answers 200."""
+    try:
+        with _NO_PROXY.open(url + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):  # refused, reset, HTTP errors (URLError and HTTPError are OSErrors)
+        return False
+
+
 _live: set[ServerProcess] = set()
 
 
@@ -125,21 +145,33 @@ def _stop_all() -> None:
 
 
 class ServerProcess:
-    """`with ServerProcess(args) as srv:` starts `ringleader serve`, waits for ping, stops it."""
+    """`with ServerProcess(args) as srv:` starts `ringleader serve`, waits for ping, stops it.
 
-    def __init__(self, serve_args: list[str], *, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    With `http=True` the server also runs its OpenAI-compatible gateway (`--http
+    127.0.0.1:<free port>`); `http_url` is then its base URL, and start() also waits until
+    GET /health answers 200."""
+
+    def __init__(
+        self, serve_args: list[str], *, startup_timeout_s: float = STARTUP_TIMEOUT_S, http: bool = False
+    ):
         self.serve_args = list(serve_args)
         self.startup_timeout_s = startup_timeout_s
+        self.http = http
+        self.http_url: str | None = None
         self.address: str | None = None
         self.proc: subprocess.Popen | None = None
         self._log = None
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "hostctl.cli", "serve", *self.serve_args, "--bind", self.address]
+        cmd = [sys.executable, "-m", "hostctl.cli", "serve", *self.serve_args, "--bind", self.address]
+        if self.http_url:
+            cmd += ["--http", self.http_url.removeprefix("http://")]
+        return cmd
 
     def start(self) -> str:
         self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.http_url = f"http://127.0.0.1:{free_port()}" if self.http else None
         self._log = tempfile.TemporaryFile(mode="w+b", prefix="ringleader-bench-server-")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(
             self.command,
@@ -159,12 +191,14 @@ class ServerProcess:
                     f"$ {' '.join(self.command)}\n{out}"
                 )
             if wait_ready(self.address, timeout=min(1.0, max(0.1, deadline - time.monotonic()))):
-                return self.address
+                if not self.http_url or http_healthy(self.http_url):
+                    return self.address
+                time.sleep(0.1)
         out = self.output_tail()
         self.stop()
+        what = "answer ping" + (f" and GET {self.http_url}/health" if self.http_url else "")
         raise ServerError(
-            f"server did not answer ping within {self.startup_timeout_s:.0f} s:\n"
-            f"$ {' '.join(self.command)}\n{out}"
+            f"server did not {what} within {self.startup_timeout_s:.0f} s:\n$ {' '.join(self.command)}\n{out}"
         )
 
     def stats(self) -> dict:

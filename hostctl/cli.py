@@ -1,4 +1,4 @@
-"""`ringleader` command line: serve, generate, stats, bench, build-kernel, doctor, keygen."""
+"""`ringleader` command line: serve, gateway, generate, stats, bench, build-kernel, doctor, keygen."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from device.engine_config import DEVICES, LAUNCHES, POLICIES, SCHEDULERS, SERVE_FLAGS, EngineConfig
@@ -166,12 +168,96 @@ def cmd_serve(args) -> int:
         file=sys.stderr,
         flush=True,
     )
+    closers: list[Callable[[], None]] = []  # what --metrics / --http started, closed after
+    try:
+        _start_http_fronts(args, server, closers)
+    except (ImportError, OSError, ValueError) as exc:
+        for close in reversed(closers):
+            close()
+        print(f"ringleader: cannot start: {exc}{_http_hint(exc)}", file=sys.stderr)
+        return 2
     try:
         server.serve_forever()
     except EngineDead as exc:
         print(f"ringleader: the engine did not stop cleanly: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for close in reversed(closers):
+            close()
     return 0
+
+
+def _start_http_fronts(args, server, closers: list[Callable[[], None]]) -> None:
+    """The metrics endpoint and the OpenAI gateway of `serve --metrics` / `serve --http`; each
+    one started appends its close to `closers`."""
+    from hostctl.gateway import parse_listen
+
+    if args.metrics:
+        from hostctl.prometheus import MetricsExporter
+
+        exporter = MetricsExporter(server, *parse_listen(args.metrics))
+        exporter.start()
+        closers.append(exporter.close)
+        print(f"ringleader: metrics at {exporter.url}", file=sys.stderr, flush=True)
+    if args.http:
+        if args.curve_secret_key:
+            raise ValueError("--http with CURVE keys: run `ringleader gateway` with a client's keys instead")
+        from hostctl.gateway import BackgroundGateway
+
+        model = server.backend.model
+        host, port = parse_listen(args.http)
+        gateway = BackgroundGateway(
+            server.address,
+            host,
+            port,
+            served_model_name=args.served_model_name or model.name,
+            max_model_len=model.max_context,
+            has_tokenizer=model.tokenizer is not None,
+            api_key=args.api_key,
+            process_metrics=not args.metrics,  # the server's endpoint has the process already
+        ).start()
+        closers.append(gateway.stop)
+        print(f"ringleader: openai gateway at {gateway.url}", file=sys.stderr, flush=True)
+
+
+def _http_hint(exc: BaseException) -> str:
+    hint = 'pip install "ringleader[http]"'
+    return f" ({hint})" if isinstance(exc, ImportError) and hint not in str(exc) else ""
+
+
+def cmd_gateway(args) -> int:
+    try:
+        from hostctl.gateway import GatewayConfig, parse_listen, run_gateway
+    except ImportError as exc:
+        print(f"ringleader gateway: {exc}{_http_hint(exc)}", file=sys.stderr)
+        return 2
+
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as exc:
+        print(f"ringleader gateway: --listen: {exc}", file=sys.stderr)
+        return 2
+    config = GatewayConfig(
+        upstream=args.upstream,
+        host=host,
+        port=port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        curve=client_curve_from_args(args),
+        default_max_tokens=args.default_max_tokens,
+        startup_timeout_s=args.startup_timeout,
+    )
+    return run_gateway(config)
+
+
+def add_http_options(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI gateway takes, in `serve --http` and in `gateway`."""
+    p.add_argument("--served-model-name", help="the model name clients send (default: the server's model)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RINGLEADER_API_KEY"),
+        help="generation routes then need 'Authorization: Bearer KEY' (default $RINGLEADER_API_KEY)",
+    )
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -359,6 +445,32 @@ def build_parser() -> argparse.ArgumentParser:
         "stop takes at most this + 5 s)",
     )
     add_curve_server_options(p)
+    p.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API here (the gateway, in this process)",
+    )
+    p.add_argument(
+        "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics"
+    )
+    add_http_options(p)
+
+    p = sub.add_parser(
+        "gateway", help="an OpenAI-compatible HTTP API in front of a running ringleader server"
+    )
+    p.add_argument("--upstream", default=DEFAULT_ADDRESS, help="the ringleader server (ZeroMQ address)")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
+    add_http_options(p)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="chat requests without max_tokens (at most half the model's context)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=60.0, help="seconds to wait for the upstream to answer"
+    )
+    add_curve_client_options(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat: the user's turn)")
@@ -417,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     handlers = {
         "serve": cmd_serve,
+        "gateway": cmd_gateway,
         "generate": cmd_generate,
         "stats": cmd_stats,
         "build-kernel": cmd_build_kernel,

@@ -82,7 +82,9 @@ class CompletionRouter:
 
     @property
     def native_id(self) -> int | None:
-        return self._thread.native_id
+        """The completion thread's native id while it runs (None before and after: an id of a
+        thread that ended may belong to another one by now)."""
+        return self._thread.native_id if self._thread.is_alive() else None
 
     @property
     def dead_reason(self) -> str | None:
@@ -129,6 +131,8 @@ class CompletionRouter:
         self._outbox.put_many(frames)
 
     def _route(self, events) -> None:
+        """One CQ batch: a token frame per request, then its `done` if it ended; the batch's
+        metrics go to ServerMetrics at once, under one lock, before its frames are handed on."""
         frames: list[Frame] = []
         tokens: dict[int, list[int]] = {}
         order: list[int] = []  # handles in first-event order, so frames keep event order
@@ -149,19 +153,30 @@ class CompletionRouter:
             else:
                 dones[handle] = reason
                 queued[handle] = waited
+        n_tokens = n_prompt = 0
+        ttft: list[float] = []  # seconds, per request whose first token is in this batch
+        itl: list[tuple[float, int]] = []  # (seconds per token, tokens) per later token frame
         for handle in order:
             req = self._table.get(handle)
             if req is None:
                 continue  # already ended (engine_dead or shutdown): its late events are moot
             ids = tokens.get(handle)
             if ids:
+                k = len(ids)
                 if req.completion_tokens == 0:
                     req.first_token_ns = now
                     self._rings.arena.release(req.arena_offset)  # prefill is over
-                req.completion_tokens += len(ids)
+                    n_prompt += req.prompt_len
+                    ttft.append((now - req.arrival_ns) / 1e9)
+                    if k > 1:  # the rest of a first frame came with the first token: no gap
+                        itl.append((0.0, k - 1))
+                else:  # the gap since its last frame, shared evenly by this frame's tokens
+                    itl.append(((now - req.last_token_ns) / 1e9 / k, k))
+                req.last_token_ns = now
+                req.completion_tokens += k
+                n_tokens += k
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
                 frames.append((req.client, protocol.encode(protocol.token_msg(req.id, ids, text))))
-                self._metrics.tokens(len(ids))
             if handle not in dones:
                 continue
             finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
@@ -175,4 +190,6 @@ class CompletionRouter:
             if tail:
                 frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
             frames.append(done)
+        if n_tokens:
+            self._metrics.routed(n_tokens, n_prompt, ttft, itl)
         self._outbox.put_many(frames)

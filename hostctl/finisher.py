@@ -41,7 +41,9 @@ def done_frame(
     code: str | None = None,
     message: str | None = None,
     device_queued_us: int | None = None,
+    timing: dict | None = None,
 ) -> Frame:
+    """timing: server_timing's, when the caller already has it (Finisher.end counts the same)."""
     # a request that timed out before its first token is billed nothing, like a rejected one
     unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
     msg = protocol.done_msg(
@@ -52,7 +54,7 @@ def done_frame(
         error_code=code,
         error_message=message,
     )
-    msg["timing"] = server_timing(req, device_queued_us)
+    msg["timing"] = timing if timing is not None else server_timing(req, device_queued_us)
     return req.client, protocol.encode(msg)
 
 
@@ -91,6 +93,7 @@ class Finisher:
             return None
         if device_queued_us is not None and req.completion_tokens == 0 and req.arena_offset is not None:
             self._arena.release(req.arena_offset)
-        frame = done_frame(req, reason, code, message, device_queued_us)
-        self._metrics.finished(req, reason)
+        timing = server_timing(req, device_queued_us)
+        frame = done_frame(req, reason, code, message, timing=timing)
+        self._metrics.finished(req, reason, code, timing)
         return frame

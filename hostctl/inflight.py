@@ -21,6 +21,8 @@ Fields of InFlight and their one writer (the other thread only reads):
   first_token_ns,
   completion_tokens            completion thread; the frontend reads them (timeouts, and the
                                usage of a `done` it sends itself)
+  last_token_ns                completion thread (the inter-token gap); read by whichever thread
+                               ends the request (time per output token)
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class InFlight:
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     submit_ns: int = 0  # frontend thread, when it enters the SQ
     first_token_ns: int = 0  # completion thread
+    last_token_ns: int = 0  # completion thread: when its latest token frame was routed
     deadline_ns: int = 0  # frontend thread only: perf_counter_ns by which it must end (0: none)
     queue_deadline_ns: int = 0  # frontend thread only: by when its first token must come (0: none)
 

@@ -124,14 +124,17 @@ class Server:
     def serve_forever(self) -> None:
         """Runs the frontend on the calling thread until request_stop(); then shuts down."""
         self._frontend_tid = threading.get_native_id()
-        self.backend.start()
-        self.router.start()
-        log.info("serving %s on %s", self.backend.model.name, self.address)
         try:
-            while not self._stop_requested.is_set():
-                self._frontend_iteration(timeout_ms=self._poll_timeout_ms())
+            self.backend.start()
+            self.router.start()
+            log.info("serving %s on %s", self.backend.model.name, self.address)
+            try:
+                while not self._stop_requested.is_set():
+                    self._frontend_iteration(timeout_ms=self._poll_timeout_ms())
+            finally:
+                self._shutdown()
         finally:
-            self._shutdown()
+            self._frontend_tid = None  # the thread goes on as someone else's: stop counting it
 
     def request_stop(self) -> None:
         """Safe from any thread and from signal handlers (the frontend polls at least every 100 ms)."""
@@ -429,17 +432,35 @@ class Server:
             timed_out=self.timed_out,
             arena_used=self.backend.rings.arena.used(),
             model=self.backend.model.name,
+            model_info=self._model_info(),
+            engine_dead=self.router.dead_reason,  # None while the engine lives
             backend=dict(self.backend.description),
             device=self.backend.stats(),
         )
-        threads = {
-            "frontend": thread_cpu_seconds(self._frontend_tid),
-            "completions": thread_cpu_seconds(self.router.native_id),
-        }
-        for name, tid in s["device"].pop("threads", {}).items():
-            threads[name] = thread_cpu_seconds(tid)
-        s["thread_cpu_s"] = {k: v for k, v in threads.items() if v is not None}
+        s["device"].pop("threads", None)  # named in thread_cpu_s instead
+        s["thread_cpu_s"] = self.thread_cpu_seconds()
         return s
+
+    def _model_info(self) -> dict:
+        """What a client needs to know of the model to build requests (the gateway asks)."""
+        model = self.backend.model
+        return {
+            "max_context": model.max_context,
+            "vocab_size": model.vocab_size,
+            "tokenizer": model.tokenizer is not None,
+            "chat_template": model.encode_chat is not None,
+        }
+
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds of each of the host's own threads that runs now, by name: frontend,
+        completions and the backend's (engine on the CPU).  Safe from any thread."""
+        tids: dict[str, int | None] = {
+            "frontend": self._frontend_tid,
+            "completions": self.router.native_id,
+            **self.backend.thread_ids(),
+        }
+        threads = {name: thread_cpu_seconds(tid) for name, tid in tids.items()}
+        return {k: v for k, v in threads.items() if v is not None}
 
     def _shutdown(self) -> None:
         """Stop accepting, let in-flight requests finish for drain_timeout_s, then end the rest:

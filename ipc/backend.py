@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ipc.histogram import HistogramSnapshot
+
 
 @dataclass
 class ModelInfo:
@@ -58,3 +60,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None:
         """Sets shutdown, waits for the scheduler to exit, frees device memory."""
+
+    def thread_ids(self) -> dict[str, int]:
+        """Native ids of the backend's live host threads by name (for per-thread CPU time)."""
+        return {}
+
+    def step_histograms(self) -> dict[str, HistogramSnapshot]:
+        """Histograms of the scheduler's steps, for the metrics exporter (docs/metrics.md), by
+        name: sched_critical_s, sched_overlapped_s, bubble_s, tokens_per_step; a backend leaves
+        out what it does not measure.  Safe from any thread, before start() and after stop()."""
+        return {}

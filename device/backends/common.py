@@ -1,7 +1,9 @@
-"""What the CPU and CUDA backends share: step timing for stats, the ring configuration an
-EngineConfig asks for, and the ModelInfo the frontend reads."""
+"""What the CPU and CUDA backends share: step timing for stats and metrics, the ring
+configuration an EngineConfig asks for, and the ModelInfo the frontend reads."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -12,6 +14,7 @@ from device.model.presets import tokenizer_for
 from device.tokenizer import IncrementalDetokenizer
 from ipc import layout
 from ipc.backend import ModelInfo
+from ipc.histogram import Histogram, HistogramSnapshot
 from ipc.rings import RingConfig
 
 POLICIES = {name: layout.Policy[name.upper()] for name in POLICY_NAMES}
@@ -40,20 +43,68 @@ class RecentValues:
         return iter(self._buf[: len(self)].copy())
 
 
+# seconds: a scheduler phase or a bubble is microseconds on a GPU, tens of them on a CPU
+STEP_SECONDS_BUCKETS = (
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+)  # fmt: skip
+TOKENS_PER_STEP_BUCKETS = tuple(1 << i for i in range(15))  # 1 .. 16384 rows
+
+
+class StepHistograms:
+    """Histograms of the steps for the metrics exporter (Backend.step_histograms), every one
+    written and snapshotted under `lock`: the engine thread observes a built step in a bisect
+    and a few adds (observe_step); the CUDA device scheduler's are fed from its timeline at
+    scrape time (device_timeline.TimelineFeed) instead."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.critical = Histogram(STEP_SECONDS_BUCKETS)
+        self.overlapped = Histogram(STEP_SECONDS_BUCKETS)
+        self.bubble = Histogram(STEP_SECONDS_BUCKETS)
+        self.tokens = Histogram(TOKENS_PER_STEP_BUCKETS)
+
+    def observe_step(self, critical_s: float, overlapped_s: float, tokens: int) -> None:
+        with self.lock:
+            self.critical.observe(critical_s)
+            self.overlapped.observe(overlapped_s)
+            self.tokens.observe(tokens)
+
+    def snapshot(self, *, bubble: bool, tokens: bool) -> dict[str, HistogramSnapshot]:
+        """What Backend.step_histograms returns; `bubble`/`tokens`: whether this backend measures
+        those (a series it cannot measure is left out, not reported as zero)."""
+        with self.lock:
+            out = {
+                "sched_critical_s": self.critical.snapshot(),
+                "sched_overlapped_s": self.overlapped.snapshot(),
+            }
+            if bubble:
+                out["bubble_s"] = self.bubble.snapshot()
+            if tokens:
+                out["tokens_per_step"] = self.tokens.snapshot()
+            return out
+
+
 class StepTimer:
     """Recent durations, for stats (the last 4096 of each): the scheduler's critical phase (what
-    the model step waits for), its overlapped phase, both (sched_step), and the model step."""
+    the model step waits for), its overlapped phase, both (sched_step), and the model step; and
+    the histograms of the steps that were built, for the metrics exporter."""
 
     def __init__(self):
         self.critical_us = RecentValues(4096)
         self.overlapped_us = RecentValues(4096)
         self.sched_us = RecentValues(4096)
         self.model_us = RecentValues(4096)
+        self.histograms = StepHistograms()
 
-    def add_sched(self, critical_us: float, overlapped_us: float) -> None:
+    def add_sched(self, critical_us: float, overlapped_us: float, step_tokens: int = 0) -> None:
+        """One pass of the scheduler; step_tokens: the rows of the step it built (0: none, and
+        then the pass is not a step: the histograms count steps, as steps_total does)."""
         self.critical_us.append(critical_us)
         self.overlapped_us.append(overlapped_us)
         self.sched_us.append(critical_us + overlapped_us)
+        if step_tokens:
+            self.histograms.observe_step(critical_us * 1e-6, overlapped_us * 1e-6, step_tokens)
 
     def summary(self) -> dict:
         out = {}

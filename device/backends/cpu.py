@@ -25,6 +25,7 @@ from device.model import LlamaModel, StepBatch, sample
 from device.sched.build import CpuScheduler
 from ipc import layout
 from ipc.backend import Backend, EngineDead
+from ipc.histogram import HistogramSnapshot
 
 log = logging.getLogger("ringleader.cpu")
 
@@ -88,6 +89,16 @@ class CpuBackend(Doorbells, Backend):
         out["threads"] = {"engine": self._thread.native_id}
         return out
 
+    def thread_ids(self) -> dict[str, int]:
+        tid = self._thread.native_id
+        return {"engine": tid} if tid is not None and self._thread.is_alive() else {}
+
+    def step_histograms(self) -> dict[str, HistogramSnapshot]:
+        """The engine thread's own timer around the two phases, per built step; no bubble (the
+        model step runs on the same thread, right after the scheduler: there is no gap to
+        measure)."""
+        return self._timer.histograms.snapshot(bubble=False, tokens=True)
+
     def stop(self) -> None:
         self.rings.request_shutdown()
         self._doorbell.set()
@@ -101,6 +112,7 @@ class CpuBackend(Doorbells, Backend):
     def _run(self) -> None:
         ctx = self._memory.context_address
         control = self.rings.control
+        step_header = self._memory.arrays["step"]
         try:
             while True:
                 self._doorbell.clear()
@@ -112,7 +124,8 @@ class CpuBackend(Doorbells, Backend):
                 # 2. the overlapped phase (serial here: one thread): aborts, SQ, events, admission
                 following = self._scheduler.overlapped(ctx, built)
                 t2 = time.perf_counter()
-                self._timer.add_sched((t1 - t0) * 1e6, (t2 - t1) * 1e6)
+                rows = int(step_header[0]["n_tokens"]) if built else 0
+                self._timer.add_sched((t1 - t0) * 1e6, (t2 - t1) * 1e6, rows)
                 # 3. wake the completion thread if events were published
                 if int(control[0]["cq_tail"]) != tail_before:
                     self._events.set()

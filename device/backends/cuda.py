@@ -31,7 +31,12 @@ from device.backends import cuda_driver as drv
 from device.backends.common import StepTimer, model_info, ring_config_for
 from device.backends.cuda_preflight import plan_kv_cache, refuse_unsafe_environment, step_workspace_bytes
 from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
-from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
+from device.backends.device_timeline import (
+    TimelineFeed,
+    TimelineReader,
+    timeline_summary,
+    write_chrome_trace,
+)
 from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory
 from device.backends.launch_graph import LaunchGraph
@@ -42,6 +47,7 @@ from device.model.kv_cache import KVCache
 from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
 from ipc import layout
 from ipc.backend import Backend, EngineDead
+from ipc.histogram import HistogramSnapshot
 from ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cuda")
@@ -141,6 +147,7 @@ class CudaBackend(Doorbells, Backend):
             self._prepare_device_scheduler(launch)
         self._failure: str | None = None
         self._timer = StepTimer()
+        self._timeline_feed = TimelineFeed()  # device scheduler: its step histograms, at scrape time
         Doorbells.__init__(self)
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -329,7 +336,8 @@ class CudaBackend(Doorbells, Backend):
                 t2 = time.perf_counter()
                 # 3. the overlapped phase on the CPU while the GPU computes
                 following = self._cpu_scheduler.overlapped(ctx, built)
-                self._timer.add_sched((t1 - t0) * 1e6, (time.perf_counter() - t2) * 1e6)
+                rows = int(a["step"][0]["n_tokens"]) if built else 0
+                self._timer.add_sched((t1 - t0) * 1e6, (time.perf_counter() - t2) * 1e6, rows)
                 # 4. wake the completion thread; wait for the step (the next critical reads next_token)
                 if int(a["ctl"][0]["cq_tail"]) != tail:
                     self._events.set()
@@ -362,6 +370,22 @@ class CudaBackend(Doorbells, Backend):
         out.update(timeline_summary(self.device_timeline()))
         out["threads"] = {t.name: t.native_id for t in self._threads}
         return out
+
+    def thread_ids(self) -> dict[str, int]:
+        return {t.name: t.native_id for t in self._threads if t.is_alive() and t.native_id is not None}
+
+    def step_histograms(self) -> dict[str, HistogramSnapshot]:
+        """--scheduler host: the host thread's timer per built step, as on the CPU.  --scheduler
+        device: the timeline rows that are new since the last call (TimelineFeed), so nothing is
+        done per step on the host; the bubble is measured, tokens per step are not (the trace
+        row does not carry them)."""
+        hist = self._timer.histograms
+        if self._scheduler_mode == "host":
+            return hist.snapshot(bubble=False, tokens=True)
+        trace = self.device_timeline()  # no rows once stop() has released the device buffer
+        with hist.lock:
+            self._timeline_feed.feed(trace, hist.critical, hist.overlapped, hist.bubble)
+        return hist.snapshot(bubble=True, tokens=False)
 
     def stop(self) -> None:
         """Asks the scheduler to stop and waits, bounded, for the kernel, the step graph and our
@@ -409,6 +433,8 @@ class CudaBackend(Doorbells, Backend):
             ev.destroy()
         if getattr(self, "_launch_graph", None) is not None:
             self._launch_graph.destroy()
+        if getattr(self, "_timeline", None) is not None:
+            self._timeline.close()  # before the buffer it copies from is freed
         self._graphs = self._step = self._layout = self._kv = self._launch_graph = None
         self._model = None
         self._mem.release_device()

@@ -1,6 +1,7 @@
 """The device timeline: per step, the scheduler's and the step graph's %globaltimer stamps
 (ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time (timeline_summary holds
-the bubble's definition), or written as a Chrome trace."""
+the bubble's definition), fed into the metrics' histograms (TimelineFeed), or written as a
+Chrome trace."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import numpy as np
 
 from ipc import layout
+from ipc.histogram import Histogram
 
 
 class TimelineReader:
@@ -25,12 +27,21 @@ class TimelineReader:
         self._host = drv.PinnedBuffer(self._nbytes)
         self._stream = drv.create_stream(highest_priority=False)
         self._lock = threading.Lock()
+        self._closed = False  # under _lock: the device buffer is gone, read() returns no rows
 
     def read(self) -> np.ndarray:
         with self._lock:
+            if self._closed:
+                return np.zeros((0, layout.TRACE_FIELDS), dtype=np.uint64)
             self._drv.copy_to_host(self._host.host_ptr, self._src, self._nbytes, self._stream)
             self._drv.synchronize(self._stream)  # its own stream: the persistent kernel is not on it
             return self._host.array.view(np.uint64).reshape(-1, layout.TRACE_FIELDS).copy()
+
+    def close(self) -> None:
+        """Before the device buffer is freed: a read (a metrics scrape, say) racing with the
+        backend's stop then finds no rows instead of copying from freed memory."""
+        with self._lock:
+            self._closed = True
 
 
 def complete_rows(trace: np.ndarray) -> np.ndarray:
@@ -96,6 +107,49 @@ def timeline_summary(trace: np.ndarray) -> dict:
         timeline_steps=len(rows),
     )
     return out
+
+
+class TimelineFeed:
+    """Feeds histograms from the trace ring incrementally: each feed() observes the rows whose
+    SEQ is newer than the last row it fed, so a step is observed once however often the ring
+    is read.  Rows the ring overwrote between two feeds (more than trace_len steps) are not
+    observed at all.  A row is fed once it is final: its core stamps are written
+    (complete_rows) and its overlapped phase has stamped it or a later row exists (the
+    overlapped phase of step k ends before the critical phase of step k + 1 begins, or never
+    stamps at all when it stops the scheduler).  The caller serialises feed() (one lock)."""
+
+    def __init__(self):
+        self.last_seq = 0  # SEQ (step + 1) of the last row fed; 0: none yet
+        self._last: np.ndarray | None = None  # that row, to pair with the next row for the bubble
+
+    def feed(self, trace: np.ndarray, critical: Histogram, overlapped: Histogram, bubble: Histogram) -> int:
+        """Observes, in seconds, the critical phase, the overlapped phase and the bubble before
+        each new row (timeline_summary's definition: only a chained row following its
+        predecessor directly has one); returns how many rows were fed."""
+        f = layout.TraceField
+        rows = complete_rows(trace)
+        if len(rows) == 0:
+            return 0
+        seq = rows[:, f.SEQ]
+        has_overlap = (rows[:, f.OVERLAP_BEGIN] != 0) & (rows[:, f.OVERLAP_END] != 0)
+        # a row the critical phase is rewriting may be read half old, half new: its step would
+        # then seem to begin before its critical phase ended
+        ordered = (rows[:, f.STEP_BEGIN] >= rows[:, f.SCHED_END]) & (
+            rows[:, f.STEP_END] >= rows[:, f.STEP_BEGIN]
+        )
+        new = rows[(seq > self.last_seq) & ordered & (has_overlap | (seq < seq[-1]))]
+        if len(new) == 0:
+            return 0
+        critical.observe_array((new[:, f.SCHED_END] - new[:, f.SCHED_BEGIN]) / 1e9)
+        stamped = new[(new[:, f.OVERLAP_BEGIN] != 0) & (new[:, f.OVERLAP_END] != 0)]
+        overlapped.observe_array((stamped[:, f.OVERLAP_END] - stamped[:, f.OVERLAP_BEGIN]) / 1e9)
+        chain = new if self._last is None else np.concatenate([self._last[None, :], new])
+        prev, cur = chain[:-1], chain[1:]
+        chained = (cur[:, f.SEQ] == prev[:, f.SEQ] + 1) & ((cur[:, f.FLAGS] & layout.TraceFlag.CHAINED) != 0)
+        bubble.observe_array((cur[chained, f.STEP_BEGIN] - prev[chained, f.STEP_END]) / 1e9)
+        self._last = new[-1].copy()
+        self.last_seq = int(new[-1, f.SEQ])
+        return len(new)
 
 
 def write_chrome_trace(path: str, trace: np.ndarray) -> None:

@@ -1,0 +1,323 @@
+"""Prometheus metrics of a Server over HTTP: `ringleader serve --metrics HOST:PORT`.
+
+    exporter = MetricsExporter(server, "127.0.0.1", 9400).start()   # before serve_forever()
+    server.serve_forever()
+    exporter.close()
+
+The exporter has a CollectorRegistry of its own (never prometheus_client's global one) holding
+the process, platform and GC collectors and one ServerCollector, whose collect() reads the
+server's state when Prometheus scrapes: ServerMetrics (counters and the latency histograms,
+from one consistent snapshot), the request table and host queue, the control block's counters
+and the backend's step histograms.  Nothing here runs per token or per step: the hot paths fill
+hostctl/metrics.py's plain histograms, and this module turns them into metric families at
+scrape time.  A scrape works before the backend has started (the control block is zero) and
+after it has stopped (counters keep their last values).  docs/metrics.md lists every series.
+
+The HTTP server runs on daemon threads (`rl-metrics`, and one per scrape) and serves
+/metrics only.  prometheus_client is imported when an exporter is made, so importing this
+module (or hostctl.server) does not need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from hostctl.metrics import HistogramSnapshot
+from ipc import protocol
+
+log = logging.getLogger("ringleader.metrics")
+
+PREFIX = "ringleader:"
+INSTALL_HINT = 'pip install "ringleader[http]"'
+# label values present from the first scrape (at 0), so rate() and dashboards see every series
+FINISH_REASONS = (protocol.FINISH_STOP, protocol.FINISH_LENGTH, protocol.FINISH_ABORT, protocol.FINISH_ERROR)
+ERROR_CODES = (protocol.ERR_ENGINE_DEAD, protocol.ERR_SHUTDOWN, protocol.ERR_TIMEOUT)
+REJECT_CODES = (
+    protocol.ERR_BAD_REQUEST,
+    protocol.ERR_OVERLOADED,
+    protocol.ERR_DUPLICATE_ID,
+    protocol.ERR_SHUTDOWN,
+    protocol.ERR_ENGINE_DEAD,
+)
+
+
+def _prometheus_client() -> Any:
+    try:
+        import prometheus_client
+        import prometheus_client.core
+        import prometheus_client.utils
+    except ImportError as exc:
+        raise ImportError(f"the metrics endpoint needs prometheus_client: {INSTALL_HINT}") from exc
+    return prometheus_client
+
+
+class ServerCollector:
+    """A prometheus_client collector: every `ringleader:` series of one Server, read at scrape
+    time.  Scrapes are serialised (one lock), which also serialises the backend's incremental
+    timeline feed."""
+
+    def __init__(self, server):
+        self._prom = _prometheus_client()
+        self._server = server
+        self._lock = threading.Lock()
+        self._thread_cpu: dict[str, float] = {}  # under _lock: the last reading of each thread
+
+    def collect(self) -> list:
+        with self._lock:
+            return self._families()
+
+    # ---- reading the server ----------------------------------------------------------------
+    def _families(self) -> list:
+        s = self._server
+        core = self._prom.core
+        model = str(s.backend.model.name)
+        base = ["model_name"]
+        out: list = []
+
+        def gauge(name: str, doc: str, value: float) -> None:
+            g = core.GaugeMetricFamily(PREFIX + name, doc, labels=base)
+            g.add_metric([model], value)
+            out.append(g)
+
+        def counter(name: str, doc: str, value: float | None = None, label=None, values=None) -> None:
+            c = core.CounterMetricFamily(PREFIX + name, doc, labels=base + ([label] if label else []))
+            if label is None:
+                c.add_metric([model], value)
+            else:
+                for k, v in values.items():
+                    c.add_metric([model, k], v)
+            out.append(c)
+
+        def histogram(name: str, doc: str, snaps: dict[tuple[str, ...], HistogramSnapshot], labels=()):
+            h = core.HistogramMetricFamily(PREFIX + name, doc, labels=base + list(labels))
+            for values, snap in snaps.items():
+                buckets = [(self._prom.utils.floatToGoString(le), n) for le, n in snap.cumulative()]
+                h.add_metric([model, *values], buckets, snap.sum)
+            out.append(h)
+
+        m, hist = s.metrics.snapshot_with_histograms()
+        ctl = s.backend.rings.control[0]
+        active = int(ctl["active_slots"])
+        in_sq_ring = (int(ctl["sq_tail"]) - int(ctl["sq_head"])) & 0xFFFFFFFF
+        waiting = s.admission.queued + in_sq_ring + int(ctl["pending"])
+
+        # requests
+        gauge("num_requests_running", "Requests holding a batch slot on the device.", active)
+        gauge(
+            "num_requests_waiting",
+            "Accepted requests not in a slot: host queue + SQ not yet drained + device pending queue.",
+            waiting,
+        )
+        gauge(
+            "batch_slots",
+            "Batch slots on the device (each holds one request and its KV cache).",
+            s.backend.rings.config.n_slots,
+        )
+        gauge("num_requests_in_flight", "Accepted requests whose done has not been sent.", len(s.table))
+        counter("requests_accepted", "Generate requests accepted (each gets one done).", m["accepted"])
+        counter(
+            "prompt_tokens",
+            "Prompt tokens of requests whose prefill finished (counted at their first token).",
+            m["prompt_tokens"],
+        )
+        counter("generation_tokens", "Output tokens sent to clients.", m["output_tokens"])
+        counter(
+            "request_success",
+            "Accepted requests ended, by finish reason (every accepted request's one done).",
+            label="finished_reason",
+            values={**dict.fromkeys(FINISH_REASONS, 0), **m["finished"]},
+        )
+        counter(
+            "request_errors",
+            "Accepted requests ended with an error, by error code.",
+            label="code",
+            values={**dict.fromkeys(ERROR_CODES, 0), **m["errors_by_code"]},
+        )
+        counter(
+            "requests_rejected",
+            "Generate requests never accepted, by error code.",
+            label="code",
+            values={**dict.fromkeys(REJECT_CODES, 0), **m["rejected_by_code"]},
+        )
+        counter(
+            "bad_frames", "Frames that were not a request at all (answered with an error).", m["bad_frames"]
+        )
+
+        # request latencies and sizes
+        histogram(
+            "time_to_first_token_seconds",
+            "Arrival at the server to the first token frame.",
+            {(): hist["ttft_s"]},
+        )
+        histogram(
+            "inter_token_latency_seconds",
+            "Gap between a request's token frames, shared evenly by the tokens of the later frame.",
+            {(): hist["inter_token_s"]},
+        )
+        histogram(
+            "request_time_per_output_token_seconds",
+            "Per request with >= 2 tokens: (last token - first token) / (tokens - 1).",
+            {(): hist["time_per_output_token_s"]},
+        )
+        histogram("e2e_request_latency_seconds", "Arrival to done.", {(): hist["e2e_s"]})
+        histogram(
+            "request_queue_time_seconds",
+            "Waiting on the host for ring space + on the device for a slot (the done's queue_ms).",
+            {(): hist["queue_s"]},
+        )
+        histogram(
+            "request_prompt_tokens", "Prompt tokens per ended request.", {(): hist["request_prompt_tokens"]}
+        )
+        histogram(
+            "request_generation_tokens",
+            "Output tokens per ended request.",
+            {(): hist["request_generation_tokens"]},
+        )
+
+        # the host's CPU, per thread (a thread that has ended keeps its last reading)
+        for name, seconds in s.thread_cpu_seconds().items():
+            self._thread_cpu[name] = max(seconds, self._thread_cpu.get(name, 0.0))
+        counter(
+            "host_cpu_seconds",
+            "CPU seconds of the host's own threads (the whole process: process_cpu_seconds_total).",
+            label="thread",
+            values=self._thread_cpu,
+        )
+
+        # the scheduler's steps
+        try:
+            steps = s.backend.step_histograms()
+        except Exception:  # a scrape never fails because of the device; the log says why
+            log.exception("reading the step histograms failed")
+            steps = {}
+        phases: dict[tuple[str, ...], HistogramSnapshot] = {
+            (phase,): steps[key]
+            for phase, key in (("critical", "sched_critical_s"), ("overlapped", "sched_overlapped_s"))
+            if key in steps
+        }
+        if phases:
+            histogram(
+                "scheduler_step_seconds",
+                "The scheduler's phases per built step (host timer on the CPU, device timeline on CUDA).",
+                phases,
+                labels=["phase"],
+            )
+        if "bubble_s" in steps:
+            histogram(
+                "step_bubble_seconds",
+                "GPU idle between two chained steps (device timeline; absent on the CPU backend).",
+                {(): steps["bubble_s"]},
+            )
+        if "tokens_per_step" in steps:
+            histogram("tokens_per_step", "Rows computed per step.", {(): steps["tokens_per_step"]})
+        counter("steps", "Model steps the scheduler built.", int(ctl["steps"]))
+        counter("step_tokens", "Rows (tokens) computed by those steps.", int(ctl["step_tokens"]))
+        counter(
+            "cq_stalls", "Times the device waited for room in the completion queue.", int(ctl["cq_stalls"])
+        )
+
+        # what runs, and whether it lives
+        d = s.backend.description
+        info = core.GaugeMetricFamily(
+            PREFIX + "launch_mode_info",
+            "Where the scheduler runs and how steps are launched (value 1).",
+            labels=[*base, "device", "scheduler", "launch", "dtype", "model"],
+        )
+        info.add_metric(
+            [model, *(str(d.get(k, "")) for k in ("device", "scheduler", "launch", "dtype")), model], 1
+        )
+        out.append(info)
+        gauge(
+            "engine_dead",
+            "1 once the engine is declared dead (every request then ends).",
+            s.router.dead_reason is not None,
+        )
+        return out
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
+        pass
+
+
+def _http_server_class(family: socket.AddressFamily) -> type[WSGIServer]:
+    class MetricsHTTPServer(socketserver.ThreadingMixIn, WSGIServer):
+        address_family = family
+        daemon_threads = True
+
+        def server_bind(self) -> None:
+            # HTTPServer.server_bind looks up the host's FQDN (DNS, possibly slow); not needed
+            socketserver.TCPServer.server_bind(self)
+            host, port = self.server_address[:2]
+            self.server_name, self.server_port = str(host), int(port)
+            self.setup_environ()
+
+    return MetricsHTTPServer
+
+
+class MetricsExporter:
+    """Serves GET /metrics for `server` on host:port (port 0: a free one) from a daemon thread.
+
+    start() binds (OSError if it cannot) and returns self; url is valid after it; close() stops
+    serving and is safe to call twice or without start().  Constructing one raises ImportError
+    naming the install command when prometheus_client is missing."""
+
+    def __init__(self, server, host: str = "127.0.0.1", port: int = 9400):
+        prom = _prometheus_client()
+        self.server = server
+        self.host = host
+        self.port = port  # the bound port once started
+        self.registry = prom.CollectorRegistry(auto_describe=False)
+        prom.ProcessCollector(registry=self.registry)
+        prom.PlatformCollector(registry=self.registry)
+        prom.GCCollector(registry=self.registry)
+        self.collector = ServerCollector(server)
+        self.registry.register(self.collector)
+        self._metrics_app = prom.make_wsgi_app(self.registry)
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> MetricsExporter:
+        if self._httpd is not None:
+            raise RuntimeError("the metrics exporter is already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        httpd = make_server(
+            self.host, self.port, self._app, _http_server_class(family), handler_class=_QuietHandler
+        )
+        self.port = httpd.server_address[1]
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, name="rl-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics on %s", self.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()  # returns once serve_forever has
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsExporter:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _app(self, environ, start_response):
+        if environ.get("PATH_INFO", "").rstrip("/") == "/metrics":
+            return self._metrics_app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: the metrics are at /metrics\n"]

@@ -1,0 +1,82 @@
+"""A fixed-bucket histogram cheap enough for the per-token and per-step paths, and its snapshot.
+
+It lives in ipc because both sides fill one: the host's completion thread (hostctl/metrics.py:
+latencies and token counts) and a backend's engine thread (step times, device/backends/common.py),
+and a backend hands its snapshots to the host through ipc.backend.Backend.step_histograms.  It is
+not thread-safe by itself: its owner writes it under a lock of its own and takes `snapshot()`
+under the same lock, so a snapshot's buckets, sum and count always agree.
+
+`observe` is a bisect and three adds; `observe_array` does a numpy array at once (the device
+timeline's rows, fed at scrape time).  Buckets follow Prometheus: bucket i counts the values
+<= bounds[i] and > bounds[i - 1]; the last bucket (+Inf) counts the values above every bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    bounds: tuple[float, ...]  # upper bounds, increasing; +Inf is implied
+    counts: tuple[int, ...]  # per bucket (not cumulative), len(bounds) + 1: the last is +Inf's
+    sum: float
+    count: int
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(le, values <= le) per bound, then (inf, count): Prometheus's `_bucket` series."""
+        out: list[tuple[float, int]] = []
+        total = 0
+        for le, n in zip((*self.bounds, math.inf), self.counts):
+            total += n
+            out.append((le, total))
+        return out
+
+
+class Histogram:
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]):
+        b = tuple(float(x) for x in bounds)
+        if not b or any(not math.isfinite(x) for x in b) or any(x >= y for x, y in itertools.pairwise(b)):
+            raise ValueError(f"bounds must be finite and strictly increasing, got {bounds!r}")
+        self.bounds = b
+        self.counts = [0] * (len(b) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """Counts `value` n times (n equal observations for the price of one)."""
+        self.counts[bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+        self.count += n
+
+    def observe_array(self, values: np.ndarray) -> None:
+        if len(values) == 0:
+            return
+        idx = np.searchsorted(self.bounds, values, side="left")
+        for i, n in enumerate(np.bincount(idx, minlength=len(self.counts)).tolist()):
+            self.counts[i] += n
+        self.sum += float(np.sum(values))
+        self.count += len(values)
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.sum, self.count)
+
+
+def buckets_125(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10

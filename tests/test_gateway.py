@@ -1,0 +1,364 @@
+"""The OpenAI-compatible gateway with the official `openai` client, over real sockets on 127.0.0.1:
+HTTP in front of a real server, streaming and not, chat on the real model, errors in OpenAI's
+shape, a disconnect that frees its slot, the gateway's own metrics, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hostctl.gateway import BackgroundGateway
+from ipc.client import Client
+from tests.conftest import running_server
+
+PROMPT_IDS = list(range(40, 60))
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("tiny", n_slots=8, max_ctx=512) as bg:
+        yield bg
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    with BackgroundGateway(server.address) as gw:
+        yield gw
+
+
+def api(gw: BackgroundGateway, **options) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=gw.url + "/v1", api_key=options.pop("api_key", "none"), max_retries=0, **options
+    )
+
+
+def native(server, **kwargs):
+    with Client(server.address, timeout=60) as c:
+        stream = c.generate(**kwargs)
+        ids, text = [], []
+        for chunk in stream:
+            ids += chunk.token_ids
+            text.append(chunk.text or "")
+        return ids, "".join(text), stream.done
+
+
+def http(gw: BackgroundGateway, method: str, path: str, body: bytes | None = None, headers=None):
+    req = urllib.request.Request(gw.url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def scrape(gw: BackgroundGateway) -> dict[tuple[str, tuple], float]:
+    status, text = http(gw, "GET", "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+GREEDY = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_completion_is_the_native_clients(server, gateway):
+    ids, text, done = native(server, prompt_ids=PROMPT_IDS, max_tokens=12, ignore_eos=True)
+    r = api(gateway).completions.create(model="tiny", prompt=PROMPT_IDS, **GREEDY)
+    choice = r.choices[0]
+    assert choice.text == text and choice.model_extra["token_ids"] == ids
+    assert choice.finish_reason == "length" and r.object == "text_completion" and r.model == "tiny"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (20, 12, 32)
+    assert done.prompt_tokens == 20
+
+
+def test_streamed_completion_with_usage(server, gateway):
+    ids, text, _ = native(server, prompt="Hello there", max_tokens=12, ignore_eos=True)
+    stream = api(gateway).completions.create(
+        model="tiny", prompt="Hello there", stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    *tokens, finish, last = chunks
+    assert "".join(c.choices[0].text for c in tokens) == text
+    assert [t for c in tokens for t in c.choices[0].model_extra["token_ids"]] == ids
+    assert all(c.choices[0].finish_reason is None for c in tokens)
+    assert finish.choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == 12 and last.usage.prompt_tokens == 12
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stream_without_usage_ends_with_finish(gateway):
+    stream = api(gateway).completions.create(
+        model="tiny", prompt=PROMPT_IDS, max_tokens=5, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.usage is None for c in chunks)
+
+
+def test_a_stop_string_cuts_the_text_and_aborts_upstream(server, gateway):
+    client = api(gateway)
+    full = client.completions.create(model="tiny", prompt=PROMPT_IDS, **{**GREEDY, "max_tokens": 40})
+    text = full.choices[0].text
+    k = next(i for i in range(3, len(text) - 2) if text.find(text[i : i + 2]) == i)
+    stop = text[k : k + 2]
+    before = server.server.stats()["finished"].get("abort", 0)
+    cut = client.completions.create(
+        model="tiny", prompt=PROMPT_IDS, stop=[stop], **{**GREEDY, "max_tokens": 40}
+    )
+    assert cut.choices[0].text == text[:k] and cut.choices[0].finish_reason == "stop"
+    assert 0 < cut.usage.completion_tokens < 40 and cut.usage.prompt_tokens == 20
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT_IDS, stop=stop, stream=True, **{**GREEDY, "max_tokens": 40}
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text[:k]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    assert wait_for(lambda: server.server.stats()["finished"].get("abort", 0) == before + 2)
+
+
+def test_validation_errors_are_400_naming_the_field(gateway):
+    client = api(gateway)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10_000)
+    assert info.value.status_code == 400 and info.value.body["param"] == "max_tokens"
+    assert info.value.body["code"] == "bad_request"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:  # the server's check, through the gateway
+        client.completions.create(model="tiny", prompt=[1, 10**9])
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:  # tiny has no chat template
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    assert info.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert info.value.body["code"] == "model_not_found"
+    status, body = http(
+        gateway, "POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"}
+    )
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, body = http(gateway, "GET", "/v1/nothing")
+    assert status == 404 and "error" in json.loads(body)
+
+
+def test_models_and_health(gateway):
+    models = api(gateway).models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].model_extra["max_model_len"] == 512
+    status, body = http(gateway, "GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_overloaded_is_429():
+    with running_server("tiny", n_slots=4, max_ctx=512, server_options={"max_inflight_per_client": 1}) as srv:
+        with BackgroundGateway(srv.address) as gw:
+            client = api(gw)
+            long = client.completions.create(
+                model="tiny", prompt=PROMPT_IDS, max_tokens=480, stream=True, extra_body={"ignore_eos": True}
+            )
+            next(iter(long))  # the gateway's one allowed request is in flight
+            with pytest.raises(openai.RateLimitError) as info:
+                client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert info.value.status_code == 429 and info.value.body["code"] == "overloaded"
+            long.close()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, gateway):
+    stats = server.server.stats
+    before, metrics_before = stats(), scrape(gateway)
+    stream = api(gateway).completions.create(
+        model="tiny", prompt=PROMPT_IDS, max_tokens=480, stream=True, extra_body={"ignore_eos": True}
+    )
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()  # the HTTP connection goes; nothing is read any more
+    assert wait_for(lambda: stats()["in_flight"] == 0)
+    after = stats()
+    assert after["finished"].get("abort", 0) == before["finished"].get("abort", 0) + 1
+    assert after["output_tokens"] - before["output_tokens"] < 480  # it did not run to the end
+    key = ("ringleader:gateway_client_disconnects_total", ())
+    assert wait_for(lambda: scrape(gateway)[key] == metrics_before.get(key, 0) + 1)
+
+
+def test_gateway_metrics_count_requests_and_tokens(gateway):
+    before = scrape(gateway)
+    client = api(gateway)
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt=PROMPT_IDS, **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", n=3)
+    after = scrape(gateway)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    route = "/v1/completions"
+    assert delta("ringleader:gateway_requests_total", route=route, status="200") == 2
+    assert delta("ringleader:gateway_requests_total", route=route, status="400") == 1
+    assert delta("ringleader:gateway_generation_tokens_total") == 24
+    assert delta("ringleader:gateway_prompt_tokens_total") == 40
+    assert delta("ringleader:gateway_request_duration_seconds_count", route=route) == 3
+    assert after[("ringleader:gateway_requests_in_progress", (("route", route),))] == 0
+    assert ("process_cpu_seconds_total", ()) in after
+
+
+def test_an_unreachable_upstream_is_503():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once closed
+    options = dict(served_model_name="m", max_model_len=64, has_tokenizer=True, connect_timeout_s=0.5)
+    with BackgroundGateway(f"tcp://127.0.0.1:{port}", **options) as gw:
+        with pytest.raises(openai.InternalServerError) as info:
+            api(gw).completions.create(model="m", prompt="x", max_tokens=2)
+        assert info.value.status_code == 503 and info.value.body["code"] == "disconnected"
+        status, body = http(gw, "GET", "/health")
+        assert status == 503
+
+
+def test_an_api_key_is_required_when_set(server):
+    with BackgroundGateway(server.address, api_key="sesame") as gw:
+        with pytest.raises(openai.AuthenticationError):
+            api(gw, api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+        r = api(gw, api_key="sesame").completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert r.usage.completion_tokens <= 2
+        assert http(gw, "GET", "/health")[0] == 200  # probes need no key
+
+
+# ---------------------------------------------------------------- the real model: chat
+
+
+@pytest.fixture(scope="module")
+def smollm2_stack(smollm2_gguf):
+    with running_server(str(smollm2_gguf), n_slots=4, max_ctx=512, token_budget=16) as srv:
+        with BackgroundGateway(srv.address) as gw:
+            yield srv, gw
+
+
+def test_chat_on_the_real_model_matches_the_native_client(smollm2_stack):
+    srv, gw = smollm2_stack
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids, text, done = native(srv, messages=messages, max_tokens=24)
+    client = api(gw)
+    name = client.models.list().data[0].id
+    r = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == text and "Paris" in text
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    assert r.choices[0].finish_reason == done.finish_reason == "stop"
+    assert r.usage.prompt_tokens == done.prompt_tokens and r.usage.completion_tokens == len(ids)
+    chunks = list(
+        client.chat.completions.create(
+            model=name,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_stop_strings_on_real_text(smollm2_stack):
+    _, gw = smollm2_stack
+    client = api(gw)
+    name = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    assert " is " in text
+    cut = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=24, temperature=0, stop=[" is "]
+    )
+    assert cut.choices[0].message.content == text.split(" is ")[0]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _start(
+    cmd: list[str], wanted: list[str], timeout: float = 120.0
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Starts a ringleader process and reads its stderr until every wanted URL line is seen."""
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    lines = []
+    assert proc.stderr is not None
+    while len(found) < len(wanted) and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        for what in wanted:
+            m = re.search(rf"{what} at (http://\S+)", line)
+            if m:
+                found[what] = m.group(1)
+    if len(found) < len(wanted):
+        proc.kill()
+        pytest.fail(f"{cmd} did not print {wanted}:\n{''.join(lines)}")
+    return proc, found
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_serve_with_http_and_the_gateway_command(server):
+    rl = [sys.executable, "-m", "hostctl.cli"]
+    serve, urls = _start(
+        rl + ["serve", "--model", "tiny", "--bind", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0"],
+        ["openai gateway"],
+    )
+    try:
+        out = _post(urls["openai gateway"] + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+        assert out["usage"]["completion_tokens"] <= 3 and out["model"] == "tiny"
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+    gw, urls = _start(
+        rl + ["gateway", "--upstream", server.address, "--listen", "127.0.0.1:0"], ["openai gateway"]
+    )
+    try:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+        out = _post(urls["openai gateway"] + "/v1/completions", body)
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    finally:
+        gw.send_signal(signal.SIGTERM)
+        assert gw.wait(timeout=30) == 0
