@@ -308,7 +308,7 @@ class AsyncClient(CoreView):
         # them costs no future and no trip through the event loop (a gateway with many streams
         # gets one frame per stream per step).  The awaited recv checks the socket before it
         # waits, so frames taken here never leave it waiting on an edge that has passed.
-        ready = zmq.Socket.shadow(sock.underlying)
+        ready: zmq.Socket = zmq.Socket.shadow(sock.underlying)
         while True:
             # 1. wait for a frame; 2. hand it to the core, deliver to its stream or waiter
             self._dispatch(await sock.recv())
