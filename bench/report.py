@@ -156,27 +156,42 @@ def _ratio(a, b):
     return (a / b) if a is not None and b not in (None, 0) else None
 
 
+def _point(r: dict) -> tuple:
+    """A run's load point: concurrency, request rate and busy level."""
+    return r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0
+
+
+def paired_with(runs: list[dict], baseline: str, scheduler: str | None = None) -> list[tuple[dict, dict]]:
+    """(run, baseline run) for each run of `scheduler` (None: of any other scheduler) that has
+    a `baseline` run at its load point, in the order of `runs`."""
+    base = {_point(r): r for r in runs if r["scheduler"] == baseline}
+    return [
+        (r, base[_point(r)])
+        for r in runs
+        if r["scheduler"] != baseline and scheduler in (None, r["scheduler"]) and _point(r) in base
+    ]
+
+
+def _point_fields(r: dict, baseline: str) -> dict:
+    """The fields that name a comparison's run, baseline and load point."""
+    return {
+        "scheduler": r["scheduler"],
+        "baseline": baseline,
+        "concurrency": r["concurrency"],
+        "request_rate": r["request_rate"],
+        "cpu_interference": r.get("cpu_interference") or 0,
+    }
+
+
 def ratios_vs_hf(runs: list[dict]) -> list[dict]:
     """Each ringleader run against the `hf` run at the same load (and busy level): the ratio
     ringleader / hf of output tok/s (above 1: ringleader is faster) and of TTFT and TPOT p50
     (below 1: ringleader is faster). Empty when the runs have no hf variant."""
-    base = {
-        (r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0): r
-        for r in runs
-        if r["scheduler"] == RATIO_BASE
-    }
     out = []
-    for r in runs:
-        b = base.get((r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0))
-        if r["scheduler"] == RATIO_BASE or b is None:
-            continue
+    for r, b in paired_with(runs, RATIO_BASE):
         out.append(
             {
-                "scheduler": r["scheduler"],
-                "baseline": RATIO_BASE,
-                "concurrency": r["concurrency"],
-                "request_rate": r["request_rate"],
-                "cpu_interference": r.get("cpu_interference") or 0,
+                **_point_fields(r, RATIO_BASE),
                 "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
                 "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
                 "ttft_ms_p50_ratio": _ratio(r["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
@@ -204,23 +219,11 @@ def gateway_overhead(runs: list[dict]) -> list[dict]:
     adds, gateway - native, to TTFT p50/p99 (ms) and to TPOT p50 and ITL p50/p99 (ms per token);
     the load generator's CPU per 1k tokens and the server's (which includes the in-process
     gateway) of each, as [gateway, native]. Empty without a gateway variant."""
-    base = {
-        (r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0): r
-        for r in runs
-        if r["scheduler"] == OVERHEAD_BASE
-    }
     out = []
-    for r in runs:
-        b = base.get((r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0))
-        if r["scheduler"] != OVERHEAD_OF or b is None:
-            continue
+    for r, b in paired_with(runs, OVERHEAD_BASE, OVERHEAD_OF):
         out.append(
             {
-                "scheduler": OVERHEAD_OF,
-                "baseline": OVERHEAD_BASE,
-                "concurrency": r["concurrency"],
-                "request_rate": r["request_rate"],
-                "cpu_interference": r.get("cpu_interference") or 0,
+                **_point_fields(r, OVERHEAD_BASE),
                 "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
                 "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
                 **{
