@@ -534,6 +534,13 @@ def _requests_text(requests) -> str:
     return f"{requests} requests"
 
 
+def _md_table(head, rows) -> list[str]:
+    """A markdown table's lines: the head, its rule, one line per row of cells."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
+
+
 def markdown_summary(doc: dict, plots: list[str]) -> str:
     s, env = doc["settings"], doc["environment"]
     git = env.get("git") or {}
@@ -553,8 +560,7 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         "",
     ]
     head, rows = table_rows(doc["runs"])
-    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(row) + " |" for row in rows]
+    out += _md_table(head, rows)
     out.append("")
     ratios = doc.get("ratios_vs_hf") or []
     if ratios:
@@ -564,10 +570,8 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
             "Each ringleader variant against transformers' continuous batching (`hf`) at the same "
             "load: output tok/s ratio above 1, and TTFT / TPOT p50 ratios below 1, favour ringleader.",
             "",
-            "| " + " | ".join(RATIO_HEAD) + " |",
-            "|" + "---|" * len(RATIO_HEAD),
+            *_md_table(RATIO_HEAD, [_ratio_cells(d) for d in ratios]),
         ]
-        out += ["| " + " | ".join(_ratio_cells(d)) + " |" for d in ratios]
         out.append("")
     overhead = doc.get("gateway_overhead") or []
     if overhead:
@@ -585,10 +589,8 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
             "includes the gateway, which runs in the server's process. Differences smaller than the "
             "run-to-run spread (run the command twice to see it) are noise.",
             "",
-            "| " + " | ".join(OVERHEAD_HEAD) + " |",
-            "|" + "---|" * len(OVERHEAD_HEAD),
+            *_md_table(OVERHEAD_HEAD, [_overhead_cells(d) for d in overhead]),
         ]
-        out += ["| " + " | ".join(_overhead_cells(d)) + " |" for d in overhead]
         out.append("")
     deg = doc.get("degradation") or []
     if deg:

@@ -174,7 +174,7 @@ def cmd_serve(args) -> int:
     except (ImportError, OSError, ValueError) as exc:
         for close in reversed(closers):
             close()
-        print(f"ringleader: cannot start: {exc}{_http_hint(exc)}", file=sys.stderr)
+        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
         return 2
     try:
         server.serve_forever()
@@ -220,16 +220,11 @@ def _start_http_fronts(args, server, closers: list[Callable[[], None]]) -> None:
         print(f"ringleader: openai gateway at {gateway.url}", file=sys.stderr, flush=True)
 
 
-def _http_hint(exc: BaseException) -> str:
-    hint = 'pip install "ringleader[http]"'
-    return f" ({hint})" if isinstance(exc, ImportError) and hint not in str(exc) else ""
-
-
 def cmd_gateway(args) -> int:
     try:
         from hostctl.gateway import GatewayConfig, parse_listen, run_gateway
     except ImportError as exc:
-        print(f"ringleader gateway: {exc}{_http_hint(exc)}", file=sys.stderr)
+        print(f"ringleader gateway: {exc}", file=sys.stderr)
         return 2
 
     try:

@@ -28,7 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+try:
+    from aiohttp import web
+except ImportError:
+    from hostctl.prometheus import INSTALL_HINT
+
+    raise ImportError(f"the HTTP gateway needs aiohttp: {INSTALL_HINT}") from None
 
 from hostctl.gateway_metrics import GatewayMetrics
 from hostctl.openai_api import (

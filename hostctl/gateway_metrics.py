@@ -5,26 +5,16 @@ token.  docs/metrics.md lists them."""
 
 from __future__ import annotations
 
-from typing import Any
+from hostctl.prometheus import load_prometheus_client
 
 # seconds; the upper ones catch long generations
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 
 
-def _prometheus() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ImportError(
-            'the gateway\'s metrics need prometheus-client: pip install "ringleader[http]"'
-        ) from None
-    return prometheus_client
-
-
 class GatewayMetrics:
     def __init__(self, *, process: bool = True):
-        pc = _prometheus()
+        pc = load_prometheus_client()
         self.registry = pc.CollectorRegistry()
         if process:  # a gateway in the server's process leaves these to the server's endpoint
             pc.ProcessCollector(registry=self.registry)
@@ -73,5 +63,5 @@ class GatewayMetrics:
         )
 
     def exposition(self) -> tuple[bytes, str]:
-        pc = _prometheus()
+        pc = load_prometheus_client()
         return pc.generate_latest(self.registry), pc.CONTENT_TYPE_LATEST

@@ -46,7 +46,8 @@ REJECT_CODES = (
 )
 
 
-def _prometheus_client() -> Any:
+def load_prometheus_client() -> Any:
+    """prometheus_client, imported on first use; an ImportError that says what to install."""
     try:
         import prometheus_client
         import prometheus_client.core
@@ -62,7 +63,7 @@ class ServerCollector:
     timeline feed."""
 
     def __init__(self, server):
-        self._prom = _prometheus_client()
+        self._prom = load_prometheus_client()
         self._server = server
         self._lock = threading.Lock()
         self._thread_cpu: dict[str, float] = {}  # under _lock: the last reading of each thread
@@ -268,7 +269,7 @@ class MetricsExporter:
     naming the install command when prometheus_client is missing."""
 
     def __init__(self, server, host: str = "127.0.0.1", port: int = 9400):
-        prom = _prometheus_client()
+        prom = load_prometheus_client()
         self.server = server
         self.host = host
         self.port = port  # the bound port once started

@@ -14,6 +14,16 @@ from device.backends.cpu import CpuBackend
 from hostctl.server import BackgroundServer, Server
 
 
+def wait_until(pred, timeout: float = 20.0, step: float = 0.01) -> bool:
+    """Polls pred until it holds or `timeout` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
+
+
 @contextlib.contextmanager
 def running_server(model="tiny", *, server_options=None, backend_cls=CpuBackend, **backend_options):
     backend_options.setdefault("n_slots", 8)

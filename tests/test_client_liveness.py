@@ -16,6 +16,7 @@ import zmq
 
 from hostctl.metrics import thread_cpu_seconds
 from ipc.client import ERR_DISCONNECTED, AsyncClient, Client
+from tests.conftest import wait_until
 
 LONG = dict(prompt_ids=[1, 2, 3], max_tokens=400, ignore_eos=True)
 
@@ -24,15 +25,6 @@ def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def wait_until(pred, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def aborts_seen(server) -> int:

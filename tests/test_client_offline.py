@@ -9,6 +9,7 @@ import zmq
 
 from ipc import protocol as P
 from ipc.client import ERR_CLIENT_CLOSED, ERR_DISCONNECTED, AsyncClient, Client, Done, TokenChunk
+from tests.conftest import wait_until
 
 LIMITS = P.Limits(vocab_size=1000, max_context=512, max_tokens_cap=256)
 
@@ -113,15 +114,6 @@ def server():
     srv = EchoServer()
     yield srv
     srv.shutdown()
-
-
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 # ------------------------------------------------------------ sync client

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hostctl.gateway import BackgroundGateway
 from ipc.client import Client
-from tests.conftest import running_server
+from tests.conftest import running_server, wait_until
 
 PROMPT_IDS = list(range(40, 60))
 
@@ -71,15 +71,6 @@ def scrape(gw: BackgroundGateway) -> dict[tuple[str, tuple], float]:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 GREEDY = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -138,7 +129,7 @@ def test_a_stop_string_cuts_the_text_and_aborts_upstream(server, gateway):
     )
     assert "".join(c.choices[0].text for c in streamed) == text[:k]
     assert streamed[-1].choices[0].finish_reason == "stop"
-    assert wait_for(lambda: server.server.stats()["finished"].get("abort", 0) == before + 2)
+    assert wait_until(lambda: server.server.stats()["finished"].get("abort", 0) == before + 2)
 
 
 def test_validation_errors_are_400_naming_the_field(gateway):
@@ -199,12 +190,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, gateway):
     it = iter(stream)
     next(it), next(it)
     stream.close()  # the HTTP connection goes; nothing is read any more
-    assert wait_for(lambda: stats()["in_flight"] == 0)
+    assert wait_until(lambda: stats()["in_flight"] == 0)
     after = stats()
     assert after["finished"].get("abort", 0) == before["finished"].get("abort", 0) + 1
     assert after["output_tokens"] - before["output_tokens"] < 480  # it did not run to the end
     key = ("ringleader:gateway_client_disconnects_total", ())
-    assert wait_for(lambda: scrape(gateway)[key] == metrics_before.get(key, 0) + 1)
+    assert wait_until(lambda: scrape(gateway)[key] == metrics_before.get(key, 0) + 1)
 
 
 def test_gateway_metrics_count_requests_and_tokens(gateway):

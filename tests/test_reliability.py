@@ -18,16 +18,7 @@ from collections import Counter, defaultdict
 import zmq
 
 from ipc.client import Client
-from tests.conftest import RawPeer, running_server
-
-
-def wait_until(pred, timeout: float = 30.0, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
+from tests.conftest import RawPeer, running_server, wait_until
 
 
 def dones_of(peer: RawPeer, ids, timeout: float = 60.0) -> dict:
