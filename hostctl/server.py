@@ -346,6 +346,10 @@ class Server:
             heapq.heapify(self._deadlines)
 
     def _expire_deadlines(self) -> None:
+        if self._deadlines and not len(self.table):
+            # only this thread adds to the table, so an empty one means every entry is stale
+            self._deadlines.clear()
+            return
         now = time.perf_counter_ns()
         while self._deadlines and self._deadlines[0][0] <= now:
             when, handle, kind = heapq.heappop(self._deadlines)
@@ -415,6 +419,9 @@ class Server:
 
     def _sweep_gone(self) -> None:
         """Forgets gone clients whose requests have all ended (bounds the set)."""
+        if self._gone and not len(self.table):
+            self._gone.clear()  # nothing in flight, so no frame is left to drop for any of them
+            return
         now = time.monotonic()
         if now < self._next_gone_sweep or not self._gone:
             return

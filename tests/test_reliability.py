@@ -180,6 +180,10 @@ def test_deadlines_end_requests_with_timeout():
             peer.send({"op": "abort", "id": f"long{i}"})
         own = dones_of(peer, ["own", "long0", "long1"], timeout=30)["own"]
         assert own["error"]["code"] == "timeout"
+        # an idle server keeps no deadline of an ended request (nor wakes up early for one)
+        peer.send(generate("quick", 2, timeout_ms=600_000))
+        assert dones_of(peer, ["quick"], timeout=30)["quick"]["finish_reason"] == "length"
+        assert wait_until(lambda: not bg.server._deadlines, timeout=5), bg.server._deadlines
         peer.close()
     # a started request past its own timeout_ms ends with what it produced
     with running_server(n_slots=2, server_options=dict(max_queue_ms=0)) as bg:
