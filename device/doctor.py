@@ -148,7 +148,7 @@ class Doctor:
             self.note(f"no CUDA driver usable here ({exc})")
 
     def _compile(self, gpu: bool):
-        from device.sched.build import compile_kernel
+        from device.sched.build import compile_kernel, nvrtc_library
 
         arch = self.arch or (self.report["gpu"]["arch"] if gpu else "sm_90")
         try:
@@ -161,6 +161,7 @@ class Doctor:
             "cubin_bytes": len(build.cubin),
             "ptx_isa": build.ptx_isa,
             "nvrtc": "%d.%d" % build.nvrtc_version,
+            "nvrtc_library": nvrtc_library(),
             "functions": {n: vars(r) for n, r in build.resources.items()},
         }
         for name, r in build.resources.items():
@@ -191,7 +192,8 @@ def format_report(report: dict) -> str:
     k = report.get("kernel")
     if k:
         lines.append(
-            f"scheduler kernel for {k['arch']} (NVRTC {k['nvrtc']}, PTX ISA {k['ptx_isa']}, "
+            f"scheduler kernel for {k['arch']} (NVRTC {k['nvrtc']} from {k.get('nvrtc_library')}, "
+            f"PTX ISA {k['ptx_isa']}, "
             f"{k['cubin_bytes']} bytes of CUBIN"
             + (f", loaded from {k['loaded_from']}" if k.get("loaded_from") else "")
             + "):"

@@ -50,6 +50,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.run_budget_s is not None and not self.run_budget_s > 0:
+            raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
 
     @classmethod
     def of(cls, config: EngineConfig | str | None = None, /, **fields) -> EngineConfig:
@@ -105,6 +107,7 @@ SERVE_FLAGS = {
     "seed": "--seed",
     "threads": "--threads",
     "trace_path": "--trace",
+    "run_budget_s": "--run-budget-s",
 }
 
 

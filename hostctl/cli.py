@@ -78,6 +78,11 @@ ENGINE_OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
         {},
         "CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
     ),
+    "run_budget_s": (
+        {"type": float},
+        "CUDA: the scheduler kernel exits on its own after this many seconds, and the server "
+        "reports engine_dead (default: no limit; for timed runs that must never leave a kernel behind)",
+    ),
 }
 
 
@@ -145,6 +150,11 @@ def cmd_serve(args) -> int:
     from ipc.backend import EngineDead
 
     curve = server_curve_from_args(args)  # before the (slow) backend: a bad key fails at once
+    try:
+        engine_config_from_args(args)  # a bad engine option fails at once too, in one line
+    except ValueError as exc:
+        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
+        return 2
     _limit_malloc_arenas()
     try:
         backend = open_configured_backend(args)
@@ -354,12 +364,17 @@ def cmd_stats(args) -> int:
 
 
 def cmd_build_kernel(args) -> int:
-    from device.sched.build import compile_kernel
+    from device.sched.build import NVRTC_ENV, compile_kernel, nvrtc_library
+
+    if args.nvrtc:
+        os.environ[NVRTC_ENV] = args.nvrtc  # read at the process's first NVRTC call, below
 
     build = compile_kernel(args.arch, threads=args.threads)
+    library = nvrtc_library()
     print(
-        f"{len(build.cubin)} bytes of CUBIN for {build.arch}; the scheduler kernel runs "
-        f"{args.threads} threads/block"
+        f"{len(build.cubin)} bytes of CUBIN for {build.arch} from NVRTC "
+        f"{build.nvrtc_version[0]}.{build.nvrtc_version[1]} ({library}), PTX ISA {build.ptx_isa}; "
+        f"the scheduler kernel runs {args.threads} threads/block"
     )
     for name, r in build.resources.items():
         print(
@@ -371,6 +386,18 @@ def cmd_build_kernel(args) -> int:
     if args.output:
         with open(args.output, "wb") as f:
             f.write(build.cubin)
+    if args.json:
+        report = {
+            "arch": build.arch,
+            "threads": args.threads,
+            "nvrtc": "%d.%d" % build.nvrtc_version,
+            "nvrtc_library": library,
+            "ptx_isa": build.ptx_isa,
+            "cubin_bytes": len(build.cubin),
+            "functions": {name: vars(r) for name, r in build.resources.items()},
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
     return 0
 
 
@@ -496,6 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=256, help="threads per block of the kernel")
     p.add_argument("--output", help="write the CUBIN here")
     p.add_argument("--verbose", action="store_true", help="print the full ptxas log")
+    p.add_argument(
+        "--nvrtc",
+        metavar="LIBNVRTC",
+        help="compile with this libnvrtc.so (default: $RINGLEADER_NVRTC, else the one cuda-bindings finds)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the build's versions and resources here")
 
     p = sub.add_parser(
         "doctor",

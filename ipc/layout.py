@@ -2,8 +2,9 @@
 
 Every struct below is declared here and only here: `numpy_dtype()` gives the host view and
 `c_header()` gives the text both C++ compilers (host g++ and NVRTC) include.  The header carries
-static_asserts on every size and offset, and a fingerprint of the layout that the scheduler
-library reports back, so a stale build can never read the rings with the wrong offsets.
+static_asserts on every size and offset (offsets where the compiler can take them: the host build
+always, NVRTC from 13.4), and a fingerprint of the layout that the scheduler library reports back,
+so a stale build can never read the rings with the wrong offsets.
 
 Ownership (one writer per index; payload first, index last; release/acquire at system scope):
   Control.sq_tail        host writes (release) after the SQ entry and its prompt tokens; device reads (acquire)
@@ -108,7 +109,7 @@ class Struct:
         lines.append("};")
         lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name} size");')
         for f, off in self.offsets():
-            lines.append(f'static_assert(offsetof({self.name}, {f.name}) == {off}, "{self.name}.{f.name}");')
+            lines.append(f"RL_ASSERT_OFFSET({self.name}, {f.name}, {off});")
         return "\n".join(lines)
 
 
@@ -430,20 +431,34 @@ def fingerprint() -> int:
 
 
 def c_header() -> str:
-    """The header both compilers include; offsetof comes from a builtin so NVRTC needs no <cstddef>."""
+    """The header both compilers include (NVRTC gets no include path: its integer types are typedefs).
+
+    Every offset is asserted where the compiler can take one in a constant expression: the host
+    compiler always (<stddef.h>), NVRTC when it has the builtin. NVRTC 13.0-13.3 rejects
+    __builtin_offsetof inside static_assert, so there only sizes are asserted; the host build
+    compiles the same text and the fingerprint is checked at start, so no offset goes unchecked."""
     return "\n".join(
         [
             "// Generated from ipc/layout.py. Do not edit.",
             "#pragma once",
-            "#ifndef offsetof",
-            "#define offsetof(t, m) __builtin_offsetof(t, m)",
-            "#endif",
             "#ifdef __CUDACC_RTC__",
             "typedef unsigned char uint8_t; typedef unsigned short uint16_t;",
             "typedef unsigned int uint32_t; typedef int int32_t;",
             "typedef unsigned long long uint64_t; typedef long long int64_t;",
+            "#if defined(__has_builtin)",  # nested: `0(x)` would not parse where it is undefined
+            "#if __has_builtin(__builtin_offsetof)",
+            "#define RL_OFFSETOF(t, m) __builtin_offsetof(t, m)",
+            "#endif",
+            "#endif",
             "#else",
+            "#include <stddef.h>",
             "#include <stdint.h>",
+            "#define RL_OFFSETOF(t, m) offsetof(t, m)",
+            "#endif",
+            "#ifdef RL_OFFSETOF",
+            '#define RL_ASSERT_OFFSET(t, m, off) static_assert(RL_OFFSETOF(t, m) == (off), #t "." #m)',
+            "#else",
+            '#define RL_ASSERT_OFFSET(t, m, off) static_assert(sizeof(((t*)0)->m) > 0, #t "." #m)',
             "#endif",
             f"#define RL_LAYOUT_FINGERPRINT 0x{fingerprint():016X}ull",
             _header_body(),

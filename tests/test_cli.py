@@ -156,6 +156,17 @@ def test_serve_options_are_the_engine_config_and_its_defaults():
         ["serve", "--slots", "4", "--max-ctx", "256", "--trace", "t.json", "--seed", "3"]
     )
     assert engine_config_from_args(args) == EngineConfig(n_slots=4, max_ctx=256, trace_path="t.json", seed=3)
+    args = parser.parse_args(["serve", "--run-budget-s", "90"])
+    assert engine_config_from_args(args).run_budget_s == 90.0
+
+
+def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything():
+    r = subprocess.run(CLI + ["serve", "--run-budget-s", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (
+        r.stderr.strip()
+        == "ringleader: cannot start: run_budget_s must be a positive number of seconds, got 0.0"
+    )
 
 
 def test_engine_config_fills_the_per_device_defaults_in_one_place():

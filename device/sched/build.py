@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ SCHEDULER_SOURCES = (
     "sched_critical.h",
     "sched_overlapped.h",
     "sched_step.h",
+    "sched_loop.h",
 )
 
 
@@ -45,7 +47,8 @@ class CpuScheduler:
     """The host-compiled scheduler, called through ctypes (the GIL is released during a call).
 
     step() runs both phases serially; critical() and overlapped() run one each, for a caller
-    that overlaps the model step with the second.  host_accesses() counts, per calling thread,
+    that overlaps the model step with the second; persistent() runs the kernel's own loop, and
+    step_wait()/step_begin()/step_signal() the step graph's side of it.  host_accesses() counts, per calling thread,
     every access the scheduler made to host-shared memory since reset_host_accesses()."""
 
     def __init__(self):
@@ -59,6 +62,13 @@ class CpuScheduler:
         lib.rl_host_access_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.rl_host_access_counts.restype = None
         lib.rl_host_access_reset.restype = None
+        lib.rl_sched_persistent.argtypes = [ctypes.c_void_p]
+        lib.rl_sched_persistent.restype = None
+        lib.rl_step_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+        lib.rl_step_wait.restype = ctypes.c_uint32
+        for name in ("rl_step_begin", "rl_step_signal"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = None
         if lib.rl_layout_fingerprint() != layout.fingerprint():
             raise RuntimeError("scheduler library was built for another layout")
         self._lib = lib
@@ -74,6 +84,22 @@ class CpuScheduler:
 
     def overlapped(self, context_address: int, step_built: bool) -> int:
         return self._lib.rl_sched_overlapped(context_address, 1 if step_built else 0)
+
+    def persistent(self, context_address: int) -> None:
+        """The kernel's whole loop on this thread (init included); returns when it exits."""
+        self._lib.rl_sched_persistent(context_address)
+
+    def step_wait(self, context_address: int) -> tuple[int, int]:
+        """The step graph's wait: (turn, SWITCH branch); turn is Turn.COMPUTE or Turn.EXIT."""
+        branch = ctypes.c_uint32()
+        turn = self._lib.rl_step_wait(context_address, ctypes.byref(branch))
+        return turn, branch.value
+
+    def step_begin(self, context_address: int) -> None:
+        self._lib.rl_step_begin(context_address)
+
+    def step_signal(self, context_address: int) -> None:
+        self._lib.rl_step_signal(context_address)
 
     def host_accesses(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * len(HOST_ACCESS_KINDS))()
@@ -171,7 +197,38 @@ class NvrtcError(RuntimeError):
         self.headline, self.result, self.log = headline, result, log
 
 
+# A libnvrtc to compile with instead of the one cuda-bindings would find (the GPU image's older
+# release in CI, a system CUDA on an edge box); read once, at the process's first NVRTC call.
+NVRTC_ENV = "RINGLEADER_NVRTC"
+
+
+def _preload_nvrtc(path: Path) -> None:
+    """Load `path` (and the builtins beside it) before cuda-bindings looks for NVRTC: it takes
+    a libnvrtc already in the process before searching anywhere else."""
+    if not path.is_file():
+        raise RuntimeError(f"${NVRTC_ENV}={path}: no such file")
+    for builtins in sorted(path.parent.glob("libnvrtc-builtins.so.*")):
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
+def nvrtc_library() -> str | None:
+    """The path of the libnvrtc this process compiles with (None: not known)."""
+    _nvrtc()
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception:
+        return None
+
+
+@functools.cache
 def _nvrtc():
+    chosen = os.environ.get(NVRTC_ENV)
+    if chosen:
+        _preload_nvrtc(Path(chosen))
     try:
         from cuda.bindings import nvrtc
     except ImportError:
@@ -181,6 +238,15 @@ def _nvrtc():
             raise RuntimeError(
                 "NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'"
             ) from exc
+    if chosen:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        used = load_nvidia_dynamic_lib("nvrtc").abs_path
+        if not used or os.path.realpath(used) != os.path.realpath(chosen):
+            raise RuntimeError(
+                f"${NVRTC_ENV} names {chosen}, but this process already uses NVRTC from {used}; "
+                "set it before the process's first NVRTC call"
+            )
     return nvrtc
 
 
