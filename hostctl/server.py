@@ -117,6 +117,7 @@ class Server:
         self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
         self._next_gone_sweep = 0.0
         self._stop_requested = threading.Event()
+        self.serving = threading.Event()  # the backend and the completion thread have started
         self._frontend_tid: int | None = None
         self._accepting = True
 
@@ -125,8 +126,13 @@ class Server:
         """Runs the frontend on the calling thread until request_stop(); then shuts down."""
         self._frontend_tid = threading.get_native_id()
         try:
-            self.backend.start()
+            try:
+                self.backend.start()
+            except BaseException:
+                self._abandon_start()
+                raise
             self.router.start()
+            self.serving.set()
             log.info("serving %s on %s", self.backend.model.name, self.address)
             try:
                 while not self._stop_requested.is_set():
@@ -497,13 +503,28 @@ class Server:
         try:
             self.backend.stop()  # raises EngineDead if the device did not stop: never silent
         finally:
-            self._socket.close(linger=1000)
-            self._wake_rx.close(0)
-            self._wake_tx.close(0)
-            if self._auth is not None:
-                self._auth.stop()
-                self._ctx.term()
+            self._close_sockets(linger_ms=1000)
         log.info("server stopped")
+
+    def _abandon_start(self) -> None:
+        """backend.start() raised: whatever it had started (a kernel, a launch, an engine thread)
+        is told to stop, bounded, so the process can exit; nothing was accepted yet.  A failure
+        to stop is logged, and the start's own error is the one that propagates."""
+        self._accepting = False
+        try:
+            self.backend.stop()
+        except Exception:
+            log.exception("the backend did not stop after its start failed")
+        finally:
+            self._close_sockets(linger_ms=0)
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        self._socket.close(linger=linger_ms)
+        self._wake_rx.close(0)
+        self._wake_tx.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
 
 
 class BackgroundServer:
@@ -526,7 +547,13 @@ class BackgroundServer:
         return self.server.address
 
     def __enter__(self):
+        """Returns once the server serves (its backend and completion thread started); raises
+        what ended it instead if its start failed."""
         self._thread.start()
+        while not self.server.serving.wait(0.05):
+            if not self._thread.is_alive():
+                self._thread.join()
+                raise self.error or RuntimeError("the server ended before it started serving")
         return self
 
     def __exit__(self, *exc):

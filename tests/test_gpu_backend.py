@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from device.backends.cuda import default_buckets
-from device.backends.device_timeline import timeline_summary, write_chrome_trace
+from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
 from ipc import layout
 
 gpu = pytest.mark.skipif(
@@ -76,6 +76,64 @@ def test_timeline_bubble_counts_only_chained_gaps(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     assert len(events) == 30
     assert {e["tid"] for e in events} == {"scheduler: critical", "scheduler: overlapped", "compute"}
+
+
+class _StandInCopies:
+    """cuda_driver's part that TimelineReader uses, over host memory: while `hold` is set a copy
+    lands only once `land()` is called, as a copy queued behind a never-ending launch would
+    never land; otherwise at once."""
+
+    class PinnedBuffer:
+        def __init__(self, nbytes):
+            self.array = np.zeros(nbytes, dtype=np.uint8)
+            self.host_ptr = self.array.ctypes.data
+
+    def __init__(self, source: np.ndarray):
+        self.source, self.copies, self.landed, self.hold = source, 0, False, True
+        self._pending = None
+
+    def create_stream(self, highest_priority):
+        return "timeline-stream"
+
+    def copy_to_host(self, dst_ptr, src_ptr, nbytes, stream):
+        self.copies += 1
+        self._pending = (dst_ptr, src_ptr, nbytes)
+        self.landed = False
+        if not self.hold:
+            self.land()
+
+    def land(self):
+        import ctypes
+
+        dst, src, n = self._pending
+        ctypes.memmove(dst, src, n)
+        self.landed = True
+
+    def stream_done(self, stream):
+        return self.landed
+
+
+def test_timeline_read_waits_a_bounded_time_and_never_copies_over_a_copy_in_flight():
+    trace = np.arange(4 * layout.TRACE_FIELDS, dtype=np.uint64)
+    memory = type(
+        "StandInMemory",
+        (),
+        {"device_nbytes": {"trace": trace.nbytes}, "address": lambda self, name: trace.ctypes.data},
+    )()
+    drv = _StandInCopies(trace)
+    reader = TimelineReader(memory, wait_s=0.05, driver=drv)
+    t0 = time.monotonic()
+    assert reader.read().shape == (0, layout.TRACE_FIELDS)  # the copy never landed: no rows, no hang
+    assert time.monotonic() - t0 < 1.0 and reader.stalled_reads == 1 and drv.copies == 1
+    assert len(reader.read()) == 0 and reader.stalled_reads == 2 and drv.copies == 1  # no second copy
+    drv.land()
+    rows = reader.read()  # the first copy landed since: its rows, without copying again
+    assert drv.copies == 1 and np.array_equal(rows.ravel(), trace)
+    drv.hold = False  # an ordinary read: one copy, landed at once
+    rows = reader.read()
+    assert drv.copies == 2 and reader.stalled_reads == 2
+    reader.close()
+    assert len(reader.read()) == 0 and drv.copies == 2
 
 
 def _serve(**kw):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 
@@ -53,6 +54,7 @@ from ipc.rings import RingConfig
 log = logging.getLogger("ringleader.cuda")
 
 SCHED_THREADS = 256
+DEVICE_MAX_CONNECTIONS = 32  # the most hardware queues CUDA gives a context
 START_TIMEOUT_S = 10.0  # the scheduler kernel reports RUNNING (or FAILED) within this
 STOP_MARGIN_S = 3.0  # beyond the kernel's own grace, before stop() calls it stuck
 
@@ -85,6 +87,10 @@ class CudaBackend(Doorbells, Backend):
         dtype = getattr(torch, cfg.dtype)
         if scheduler == "device":
             refuse_unsafe_environment()  # before CUDA is touched: some of these hang at once
+            # Hardware queues, read when the context is made: with the default 8, streams share
+            # queues, and work can queue falsely behind the launch that never ends.
+            if not torch.cuda.is_initialized():
+                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(DEVICE_MAX_CONNECTIONS))
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda needs a CUDA GPU that torch can see")
         torch.cuda.init()
@@ -142,6 +148,7 @@ class CudaBackend(Doorbells, Backend):
             "buckets": list(ring_cfg.buckets),
             "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
             "gpu_memory_fraction": cfg.gpu_memory_fraction,
+            "device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)"),
         }
         if scheduler == "device":
             self._prepare_device_scheduler(launch)
@@ -151,6 +158,7 @@ class CudaBackend(Doorbells, Backend):
         Doorbells.__init__(self)
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._released = False  # stop() has freed the device memory
 
     # ---- construction helpers --------------------------------------------------------------
     def _plan_memory(self, n_slots, max_ctx, token_budget, dtype, fraction):
@@ -238,9 +246,14 @@ class CudaBackend(Doorbells, Backend):
         # The graph first: its wait kernel spins until the scheduler hands over a step, and a
         # launch made beside a running persistent kernel is the one that risks waiting on it.
         self._launch_graph.launch(self._graph_stream)
-        self._pump_events[0].record(self._graph_stream)
-        drv.launch(self._fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=SCHED_THREADS)
-        self._wait_until_running(ctl)
+        try:
+            if self._launch_graph.mode == "pump":  # resident: nothing queued behind the endless launch
+                self._pump_events[0].record(self._graph_stream)
+            drv.launch(self._fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=SCHED_THREADS)
+            self._wait_until_running(ctl)
+        except BaseException as exc:
+            self._abandon_start(exc)
+            raise
         log.info(
             "device scheduler running: launch %s, module from %s",
             self._launch_graph.mode,
@@ -261,12 +274,16 @@ class CudaBackend(Doorbells, Backend):
                 f"{layout.init_error_name(int(ctl['error_code']))}"
             )
         if state != layout.SchedulerState.RUNNING:
-            why = f"the scheduler kernel did not start within {START_TIMEOUT_S} s"
-            try:
-                self.stop()
-            except EngineDead as exc:
-                raise RuntimeError(f"{why}, and did not stop either: {exc}") from exc
-            raise RuntimeError(why)
+            raise RuntimeError(f"the scheduler kernel did not start within {START_TIMEOUT_S} s")
+
+    def _abandon_start(self, exc: BaseException) -> None:
+        """start() failed after the graph launch: ask everything launched to end (shutdown; the
+        step graph's wait also ends on a FAILED scheduler) and wait, bounded, so no launch
+        outlives the failure and the process can exit.  The original error is re-raised."""
+        try:
+            self.stop()
+        except Exception as other:  # a second failure must not hide the first
+            log.error("start() failed (%s), and the device did not stop either: %s", exc, other)
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=self._guard(target), name=name, daemon=True)
@@ -290,9 +307,8 @@ class CudaBackend(Doorbells, Backend):
         """At most two launches queued; never reads slot state, only whether the kernel exited
         (it keeps launching through a stop, so a step the scheduler has handed over still runs).
         Launch k records event k % 2, and waits for launch k - 2 (the same event) first."""
-        ctl = self.rings.control
         k = 1  # start() made launch 0
-        while int(ctl[0]["state"]) != layout.SchedulerState.EXITED:
+        while not self._scheduler_ended():
             ev = self._pump_events[k % 2]
             if k >= 2:
                 ev.synchronize()  # sleeps in the driver: blocking-sync event
@@ -304,12 +320,19 @@ class CudaBackend(Doorbells, Backend):
         """Device mode: wakes the completion thread when the kernel has published CQ events."""
         ctl = self.rings.control
         last = int(ctl[0]["cq_tail"])
-        while int(ctl[0]["state"]) != layout.SchedulerState.EXITED:
+        while not self._scheduler_ended():
             tail = int(ctl[0]["cq_tail"])
             if tail != last:
                 last = tail
                 self._events.set()
             time.sleep(20e-6)
+
+    def _scheduler_ended(self) -> bool:
+        """The scheduler kernel will run no more steps (it exited, or its init failed)."""
+        return int(self.rings.control[0]["state"]) in (
+            layout.SchedulerState.EXITED,
+            layout.SchedulerState.FAILED,
+        )
 
     def _host_loop(self) -> None:
         """The classic host-driven design, given the same overlap as the kernel: the critical
@@ -368,6 +391,8 @@ class CudaBackend(Doorbells, Backend):
         out = self.rings.counters()
         out.update(self._timer.summary())
         out.update(timeline_summary(self.device_timeline()))
+        if self._scheduler_mode == "device":  # reads whose copy did not land within its bounded wait
+            out["timeline_stalled_reads"] = self._timeline.stalled_reads if self._timeline else 0
         out["threads"] = {t.name: t.native_id for t in self._threads}
         return out
 
@@ -389,7 +414,11 @@ class CudaBackend(Doorbells, Backend):
 
     def stop(self) -> None:
         """Asks the scheduler to stop and waits, bounded, for the kernel, the step graph and our
-        threads to end.  Raises EngineDead (and failure() says why) if any did not."""
+        threads to end.  Raises EngineDead (and failure() says why) if any did not.  Once it
+        has returned, calling it again does nothing (a server stops a backend whose start()
+        already cleaned up after a failure)."""
+        if self._released:
+            return
         self._stopping = True
         self.rings.request_shutdown()
         self._doorbell.set()
@@ -429,6 +458,7 @@ class CudaBackend(Doorbells, Backend):
     def _release(self) -> None:
         """Frees device memory once nothing persistent runs (a later backend in this process
         sizes its KV cache from what is free)."""
+        self._released = True
         for ev in getattr(self, "_pump_events", []):
             ev.destroy()
         if getattr(self, "_launch_graph", None) is not None:

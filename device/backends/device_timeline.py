@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 
@@ -16,25 +17,42 @@ from ipc.histogram import Histogram
 
 class TimelineReader:
     """Copies the device's trace ring into pinned memory allocated once, on a stream of its own,
-    so reading it while the persistent kernel runs neither allocates nor waits on other work."""
+    so reading it while the persistent kernel runs neither allocates nor waits on other work.
 
-    def __init__(self, device_memory):
-        from device.backends import cuda_driver as drv
+    The copy's end is polled for at most `wait_s`, never waited for without a bound: should the
+    copy land behind the never-ending launch after all (a hardware queue shared with it), a
+    read returns no rows and counts a stalled read instead of hanging stats() for good.  The next
+    read first checks whether that copy has landed since, and copies again only then."""
 
-        self._drv = drv
+    def __init__(self, device_memory, *, wait_s: float = 2.0, driver=None):
+        """driver: the CUDA driver helpers (device/backends/cuda_driver), or a stand-in (tests)."""
+        if driver is None:
+            from device.backends import cuda_driver as driver
+        self._drv = driver
         self._src = device_memory.address("trace")
         self._nbytes = device_memory.device_nbytes["trace"]
-        self._host = drv.PinnedBuffer(self._nbytes)
-        self._stream = drv.create_stream(highest_priority=False)
+        self._host = driver.PinnedBuffer(self._nbytes)
+        self._stream = driver.create_stream(highest_priority=False)
+        self._wait_s = wait_s
         self._lock = threading.Lock()
         self._closed = False  # under _lock: the device buffer is gone, read() returns no rows
+        self._in_flight = False  # under _lock: a copy that did not land within wait_s
+        self.stalled_reads = 0
 
     def read(self) -> np.ndarray:
         with self._lock:
             if self._closed:
-                return np.zeros((0, layout.TRACE_FIELDS), dtype=np.uint64)
-            self._drv.copy_to_host(self._host.host_ptr, self._src, self._nbytes, self._stream)
-            self._drv.synchronize(self._stream)  # its own stream: the persistent kernel is not on it
+                return _no_rows()
+            if not self._in_flight:
+                self._drv.copy_to_host(self._host.host_ptr, self._src, self._nbytes, self._stream)
+                self._in_flight = True
+            deadline = time.monotonic() + self._wait_s
+            while not self._drv.stream_done(self._stream):
+                if time.monotonic() >= deadline:
+                    self.stalled_reads += 1
+                    return _no_rows()
+                time.sleep(50e-6)
+            self._in_flight = False
             return self._host.array.view(np.uint64).reshape(-1, layout.TRACE_FIELDS).copy()
 
     def close(self) -> None:
@@ -42,6 +60,10 @@ class TimelineReader:
         backend's stop then finds no rows instead of copying from freed memory."""
         with self._lock:
             self._closed = True
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros((0, layout.TRACE_FIELDS), dtype=np.uint64)
 
 
 def complete_rows(trace: np.ndarray) -> np.ndarray:

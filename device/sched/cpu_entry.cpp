@@ -30,6 +30,29 @@ uint32_t rl_sched_overlapped(const RlContext* ctx, uint32_t step_built) {
   return next;
 }
 
+// The persistent loop on the calling thread, as the kernel runs it (returns when it exits or
+// its init fails), and the step graph's side of the hand-over, for threads that stand in for
+// the step graph: wait (returns RL_TURN_COMPUTE or RL_TURN_EXIT; the branch through *branch),
+// begin and signal.
+void rl_sched_persistent(const RlContext* ctx) {
+  RlShared sh;
+  sched_persistent(*ctx, &sh);
+}
+
+uint32_t rl_step_wait(const RlContext* ctx, uint32_t* branch) {
+  uint32_t turn = rl_wait_for_step(*ctx);
+  *branch = rl_step_branch(*ctx, turn);
+  return turn;
+}
+
+void rl_step_begin(const RlContext* ctx) {
+  rl_stamp_step(*ctx, RL_TRACE_STEP_BEGIN);
+}
+
+void rl_step_signal(const RlContext* ctx) {
+  rl_signal_step_done(*ctx);
+}
+
 // This thread's host-shared accesses since its last reset: acquire loads, release stores,
 // system fences, plain loads, plain stores.
 void rl_host_access_counts(uint64_t* out) {

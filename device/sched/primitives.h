@@ -51,6 +51,28 @@ RL_FN void rl_fence_system() {
 RL_FN void rl_backoff(uint32_t round) {
   __nanosleep(round < 8 ? 64u : 1024u);
 }
+// The scheduler/compute hand-over word (ctx.turn) lives in device memory: acquire/release at
+// GPU scope, never a PCIe access.
+RL_FN uint32_t rl_load_turn(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+RL_FN void rl_store_turn(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Makes this thread's device-memory writes visible before a leader's turn store.
+RL_FN void rl_fence_device() {
+  __threadfence();
+}
+// A step is expected soon: stay within ~64 ns of the hand-off (the scheduler owns its SM anyway).
+RL_FN void rl_pause_expecting() {
+  __nanosleep(32);
+}
+// Nothing to do: poll the host rings about once a microsecond.
+RL_FN void rl_pause_idle() {
+  __nanosleep(1024);
+}
 
 #else  // CPU form
 #include <string.h>
@@ -103,6 +125,24 @@ RL_FN void rl_backoff(uint32_t round) {
     return;
   }
   struct timespec ts = {0, 50000};  // the host is behind: stop burning its core
+  nanosleep(&ts, 0);
+}
+// The hand-over word: device memory on a GPU, so these are not host-shared accesses.
+RL_FN uint32_t rl_load_turn(const uint32_t* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+RL_FN void rl_store_turn(uint32_t* p, uint32_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+RL_FN void rl_fence_device() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+// Threads stand in for the scheduler block and the step graph here: give the core away.
+RL_FN void rl_pause_expecting() {
+  sched_yield();
+}
+RL_FN void rl_pause_idle() {
+  struct timespec ts = {0, 1000};
   nanosleep(&ts, 0);
 }
 #endif

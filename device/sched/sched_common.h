@@ -7,7 +7,7 @@
 #define RL_SH_SQ_TAIL 0
 #define RL_SH_CQ_OK 1
 #define RL_SH_STOP 2
-#define RL_SH_AQ_TAIL 4  // 3 is kernel.cu's RL_SH_TURN_EXIT
+#define RL_SH_AQ_TAIL 4  // 3 is sched_loop.h's RL_SH_TURN_EXIT
 
 #define RL_MIRROR_STEPS 16u      // counters reach the host at least every this many steps
 #define RL_MIRROR_NS 1000000ull  // or after this long, whichever comes first

@@ -1,0 +1,131 @@
+// The persistent loop and the step graph's side of the hand-over, shared by both builds: the
+// kernel (kernel.cu) runs them as the scheduler block and the step graph's wait/signal nodes,
+// the CPU build (cpu_entry.cpp) on host threads, so tests run the very loop the GPU runs,
+// its failure and stop paths included.
+//
+// The hand-over word ctx.turn (device memory): the scheduler writes SCHED -> COMPUTE once a
+// step is built, the step's signal writes COMPUTE -> SCHED once next_token is written, and the
+// scheduler writes EXIT when its loop ends for any reason (a stop, a deadline, a failed init),
+// which ends the step graph's wait.  The wait also ends by itself when no scheduler is left to
+// answer: state EXITED or FAILED, or shutdown before the scheduler ever ran.
+#pragma once
+
+#define RL_SH_TURN_EXIT 3
+#define RL_STOP_POLL_ROUNDS 4096u  // polls of `turn` between two looks at shutdown (PCIe reads)
+
+// Leader only: waits for the step graph to hand the turn back (at once when no step is out).
+// Returns RL_EXIT_NONE once it has, or RL_EXIT_DEADLINE when a stop was asked and compute kept
+// the turn past the grace.  Looks at shutdown only every RL_STOP_POLL_ROUNDS polls, so the
+// hand-off it waits for is never behind a PCIe read for long.
+RL_FN uint32_t rl_wait_for_turn(const RlContext& ctx) {
+  uint32_t round = 0;
+  uint64_t stop_seen = 0;
+  while (rl_load_turn(ctx.turn) != RL_TURN_SCHED) {
+    if (++round % RL_STOP_POLL_ROUNDS == 0) {
+      uint64_t now = rl_now_ns();
+      if (rl_stop_reason_leader(ctx, now) != RL_EXIT_NONE) {
+        if (stop_seen == 0)
+          stop_seen = now;
+        else if (now - stop_seen > ctx.sched->stop_grace_ns)
+          return RL_EXIT_DEADLINE;
+      }
+    }
+    rl_pause_expecting();
+  }
+  return RL_EXIT_NONE;
+}
+
+// The scheduler's whole life.  Per iteration: wait for the turn, the critical phase, hand the
+// step to compute, then the overlapped phase while it runs.  Every way out writes turn = EXIT,
+// a failed init included (state FAILED): a step graph already launched must never wait for a
+// scheduler that will not come.
+RL_FN void sched_persistent(const RlContext& ctx, RlShared* sh) {
+  if (sched_init(ctx) != RL_ERR_NONE) {
+    if (RL_LEADER) rl_store_turn(ctx.turn, RL_TURN_EXIT);
+    return;
+  }
+  uint32_t stop = RL_EXIT_NONE;  // a stop the overlapped phase saw while a step was out
+  for (;;) {
+    // 1. wait for the step graph to hand the turn back; exit if told to stop (or it overstayed)
+    if (RL_LEADER) sh->u[RL_SH_TURN_EXIT] = rl_wait_for_turn(ctx);
+    RL_SYNC();
+    uint32_t late = sh->u[RL_SH_TURN_EXIT];  // every thread sees the same value
+    if (late != RL_EXIT_NONE || stop != RL_EXIT_NONE) {
+      rl_mark_exited(ctx, late != RL_EXIT_NONE ? late : stop);
+      break;
+    }
+    // 2. the critical phase: the last step's samples in, the next step's layout out
+    uint32_t built = sched_critical(ctx, sh);
+    // 3. hand that step to compute
+    if (built == RL_STEP_RUN) {
+      rl_fence_device();
+      RL_SYNC();
+      if (RL_LEADER) rl_store_turn(ctx.turn, RL_TURN_COMPUTE);
+    }
+    // 4. the overlapped phase, beside the step: aborts, SQ drain, CQ events, admission, mirror
+    uint32_t next = sched_overlapped(ctx, sh, built == RL_STEP_RUN);
+    if (next == RL_STEP_SHUTDOWN) {
+      stop = sh->u[RL_SH_STOP];
+      if (built != RL_STEP_RUN) {  // no step out: exit now
+        rl_mark_exited(ctx, stop);
+        break;
+      }
+      continue;  // exit once the step in flight hands the turn back (or the grace runs out)
+    }
+    // 5. nothing out and nothing to do: back off before polling the host rings again
+    if (built != RL_STEP_RUN && next == RL_STEP_IDLE && RL_LEADER) rl_pause_idle();
+    RL_SYNC();
+  }
+  // The step graph's wait ends on EXIT (or on state EXITED, whichever it sees first).
+  if (RL_LEADER) rl_store_turn(ctx.turn, RL_TURN_EXIT);
+}
+
+// The step graph's wait: returns RL_TURN_COMPUTE when the scheduler hands over a step, or
+// RL_TURN_EXIT when the loop must end: the scheduler wrote EXIT, or no scheduler is left to
+// write it (state EXITED or FAILED, or shutdown while the scheduler is not RUNNING, as when its
+// launch failed).  It spins within ~64 ns while the scheduler is busy (a step is coming) and
+// backs off to ~1 us only while the scheduler reports idle.
+RL_FN uint32_t rl_wait_for_step(const RlContext& ctx) {
+  uint32_t round = 0;
+  for (;;) {
+    uint32_t turn = rl_load_turn(ctx.turn);
+    if (turn != RL_TURN_SCHED) return turn;
+    if ((++round % RL_STOP_POLL_ROUNDS) == 0) {
+      uint32_t state = rl_load_acquire(&ctx.ctl->state);
+      if (state == RL_STATE_EXITED || state == RL_STATE_FAILED ||
+          (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown)))
+        return RL_TURN_EXIT;
+    }
+    if (*(volatile uint32_t*)&ctx.sched->idle)
+      rl_pause_idle();
+    else
+      rl_pause_expecting();
+  }
+}
+
+// The SWITCH branch of the step the scheduler handed over: its bucket's index, or n_buckets
+// (no branch runs) when the turn is not COMPUTE.
+RL_FN uint32_t rl_step_branch(const RlContext& ctx, uint32_t turn) {
+  const RlConfig& cfg = *ctx.cfg;
+  if (turn != RL_TURN_COMPUTE) return cfg.n_buckets;
+  uint32_t bucket = ctx.step->bucket;
+  for (uint32_t b = 0; b < cfg.n_buckets; ++b)
+    if (cfg.buckets[b] == bucket) return b;
+  return cfg.n_buckets;
+}
+
+// The step's start and end on the device timeline.
+RL_FN void rl_stamp_step(const RlContext& ctx, uint32_t field) {
+  const RlConfig& cfg = *ctx.cfg;
+  ctx.trace[(ctx.step->seq & (cfg.trace_len - 1)) * RL_TRACE_FIELDS + field] = rl_now_ns();
+}
+
+// Hands the turn back once the step has written next_token.  It never ends the loop itself:
+// only the wait does, on the scheduler's EXIT, so a stop that lands mid-step cannot leave the
+// scheduler holding a built step that nobody will run.
+RL_FN void rl_signal_step_done(const RlContext& ctx) {
+  if (rl_load_turn(ctx.turn) != RL_TURN_COMPUTE) return;  // exit path: the wait already ended
+  rl_stamp_step(ctx, RL_TRACE_STEP_END);
+  rl_fence_device();
+  rl_store_turn(ctx.turn, RL_TURN_SCHED);
+}

@@ -1,0 +1,152 @@
+"""The persistent kernel's own loop (device/sched/sched_loop.h), run by the CPU build on host
+threads: one thread is the scheduler block, another stands in for the step graph (its wait,
+begin and signal nodes, with a stand-in sampler).  So the hand-over, the stop, the deadline and
+every failure path that must end the step graph's wait are tested as the GPU runs them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from device.backends.device_timeline import timeline_summary
+from ipc import layout
+from ipc.rings import RingConfig
+from tests.conftest import wait_until
+from tests.sched_driver import Driver, scheduler, token_for
+
+CFG = RingConfig(
+    n_slots=4,
+    max_ctx=128,
+    token_budget=16,
+    sq_size=16,
+    cq_size=256,
+    arena_size=1024,
+    pending_cap=32,
+    buckets=(1, 2, 4, 8, 16),
+)
+
+
+class StepGraphStandIn(threading.Thread):
+    """What the resident launch graph does per WHILE iteration: wait for the turn, begin, the
+    step (a stand-in sampler writes next_token), signal; ends when the wait says EXIT.
+    hold_turn: after this many steps, take the turn and never hand it back (a hung step)."""
+
+    def __init__(self, d: Driver, hold_turn: int | None = None):
+        super().__init__(daemon=True)
+        self.d, self.hold_turn = d, hold_turn
+        self.steps, self.branches, self.exit_seen = 0, [], False
+
+    def run(self) -> None:
+        ctx, a = self.d.mem.context_address, self.d.a
+        while True:
+            turn, branch = scheduler().step_wait(ctx)
+            if turn == layout.Turn.EXIT:
+                self.exit_seen = True
+                return
+            assert turn == layout.Turn.COMPUTE
+            self.branches.append(branch)
+            if self.hold_turn is not None and self.steps >= self.hold_turn:
+                return  # keeps COMPUTE: the scheduler never gets its turn back
+            scheduler().step_begin(ctx)
+            ns = int(a["step"][0]["n_samples"])
+            for q in range(ns):
+                s = int(a["sample_slot"][q])
+                handle = int(a["slots"][s]["handle"])
+                a["next_token"][s] = token_for(handle, int(a["sample_counter"][q]))
+            self.steps += 1
+            scheduler().step_signal(ctx)
+
+
+def start_loop(d: Driver) -> threading.Thread:
+    loop = threading.Thread(target=scheduler().persistent, args=(d.mem.context_address,), daemon=True)
+    loop.start()  # ctypes releases the GIL for the loop's whole life
+    return loop
+
+
+def ctl(d: Driver):
+    return d.a["ctl"][0]
+
+
+def test_the_kernel_loop_serves_requests_and_stops_on_shutdown():
+    d = Driver(CFG)
+    ctl(d)["stop_grace_ns"] = 2_000_000_000
+    loop, graph = start_loop(d), StepGraphStandIn(d)
+    graph.start()
+    wait_until(lambda: int(ctl(d)["state"]) == layout.SchedulerState.RUNNING, 5)
+    handles = [d.submit(np.arange(1, 2 + 3 * i), 5 + i) for i in range(6)]
+    d.rings.submissions.publish()
+    wait_until(lambda: d.drain_cq() >= 0 and all(d.records[h].done for h in handles), 20)
+    for h in handles:
+        rec = d.records[h]
+        assert rec.done == [layout.Finish.LENGTH] and len(rec.tokens) == rec.max_tokens
+        assert rec.tokens == [token_for(h, i) for i in range(rec.max_tokens)]
+    d.rings.request_shutdown()
+    loop.join(5)
+    graph.join(5)
+    assert not loop.is_alive() and not graph.is_alive() and graph.exit_seen
+    assert int(ctl(d)["state"]) == layout.SchedulerState.EXITED
+    assert int(ctl(d)["exit_reason"]) == layout.ExitReason.SHUTDOWN
+    assert int(d.a["turn"][0]) == layout.Turn.EXIT
+    assert set(graph.branches) <= set(range(len(CFG.buckets)))  # every step had its bucket
+    summary = timeline_summary(d.a["trace"].reshape(-1, layout.TRACE_FIELDS))
+    assert summary["step_us_p50"] >= 0 and graph.steps >= max(5 + i for i in range(6))
+
+
+def test_a_failed_init_writes_exit_so_a_launched_step_graph_ends():
+    d = Driver(CFG)
+    d.a["cfg"][0]["magic"] = 0  # the scheduler rejects its configuration
+    graph = StepGraphStandIn(d)
+    graph.start()  # the graph is launched first, as CudaBackend.start does
+    loop = start_loop(d)
+    loop.join(5)
+    graph.join(5)
+    assert not loop.is_alive() and not graph.is_alive() and graph.exit_seen and graph.steps == 0
+    assert int(ctl(d)["state"]) == layout.SchedulerState.FAILED
+    assert int(ctl(d)["error_code"]) == layout.InitError.BAD_MAGIC
+    assert int(d.a["turn"][0]) == layout.Turn.EXIT
+
+
+@pytest.mark.parametrize(
+    "state,shutdown,ends",
+    [
+        (layout.SchedulerState.FAILED, 0, True),  # a scheduler that failed without writing EXIT
+        (layout.SchedulerState.EXITED, 0, True),
+        (layout.SchedulerState.INIT, 1, True),  # its launch failed, and the host asked to stop
+        (layout.SchedulerState.INIT, 0, False),  # it may still start
+        (layout.SchedulerState.RUNNING, 1, False),  # it will answer with EXIT itself
+    ],
+)
+def test_the_step_wait_ends_when_no_scheduler_is_left_to_answer(state, shutdown, ends):
+    d = Driver(CFG)
+    ctl(d)["state"] = state
+    ctl(d)["shutdown"] = shutdown
+    graph = StepGraphStandIn(d)
+    graph.start()
+    graph.join(5 if ends else 0.5)
+    assert graph.is_alive() is not ends
+    if not ends:  # the turn still ends it: the scheduler's EXIT
+        d.a["turn"][0] = layout.Turn.EXIT
+        graph.join(5)
+        assert not graph.is_alive()
+    assert graph.exit_seen and graph.steps == 0
+
+
+def test_a_step_that_keeps_the_turn_past_the_grace_ends_the_loop_with_deadline():
+    d = Driver(CFG)
+    ctl(d)["stop_grace_ns"] = 50_000_000  # 50 ms
+    loop, graph = start_loop(d), StepGraphStandIn(d, hold_turn=2)
+    graph.start()
+    d.submit(np.arange(1, 4), 50)
+    d.rings.submissions.publish()
+    graph.join(10)  # took the third step and kept it
+    assert not graph.is_alive() and graph.steps == 2 and int(d.a["turn"][0]) == layout.Turn.COMPUTE
+    t0 = time.monotonic()
+    d.rings.request_shutdown()
+    loop.join(5)
+    assert not loop.is_alive() and time.monotonic() - t0 >= 0.05
+    assert int(ctl(d)["exit_reason"]) == layout.ExitReason.DEADLINE
+    assert int(ctl(d)["state"]) == layout.SchedulerState.EXITED
+    assert int(d.a["turn"][0]) == layout.Turn.EXIT
