@@ -1,25 +1,43 @@
 """Where every Triton kernel of the model step is launched, so the launches can be counted.
 
 `launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)`. While a
-`LaunchRecorder` is installed (bench/step_kernels.py, tests), the launch is recorded by the
-kernel's name instead: a step can then be walked on the meta device, where no kernel can run,
-and its aten operators and Triton launches counted together without a GPU.
+`LaunchRecorder` is installed (bench/step_kernels.py, bench/triton_aot.py, tests), the launch is
+recorded by the kernel's name instead: a step can then be walked on the meta device, where no
+kernel can run, and its aten operators and Triton launches counted together without a GPU.
+A recorder given `on_launch` also hands each launch over whole (kernel object, grid, args,
+meta), which is what bench/triton_aot.py needs to derive the specialization Triton would
+compile for it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 _recorder: LaunchRecorder | None = None
 
+Grid = Sequence[int] | Callable[..., Sequence[int]]
+
+
+class Launch(NamedTuple):
+    """One recorded launch, as `launch` received it."""
+
+    kernel: Any  # the JITFunction (or InterpretedFunction under TRITON_INTERPRET=1)
+    grid: Grid
+    args: tuple[Any, ...]
+    meta: dict[str, Any]  # constexpr keywords and launch options (num_warps, ...)
+
 
 class LaunchRecorder:
-    """Counts Triton launches by kernel name while installed (a context manager; not nested)."""
+    """Counts Triton launches by kernel name while installed (a context manager; not nested).
 
-    def __init__(self) -> None:
+    on_launch: called with every Launch as well, in launch order (after it is counted).
+    """
+
+    def __init__(self, on_launch: Callable[[Launch], None] | None = None) -> None:
         self.counts: Counter[str] = Counter()
+        self.on_launch = on_launch
 
     def __enter__(self) -> LaunchRecorder:
         global _recorder
@@ -38,9 +56,11 @@ def kernel_name(kernel: Any) -> str:
     return getattr(fn, "__name__", type(kernel).__name__)
 
 
-def launch(kernel: Any, grid: Sequence[int] | Callable[..., Sequence[int]], *args: Any, **meta: Any) -> None:
+def launch(kernel: Any, grid: Grid, *args: Any, **meta: Any) -> None:
     """kernel[grid](*args, **meta), or only recorded while a LaunchRecorder is installed."""
     if _recorder is not None:
         _recorder.counts[kernel_name(kernel)] += 1
+        if _recorder.on_launch is not None:
+            _recorder.on_launch(Launch(kernel, grid, args, meta))
         return
     kernel[grid](*args, **meta)
