@@ -1,16 +1,38 @@
 #!/usr/bin/env python3
-"""The staged bring-up of the CUDA path on a GPU machine, in one command.
+"""The staged bring-up of the CUDA path on a GPU machine: two runs, value first.
 
-    python3 bench/gpu_bringup.py --wheels .whl --out OUT --pack
+    python3 bench/gpu_bringup.py --wheels .whl --out OUT --run A
+    python3 bench/gpu_bringup.py --wheels .whl --out OUT --run B --previous A/bringup.json
 
-Stages run in a fixed order (cheapest and most basic first, as the static review of the CUDA
-path advised), each in its own process group under a hard kill timeout; a stage whose `needs`
-did not pass is skipped, every other stage runs whatever failed before it.  OUT/bringup.json (per stage: status, seconds, key
-figures, the tail of its log) and OUT/bringup.log (every log in full) are rewritten after each
-stage, so a run cut short keeps what it learned.
+A device call of this workplace runs at most 600 s and brings back at most 8 files, so the
+bring-up is two runs (A: env, module, graphs, roofline, the resident backend and the bubble; B:
+host and pump backends, perf, the device tests left over, three gpu_limits probes), each with
+stage timeouts summing to at most 540 s and a wall-clock budget (`--budget-s`, default 540) that
+the runner's own work (wheel install, versions, packing) counts against too: a stage gets
+min(its timeout, the budget left) and is skipped as out of time when that is under
+min(30 s, its timeout).
 
-This process never imports torch or touches CUDA: a persistent kernel that will not stop can
-hang its own stage's process, never the runner.  Without a GPU it says so and exits 0.
+Stages run in a fixed order, each in its own process group under a hard kill timeout; a stage
+whose `needs` did not pass (in this run, or in the `--previous` run's records) is skipped, every
+other stage runs whatever failed before it.  Each stage gets RL_BRINGUP_TIMEOUT_S (the timeout
+it was given), RL_BRINGUP_RESULT (where to write its key figures) and the argv placeholders
+{py}, {dir} (its working folder) and {run_budget_s} (max(10, timeout - 20): a persistent kernel
+the stage leaves behind ends itself before the stage is killed).
+
+Stage working folders live OUTSIDE OUT, in the work folder (`--work`; default OUT's sibling
+`<OUT>.work`, or a fresh temp folder when that cannot be made).  After every stage the runner
+rewrites OUT/bringup.json (per stage: status, seconds, key figures, the tail of its log; the
+versions; what the archive left out), OUT/bringup.log (every log of this run) and
+OUT/artifacts.tar.gz (every stage folder of this run, files over 20 MB left out), each written
+under a temporary name in the work folder and moved in with os.replace.  So OUT holds at most
+those three files at any instant, and a runner killed at the device limit still returns
+everything finished before the kill.  (`--pack` is accepted and does nothing: packing always
+happens.)
+
+Its first line of output is the versions line (NVRTC, driver, cuda-bindings, torch, triton),
+found in a subprocess: this process never imports torch or touches CUDA, so a persistent kernel
+that will not stop can hang its own stage's process, never the runner.  Without a GPU it says so
+and exits 0.
 """
 
 from __future__ import annotations
@@ -19,10 +41,12 @@ import argparse
 import datetime as dt
 import fnmatch
 import glob
+import importlib.util
 import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,23 +54,55 @@ import tarfile
 import tempfile
 import threading
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "ringleader.bringup/1"
-EAGER = {"CUDA_MODULE_LOADING": "EAGER"}  # no lazy loading beside a spinning kernel on a first run
-TEST_FILES = "tests/test_gpu_*.py"
+# No lazy module loading beside a spinning kernel on a first run, and 32 hardware queues so no
+# stream lands behind the never-ending persistent-kernel launch.
+DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+RUNS = ("A", "B")
+RUN_LIMIT_S = 540.0  # each run's stage timeouts sum to at most this (a device call: 600 s)
 LOG_TAIL = 4000
+LOG_IN_FULL = 2_000_000  # characters of one stage's log in bringup.log (head and tail kept)
+TAR_FILE_LIMIT = 20_000_000  # bytes: a bigger file stays out of artifacts.tar.gz
+TAR_LIMIT = 15 * 2**20  # bytes: the device tool brings back files of up to 16 MiB
+VERSIONS_TIMEOUT_S = 30.0
+
+# The tests stage: the GPU-only tests no other stage already runs, in one pytest process.
+# test_gpu_free_while_the_kernel_runs comes last: cudaFree may legitimately hang beside a
+# persistent kernel (pytest-timeout then ends the process, and nothing after it would run).
+TESTS_STAGE_NODES = (
+    "tests/test_gguf_quants.py::test_cuda_decode_matches_reference_bitwise",
+    "tests/test_gpu_backend.py::test_gpu_256_streams_each_get_one_done",
+    "tests/test_gpu_backend.py::test_gpu_allocation_while_the_kernel_runs",
+    "tests/test_gpu_backend.py::test_gpu_kernel_that_ends_on_its_own_becomes_engine_dead",
+    "tests/test_gpu_backend.py::test_gpu_abort_and_shutdown_in_flight",
+    "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs",
+)
+# Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this
+# table and TESTS_STAGE_NODES against the GPU-only tests pytest collects).
+COVERED_BY_STAGE = {
+    "tests/test_gpu_graphs.py::test_the_scheduler_module_loads_with_every_kernel": "module",
+    "tests/test_gpu_graphs.py::test_captured_graphs_match_the_eager_step[float32]": "graphs-fp32",
+    "tests/test_gpu_graphs.py::test_captured_graphs_match_the_eager_step[bfloat16]": "graphs-bf16",
+    "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[device-resident]": "backend-resident",
+    "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[device-pump]": "backend-pump",
+    "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[host-loop]": "backend-host",
+    "tests/test_gpu_limits_build.py::test_quick_probe_on_gpu": "gpu-limits",
+}
 
 
 @dataclass
 class Stage:
     name: str
     argv: list[str]
-    timeout: float
+    timeout_s: float
     needs: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    run: str = "A"
 
 
 @dataclass
@@ -60,106 +116,80 @@ class StageResult:
     reason: str | None = None
     figures: dict | None = None
     log_tail: str = ""
+    run: str | None = None
+    timeout_s: float | None = None  # the timeout it was given (the budget may cut it)
+
+
+def tests_stage_argv() -> list[str]:
+    argv = ["{py}", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--junitxml", "{dir}/junit.xml"]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # on the GPU image; maybe not here
+        argv += ["--timeout", "45", "--timeout-method", "thread"]  # a stuck CUDA call ends the process
+    return argv + list(TESTS_STAGE_NODES)
 
 
 def builtin_stages() -> list[Stage]:
     checks = ["{py}", "-m", "bench.bringup_checks"]
+    budget = ["--server-arg=--run-budget-s", "--server-arg={run_budget_s}"]
+    bench = ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda", "--model", "llama-1b"]
+    lengths = ["--input-len", "128", "--output-len", "128", "--ignore-eos", "--no-plots"]
+
+    def bubble(c: int, n: int) -> Stage:  # resident mode at c streams, with its raw device timeline
+        argv = bench + ["--compare", "device", "--launch", "resident", "--concurrency", str(c)]
+        argv += ["--requests", str(n), *lengths, "--server-arg=--trace"]
+        argv += ["--server-arg={dir}/device-trace.json", *budget, "--out", "{dir}"]
+        return Stage(f"bubble-c{c}", argv, 80, ("backend-resident",), dict(DEVICE_ENV), "A")
+
+    def stage(name, argv, timeout, needs=(), run="A") -> Stage:
+        return Stage(name, argv, timeout, tuple(needs), dict(DEVICE_ENV), run)
+
     return [
-        Stage("env", ["{py}", "-m", "hostctl.cli", "doctor", "--json", "{dir}/doctor.json"], 180),
-        Stage("probe", ["{py}", "-m", "bench.gpu_limits", "--quick", "--out-dir", "{dir}"], 420),
-        Stage("module", checks + ["module"], 120, env=EAGER),
-        Stage("graphs-fp32", checks + ["graphs", "--dtype", "float32"], 300, env=EAGER),
-        Stage("graphs-bf16", checks + ["graphs", "--dtype", "bfloat16"], 300, env=EAGER),
+        # ---- run A: does the device path run at all, and what is its bubble -----------------
+        stage("env", ["{py}", "-m", "hostctl.cli", "doctor", "--json", "{dir}/doctor.json"], 30),
+        stage("module", checks + ["module"], 30),
+        stage("graphs-fp32", checks + ["graphs", "--dtype", "float32"], 60),
+        # llama-1b bf16 step graphs, and the resident launch graph instantiated around them
+        stage("graphs-bf16", checks + ["graphs", "--dtype", "bfloat16", "--embed", "llama-1b"], 100),
         # llama-1b bf16 decode steps (1 and 32 rows) against the memory roofline
-        Stage(
+        stage(
             "roofline",
             ["{py}", "-m", "bench.roofline", "--model", "llama-1b", "--rows", "1,32", "--ctx", "512"]
             + ["--json", "{dir}/result.json"],
-            300,
-            ("graphs-bf16",),
-            EAGER,
+            40,
+            ["graphs-bf16"],
         ),
-        Stage("backend-host", checks + ["backend", "--scheduler", "host"], 240, ("graphs-fp32",), EAGER),
-        Stage(
+        stage(
             "backend-resident",
             checks + ["backend", "--scheduler", "device", "--launch", "resident"],
-            240,
-            ("module", "graphs-fp32"),
-            EAGER,
+            120,
+            ["module", "graphs-fp32"],
         ),
-        Stage(
+        bubble(1, 16),
+        bubble(64, 128),
+        # ---- run B: the other modes, device vs host, the tests left over, three probes -------
+        stage("backend-host", checks + ["backend", "--scheduler", "host"], 110, ["graphs-fp32"], "B"),
+        stage(
+            "perf",
+            bench
+            + ["--compare", "device,host", "--concurrency", "1,32", "--requests", "64", *lengths]
+            + [*budget, "--out", "{dir}"],
+            150,
+            ["backend-host", "backend-resident"],
+            "B",
+        ),
+        stage(
             "backend-pump",
             checks + ["backend", "--scheduler", "device", "--launch", "pump"],
-            240,
-            ("module", "graphs-fp32"),
-            EAGER,
+            110,
+            ["module", "graphs-fp32"],
+            "B",
         ),
-        Stage("tests", [], 240, ("graphs-fp32",)),  # expands into one stage per GPU test
-        # the bubble at 1 and 64 streams, resident mode, each with its raw device timeline
-        *(
-            Stage(
-                f"bubble-c{c}",
-                [
-                    "{py}",
-                    "-m",
-                    "hostctl.cli",
-                    "bench",
-                    "--device",
-                    "cuda",
-                    "--model",
-                    "llama-1b",
-                    "--compare",
-                    "device",
-                    "--launch",
-                    "resident",
-                    "--concurrency",
-                    str(c),
-                    "--requests",
-                    str(n),
-                    "--input-len",
-                    "128",
-                    "--output-len",
-                    "128",
-                    "--ignore-eos",
-                    "--no-plots",
-                    "--server-arg=--trace",
-                    "--server-arg={dir}/device-trace.json",
-                    "--out",
-                    "{dir}",
-                ],
-                300,
-                ("backend-resident",),
-            )
-            for c, n in ((1, 16), (64, 128))
-        ),
-        Stage(
-            "perf",
-            [
-                "{py}",
-                "-m",
-                "hostctl.cli",
-                "bench",
-                "--device",
-                "cuda",
-                "--model",
-                "llama-1b",
-                "--compare",
-                "device,host",
-                "--concurrency",
-                "1,32",
-                "--requests",
-                "64",
-                "--input-len",
-                "128",
-                "--output-len",
-                "128",
-                "--ignore-eos",
-                "--no-plots",
-                "--out",
-                "{dir}",
-            ],
-            540,
-            ("backend-host", "backend-resident"),
+        stage("tests", tests_stage_argv(), 110, ["graphs-fp32"], "B"),
+        stage(
+            "gpu-limits",
+            ["{py}", "-m", "bench.gpu_limits", "--quick", "--only", "2,3,5", "--max-seconds", "50"]
+            + ["--out-dir", "{dir}"],
+            60,
+            run="B",
         ),
     ]
 
@@ -170,17 +200,31 @@ def load_stages(path: str | None) -> list[Stage]:
     rows = json.loads(Path(path).read_text())
     return [
         Stage(
-            r["name"], list(r["argv"]), float(r["timeout"]), tuple(r.get("needs", ())), dict(r.get("env", {}))
+            r["name"],
+            list(r["argv"]),
+            float(r["timeout_s"] if "timeout_s" in r else r["timeout"]),
+            tuple(r.get("needs", ())),
+            dict(r.get("env", {})),
+            str(r.get("run", "A")),
         )
         for r in rows
     ]
 
 
-def select(stages: list[Stage], only: list[str], skip: list[str]) -> list[Stage]:
-    def hit(name, patterns):  # "tests*" also selects the tests::<node> stages it expands into
+def select(stages: list[Stage], run: str | None, only: list[str], skip: list[str]) -> list[Stage]:
+    def hit(name, patterns):
         return any(fnmatch.fnmatch(name, p) for p in patterns)
 
-    return [s for s in stages if (not only or hit(s.name, only)) and not hit(s.name, skip)]
+    return [
+        s
+        for s in stages
+        if (run is None or s.run == run) and (not only or hit(s.name, only)) and not hit(s.name, skip)
+    ]
+
+
+def run_totals(stages: list[Stage]) -> dict:
+    runs = sorted({s.run for s in stages})
+    return {r: sum(s.timeout_s for s in stages if s.run == r) for r in runs}
 
 
 def has_gpu() -> bool:
@@ -201,9 +245,95 @@ def git_rev() -> str | None:
         return None
 
 
+# ---- versions, found in a child process (no torch, no CUDA context here) ----------------------
+VERSIONS_CODE = r"""
+import ctypes, importlib.metadata as md, json, subprocess
+out = {}
+def dist(*names):
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            pass
+    return None
+out["torch"] = dist("torch")
+out["triton"] = dist("triton")
+out["cuda-bindings"] = dist("cuda-bindings")
+out["nvidia-cuda-nvrtc"] = dist("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12")
+try:
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    lib = load_nvidia_dynamic_lib("nvrtc")
+    path = getattr(lib, "abs_path", None)
+    so = None
+    for name in [path] if path else ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]:
+        try:
+            so = ctypes.CDLL(name)
+            path = path or name
+            break
+        except OSError:
+            pass
+    out["nvrtc_path"] = path
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if so is not None and so.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
+        out["nvrtc"] = "%d.%d" % (major.value, minor.value)
+except Exception as exc:
+    out["nvrtc_error"] = repr(exc)[:300]
+try:
+    r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                       capture_output=True, text=True, timeout=15)
+    first = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    if first:
+        driver, _, name = first.partition(",")
+        out["driver"], out["gpu"] = driver.strip() or None, name.strip() or None
+except Exception as exc:
+    out["nvidia_smi_error"] = repr(exc)[:300]
+try:
+    cu = ctypes.CDLL("libcuda.so.1")
+    v = ctypes.c_int()
+    if cu.cuDriverGetVersion(ctypes.byref(v)) == 0:  # needs no cuInit
+        out["driver_cuda"] = "%d.%d" % (v.value // 1000, (v.value % 1000) // 10)
+except Exception as exc:
+    out["libcuda_error"] = repr(exc)[:300]
+print("RL_VERSIONS " + json.dumps(out))
+"""
+
+
+def find_versions(env: dict) -> dict:
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", VERSIONS_CODE],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=VERSIONS_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"the versions probe ran past {VERSIONS_TIMEOUT_S:.0f} s"}
+    except OSError as exc:
+        return {"error": repr(exc)}
+    for line in r.stdout.splitlines():
+        if line.startswith("RL_VERSIONS "):
+            try:
+                return json.loads(line[len("RL_VERSIONS ") :])
+            except ValueError:
+                break
+    return {"error": f"exit code {r.returncode}: {(r.stdout + r.stderr)[-500:]}"}
+
+
+def versions_line(v: dict) -> str:
+    def g(k):
+        return v.get(k) or "none"
+
+    return (
+        f"versions: nvrtc {g('nvrtc')} ({g('nvrtc_path')}), driver {g('driver')} (CUDA {g('driver_cuda')}), "
+        f"cuda-bindings {g('cuda-bindings')}, torch {g('torch')}, triton {g('triton')}"
+    )
+
+
 # ---- figures a stage leaves behind -------------------------------------------------------------
 def probe_figures(stage_dir: Path) -> dict | None:
-    """Per-probe status from the gpu_limits JSON the probe stage wrote."""
+    """Per-probe status from the gpu_limits JSON the gpu-limits stage wrote."""
     files = sorted(glob.glob(str(stage_dir / "*gpu-limits*.json")))
     if not files:
         return None
@@ -252,6 +382,26 @@ def perf_figures(stage_dir: Path) -> dict | None:
     return out or None
 
 
+def junit_figures(path: Path) -> dict | None:
+    """Counts and each test's outcome from a pytest --junitxml file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    tests = {}
+    for case in root.iter("testcase"):
+        module = (case.get("classname") or "").replace(".", "/")
+        node = f"{module}.py::{case.get('name')}" if module else str(case.get("name"))
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if case.find(tag) is not None:
+                outcome = "failed" if tag == "failure" else tag
+                break
+        tests[node] = outcome
+    counts = {k: sum(1 for o in tests.values() if o == k) for k in ("passed", "failed", "error", "skipped")}
+    return {**counts, "tests": tests}
+
+
 def stage_figures(stage: Stage, stage_dir: Path, log_tail: str) -> dict | None:
     result = stage_dir / "result.json"
     if result.exists():
@@ -261,13 +411,16 @@ def stage_figures(stage: Stage, stage_dir: Path, log_tail: str) -> dict | None:
                 return doc
         except ValueError:
             pass
-    if stage.name == "probe":
+    if stage.name == "gpu-limits":
         return probe_figures(stage_dir)
     if stage.name == "perf" or stage.name.startswith("bubble-"):
         return perf_figures(stage_dir)
-    if stage.name.startswith("tests::"):
-        lines = [ln for ln in log_tail.splitlines() if ln.strip()]
-        return {"outcome": lines[-1] if lines else ""}
+    if stage.name == "tests":
+        figures = junit_figures(stage_dir / "junit.xml")
+        if figures is None:  # no junit.xml: pytest-timeout ended the process, say
+            lines = [ln for ln in log_tail.splitlines() if ln.strip()]
+            figures = {"outcome": lines[-1] if lines else ""}
+        return figures
     return None
 
 
@@ -276,6 +429,7 @@ class Runner:
     def __init__(
         self,
         out: Path,
+        work: Path,
         stages: list[Stage],
         *,
         budget_s: float,
@@ -283,16 +437,31 @@ class Runner:
         previous: list[dict],
         pythonpath: list[str],
         argv: list[str],
+        started: float,
+        run: str | None = None,
     ):
-        self.out, self.stages = out, stages
+        self.out, self.work, self.stages = out, work, stages
         self.budget_s, self.scale = budget_s, timeout_scale
-        self.started = time.monotonic()
+        self.started = started  # time.monotonic() when main() began: its own work counts too
         self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.previous = {r["name"]: r for r in previous}
         self.results: list[StageResult] = []
         self.pythonpath = pythonpath
         self.argv = argv
+        self.run_name = run
+        self.versions: dict = {}
+        self.left_out: list[dict] = []
+        self.running: dict | None = None
         self.current: subprocess.Popen | None = None
+        self.git_rev = git_rev()
+        self.writes = 0
+        # temporary files go where os.replace can move them into OUT: the work folder when it
+        # shares OUT's file system (OUT then never holds a fourth file), else OUT itself
+        same_fs = os.stat(work).st_dev == os.stat(out).st_dev
+        self.tmp_dir = work if same_fs else out
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
 
     # which stages passed, counting an earlier call's records (--previous)
     def passed(self, name: str) -> bool:
@@ -302,80 +471,65 @@ class Runner:
         return self.previous.get(name, {}).get("status") == "passed"
 
     def run(self) -> int:
+        self.write(pack=False)
         for stage in self.stages:
-            for s in self.expand_tests(stage) if stage.name == "tests" and not stage.argv else [stage]:
-                self.results.append(self.run_stage(s))
-                self.write()
-        self.write()
+            res = self.run_stage(stage)
+            self.results.append(res)
+            self.write(pack=res.status != "skipped")
         print_table(self.results)
         bad = [r for r in self.results if r.status != "passed"]
         return 1 if bad else 0
 
-    def expand_tests(self, stage: Stage) -> list[Stage]:
-        files = sorted(str(Path(p).relative_to(REPO)) for p in glob.glob(str(REPO / TEST_FILES)))
-        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
-        try:
-            r = subprocess.run(cmd, cwd=REPO, env=self.env({}), capture_output=True, text=True, timeout=120)
-            nodes = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
-        except subprocess.TimeoutExpired:
-            nodes = []
-        if not nodes:
-            return [
-                Stage(
-                    "tests",
-                    [sys.executable, "-m", "pytest", "-q", *files],
-                    stage.timeout * 4,
-                    stage.needs,
-                    stage.env,
-                )
-            ]
-        return [
-            Stage(
-                f"tests::{n}",
-                ["{py}", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", n],
-                stage.timeout,
-                stage.needs,
-                stage.env,
-            )
-            for n in nodes
-        ]
-
-    def env(self, extra: dict, result_path: Path | None = None) -> dict:
+    def env(self, extra: dict) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
         env["PYTHONPATH"] = os.pathsep.join(
             self.pythonpath + [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
-        if result_path is not None:
-            env["RL_BRINGUP_RESULT"] = str(result_path)
         return env
 
+    def stage_dir(self, name: str) -> Path:
+        return self.work / safe_name(name)
+
     def run_stage(self, stage: Stage) -> StageResult:
-        stage_dir = self.out / safe_name(stage.name)
-        argv = [a.replace("{py}", sys.executable).replace("{dir}", str(stage_dir)) for a in stage.argv]
-        res = StageResult(stage.name, "skipped", command=shlex.join(argv), needs=stage.needs)
+        stage_dir = self.stage_dir(stage.name)
+        res = StageResult(stage.name, "skipped", needs=stage.needs, run=stage.run)
+        res.command = shlex.join(expand(stage.argv, stage_dir, stage.timeout_s * self.scale))
         missing = [n for n in stage.needs if not self.passed(n)]
         if missing:
             res.reason = "needs " + ", ".join(missing) + ", which did not pass"
             return self.announce(res)
-        left = self.budget_s - (time.monotonic() - self.started)
-        timeout = min(stage.timeout * self.scale, left)
-        if timeout < min(30.0, stage.timeout * self.scale):
+        left = self.left()
+        timeout = min(stage.timeout_s * self.scale, left)
+        if timeout < min(30.0, stage.timeout_s * self.scale):
             res.reason = f"out of time: {max(0.0, left):.0f} s of the run's budget left"
             return self.announce(res)
+        res.timeout_s = round(timeout, 1)
+        argv = expand(stage.argv, stage_dir, timeout)
+        res.command = shlex.join(argv)
+        if stage_dir.exists():
+            shutil.rmtree(stage_dir, ignore_errors=True)
         stage_dir.mkdir(parents=True, exist_ok=True)
         log_path = stage_dir / "stage.log"
         print(f"=== {stage.name}: {res.command} (timeout {timeout:.0f} s)", flush=True)
+        self.running = {"name": stage.name, "timeout_s": res.timeout_s, "started": now_iso()}
+        self.write(pack=False)  # a kill during this stage still leaves its name in bringup.json
+        env = self.env(stage.env)
+        env["RL_BRINGUP_RESULT"] = str(stage_dir / "result.json")
+        env["RL_BRINGUP_TIMEOUT_S"] = num(res.timeout_s)
+        # a process group of its own (killpg reaches everything it starts), in this session, so
+        # whoever ends this runner's session ends a stage left behind too
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         t0 = time.monotonic()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 argv,
                 cwd=REPO,
-                env=self.env(stage.env, stage_dir / "result.json"),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
                 text=True,
                 errors="replace",
+                **group,
             )
             self.current = proc
             tee = threading.Thread(target=copy_lines, args=(proc.stdout, log, stage.name), daemon=True)
@@ -390,6 +544,7 @@ class Runner:
                 res.status, res.reason = "timeout", f"killed after {timeout:.0f} s"
             finally:
                 self.current = None
+                self.running = None
             tee.join(timeout=10)
         res.seconds = round(time.monotonic() - t0, 2)
         res.log_tail = log_path.read_text(errors="replace")[-LOG_TAIL:]
@@ -407,12 +562,33 @@ class Runner:
     def interrupt(self) -> None:
         """SIGINT/SIGTERM: kill the running stage's group, record it, write what there is."""
         proc = self.current
+        name = (self.running or {}).get("name")
         if proc is not None:
             kill_group(proc)
-        self.results.append(StageResult("interrupted", "killed", reason="the runner was signalled"))
-        self.write()
+        self.running = None
+        self.results.append(
+            StageResult(
+                name or "interrupted",
+                "killed",
+                reason="the runner was signalled" + ("" if name else " between stages"),
+                run=self.run_name,
+            )
+        )
+        self.write(pack=True)
 
-    def write(self) -> None:
+    # ---- OUT: bringup.json, bringup.log, artifacts.tar.gz, each replaced whole ----------------
+    def replace_into_out(self, name: str, write) -> None:
+        # a name of its own per write: a signal handler's write never shares a file with the
+        # write it interrupted (whose late close would then land in OUT's copy)
+        self.writes += 1
+        tmp = self.tmp_dir / f".{name}.{os.getpid()}.{self.writes}.tmp"
+        write(tmp)
+        os.replace(tmp, self.out / name)
+
+    def write(self, pack: bool) -> None:
+        if pack:
+            self.replace_into_out("artifacts.tar.gz", self.pack)
+            self.replace_into_out("bringup.log", self.write_log)
         mine = {r.name for r in self.results}
         carried = [r for n, r in self.previous.items() if n not in mine]
         stages = carried + [asdict(r) for r in self.results]
@@ -422,32 +598,103 @@ class Runner:
         }
         doc = {
             "schema": SCHEMA,
+            "run": self.run_name,
             "started": self.started_at,
-            "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "finished": now_iso(),
             "seconds": round(time.monotonic() - self.started, 1),
+            "budget_s": self.budget_s,
             "host": {
                 "node": platform.node(),
                 "platform": platform.platform(),
                 "python": platform.python_version(),
             },
-            "git_rev": git_rev(),
+            "versions": self.versions,
+            "git_rev": self.git_rev,
             "argv": self.argv,
+            "work_dir": str(self.work),
+            "running": self.running,
             "stages": stages,
             "summary": summary,
+            "archive_left_out": self.left_out,
         }
-        tmp = self.out / "bringup.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=2, default=str))
-        tmp.replace(self.out / "bringup.json")
-        with open(self.out / "bringup.log", "w") as f:
+        self.replace_into_out("bringup.json", lambda p: p.write_text(json.dumps(doc, indent=2, default=str)))
+
+    def write_log(self, path: Path) -> None:
+        with open(path, "w") as f:
             for r in self.results:
                 f.write(
                     f"\n##### {r.name}: {r.status} in {r.seconds:.1f} s"
                     + (f" ({r.reason})" if r.reason else "")
                     + f"\n##### $ {r.command}\n"
                 )
-                log = self.out / safe_name(r.name) / "stage.log"
-                if log.exists():
-                    f.write(log.read_text(errors="replace"))
+                log = self.stage_dir(r.name) / "stage.log"
+                if log.exists() and r.status != "skipped":
+                    text = log.read_text(errors="replace")
+                    if len(text) > LOG_IN_FULL:
+                        cut = len(text) - LOG_IN_FULL
+                        head = LOG_IN_FULL // 20
+                        text = (
+                            text[:head]
+                            + f"\n##### [{cut} characters left out here; the whole log is in artifacts.tar.gz]\n"
+                            + text[head + cut :]
+                        )
+                    f.write(text)
+
+    def pack(self, path: Path) -> None:
+        """Every stage folder of this run, files over TAR_FILE_LIMIT left out; then, while the
+        archive is over TAR_LIMIT, the biggest file still in it left out too."""
+        files: list[tuple[Path, str]] = []
+        seen = set()
+        for r in self.results:
+            d = self.stage_dir(r.name)
+            if r.status == "skipped" or d.name in seen or not d.is_dir():
+                continue
+            seen.add(d.name)
+            for f in sorted(d.rglob("*")):
+                if f.is_file() and not f.is_symlink():
+                    files.append((f, f"{d.name}/{f.relative_to(d)}"))
+        left_out = []
+        keep = []
+        for f, arc in files:
+            size = f.stat().st_size
+            if size > TAR_FILE_LIMIT:
+                left_out.append({"path": arc, "bytes": size, "why": f"over {TAR_FILE_LIMIT} bytes"})
+            else:
+                keep.append((f, arc, size))
+        while True:
+            with tarfile.open(path, "w:gz", compresslevel=6) as tar:
+                for f, arc, _ in keep:
+                    try:
+                        tar.add(f, arcname=arc)
+                    except OSError as exc:  # vanished or unreadable: say so, go on
+                        left_out.append({"path": arc, "bytes": None, "why": repr(exc)[:200]})
+            if path.stat().st_size <= TAR_LIMIT or not keep:
+                break
+            biggest = max(keep, key=lambda k: k[2])
+            keep.remove(biggest)
+            left_out.append(
+                {"path": biggest[1], "bytes": biggest[2], "why": f"the archive was over {TAR_LIMIT} bytes"}
+            )
+        self.left_out = left_out
+
+
+def expand(argv: list[str], stage_dir: Path, timeout: float) -> list[str]:
+    run_budget = f"{max(10, int(timeout) - 20)}"
+    return [
+        a.replace("{py}", sys.executable)
+        .replace("{dir}", str(stage_dir))
+        .replace("{run_budget_s}", run_budget)
+        for a in argv
+    ]
+
+
+def num(x: float) -> str:
+    """30.0 -> "30", 37.45 -> "37.5": no exponent, no trailing zeros."""
+    return f"{x:.1f}".rstrip("0").rstrip(".")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def safe_name(name: str) -> str:
@@ -514,33 +761,63 @@ def print_table(results: list[StageResult]) -> None:
         print(f"{r.name[:50]:<50} {r.status:<9} {r.seconds:>7.1f}  {r.reason or ''}")
 
 
-def list_stages(stages: list[Stage]) -> None:
-    print(f"{'stage':<18} {'timeout':>7}  {'needs':<28} command")
+def list_stages(stages: list[Stage], as_json: bool) -> None:
+    totals = run_totals(stages)
+    if as_json:
+        rows = [
+            {
+                "name": s.name,
+                "run": s.run,
+                "timeout_s": s.timeout_s,
+                "needs": list(s.needs),
+                "argv": s.argv,
+                "env": s.env,
+            }
+            for s in stages
+        ]
+        print(json.dumps({"stages": rows, "totals": totals}, indent=2))
+        return
+    print(f"{'stage':<17} {'run':<3} {'timeout':>7}  {'needs':<30} command")
     for s in stages:
-        cmd = shlex.join(s.argv) if s.argv else f"one pytest process per test of {TEST_FILES}"
-        env = " ".join(f"{k}={v}" for k, v in s.env.items())
+        env = "" if s.env == DEVICE_ENV else " ".join(f"{k}={v}" for k, v in s.env.items())
         print(
-            f"{s.name:<18} {s.timeout:>6.0f}s  {','.join(s.needs) or '-':<28} {(env + ' ') if env else ''}{cmd}"
+            f"{s.name:<17} {s.run:<3} {s.timeout_s:>6.0f}s  {','.join(s.needs) or '-':<30} "
+            f"{(env + ' ') if env else ''}{shlex.join(s.argv)}"
         )
+    for r, total in totals.items():
+        n = sum(1 for s in stages if s.run == r)
+        print(f"run {r}: {n} stages, timeouts sum to {total:.0f} s (a run's limit: {RUN_LIMIT_S:.0f} s)")
+    device = " ".join(f"{k}={v}" for k, v in DEVICE_ENV.items())
+    print(f"every stage runs with {device} unless its line says otherwise")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="gpu_bringup.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", help="folder for bringup.json, bringup.log and each stage's files")
-    p.add_argument("--list", action="store_true", help="print the stages and exit")
-    p.add_argument("--only", default="", help="comma list of stage names or globs (tests* for the GPU tests)")
+    p.add_argument("--out", help="folder for bringup.json, bringup.log and artifacts.tar.gz (nothing else)")
+    p.add_argument("--work", help="folder for the stages' own folders (default: OUT's sibling <OUT>.work)")
+    p.add_argument("--run", choices=RUNS, help="run only this run's stages (A first, then B with --previous)")
+    p.add_argument("--list", action="store_true", help="print the stages (with --run/--only/--skip) and exit")
+    p.add_argument("--json", action="store_true", help="with --list: a JSON document")
+    p.add_argument("--only", default="", help="comma list of stage names or globs")
     p.add_argument("--skip", default="", help="comma list of stage names or globs to leave out")
     p.add_argument(
         "--previous",
         help="an earlier bringup.json: its records are kept and its passed "
-        "stages satisfy `needs` (a bring-up split across device calls)",
+        "stages satisfy `needs` (run B after run A)",
     )
-    p.add_argument("--budget-s", type=float, default=1500.0, help="whole-run wall clock (default 1500)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=RUN_LIMIT_S,
+        help=f"this invocation's wall clock, its own work included (default {RUN_LIMIT_S:.0f})",
+    )
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every stage's timeout")
     p.add_argument("--wheels", help="install these wheels (pip --no-index --target) for every stage first")
-    p.add_argument("--pack", action="store_true", help="pack the stage folders into artifacts.tar.gz")
+    p.add_argument(
+        "--pack", action="store_true", help="accepted, does nothing: OUT is packed after every stage"
+    )
     p.add_argument("--stages-file", help=argparse.SUPPRESS)  # a JSON stage table (tests, custom runs)
     return p.parse_args(argv)
 
@@ -549,25 +826,26 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def pack(out: Path, results: list[StageResult]) -> None:
-    with tarfile.open(out / "artifacts.tar.gz", "w:gz") as tar:
-        for r in results:
-            d = out / safe_name(r.name)
-            if d.is_dir():
-                tar.add(d, arcname=d.name)
-    for r in results:
-        d = out / safe_name(r.name)
-        if d.is_dir():
-            for f in sorted(d.rglob("*"), reverse=True):
-                f.unlink() if f.is_file() else f.rmdir()
-            d.rmdir()
+def work_folder(out: Path, asked: str | None) -> Path:
+    if asked:
+        work = Path(asked).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    try:
+        work = out.parent / f"{out.name}.work"
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="ringleader-bringup-"))
 
 
 def main(argv=None) -> int:
+    started = time.monotonic()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     stages = load_stages(args.stages_file)
+    chosen = select(stages, args.run, names(args.only), names(args.skip))
     if args.list:
-        list_stages(stages)
+        list_stages(chosen, args.json)
         return 0
     if not args.out:
         print("gpu_bringup.py: --out DIR is required (or --list)", file=sys.stderr)
@@ -580,19 +858,29 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    work = work_folder(out, args.work)
     previous = json.loads(Path(args.previous).read_text())["stages"] if args.previous else []
     pythonpath, wheel_failure = install_wheels(args.wheels) if args.wheels else ([], None)
     runner = Runner(
         out,
-        select(stages, names(args.only), names(args.skip)),
+        work,
+        chosen,
         budget_s=args.budget_s,
         timeout_scale=args.timeout_scale,
         previous=previous,
         pythonpath=pythonpath,
         argv=sys.argv[1:] if argv is None else list(argv),
+        started=started,
+        run=args.run,
     )
+    runner.versions = find_versions(runner.env({}))
+    print(versions_line(runner.versions), flush=True)
     if wheel_failure is not None:
+        runner.announce(wheel_failure)
         runner.results.append(wheel_failure)
+    if args.run == "B" and not args.previous:
+        print("note: --run B without --previous: stages that need run A's stages will be skipped")
+    print(f"=== work folder {work}; OUT {out}; budget {args.budget_s:.0f} s", flush=True)
 
     def on_signal(signum, _frame):
         runner.interrupt()
@@ -600,10 +888,7 @@ def main(argv=None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    code = runner.run()
-    if args.pack:
-        pack(out, runner.results)
-    return code
+    return runner.run()
 
 
 if __name__ == "__main__":

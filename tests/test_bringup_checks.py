@@ -2,6 +2,7 @@
 GPU run does not spend its minutes on a Python mistake.  A CUDA graph cannot exist here: the
 stand-in below replays the static step eagerly and reports the node list a plain step graph has."""
 
+import pytest
 import torch
 
 from bench import bringup_checks
@@ -78,3 +79,72 @@ def test_backend_check_logic_on_the_cpu_backend():
     assert figures["ok"], figures
     assert figures["parity"] and figures["streams_one_done_each"] and figures["launch_running"] == "host-loop"
     assert figures["device"]["generated"] >= 3 * 24 and figures["stop_s"] < 5
+
+
+class CraftedReference:
+    """prompt_logits: a fixed logit vector per context length (what the reference would say)."""
+
+    def __init__(self, by_length):
+        self.by_length = by_length
+
+    def prompt_logits(self, ids):
+        return torch.tensor(self.by_length[len(ids)], dtype=torch.float32)
+
+
+def test_greedy_agreement_accepts_a_divergence_only_at_a_near_tie():
+    prompts = [[1], [1], [1]]
+    want = [[0, 2], [0, 2], [0]]
+    got = [[0, 2], [0, 1], [0, 3]]
+    # after [1, 0] the reference's tokens 2 and 1 score 10.0 and 9.9995: within 1e-4 x 10
+    near = CraftedReference({2: [0.0, 9.9995, 10.0, 0.0]})
+    out = bringup_checks.greedy_agreement(near, prompts, got, want, tolerance=1e-4)
+    assert out["exact_prompts"] == [0]
+    assert [t["prompt"] for t in out["tie_divergences"]] == [1]
+    assert out["tie_divergences"][0]["index"] == 1
+    assert out["tie_divergences"][0]["gap"] == pytest.approx(5e-4, rel=1e-2)
+    assert out["mismatched"] == [2]  # a different number of tokens: a mismatch, whatever the logits
+    # the same divergence where token 2 leads by a whole logit is a mismatch
+    firm = CraftedReference({2: [0.0, 9.0, 10.0, 0.0]})
+    out = bringup_checks.greedy_agreement(firm, prompts[:2], got[:2], want[:2], tolerance=1e-4)
+    assert out["exact_prompts"] == [0] and not out["tie_divergences"]
+    assert out["mismatched"][0]["prompt"] == 1 and out["mismatched"][0]["gap"] == pytest.approx(1.0)
+
+
+class BuiltNotLaunched(CpuBackend):
+    """Stands in for the CUDA backend the embed check builds: takes an EngineConfig, reports
+    the launch mode it built, and must be stopped without ever being started."""
+
+    stopped = False
+
+    def __init__(self, config):
+        super().__init__(config, n_slots=2, max_ctx=64)
+        self.description["launch"] = config.launch
+
+    def start(self):  # pragma: no cover - the check must never launch
+        raise AssertionError("the embed check launched the backend")
+
+    def stop(self):
+        BuiltNotLaunched.stopped = True
+        super().stop()
+
+
+def test_embed_check_builds_at_the_server_defaults_and_never_launches():
+    figures = bringup_checks.check_embed("tiny", backend_cls=BuiltNotLaunched)
+    assert figures["ok"] and figures["launch"] == "resident" and BuiltNotLaunched.stopped
+    assert figures["n_slots"] == 32 and figures["token_budget"] == 256  # what `serve` builds
+
+    class Unavailable(BuiltNotLaunched):
+        def __init__(self, config):
+            raise RuntimeError("--launch resident: the WHILE/SWITCH graph could not be built")
+
+    failed = bringup_checks.check_embed("tiny", backend_cls=Unavailable)
+    assert not failed["ok"] and "WHILE/SWITCH" in failed["error"]
+
+
+def test_the_kernel_run_budget_follows_the_stage_timeout(monkeypatch):
+    monkeypatch.setenv("RL_BRINGUP_TIMEOUT_S", "120")
+    assert bringup_checks.kernel_run_budget_s() == 100.0
+    monkeypatch.setenv("RL_BRINGUP_TIMEOUT_S", "15")
+    assert bringup_checks.kernel_run_budget_s() == 10.0
+    monkeypatch.delenv("RL_BRINGUP_TIMEOUT_S")
+    assert bringup_checks.kernel_run_budget_s() == 240.0

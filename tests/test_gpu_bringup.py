@@ -1,12 +1,16 @@
 """The bring-up runner (bench/gpu_bringup.py) with real processes and tiny stand-in stages:
-order, dependencies, a hanging stage killed with everything it started, figures, logs, a run
-split across calls, the time budget, packing; and the wheel list against pyproject."""
+order, dependencies, a hanging stage killed with everything it started, figures, logs, the two
+runs (A, then B with --previous), the time budget, OUT holding three files after every stage and
+after a SIGKILL, what a stage is told (its timeout, {run_budget_s}), the versions line; the
+builtin table (run sums, GPU tests covered); and the wheel list against pyproject."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,41 +22,55 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(REPO / "bench" / "gpu_bringup.py")]
-BUILTIN = [
+RUN_A = [
     "env",
-    "probe",
     "module",
     "graphs-fp32",
     "graphs-bf16",
     "roofline",
-    "backend-host",
     "backend-resident",
-    "backend-pump",
-    "tests",
     "bubble-c1",
     "bubble-c64",
-    "perf",
 ]
+RUN_B = ["backend-host", "perf", "backend-pump", "tests", "gpu-limits"]
+DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+THREE = ["artifacts.tar.gz", "bringup.json", "bringup.log"]
+
+
+def _runner_module():
+    spec = importlib.util.spec_from_file_location("gpu_bringup_under_test", REPO / "bench" / "gpu_bringup.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gb = _runner_module()
 
 
 def py(code: str) -> list[str]:
     return ["{py}", "-c", code]
 
 
-def run(tmp_path, stages, *extra, assume_gpu=True, timeout=60):
-    table = tmp_path / "stages.json"
-    table.write_text(json.dumps(stages))
+def runner_env(assume_gpu=True, **extra) -> dict:
     env = dict(os.environ)
     env.pop("RL_BRINGUP_ASSUME_GPU", None)
     if assume_gpu:
         env["RL_BRINGUP_ASSUME_GPU"] = "1"
-    out = tmp_path / "out"
+    env.update(extra)
+    return env
+
+
+def run(tmp_path, stages, *extra, assume_gpu=True, timeout=60, out_name="out", env=None):
+    table = tmp_path / "stages.json"
+    table.write_text(json.dumps(stages))
+    out = tmp_path / out_name
     t0 = time.monotonic()
     r = subprocess.run(
         RUNNER + ["--stages-file", str(table), "--out", str(out), *extra],
         capture_output=True,
         text=True,
-        env=env,
+        env=env or runner_env(assume_gpu),
         timeout=timeout,
         cwd=REPO,
     )
@@ -64,11 +82,16 @@ def by_name(doc):
     return {s["name"]: s for s in doc["stages"]}
 
 
+def tar_names(out: Path) -> list[str]:
+    with tarfile.open(out / "artifacts.tar.gz") as tar:
+        return tar.getnames()
+
+
 def test_order_failures_and_dependencies(tmp_path):
     stages = [
         {"name": "a", "argv": py("print('alpha')"), "timeout": 30},
         {"name": "b", "argv": py("import sys; print('broken'); sys.exit(3)"), "timeout": 30},
-        {"name": "c", "argv": py("print('independent')"), "timeout": 30},
+        {"name": "c", "argv": py("print('independent')"), "timeout_s": 30},
         {"name": "d", "argv": py("print('n' + 'ever ran')"), "timeout": 30, "needs": ["a", "b"]},
         {"name": "e", "argv": py("print('after a')"), "timeout": 30, "needs": ["a"]},
     ]
@@ -83,7 +106,8 @@ def test_order_failures_and_dependencies(tmp_path):
     log = (out / "bringup.log").read_text()
     assert all(w in log for w in ("alpha", "broken", "independent", "after a"))
     assert doc["summary"] == {"passed": 3, "failed": 1, "timeout": 0, "skipped": 1, "killed": 0}
-    assert doc["schema"] == "ringleader.bringup/1" and doc["finished"]
+    assert doc["schema"] == "ringleader.bringup/1" and doc["finished"] and doc["running"] is None
+    assert doc["budget_s"] == 540
     assert r.stdout.strip().splitlines()[-1].startswith("e ")  # the table comes last
 
 
@@ -114,62 +138,378 @@ def test_a_hanging_stage_is_killed_with_its_children(tmp_path):
         pytest.fail(f"the hanging stage's child {pid} survived the kill")
 
 
-def test_figures_from_the_result_file(tmp_path):
+def test_figures_from_the_result_file_and_junit(tmp_path):
     write = (
         "import json, os; json.dump({'ok': True, 'bubble_us_p50': 2.5}, "
         "open(os.environ['RL_BRINGUP_RESULT'], 'w'))"
     )
-    _, doc, _, _ = run(tmp_path, [{"name": "m", "argv": py(write), "timeout": 30}])
-    assert by_name(doc)["m"]["figures"] == {"ok": True, "bubble_us_p50": 2.5}
+    junit = (
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_gpu_backend" name="test_gpu_a" />'
+        '<testcase classname="tests.test_gpu_backend" name="test_gpu_b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_gguf_quants" name="test_c[Q4_0]"><skipped message="y"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    tests = f"import sys; open(sys.argv[1], 'w').write({junit!r}); sys.exit(1)"
+    stages = [
+        {"name": "m", "argv": py(write), "timeout": 30},
+        {"name": "tests", "argv": [*py(tests), "{dir}/junit.xml"], "timeout": 30},
+    ]
+    _, doc, _, _ = run(tmp_path, stages)
+    s = by_name(doc)
+    assert s["m"]["figures"] == {"ok": True, "bubble_us_p50": 2.5}
+    assert s["tests"]["figures"] == {
+        "passed": 1,
+        "failed": 1,
+        "error": 0,
+        "skipped": 1,
+        "tests": {
+            "tests/test_gpu_backend.py::test_gpu_a": "passed",
+            "tests/test_gpu_backend.py::test_gpu_b": "failed",
+            "tests/test_gguf_quants.py::test_c[Q4_0]": "skipped",
+        },
+    }
 
 
-def test_previous_only_and_budget(tmp_path):
+def test_previous_and_only(tmp_path):
     first = [{"name": "a", "argv": py("print(1)"), "timeout": 30}]
     _, doc1, out, _ = run(tmp_path, first)
     previous = tmp_path / "previous.json"
     previous.write_text((out / "bringup.json").read_text())
     stages = first + [
         {"name": "backend-x", "argv": py("print('x')"), "timeout": 5, "needs": ["a"]},
-        {"name": "backend-y", "argv": py("import time; time.sleep(3)"), "timeout": 5},
-        {"name": "late", "argv": py("print('late')"), "timeout": 5},
+        {"name": "backend-y", "argv": py("print('y')"), "timeout": 5, "needs": ["b"]},
         {"name": "other", "argv": py("print('not selected')"), "timeout": 5},
     ]
-    r, doc, _, _ = run(
-        tmp_path, stages, "--previous", str(previous), "--only", "backend-*,late", "--budget-s", "7"
-    )
+    r, doc, _, _ = run(tmp_path, stages, "--previous", str(previous), "--only", "backend-*")
     s = by_name(doc)
     assert s["a"]["status"] == "passed" and s["a"]["seconds"] == by_name(doc1)["a"]["seconds"]  # carried
     assert s["backend-x"]["status"] == "passed"  # `needs` met by the earlier call
-    assert s["backend-y"]["status"] == "passed"
-    assert s["late"]["status"] == "skipped" and "out of time" in s["late"]["reason"]
+    assert s["backend-y"]["status"] == "skipped" and "needs b" in s["backend-y"]["reason"]
     assert "other" not in s
     assert r.returncode == 1
 
 
-def test_pack_leaves_three_files(tmp_path):
+def test_the_budget_caps_a_run(tmp_path):
+    """Four stages that would each hang, 2 s timeouts, a 5 s budget: two are killed, the rest
+    skipped as out of time, and the whole run (its own work included) ends near the budget."""
+    stages = [{"name": f"s{i}", "argv": py("import time; time.sleep(60)"), "timeout": 2} for i in range(4)]
+    r, doc, _, took = run(tmp_path, stages, "--budget-s", "5")
+    s = by_name(doc)
+    assert s["s0"]["status"] == "timeout"
+    assert s["s3"]["status"] == "skipped" and "out of time" in s["s3"]["reason"]
+    assert sum(st["status"] == "timeout" for st in doc["stages"]) <= 2
+    assert doc["seconds"] < 6.5 and took < 10
+    assert r.returncode == 1
+
+
+def test_runs_a_then_b(tmp_path):
+    """--run A runs run A's stages only; --run B with A's records meets `needs` across runs."""
     stages = [
-        {"name": "a", "argv": py("print('in a')"), "timeout": 30},
-        {"name": "tests::tests/x.py::t[1]", "argv": py("print('1 passed')"), "timeout": 30},
+        {"name": "a1", "run": "A", "argv": py("print('a1')"), "timeout": 30},
+        {"name": "a2", "run": "A", "argv": py("import sys; sys.exit(1)"), "timeout": 30},
+        {"name": "b1", "run": "B", "argv": py("print('b1')"), "timeout": 30, "needs": ["a1"]},
+        {"name": "b2", "run": "B", "argv": py("print('b2')"), "timeout": 30, "needs": ["a2"]},
+        {"name": "b3", "run": "B", "argv": py("print('b3')"), "timeout": 30},
+    ]
+    r, doc_a, out_a, _ = run(tmp_path, stages, "--run", "A", out_name="a")
+    assert [s["name"] for s in doc_a["stages"]] == ["a1", "a2"] and doc_a["run"] == "A"
+    assert r.stdout.splitlines()[0].startswith("versions: ")  # before any stage
+    r, doc_b, out_b, _ = run(
+        tmp_path,
+        stages,
+        "--run",
+        "B",
+        "--previous",
+        str(out_a / "bringup.json"),
+        "--skip",
+        "b3",
+        out_name="b",
+    )
+    s = by_name(doc_b)
+    assert [n["name"] for n in doc_b["stages"]] == ["a1", "a2", "b1", "b2"]  # A's records carried
+    assert s["b1"]["status"] == "passed" and s["b1"]["run"] == "B"
+    assert s["b2"]["status"] == "skipped" and "needs a2" in s["b2"]["reason"]
+    assert tar_names(out_b) == ["b1/stage.log"]  # this run's stages only
+    r = subprocess.run(
+        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--list", "--run", "B"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:4]] == ["b1", "b2", "b3"]
+    assert "run B: 3 stages, timeouts sum to 90 s" in r.stdout and "run A" not in r.stdout
+
+
+def test_a_stage_is_told_its_timeout_and_run_budget(tmp_path):
+    show = "import os, sys; print('argv', sys.argv[1], 'env', os.environ['RL_BRINGUP_TIMEOUT_S'])"
+    stages = [
+        {"name": "long", "argv": [*py(show), "{run_budget_s}"], "timeout": 45},
+        {"name": "short", "argv": [*py(show), "--x={run_budget_s}"], "timeout": 20},
+    ]
+    r, doc, _, _ = run(tmp_path, stages)
+    s = by_name(doc)
+    assert "argv 25 env 45" in s["long"]["log_tail"] and s["long"]["timeout_s"] == 45
+    assert "argv --x=10 env 20" in s["short"]["log_tail"]  # max(10, timeout - 20)
+    assert s["short"]["command"].endswith("--x=10")
+    assert r.returncode == 0
+
+
+def test_out_holds_three_files_after_every_stage(tmp_path):
+    """Each stand-in stage lists OUT while it runs: never more than the three files, no stage
+    folder, no temporary file; `--pack` is still accepted (and does nothing more)."""
+    out = tmp_path / "out"
+    look = f"import os; print('OUT:', sorted(os.listdir({str(out)!r})))"
+    big = "import os; f = open(os.path.join(os.environ['RL_BRINGUP_RESULT'] + '.big'), 'wb'); f.truncate(20_000_001)"
+    stages = [
+        {"name": "a", "argv": py(look), "timeout": 30},
+        {"name": "b", "argv": py(look + "; " + big), "timeout": 30},
+        {"name": "c", "argv": py(look), "timeout": 30},
     ]
     r, doc, out, _ = run(tmp_path, stages, "--pack")
     assert r.returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["artifacts.tar.gz", "bringup.json", "bringup.log"]
+    s = by_name(doc)
+    assert "OUT: ['bringup.json']" in s["a"]["log_tail"]  # the first stage: only the index yet
+    assert f"OUT: {THREE}" in s["b"]["log_tail"] and f"OUT: {THREE}" in s["c"]["log_tail"]
+    assert sorted(p.name for p in out.iterdir()) == THREE
+    names = tar_names(out)
+    assert {"a/stage.log", "b/stage.log", "c/stage.log"} <= set(names)
+    assert "b/result.json.big" not in names  # over 20 MB: left out, and said so
+    assert doc["archive_left_out"] == [
+        {"path": "b/result.json.big", "bytes": 20_000_001, "why": "over 20000000 bytes"}
+    ]
+    assert (
+        Path(doc["work_dir"]) == tmp_path / "out.work"
+        and (tmp_path / "out.work" / "a" / "stage.log").exists()
+    )
+
+
+def test_a_runner_killed_mid_stage_leaves_what_finished(tmp_path):
+    """SIGKILL during the third stage (the device limit): OUT has the index, the log and an
+    archive of the first two stages, and the index names the stage that was running."""
+    pidfile = tmp_path / "c.pid"
+    hang = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    stages = [
+        {"name": "a", "argv": py("print('in a')"), "timeout": 30},
+        {"name": "b", "argv": py("print('in b')"), "timeout": 30},
+        {"name": "c", "argv": py(hang), "timeout": 30},
+        {"name": "d", "argv": py("print('in d')"), "timeout": 30},
+    ]
+    (tmp_path / "stages.json").write_text(json.dumps(stages))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=runner_env(),
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "stage c never started"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pidfile.exists() and pidfile.read_text():
+            try:  # the stage, left behind by a SIGKILLed runner (its process group: its own pid)
+                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert sorted(p.name for p in out.iterdir()) == THREE
+    doc = json.loads((out / "bringup.json").read_text())
+    assert [s["name"] for s in doc["stages"]] == ["a", "b"]
+    assert doc["running"]["name"] == "c"
+    names = tar_names(out)
+    assert {"a/stage.log", "b/stage.log"} <= set(names) and not any(n.startswith(("c", "d")) for n in names)
     with tarfile.open(out / "artifacts.tar.gz") as tar:
-        names = tar.getnames()
-    assert "a/stage.log" in names and "tests__tests_x.py__t_1_/stage.log" in names
-    assert by_name(doc)["tests::tests/x.py::t[1]"]["figures"] == {"outcome": "1 passed"}
+        assert tar.extractfile("b/stage.log").read() == b"in b\n"
+    assert "in b" in (out / "bringup.log").read_text()
+
+
+def test_sigterm_kills_the_stage_and_records_it(tmp_path):
+    pidfile = tmp_path / "b.pid"
+    hang = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); print('b up', flush=True); time.sleep(60)"
+    stages = [
+        {"name": "a", "argv": py("print('in a')"), "timeout": 30},
+        {"name": "b", "argv": py(hang), "timeout": 30},
+        {"name": "c", "argv": py("print('in c')"), "timeout": 30},
+    ]
+    (tmp_path / "stages.json").write_text(json.dumps(stages))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=runner_env(),
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "stage b never started"
+            time.sleep(0.05)
+        time.sleep(0.2)  # its first line reaches the log
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stage_pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(stage_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(stage_pid, signal.SIGKILL)
+        pytest.fail("the running stage outlived its signalled runner")
+    assert sorted(p.name for p in out.iterdir()) == THREE
+    doc = json.loads((out / "bringup.json").read_text())
+    s = by_name(doc)
+    assert list(s) == ["a", "b"] and s["b"]["status"] == "killed" and doc["running"] is None
+    assert {"a/stage.log", "b/stage.log"} <= set(tar_names(out))
+    assert "b up" in (out / "bringup.log").read_text()
+
+
+def test_versions_line_comes_first(tmp_path):
+    """With a stand-in nvidia-smi on PATH; whatever this machine lacks prints as 'none'."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '580.65.06, NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    env = runner_env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    r, doc, _, _ = run(tmp_path, [{"name": "a", "argv": py("print(1)"), "timeout": 30}], env=env)
+    assert r.returncode == 0
+    first = r.stdout.splitlines()[0]
+    v = doc["versions"]
+    assert first == gb.versions_line(v)
+    assert re.fullmatch(
+        r"versions: nvrtc \S+ \(.+\), driver 580\.65\.06 \(CUDA \S+\), cuda-bindings \S+, torch \S+, triton \S+",
+        first,
+    ), first
+    assert v["gpu"] == "NVIDIA H100 80GB HBM3"
+    for key in ("torch", "triton", "cuda-bindings"):
+        spec = importlib.util.find_spec(key.replace("-", "."))
+        assert (v.get(key) is not None) == (spec is not None) or key == "cuda-bindings"
+    assert gb.versions_line({}) == (
+        "versions: nvrtc none (none), driver none (CUDA none), cuda-bindings none, torch none, triton none"
+    )
+
+
+# ---- the builtin table -------------------------------------------------------------------------
+def test_the_builtin_table_as_json():
+    r = subprocess.run(RUNNER + ["--list", "--json"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    doc = json.loads(r.stdout)
+    rows = doc["stages"]
+    assert all(set(row) == {"name", "run", "timeout_s", "needs", "argv", "env"} for row in rows)
+    assert [row["name"] for row in rows] == RUN_A + RUN_B
+    assert [row["run"] for row in rows] == ["A"] * len(RUN_A) + ["B"] * len(RUN_B)
+    sums = {run: sum(row["timeout_s"] for row in rows if row["run"] == run) for run in "AB"}
+    assert doc["totals"] == sums
+    assert all(total <= 540 for total in sums.values()), sums
+    assert sums["A"] == 540
+    assert all(row["env"] == DEVICE_ENV for row in rows)
+    seen = set()
+    for row in rows:  # needs name a stage that comes earlier (in its run, or in run A)
+        assert set(row["needs"]) <= seen, row
+        seen.add(row["name"])
+    named = {row["name"]: row for row in rows}
+    for name in ("bubble-c1", "bubble-c64", "perf"):
+        argv = named[name]["argv"]
+        assert "--server-arg=--run-budget-s" in argv and "--server-arg={run_budget_s}" in argv
+    assert named["graphs-bf16"]["argv"][-2:] == ["--embed", "llama-1b"]
+    tests = named["tests"]["argv"]
+    assert tests[:3] == ["{py}", "-m", "pytest"] and "{dir}/junit.xml" in tests
+    assert tests[-len(gb.TESTS_STAGE_NODES) :] == list(gb.TESTS_STAGE_NODES)
+    assert tests[-1].endswith("::test_gpu_free_while_the_kernel_runs")  # may hang: last
+    assert ("--timeout" in tests) == (importlib.util.find_spec("pytest_timeout") is not None)
+    r = subprocess.run(
+        RUNNER + ["--list", "--json", "--run", "A"], capture_output=True, text=True, timeout=30
+    )
+    assert [row["name"] for row in json.loads(r.stdout)["stages"]] == RUN_A
+
+
+GPU_ONLY_PLUGIN = """
+import json, os
+REASONS = ("needs a CUDA GPU", "needs a CUDA device")
+
+def pytest_collection_modifyitems(session, config, items):
+    gpu_only = [
+        item.nodeid
+        for item in items
+        if any(str(m.kwargs.get("reason", "")).startswith(REASONS) for m in item.iter_markers("skipif"))
+    ]
+    with open(os.environ["RL_GPU_ONLY_OUT"], "w") as f:
+        json.dump({"all": [item.nodeid for item in items], "gpu_only": gpu_only}, f)
+    items[:] = []
+"""
+
+
+def test_every_gpu_only_test_runs_in_some_stage(tmp_path):
+    """pytest collects tests/; a test skipped for lack of a GPU (by its skipif reason, read
+    without evaluating it, so this holds on a GPU too) must be in the tests stage's node list or
+    in the table of tests other stages cover, and every listed node id must still exist."""
+    (tmp_path / "rl_gpu_only.py").write_text(GPU_ONLY_PLUGIN)
+    found = tmp_path / "found.json"
+    env = dict(os.environ, RL_GPU_ONLY_OUT=str(found))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)] + [env.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "rl_gpu_only",
+        ]
+        + ["tests"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode in (0, 5), r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(found.read_text())
+    collected, gpu_only = doc["all"], doc["gpu_only"]
+    assert len(gpu_only) >= 10, gpu_only  # the reasons still read as this test expects
+
+    def listed(node: str, ids) -> bool:
+        return any(node == i or node.startswith(i + "[") for i in ids)
+
+    listed_ids = list(gb.TESTS_STAGE_NODES) + list(gb.COVERED_BY_STAGE)
+    missing = [n for n in gpu_only if not listed(n, listed_ids)]
+    assert not missing, f"GPU-only tests no bring-up stage runs (add them to TESTS_STAGE_NODES): {missing}"
+    gone = [i for i in listed_ids if not any(listed(n, [i]) for n in collected)]
+    assert not gone, f"listed in bench/gpu_bringup.py, no longer collected: {gone}"
+    assert not set(gb.TESTS_STAGE_NODES) & set(gb.COVERED_BY_STAGE)
+    stage_names = {s.name for s in gb.builtin_stages()}
+    assert set(gb.COVERED_BY_STAGE.values()) <= stage_names
 
 
 def test_list_and_no_gpu(tmp_path):
     r = subprocess.run(RUNNER + ["--list"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0
-    rows = [ln.split()[0] for ln in r.stdout.splitlines()[1:]]
-    assert rows == BUILTIN
+    lines = r.stdout.splitlines()
+    rows = [ln.split() for ln in lines[1 : 1 + len(RUN_A + RUN_B)]]
+    assert [row[0] for row in rows] == RUN_A + RUN_B
+    assert [row[1] for row in rows] == ["A"] * len(RUN_A) + ["B"] * len(RUN_B)
+    assert rows[0][2] == "30s" and "run A: 8 stages, timeouts sum to 540 s" in r.stdout
     if subprocess.run(["which", "nvidia-smi"], capture_output=True).returncode == 0:
         pytest.skip("this machine has nvidia-smi")
     r, doc, out, _ = run(tmp_path, [{"name": "a", "argv": py("print(1)"), "timeout": 30}], assume_gpu=False)
     assert r.returncode == 0 and "no CUDA GPU here" in r.stdout and "--list" in r.stdout
-    assert doc is None and not out.exists()  # nothing ran, nothing written
+    assert doc is None and not out.exists() and not (tmp_path / "out.work").exists()  # nothing ran
 
 
 # ---- the wheels the GPU machine lacks ----------------------------------------------------------
