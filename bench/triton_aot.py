@@ -65,7 +65,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from bench.report import save_json
 from device.backends.cuda import default_buckets
-from device.backends.cuda_preflight import GIB, plan_kv_cache, step_workspace_bytes
+from device.backends.cuda_preflight import GIB, plan_model_kv_cache
 from device.engine_config import EngineConfig
 from device.model import triton_attention
 from device.model.config import ModelConfig
@@ -153,24 +153,16 @@ def planned_max_ctx(config: ModelConfig, dtype: torch.dtype, n_slots: int, token
     holding only the weights."""
     elem = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in LlamaModel(config, dtype, "meta").parameters()) * elem
-    workspace = step_workspace_bytes(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        q_kv_width=(config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
-        vocab=config.vocab_size,
-        n_slots=n_slots,
-        token_budget=token_budget,
-        dtype_bytes=elem,
-    )
-    plan = plan_kv_cache(
+    plan = plan_model_kv_cache(
+        config,
         n_slots=n_slots,
         max_ctx=None,
-        model_max_ctx=config.max_position_embeddings,
+        token_budget=token_budget,
+        dtype_bytes=elem,
         bytes_per_token=KVCache.bytes_needed(config, 1, 1, dtype),
         free_bytes=PLANNING_DEVICE_BYTES - weights,
         total_bytes=PLANNING_DEVICE_BYTES,
         fraction=EngineConfig().gpu_memory_fraction,
-        workspace_bytes=workspace,
     )
     return plan.max_ctx
 

@@ -87,6 +87,27 @@ def tar_names(out: Path) -> list[str]:
         return tar.getnames()
 
 
+def start_runner_until(tmp_path, stages, pidfile):
+    """Starts the runner on `stages` and returns (its process, OUT) once the stage that writes
+    its pid into `pidfile` runs."""
+    (tmp_path / "stages.json").write_text(json.dumps(stages))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=runner_env(),
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(f"the stage writing {pidfile.name} never started")
+        time.sleep(0.05)
+    return proc, out
+
+
 def test_order_failures_and_dependencies(tmp_path):
     stages = [
         {"name": "a", "argv": py("print('alpha')"), "timeout": 30},
@@ -295,20 +316,8 @@ def test_a_runner_killed_mid_stage_leaves_what_finished(tmp_path):
         {"name": "c", "argv": py(hang), "timeout": 30},
         {"name": "d", "argv": py("print('in d')"), "timeout": 30},
     ]
-    (tmp_path / "stages.json").write_text(json.dumps(stages))
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=runner_env(),
-        cwd=REPO,
-    )
+    proc, out = start_runner_until(tmp_path, stages, pidfile)
     try:
-        deadline = time.monotonic() + 30
-        while not pidfile.exists() or not pidfile.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "stage c never started"
-            time.sleep(0.05)
         proc.kill()
         proc.wait(timeout=10)
     finally:
@@ -338,20 +347,8 @@ def test_sigterm_kills_the_stage_and_records_it(tmp_path):
         {"name": "b", "argv": py(hang), "timeout": 30},
         {"name": "c", "argv": py("print('in c')"), "timeout": 30},
     ]
-    (tmp_path / "stages.json").write_text(json.dumps(stages))
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        RUNNER + ["--stages-file", str(tmp_path / "stages.json"), "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=runner_env(),
-        cwd=REPO,
-    )
+    proc, out = start_runner_until(tmp_path, stages, pidfile)
     try:
-        deadline = time.monotonic() + 30
-        while not pidfile.exists() or not pidfile.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "stage b never started"
-            time.sleep(0.05)
         time.sleep(0.2)  # its first line reaches the log
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 128 + signal.SIGTERM

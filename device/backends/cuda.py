@@ -30,7 +30,7 @@ import torch
 
 from device.backends import cuda_driver as drv
 from device.backends.common import StepTimer, model_info, ring_config_for
-from device.backends.cuda_preflight import plan_kv_cache, refuse_unsafe_environment, step_workspace_bytes
+from device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
 from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
 from device.backends.device_timeline import (
     TimelineFeed,
@@ -164,25 +164,16 @@ class CudaBackend(Doorbells, Backend):
     def _plan_memory(self, n_slots, max_ctx, token_budget, dtype, fraction):
         c = self._model.config
         free, total = torch.cuda.mem_get_info()
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        workspace = step_workspace_bytes(
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            q_kv_width=(c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-            vocab=c.vocab_size,
-            n_slots=n_slots,
-            token_budget=max(token_budget, n_slots),
-            dtype_bytes=dtype_bytes,
-        )
-        plan = plan_kv_cache(
+        plan = plan_model_kv_cache(
+            c,
             n_slots=n_slots,
             max_ctx=max_ctx,
-            model_max_ctx=c.max_position_embeddings,
+            token_budget=token_budget,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
             bytes_per_token=KVCache.bytes_needed(c, 1, 1, dtype),
             free_bytes=free,
             total_bytes=total,
             fraction=fraction,
-            workspace_bytes=workspace,
         )
         log.info(
             "KV cache: %d slots x %d tokens = %.2f GiB (%.2f GiB left after weights and "

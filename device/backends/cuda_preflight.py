@@ -135,5 +135,40 @@ def plan_kv_cache(
     return MemoryPlan(n_slots, max_ctx, need, bytes_per_token, budget, workspace_bytes)
 
 
+def plan_model_kv_cache(
+    config,
+    *,
+    n_slots: int,
+    max_ctx: int | None,
+    token_budget: int,
+    dtype_bytes: int,
+    bytes_per_token: int,
+    free_bytes: int,
+    total_bytes: int,
+    fraction: float,
+) -> MemoryPlan:
+    """plan_kv_cache for a model (its ModelConfig), its step's workspace estimated from its
+    shapes: what CudaBackend sizes at start, and what bench/triton_aot.py plans ahead."""
+    workspace = step_workspace_bytes(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        q_kv_width=(config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
+        vocab=config.vocab_size,
+        n_slots=n_slots,
+        token_budget=max(token_budget, n_slots),
+        dtype_bytes=dtype_bytes,
+    )
+    return plan_kv_cache(
+        n_slots=n_slots,
+        max_ctx=max_ctx,
+        model_max_ctx=config.max_position_embeddings,
+        bytes_per_token=bytes_per_token,
+        free_bytes=free_bytes,
+        total_bytes=total_bytes,
+        fraction=fraction,
+        workspace_bytes=workspace,
+    )
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{math.ceil(n / MIB)} MiB"
