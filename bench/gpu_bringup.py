@@ -247,37 +247,19 @@ def git_rev() -> str | None:
 
 # ---- versions, found in a child process (no torch, no CUDA context here) ----------------------
 VERSIONS_CODE = r"""
-import ctypes, importlib.metadata as md, json, subprocess
-out = {}
-def dist(*names):
-    for n in names:
-        try:
-            return md.version(n)
-        except md.PackageNotFoundError:
-            pass
-    return None
-out["torch"] = dist("torch")
-out["triton"] = dist("triton")
-out["cuda-bindings"] = dist("cuda-bindings")
-out["nvidia-cuda-nvrtc"] = dist("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12")
-try:
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-    lib = load_nvidia_dynamic_lib("nvrtc")
-    path = getattr(lib, "abs_path", None)
-    so = None
-    for name in [path] if path else ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]:
-        try:
-            so = ctypes.CDLL(name)
-            path = path or name
-            break
-        except OSError:
-            pass
-    out["nvrtc_path"] = path
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    if so is not None and so.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
-        out["nvrtc"] = "%d.%d" % (major.value, minor.value)
+import json, subprocess
+from device.doctor import package_versions
+out = package_versions()
+try:  # the NVRTC the stages will compile with ($RINGLEADER_NVRTC honoured), no GPU touched
+    from device.sched.build import nvrtc_library, nvrtc_version
+    out["nvrtc"], out["nvrtc_path"] = "%d.%d" % nvrtc_version(), nvrtc_library()
 except Exception as exc:
     out["nvrtc_error"] = repr(exc)[:300]
+try:  # cuDriverGetVersion needs no cuInit and makes no context
+    from device.backends.cuda_driver import driver_version
+    out["driver_cuda"] = "%d.%d" % driver_version()
+except Exception as exc:
+    out["libcuda_error"] = repr(exc)[:300]
 try:
     r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
                        capture_output=True, text=True, timeout=15)
@@ -287,13 +269,6 @@ try:
         out["driver"], out["gpu"] = driver.strip() or None, name.strip() or None
 except Exception as exc:
     out["nvidia_smi_error"] = repr(exc)[:300]
-try:
-    cu = ctypes.CDLL("libcuda.so.1")
-    v = ctypes.c_int()
-    if cu.cuDriverGetVersion(ctypes.byref(v)) == 0:  # needs no cuInit
-        out["driver_cuda"] = "%d.%d" % (v.value // 1000, (v.value % 1000) // 10)
-except Exception as exc:
-    out["libcuda_error"] = repr(exc)[:300]
 print("RL_VERSIONS " + json.dumps(out))
 """
 

@@ -56,7 +56,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -247,7 +246,7 @@ def walk_step(
     )
     layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta")
     with (
-        mock.patch.object(triton_attention, "sm_count", lambda device: sm_count),
+        triton_attention.planning_for_sms(sm_count),
         LaunchRecorder(on_launch) as recorder,
     ):
         for bucket in shape.buckets:
@@ -255,7 +254,7 @@ def walk_step(
     return recorder.counts
 
 
-# ---- specializations, as Triton's launcher derives them (3.6 and 3.9 alike) ---------------------------------
+# ---- specializations, as Triton's launcher derives them (3.6 and 3.9 alike) -------------------
 
 
 def parse_arch(text: str) -> int:

@@ -21,7 +21,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def package_versions() -> dict:
+    """Python and the installed versions of what a CUDA run needs (imports none of them)."""
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
     for dist in (
         "torch",
@@ -41,7 +42,7 @@ class Doctor:
     def __init__(self, arch: str | None = None):
         self.arch = arch
         self.report: dict = {
-            "versions": _versions(),
+            "versions": package_versions(),
             "environment": {},
             "gpu": None,
             "kernel": None,

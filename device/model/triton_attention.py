@@ -32,7 +32,9 @@ Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run on
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -399,11 +401,26 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_planned_sm_count: int | None = None  # set by planning_for_sms: the GPU a meta-device walk plans for
+
+
+@contextlib.contextmanager
+def planning_for_sms(n_sms: int) -> Iterator[None]:
+    """While inside, a step off the GPU (the meta device) plans split-K for a GPU of `n_sms` SMs
+    instead of DEFAULT_SM_COUNT (bench/triton_aot walks the step for each arch's GPUs)."""
+    global _planned_sm_count
+    saved, _planned_sm_count = _planned_sm_count, n_sms
+    try:
+        yield
+    finally:
+        _planned_sm_count = saved
+
+
 def sm_count(device: torch.device) -> int:
-    """The SMs choose_splits plans for: the GPU's own, else DEFAULT_SM_COUNT."""
+    """The SMs choose_splits plans for: the GPU's own, else the planned or DEFAULT_SM_COUNT."""
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return DEFAULT_SM_COUNT
+    return _planned_sm_count or DEFAULT_SM_COUNT
 
 
 def ragged_attention_triton(
