@@ -197,11 +197,18 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
 def _start_http_fronts(args, server, closers: list[Callable[[], None]]) -> None:
     """The metrics endpoint and the OpenAI gateway of `serve --metrics` / `serve --http`; each
-    one started appends its close to `closers`."""
-    from hostctl.gateway import parse_listen
-
+    one started appends its close to `closers`.  Their packages (prometheus_client, aiohttp) are
+    imported only when asked for: a plain install serves without them."""
     if args.metrics:
         from hostctl.prometheus import MetricsExporter
 
@@ -232,7 +239,7 @@ def _start_http_fronts(args, server, closers: list[Callable[[], None]]) -> None:
 
 def cmd_gateway(args) -> int:
     try:
-        from hostctl.gateway import GatewayConfig, parse_listen, run_gateway
+        from hostctl.gateway import GatewayConfig, run_gateway
     except ImportError as exc:
         print(f"ringleader gateway: {exc}", file=sys.stderr)
         return 2

@@ -427,14 +427,6 @@ class BackgroundGateway:
             await self.gateway.close()
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT (an IPv6 host in brackets) -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
 def run_gateway(config: GatewayConfig) -> int:
     """`ringleader gateway`: serve until SIGINT or SIGTERM."""
 

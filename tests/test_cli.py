@@ -74,6 +74,33 @@ def test_stats_prints_json(served):
     assert stats["process_cpu_s"] > 0
 
 
+def test_a_plain_install_serves_without_the_http_extras():
+    """`pip install ringleader` has neither aiohttp nor prometheus_client: serve must not need
+    them unless --http or --metrics asks (here both imports fail, as on a plain install)."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    code = (
+        "import sys; sys.modules['aiohttp'] = None; sys.modules['prometheus_client'] = None; "
+        "from hostctl.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "--bind", addr, "--slots", "2", "--max-ctx", "128"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        peer = RawPeer(addr)
+        peer.send({"op": "generate", "id": 1, "prompt_ids": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+        msgs = peer.recv_until(lambda m: m["op"] == "done")
+        assert msgs[-1]["finish_reason"] == "length", msgs[-1]
+        peer.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_gracefully_with_requests_in_flight(sig):
     addr = f"tcp://127.0.0.1:{free_port()}"
