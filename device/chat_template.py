@@ -1,7 +1,8 @@
 """Chat templates: the Jinja programs that turn a list of messages into a model's prompt text.
 
 A template comes with the checkpoint (tokenizer_config.json, chat_template.jinja, or a GGUF's
-`tokenizer.chat_template`) and is untrusted code, so it runs in Jinja's immutable sandbox, set up
+`tokenizer.chat_template`), or replaces the checkpoint's (`serve --chat-template`,
+load_template_override), and is untrusted code, so it runs in Jinja's immutable sandbox, set up
 the way transformers' apply_chat_template sets it up (trim_blocks, lstrip_blocks, loop controls,
 {% generation %} blocks, a `tojson` that does not HTML-escape, and the `raise_exception` / `strftime_now` globals), so that a
 template renders here exactly as it does there.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -22,6 +24,8 @@ log = logging.getLogger("ringleader.chat")
 
 MAX_MESSAGES = 1024
 MESSAGE_KEYS = ("role", "content", "name")
+# a --chat-template argument that is no file but holds one of these is the template text itself
+INLINE_TEMPLATE_MARKS = ("{%", "{{")
 
 
 class ChatTemplateError(ValueError):
@@ -144,8 +148,12 @@ class ChatTemplate:
 
         try:
             self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            # str(e) spans lines (the location, the source line); an error here is one line
+            detail = " ".join((e.message or "syntax error").split()).rstrip(".")
+            raise ChatTemplateError(f"not a valid Jinja template: {detail} (line {e.lineno})") from e
         except jinja2.exceptions.TemplateError as e:
-            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+            raise ChatTemplateError(f"not a valid Jinja template: {e}") from e
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.source[:40]!r}{'...' if len(self.source) > 40 else ''})"
@@ -190,3 +198,41 @@ def load_chat_template(source: str | None, where: str) -> ChatTemplate | None:
     except (ChatTemplateError, ImportError) as exc:
         log.warning("%s: chat template not loaded, chat requests will be refused: %s", where, exc)
         return None
+
+
+def load_template_override(arg: str) -> ChatTemplate:
+    """The template `serve --chat-template ARG` gives, compiled: the file ARG (Jinja source, as
+    tokenizer_config.json's `chat_template` is written), or ARG itself when no file has that name
+    and it holds Jinja markup ({% or {{), as vllm takes either.
+
+    Raises ChatTemplateError (a ValueError) in one line naming ARG and the fault: no such file, a
+    directory, unreadable, not UTF-8, empty, not a valid Jinja template, or no jinja2 installed.
+    """
+    if not os.path.exists(arg) and any(mark in arg for mark in INLINE_TEMPLATE_MARKS):
+        where, source = "--chat-template (inline template)", arg
+    else:
+        where = f"--chat-template {arg}"
+        source = _read_template_file(arg, where)
+    try:
+        return ChatTemplate(source)
+    except ImportError:
+        raise ChatTemplateError("--chat-template needs the jinja2 package: pip install jinja2") from None
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{where}: {e}") from e
+
+
+def _read_template_file(path: str, where: str) -> str:
+    if not os.path.exists(path):
+        raise ChatTemplateError(f"{where}: no such file")
+    if os.path.isdir(path):
+        raise ChatTemplateError(f"{where}: is a directory, not a template file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except UnicodeDecodeError:
+        raise ChatTemplateError(f"{where}: not a text file (not UTF-8)") from None
+    except OSError as e:
+        raise ChatTemplateError(f"{where}: cannot read it: {e.strerror or e}") from None
+    if not source.strip():
+        raise ChatTemplateError(f"{where}: the file is empty")
+    return source

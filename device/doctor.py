@@ -13,6 +13,8 @@ import os
 import platform
 import sys
 
+from ipc.install_hint import install_hint
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -133,7 +135,7 @@ class Doctor:
     def _bindings(self) -> None:
         version = self.report["versions"].get("cuda-bindings")
         if version is None:
-            self.problem("cuda-bindings is not installed: pip install 'ringleader[cuda]'")
+            self.problem(f"cuda-bindings is not installed: {install_hint('cuda')}")
             return
         if not version.startswith("13."):
             self.problem(

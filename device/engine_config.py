@@ -6,6 +6,7 @@ options from it on every invocation."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -17,7 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"  # a preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory
+    model: str = "tiny"  # a preset (tiny, llama-1b, llama-8b), a .gguf file or a checkpoint directory
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     scheduler: str | None = None  # where sched_step runs: device | host (None: per device, resolved())
     launch: str = "auto"  # CUDA launch mode of the device scheduler: auto | resident | pump
@@ -36,6 +37,8 @@ class EngineConfig:
     attention: str = "triton"  # CUDA step attention kernel
     stop_grace_s: float = 2.0  # CUDA: the scheduler kernel's grace to finish a stop
     run_budget_s: float | None = None  # CUDA: the scheduler kernel exits on its own after this long
+    # a Jinja chat template (a file, or the template text) that replaces the model's own (None: the model's)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, str):  # torch.float32 -> "float32"
@@ -52,6 +55,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.run_budget_s is not None and not self.run_budget_s > 0:
             raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", os.fspath(self.chat_template))  # a Path is accepted
+            from device.chat_template import load_template_override  # jinja2 only when asked for
+
+            # compiled here, so a bad template fails in one line before any weights load
+            load_template_override(self.chat_template)
 
     @classmethod
     def of(cls, config: EngineConfig | str | None = None, /, **fields) -> EngineConfig:
@@ -108,6 +117,7 @@ SERVE_FLAGS = {
     "threads": "--threads",
     "trace_path": "--trace",
     "run_budget_s": "--run-budget-s",
+    "chat_template": "--chat-template",
 }
 
 
@@ -132,3 +142,16 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:
         return "cpu"
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why --device cuda cannot run here, with what to do instead; None when torch sees a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is a CPU-only build"
+    else:
+        why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU on this machine"
+    return f"--device cuda needs a CUDA GPU that torch can see: {why}; serve on the CPU with --device cpu"

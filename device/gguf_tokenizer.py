@@ -27,6 +27,7 @@ from typing import Any
 
 from device.chat_template import load_chat_template
 from device.tokenizer import HFTokenizer
+from ipc.install_hint import install_hint
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -217,9 +218,7 @@ def tokenizer_from_gguf(md: Mapping[str, Any]) -> HFTokenizer:
     try:
         from tokenizers import AddedToken
     except ImportError as e:
-        raise ImportError(
-            "GGUF tokenizers need the `tokenizers` package: pip install 'ringleader[hf]'"
-        ) from e
+        raise ImportError(f"GGUF tokenizers need the `tokenizers` package: {install_hint('hf')}") from e
 
     kind = md.get(_key("model"))
     if kind not in SUPPORTED_MODELS:

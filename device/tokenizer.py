@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from device.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from ipc.install_hint import install_hint
 
 
 class Tokenizer(Protocol):
@@ -62,7 +63,13 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        raise _no_template()
+        """The bytes of the rendered chat, after BOS (presets have a template only from
+        `serve --chat-template`)."""
+        if self.chat_template is None:
+            raise _no_template()
+        # no text spells BOS in a byte vocabulary (bos_token renders as nothing): it is added as
+        # a plain prompt gets it
+        return self.encode(self.chat_template.render(messages, add_generation_prompt=True))
 
     def special_token_ids(self) -> set[int]:
         return {self.BOS, self.EOS, self.PAD}
@@ -125,10 +132,8 @@ class HFTokenizer:
         template from tokenizer_config.json (or chat_template.jinja) when present."""
         try:
             from tokenizers import Tokenizer as _HFTok
-        except ImportError as e:  # optional dependency: pip install 'ringleader[hf]'
-            raise ImportError(
-                "HFTokenizer needs the `tokenizers` package: pip install 'ringleader[hf]'"
-            ) from e
+        except ImportError as e:  # optional dependency (the hf extra)
+            raise ImportError(f"HFTokenizer needs the `tokenizers` package: {install_hint('hf')}") from e
         model_dir = Path(model_dir)
         tok = _HFTok.from_file(str(model_dir / "tokenizer.json"))
         tcfg: dict = {}

@@ -9,6 +9,8 @@ import logging
 import os
 import signal
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,8 @@ from ipc.sampling_params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
+log = logging.getLogger("ringleader.cli")
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -40,7 +44,9 @@ def _int_list(text: str) -> list[int]:
 ENGINE_OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
     "model": (
         {},
-        "preset (tiny, llama-1b, llama-8b) or a local Hugging Face checkpoint directory (default: %(default)s)",
+        "a preset (tiny, llama-1b, llama-8b: random weights), a GGUF file (*.gguf: F32, F16, BF16, "
+        "Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K) or a local Hugging Face checkpoint directory "
+        "(default: %(default)s)",
     ),
     "device": ({"choices": DEVICES}, "auto: cuda when torch sees a GPU, else cpu"),
     "scheduler": (
@@ -73,7 +79,7 @@ ENGINE_OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
         "priority policy: a waiting request gains one level per this many steps",
     ),
     "seed": ({"type": int}, "seed of the preset's random weights"),
-    "threads": ({"type": int}, "torch CPU threads"),
+    "threads": ({"type": int}, "torch CPU threads (default: torch's, one per core it may use)"),
     "trace_path": (
         {},
         "CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown",
@@ -82,6 +88,12 @@ ENGINE_OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
         {"type": float},
         "CUDA: the scheduler kernel exits on its own after this many seconds, and the server "
         "reports engine_dead (default: no limit; for timed runs that must never leave a kernel behind)",
+    ),
+    "chat_template": (
+        {"metavar": "FILE"},
+        "a Jinja chat template (as tokenizer_config.json's chat_template is written) that replaces "
+        "the model's own, for a model whose template is missing or wrong; the template text itself "
+        "is taken too when it is no file and holds {{ or {%% (default: the model's template)",
     ),
 }
 
@@ -115,6 +127,14 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "error code timeout (0: no limit)",
     )
     p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a request without max_tokens (an OpenAI chat request without it, too) generates up "
+        "to the rest of the model's context, at most N tokens (default: no cap)",
+    )
+    p.add_argument(
         "--watchdog-s",
         type=float,
         default=None,
@@ -145,96 +165,106 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def cmd_serve(args) -> int:
-    from device.backends.cuda_preflight import UnsafeEnvironment
+    """Everything that can fail fast (options, the model's path, every address and port, the
+    optional packages asked for) is checked and bound before the model loads; a start-up
+    failure is one line naming the fault (the traceback too under --log-level debug)."""
+    from hostctl.frontend_socket import FrontendSocket
+    from hostctl.http_fronts import HttpFronts
     from hostctl.server import Server
     from ipc.backend import EngineDead
 
-    curve = server_curve_from_args(args)  # before the (slow) backend: a bad key fails at once
+    opened: list[Callable[[], None]] = []  # closed if the start fails
     try:
-        engine_config_from_args(args)  # a bad engine option fails at once too, in one line
-    except ValueError as exc:
-        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
-        return 2
-    _limit_malloc_arenas()
-    try:
+        curve = server_curve_from_args(args)
+        config = engine_config_from_args(args).resolved()
+        _check_model_and_device(config)
+        fronts = HttpFronts(args.http, args.metrics, curve=bool(args.curve_secret_key))
+        opened.append(fronts.close)
+        try:
+            frontend = FrontendSocket(args.bind, curve=curve)
+        except ValueError as exc:
+            raise ValueError(f"--bind: {exc}") from None
+        opened.append(lambda: frontend.close(0))
+        _limit_malloc_arenas()
+        log.info("loading %s on %s", config.model, config.device)
         backend = open_configured_backend(args)
-    except (UnsafeEnvironment, MemoryError) as exc:  # the message says what to change
-        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
-        return 2
-    server = Server(
-        backend,
-        args.bind,
-        max_queued=args.max_queue,
-        watchdog_s=args.watchdog_s,
-        drain_timeout_s=args.drain_timeout,
-        max_inflight_per_client=args.max_inflight_per_client,
-        max_queue_ms=args.max_queue_ms,
-        curve=curve,
-    )
+        server = Server(
+            backend,
+            frontend,
+            max_queued=args.max_queue,
+            watchdog_s=args.watchdog_s,
+            drain_timeout_s=args.drain_timeout,
+            max_inflight_per_client=args.max_inflight_per_client,
+            max_queue_ms=args.max_queue_ms,
+            default_max_tokens=args.default_max_tokens,
+        )
+        opened = [fronts.close]  # the server owns the frontend socket from here
+        fronts.start(server, served_model_name=args.served_model_name, api_key=args.api_key)
+    except Exception as exc:
+        for close in reversed(opened):
+            close()
+        return cannot_start(exc)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
-    print(
-        f"ringleader: serving {backend.model.name} on {server.address} ({json.dumps(backend.description)})",
-        file=sys.stderr,
-        flush=True,
-    )
-    closers: list[Callable[[], None]] = []  # what --metrics / --http started, closed after
+
+    def announce() -> None:  # the line a script may wait for: requests are served from now on
+        print(
+            f"ringleader: serving {backend.model.name} on {server.address} ({json.dumps(backend.description)})",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
-        _start_http_fronts(args, server, closers)
-    except (ImportError, OSError, ValueError) as exc:
-        for close in reversed(closers):
-            close()
-        print(f"ringleader: cannot start: {exc}", file=sys.stderr)
-        return 2
-    try:
-        server.serve_forever()
+        server.serve_forever(on_serving=announce)
     except EngineDead as exc:
         print(f"ringleader: the engine did not stop cleanly: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if server.serving.is_set():
+            raise  # a fault while serving is a bug: its traceback matters
+        return cannot_start(exc)  # the backend failed to start
     finally:
-        for close in reversed(closers):
-            close()
+        fronts.close()
+    log.info("exited")
     return 0
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT (an IPv6 host in brackets) -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+def _check_model_and_device(config: EngineConfig) -> None:
+    """ValueError unless --model can name a model and --device can run here (no weights read)."""
+    from device.engine_config import cuda_unavailable_reason
+    from device.model.model_spec import check_model_spec
+
+    check_model_spec(config.model)
+    if config.device == "cuda":
+        if config.scheduler == "device":  # settings that hang a persistent kernel, named first
+            from device.backends.cuda_preflight import refuse_unsafe_environment
+
+            refuse_unsafe_environment()
+        reason = cuda_unavailable_reason()
+        if reason:
+            raise ValueError(reason)
 
 
-def _start_http_fronts(args, server, closers: list[Callable[[], None]]) -> None:
-    """The metrics endpoint and the OpenAI gateway of `serve --metrics` / `serve --http`; each
-    one started appends its close to `closers`.  Their packages (prometheus_client, aiohttp) are
-    imported only when asked for: a plain install serves without them."""
-    if args.metrics:
-        from hostctl.prometheus import MetricsExporter
+# Exceptions whose message is the whole story (they name the fault and, where there is one, the
+# fix); any other type gets its name in the line, since it is likely a bug.
+CLEAN_ERRORS = (ValueError, OSError, ImportError, RuntimeError, KeyError, MemoryError, CurveError)
 
-        exporter = MetricsExporter(server, *parse_listen(args.metrics))
-        exporter.start()
-        closers.append(exporter.close)
-        print(f"ringleader: metrics at {exporter.url}", file=sys.stderr, flush=True)
-    if args.http:
-        if args.curve_secret_key:
-            raise ValueError("--http with CURVE keys: run `ringleader gateway` with a client's keys instead")
-        from hostctl.gateway import BackgroundGateway
 
-        model = server.backend.model
-        host, port = parse_listen(args.http)
-        gateway = BackgroundGateway(
-            server.address,
-            host,
-            port,
-            served_model_name=args.served_model_name or model.name,
-            max_model_len=model.max_context,
-            has_tokenizer=model.tokenizer is not None,
-            api_key=args.api_key,
-            process_metrics=not args.metrics,  # the server's endpoint has the process already
-        ).start()
-        closers.append(gateway.stop)
-        print(f"ringleader: openai gateway at {gateway.url}", file=sys.stderr, flush=True)
+def cannot_start(exc: BaseException, what: str = "cannot start") -> int:
+    """One line on stderr naming the fault; exit code 2.  Under --log-level debug the traceback
+    is printed first."""
+    if log.isEnabledFor(logging.DEBUG):
+        traceback.print_exception(exc)
+    if isinstance(exc, KeyError) and exc.args:
+        message = str(exc.args[0])  # str(KeyError) quotes its message
+    elif isinstance(exc, OSError) and exc.strerror and exc.filename is None:
+        message = exc.strerror  # without the "[Errno N]" prefix; ours name the address
+    else:
+        message = str(exc) or type(exc).__name__
+    if not isinstance(exc, CLEAN_ERRORS):
+        message = f"{type(exc).__name__}: {message} (--log-level debug shows where)"
+    print(f"ringleader: {what}: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 def cmd_gateway(args) -> int:
@@ -243,6 +273,8 @@ def cmd_gateway(args) -> int:
     except ImportError as exc:
         print(f"ringleader gateway: {exc}", file=sys.stderr)
         return 2
+
+    from hostctl.http_fronts import parse_listen
 
     try:
         host, port = parse_listen(args.listen)
@@ -256,7 +288,6 @@ def cmd_gateway(args) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         curve=client_curve_from_args(args),
-        default_max_tokens=args.default_max_tokens,
         startup_timeout_s=args.startup_timeout,
     )
     return run_gateway(config)
@@ -275,14 +306,29 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     """One option per SamplingParams field, named after it, with the field's default."""
     special: dict[str, dict[str, Any]] = {
-        "max_tokens": dict(type=int, default=64),
-        "seed": dict(type=int, default=None),
+        "max_tokens": dict(type=int),
+        "seed": dict(type=int),
         "stop_token_ids": dict(type=_int_list, default=()),
         "ignore_eos": dict(action="store_true"),
     }
     for f in dataclasses.fields(SamplingParams):
-        options = special.get(f.name) or dict(type=type(f.default), default=f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), **options)
+        options = {"default": f.default, "type": type(f.default), **special.get(f.name, {})}
+        if options.get("action"):
+            options.pop("type")
+        p.add_argument("--" + f.name.replace("_", "-"), help=SAMPLING_HELP[f.name], **options)
+
+
+SAMPLING_HELP = {
+    "max_tokens": "most tokens to generate (default: the rest of the model's context, at most the "
+    "server's --default-max-tokens)",
+    "temperature": "0 picks the most likely token (greedy); higher samples more freely",
+    "top_p": "sample from the smallest set of tokens whose probability adds up to this; 1 is off",
+    "top_k": "sample from this many of the most likely tokens; 0 is off",
+    "seed": "the same seed and settings give the same tokens, under any load (default: the server draws one)",
+    "stop_token_ids": "comma-separated token ids that end the answer, besides the model's end token "
+    "(default: none)",
+    "ignore_eos": "go on past the model's end token, up to --max-tokens",
+}
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -291,6 +337,11 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
+    try:
+        sampling_from_args(args)  # a value no server takes fails here, in one line
+    except ValueError as exc:
+        print(f"ringleader generate: {exc}", file=sys.stderr)
+        return 2
     if args.chat:
         if args.prompt_ids is not None:
             print("--chat takes text (a user turn), not --prompt-ids", file=sys.stderr)
@@ -340,16 +391,24 @@ def _print_stream(client, args, **inputs) -> tuple[int, str]:
             else:
                 text.append(chunk.text)
                 print(chunk.text, end="", flush=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: end the request on the server too, then exit 130
         stream.abort()
         stream.wait(timeout=5)
+        interrupted = True
+    else:
+        interrupted = False
     done = stream.done
     print()
+    if done is None:  # interrupted, and the server did not confirm the abort in time
+        print("[interrupted]", file=sys.stderr)
+        return 130, "".join(text)
     print(
         f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
         f"completion tokens]" + (f" {done.error_code}: {done.error_message}" if done.error_code else ""),
         file=sys.stderr,
     )
+    if interrupted:
+        return 130, "".join(text)
     return (0 if done.finish_reason != "error" else 1), "".join(text)
 
 
@@ -370,13 +429,46 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_wait_ready(args) -> int:
+    """Waits until a server answers at --connect: it answers once its model has loaded and it
+    serves (`serve` binds first, so requests sent while it loads wait for it, not fail)."""
+    from ipc.client import Client
+
+    # no liveness checks: a server that is still starting is neither connected nor answering
+    with Client(
+        args.connect, connect_timeout=None, reply_timeout=None, curve=client_curve_from_args(args)
+    ) as client:
+        started = time.monotonic()
+        try:
+            stats = client.stats(timeout=args.timeout)
+        except TimeoutError:
+            print(
+                f"ringleader wait-ready: no ringleader server served at {args.connect} within {args.timeout:g} s",
+                file=sys.stderr,
+            )
+            return 1
+    dead = stats.get("engine_dead")
+    if dead:
+        print(f"ringleader wait-ready: the server at {args.connect} answers, but its engine is dead: {dead}")
+        return 1
+    if not args.quiet:
+        print(
+            f"ready: {stats.get('model')} at {args.connect} (waited {time.monotonic() - started:.1f} s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def cmd_build_kernel(args) -> int:
     from device.sched.build import NVRTC_ENV, compile_kernel, nvrtc_library
 
     if args.nvrtc:
         os.environ[NVRTC_ENV] = args.nvrtc  # read at the process's first NVRTC call, below
 
-    build = compile_kernel(args.arch, threads=args.threads)
+    try:
+        build = compile_kernel(args.arch, threads=args.threads)
+    except Exception as exc:  # no NVRTC, a wrong --nvrtc, a compile error: one line
+        return cannot_start(exc, "build-kernel")
     library = nvrtc_library()
     print(
         f"{len(build.cubin)} bytes of CUBIN for {build.arch} from NVRTC "
@@ -445,7 +537,7 @@ def cmd_bench(args, rest: list[str]) -> int:
 
 
 def add_client_options(p: argparse.ArgumentParser, timeout: float) -> None:
-    p.add_argument("--connect", default=DEFAULT_ADDRESS)
+    p.add_argument("--connect", default=DEFAULT_ADDRESS, help="the server's ZeroMQ address")
     p.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for each reply")
     p.add_argument(
         "--connect-timeout", type=float, default=10.0, help="seconds to wait for a connection to the server"
@@ -454,8 +546,18 @@ def add_client_options(p: argparse.ArgumentParser, timeout: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ringleader", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser = argparse.ArgumentParser(
+        prog="ringleader", description=__doc__, formatter_class=DefaultsFormatter
+    )
+    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=None,
+        help="default: INFO for serve and gateway (a line per finished request), else WARNING; "
+        "DEBUG also prints the traceback of a start-up error",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the server")
@@ -491,19 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     add_http_options(p)
     p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=256,
-        help="chat requests without max_tokens (at most half the model's context)",
-    )
-    p.add_argument(
         "--startup-timeout", type=float, default=60.0, help="seconds to wait for the upstream to answer"
     )
     add_curve_client_options(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat: the user's turn)")
-    p.add_argument("--prompt-ids", type=_int_list)
+    p.add_argument("--prompt-ids", type=_int_list, help="the prompt as comma-separated token ids")
     p.add_argument(
         "--chat",
         action="store_true",
@@ -512,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", help="with --chat: a system turn first")
     add_sampling_options(p)
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--priority", type=int, default=0, help="under serve --policy priority: higher goes first")
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
     p.add_argument(
         "--timeout-ms",
@@ -525,8 +621,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="print a running server's stats")
     add_client_options(p, timeout=10.0)
 
+    p = sub.add_parser(
+        "wait-ready",
+        help="wait until a server serves (its model loaded); exit 1 if none does in --timeout seconds",
+    )
+    p.add_argument("--connect", default=DEFAULT_ADDRESS, help="the server's ZeroMQ address")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait")
+    p.add_argument("--quiet", action="store_true", help="print nothing when ready")
+    add_curve_client_options(p)
+
     p = sub.add_parser("build-kernel", help="compile the scheduler kernel with NVRTC (no GPU needed)")
-    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--arch", default="sm_90", help="the GPU architecture to compile for (sm_90: H100/H200)")
     p.add_argument("--threads", type=int, default=256, help="threads per block of the kernel")
     p.add_argument("--output", help="write the CUBIN here")
     p.add_argument("--verbose", action="store_true", help="print the full ptxas log")
@@ -551,7 +656,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="ringleader", help="file name stem (default: ringleader)")
 
     sub.add_parser("bench", help="benchmark (see `ringleader bench --help`)", add_help=False)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsFormatter
     return parser
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help shows its default, unless the help says it already or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in help.lower()
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or isinstance(action, argparse._VersionAction)
+        ):
+            return help
+        return f"{help} (default: %(default)s)" if help else "(default: %(default)s)"
+
+
+def version_line() -> str:
+    from importlib import metadata
+
+    from ipc.protocol import PROTOCOL_REVISION
+
+    try:
+        version = metadata.version("ringleader")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return f"ringleader {version} (wire protocol revision {PROTOCOL_REVISION})"
+
+
+LONG_RUNNING = ("serve", "gateway")  # log at info by default (one line per request, the stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,12 +701,20 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level="WARNING")
         return cmd_bench(None, argv[1:])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    level = args.log_level or ("INFO" if args.command in LONG_RUNNING else "WARNING")
+    output = None
+    if args.command in LONG_RUNNING:
+        from hostctl.log_output import LogOutput
+
+        output = LogOutput(level)  # a stalled stderr must not stall the server
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {
         "serve": cmd_serve,
         "gateway": cmd_gateway,
         "generate": cmd_generate,
         "stats": cmd_stats,
+        "wait-ready": cmd_wait_ready,
         "build-kernel": cmd_build_kernel,
         "doctor": cmd_doctor,
         "keygen": cmd_keygen,
@@ -576,6 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     except CurveError as exc:  # the message names the option or file
         print(f"ringleader: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a handler of its own took over
+        print(file=sys.stderr)
+        return 130
+    finally:
+        if output is not None:
+            output.stop()
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ class CompletionRouter:
             finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
             code = message = None
             if finish == protocol.FINISH_ABORT and req.end_as is not None:
-                finish, (code, message) = protocol.FINISH_ERROR, req.end_as
+                # the host's reason for the abort (a request that ended anyway keeps its own)
+                finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
             done = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle])
             if done is None:
                 continue  # the frontend ended it meanwhile (shutdown)

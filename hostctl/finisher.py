@@ -13,6 +13,7 @@ overloaded, shutdown or engine dead at arrival): it has no table entry and zero 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from hostctl.inflight import InFlight, RequestTable
@@ -21,6 +22,8 @@ from ipc import protocol
 from ipc.rings import PromptArena
 
 Frame = tuple[bytes, bytes]  # (client identity, encoded message)
+
+log = logging.getLogger("ringleader.requests")
 
 
 def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
@@ -96,4 +99,19 @@ class Finisher:
         timing = server_timing(req, device_queued_us)
         frame = done_frame(req, reason, code, message, timing=timing)
         self._metrics.finished(req, reason, code, timing)
+        if log.isEnabledFor(logging.INFO):
+            log.info(request_log_line(req, reason, code, timing))
         return frame
+
+
+def request_log_line(req: InFlight, reason: str, code: str | None, timing: dict) -> str:
+    """The one line each accepted request leaves in the log when it ends (at info)."""
+    rid = repr(req.id)
+    if len(rid) > 48:
+        rid = rid[:45] + "..."
+    ttft = timing.get("ttft_ms")
+    return (
+        f"request {rid} of client {req.client.hex()}: {reason}{' ' + code if code else ''}, "
+        f"{req.prompt_len} prompt + {req.completion_tokens} completion tokens, "
+        f"TTFT {f'{ttft:.1f} ms' if ttft is not None else '-'}, total {timing['e2e_ms']:.1f} ms"
+    )

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,7 +38,6 @@ except ImportError:
 
 from hostctl.gateway_metrics import GatewayMetrics
 from hostctl.openai_api import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     SSE_DONE,
     APIError,
     GenerationRequest,
@@ -55,6 +55,7 @@ log = logging.getLogger("ringleader.gateway")
 
 MAX_BODY_BYTES = 8 << 20
 END_EARLY_WAIT_S = 5.0  # a stop string aborts upstream; its `done` (the usage) is awaited this long
+UNMATCHED_ROUTE = "unmatched"  # the `route` label of every request no route took (404, 405)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -66,13 +67,22 @@ class GatewayConfig:
     served_model_name: str | None = None  # default: the name the upstream server reports
     api_key: str | None = None  # when set, generation routes need "Authorization: Bearer KEY"
     curve: ClientCurve | None = None  # CURVE keys for the upstream, as for any client
-    default_max_tokens: int = 256  # chat requests without max_tokens (capped at half the context)
     # known when the gateway runs beside its server; else asked from the upstream's stats
     max_model_len: int | None = None
     has_tokenizer: bool | None = None
     startup_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0  # no upstream connection this long: requests end with 503
     process_metrics: bool = True  # off when the server's process exports them already
+    # a listening socket bound already (`serve --http` binds before the model loads); host and
+    # port are then its own
+    sock: socket.socket | None = None
+
+
+def route_label(request: web.Request) -> str:
+    """The `route` label of a request: its route's path as registered, or UNMATCHED_ROUTE, so
+    the series stay as many as the routes whatever paths clients send."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else UNMATCHED_ROUTE
 
 
 async def _next_event(stream: AsyncStream) -> TokenChunk | Done:
@@ -112,7 +122,11 @@ class Gateway:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        site: web.BaseSite
+        if self.config.sock is not None:
+            site = web.SockSite(self._runner, self.config.sock)
+        else:
+            site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
@@ -180,7 +194,7 @@ class Gateway:
     @web.middleware
     async def _errors_as_json(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every error leaves in OpenAI's shape, counted by route and status."""
-        route = request.path
+        route = route_label(request)
         try:
             response = await handler(request)
         except APIError as err:
@@ -204,13 +218,11 @@ class Gateway:
     # ---- generation -----------------------------------------------------------------------
     async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrived = time.perf_counter()
-        route = request.path
+        route = route_label(request)
         self.metrics.in_progress.labels(route).inc()
         try:
             self._authorize(request)
-            req = parse_request(
-                await self._json(request), chat=chat, default_max_tokens=self._default_max_tokens(chat)
-            )
+            req = parse_request(await self._json(request), chat=chat)
             if req.model is not None and req.model != self.model_name:
                 raise APIError(
                     404,
@@ -227,12 +239,6 @@ class Gateway:
         finally:
             self.metrics.in_progress.labels(route).dec()
             self.metrics.duration.labels(route).observe(time.perf_counter() - arrived)
-
-    def _default_max_tokens(self, chat: bool) -> int:
-        if not chat:
-            return COMPLETIONS_DEFAULT_MAX_TOKENS
-        cap = (self.max_model_len or 2 * self.config.default_max_tokens) // 2
-        return max(1, min(self.config.default_max_tokens, cap))
 
     @staticmethod
     async def _json(request: web.Request) -> Any:
@@ -274,8 +280,9 @@ class Gateway:
         self.metrics.generation_tokens.inc(completion_tokens)
 
     async def _end_early(self, stream: AsyncStream) -> Done | None:
-        """A stop string matched: abort upstream and wait (bounded) for the `done` with usage."""
-        await stream.abort()
+        """A stop string matched: abort upstream as a stop (the server counts it as one, protocol
+        1.3) and wait (bounded) for the `done` with usage."""
+        await stream.abort(finish_reason="stop")
         try:
             return await stream.wait(timeout=END_EARLY_WAIT_S)
         except TimeoutError:

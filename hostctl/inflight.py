@@ -18,6 +18,7 @@ Fields of InFlight and their one writer (the other thread only reads):
   queue_deadline_ns            frontend thread, which alone reads them too
   end_as                       frontend thread, only before the request's abort enters the ring;
                                the completion thread reads it after it sees the request's DONE
+                               (the Ending that DONE's abort becomes); never written again
   first_token_ns,
   completion_tokens            completion thread; the frontend reads them (timeouts, and the
                                usage of a `done` it sends itself)
@@ -32,7 +33,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ipc import protocol
 from ipc.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a request the host stops ends: its `done`'s finish reason, with (code, message) for
+    "error".  An abort from a client ends as "abort", or as "stop" when the client found its own
+    stop (a stop string); a timeout or a shutdown ends as an error."""
+
+    finish_reason: str
+    code: str | None = None
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason == protocol.FINISH_ERROR) != (self.code is not None):
+            raise ValueError(f"an error ending needs a code and only it has one: {self}")
 
 
 @dataclass(eq=False)
@@ -51,8 +68,8 @@ class InFlight:
     sq_pos: int = 0
     abort_sent: bool = False  # frontend thread only
     # frontend thread, only before its abort enters the ring; read by the completion thread after
-    # the DONE: (code, message) that turns the device's abort into an error
-    end_as: tuple[str, str] | None = None
+    # the DONE: what the device's abort becomes (a stop, an error such as timeout)
+    end_as: Ending | None = None
     completion_tokens: int = 0  # completion thread
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     submit_ns: int = 0  # frontend thread, when it enters the SQ

@@ -10,14 +10,13 @@ rather than silently ignored.  Extensions, as vLLM names them: `top_k`, `ignore_
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ipc import protocol as P
-from ipc.sampling_params import MAX_TOP_K, SamplingParams
+from ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 8
@@ -101,15 +100,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+def _sampling_float(body: dict, name: str, default: float) -> float:
+    """temperature, top_p: judged by the protocol's one range of each (FLOAT_RANGES)."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"must be a number, got {P._show(v)}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return float(v)
+    try:
+        return check_float_field(name, v)
+    except ValueError as exc:  # its message names the field already
+        raise APIError(400, str(exc), param=name) from None
 
 
 def _int(body: dict, name: str, default: Any, lo: int, hi: int) -> Any:
@@ -237,7 +236,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _bool(opts, "include_usage")
 
 
-def parse_request(body: Any, *, chat: bool, default_max_tokens: int) -> GenerationRequest:
+def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     """The checked request of /v1/completions (chat False) or /v1/chat/completions (chat True)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -269,12 +268,14 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int) -> Generati
     else:
         req.prompt, req.prompt_ids = _prompt(body)
         name = "max_tokens"
-    max_tokens = _int(body, name, default_max_tokens, 1, P.INT64_MAX)
+    # chat without max_tokens: None, the rest of the context (only the server knows the prompt's
+    # length), as vllm serve does; the server's --default-max-tokens caps it
+    max_tokens = _int(body, name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 1, P.INT64_MAX)
     top_k = _int(body, "top_k", 0, -1, MAX_TOP_K)
     req.sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=_sampling_float(body, "temperature", 1.0),
+        top_p=_sampling_float(body, "top_p", 1.0),
         top_k=max(top_k, 0),  # -1: off, as vLLM writes it
         seed=_int(body, "seed", None, 0, P.UINT64_MAX),
         stop_token_ids=_stop_token_ids(body),

@@ -29,11 +29,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from hostctl.metrics import HistogramSnapshot
 from ipc import protocol
+from ipc.install_hint import install_hint
 
 log = logging.getLogger("ringleader.metrics")
 
 PREFIX = "ringleader:"
-INSTALL_HINT = 'pip install "ringleader[http]"'
+INSTALL_HINT = install_hint("http")
 # label values present from the first scrape (at 0), so rate() and dashboards see every series
 FINISH_REASONS = (protocol.FINISH_STOP, protocol.FINISH_LENGTH, protocol.FINISH_ABORT, protocol.FINISH_ERROR)
 ERROR_CODES = (protocol.ERR_ENGINE_DEAD, protocol.ERR_SHUTDOWN, protocol.ERR_TIMEOUT)
@@ -254,11 +255,17 @@ def _http_server_class(family: socket.AddressFamily) -> type[WSGIServer]:
         def server_bind(self) -> None:
             # HTTPServer.server_bind looks up the host's FQDN (DNS, possibly slow); not needed
             socketserver.TCPServer.server_bind(self)
-            host, port = self.server_address[:2]
-            self.server_name, self.server_port = str(host), int(port)
-            self.setup_environ()
+            _adopt_bound_socket(self)
 
     return MetricsHTTPServer
+
+
+def _adopt_bound_socket(httpd: WSGIServer) -> None:
+    """What server_bind sets up, for a socket bound before (or by) the server."""
+    httpd.server_address = httpd.socket.getsockname()
+    host, port = httpd.server_address[:2]
+    httpd.server_name, httpd.server_port = str(host), int(port)
+    httpd.setup_environ()
 
 
 class MetricsExporter:
@@ -268,9 +275,16 @@ class MetricsExporter:
     serving and is safe to call twice or without start().  Constructing one raises ImportError
     naming the install command when prometheus_client is missing."""
 
-    def __init__(self, server, host: str = "127.0.0.1", port: int = 9400):
+    def __init__(
+        self, server, host: str = "127.0.0.1", port: int = 9400, *, sock: socket.socket | None = None
+    ):
+        """sock: a listening socket bound already (serve binds it before the model loads);
+        host and port are then read from it."""
         prom = load_prometheus_client()
         self.server = server
+        self._sock = sock
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
         self.host = host
         self.port = port  # the bound port once started
         self.registry = prom.CollectorRegistry(auto_describe=False)
@@ -287,9 +301,16 @@ class MetricsExporter:
         if self._httpd is not None:
             raise RuntimeError("the metrics exporter is already started")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        httpd = make_server(
-            self.host, self.port, self._app, _http_server_class(family), handler_class=_QuietHandler
-        )
+        if self._sock is None:
+            httpd = make_server(
+                self.host, self.port, self._app, _http_server_class(family), handler_class=_QuietHandler
+            )
+        else:
+            httpd = _http_server_class(family)((self.host, self.port), _QuietHandler, bind_and_activate=False)
+            httpd.socket.close()
+            httpd.socket = self._sock  # bound and listening already
+            _adopt_bound_socket(httpd)
+            httpd.set_app(self._app)
         self.port = httpd.server_address[1]
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, name="rl-metrics", daemon=True)

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -28,16 +29,15 @@ import zmq
 from hostctl.admission import Admission
 from hostctl.completions import CompletionRouter, Outbox
 from hostctl.finisher import Finisher, Frame, reject_frame
-from hostctl.inflight import InFlight, RequestTable
+from hostctl.frontend_socket import DEFAULT_MAX_FRAME_BYTES, FrontendSocket
+from hostctl.inflight import Ending, InFlight, RequestTable
 from hostctl.metrics import ServerMetrics, thread_cpu_seconds
 from ipc import protocol
 from ipc.backend import Backend
-from ipc.curve import secure_server_socket, unauthenticated_bind_warning
 
 log = logging.getLogger("ringleader.server")
 
 RECV_BATCH = 256  # frames taken per wake-up before admitting them together
-HARD_FRAME_LIMIT = 64 << 20  # zmq drops a connection that sends more than this in one frame
 MAX_BACKLOG_FRAMES = 65536  # per client; beyond it the client is treated as gone
 GONE_SWEEP_S = 1.0  # how often clients marked gone with nothing left in flight are forgotten
 ABORT_WAIT_S = 1.5  # at shutdown: how long the device gets to end what was aborted
@@ -54,24 +54,37 @@ class Server:
     def __init__(
         self,
         backend: Backend,
-        bind: str = "tcp://127.0.0.1:5555",
+        bind: str | FrontendSocket = "tcp://127.0.0.1:5555",
         *,
         max_queued: int = 4096,
-        max_frame_bytes: int = 1 << 20,
+        max_frame_bytes: int | None = None,
         max_tokens_cap: int | None = None,
         watchdog_s: float | None = None,
         drain_timeout_s: float = 5.0,
         max_inflight_per_client: int = 1024,
         max_queue_ms: float | None = 60_000,
         curve=None,
+        default_max_tokens: int | None = None,
     ):
+        # default_max_tokens: a generate without max_tokens runs to the end of the context, at most
+        # this many tokens (None: no cap)
+        if default_max_tokens is not None and default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be at least 1 or None, got {default_max_tokens}")
         self.backend = backend
         model = backend.model
+        if isinstance(bind, str):
+            frontend = FrontendSocket(
+                bind, curve=curve, max_frame_bytes=max_frame_bytes or DEFAULT_MAX_FRAME_BYTES
+            )
+        else:  # bound already (serve binds before the model loads); curve was given to it
+            frontend = bind
+        self._frontend = frontend
         self.limits = protocol.Limits(
-            max_frame_bytes=max_frame_bytes,
+            max_frame_bytes=frontend.max_frame_bytes,
             vocab_size=model.vocab_size,
             max_context=model.max_context,
             max_tokens_cap=max_tokens_cap or model.max_context,
+            default_max_tokens=default_max_tokens,
         )
         self.table = RequestTable()
         self.metrics = ServerMetrics()
@@ -82,20 +95,9 @@ class Server:
         self._drain_timeout_s = drain_timeout_s
         self._deadlines: list[tuple[int, int, int]] = []  # (perf_counter_ns, handle, kind)
         self.timed_out = 0  # frontend thread only
-        # ZAP is per context: a CURVE server keeps its own (and terminates it at shutdown)
-        self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.ROUTER)  # the frontend thread's alone
-        self._auth = secure_server_socket(self._ctx, self._socket, curve) if curve else None
-        warning = unauthenticated_bind_warning(bind, curve)
-        if warning:
-            log.warning(warning)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.setsockopt(zmq.SNDHWM, 100_000)
-        self._socket.setsockopt(zmq.RCVHWM, 100_000)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 4 * max_frame_bytes))
-        self._socket.bind(bind)
-        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ctx = frontend.context
+        self._socket = frontend.socket  # the frontend thread's alone
+        self.address = frontend.address
         wake_addr = f"inproc://rl-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_rx.bind(wake_addr)
@@ -122,8 +124,9 @@ class Server:
         self._accepting = True
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def serve_forever(self) -> None:
-        """Runs the frontend on the calling thread until request_stop(); then shuts down."""
+    def serve_forever(self, on_serving: Callable[[], None] | None = None) -> None:
+        """Runs the frontend on the calling thread until request_stop(); then shuts down.
+        on_serving: called once the backend and the completion thread have started."""
         self._frontend_tid = threading.get_native_id()
         try:
             try:
@@ -133,7 +136,9 @@ class Server:
                 raise
             self.router.start()
             self.serving.set()
-            log.info("serving %s on %s", self.backend.model.name, self.address)
+            log.debug("serving %s on %s", self.backend.model.name, self.address)
+            if on_serving is not None:
+                on_serving()
             try:
                 while not self._stop_requested.is_set():
                     self._frontend_iteration(timeout_ms=self._poll_timeout_ms())
@@ -226,7 +231,7 @@ class Server:
         elif isinstance(request, protocol.AbortRequest):
             req = self.table.find(client, request.id)
             if req is not None:
-                self._abort(req)
+                self._abort(req, finish_reason=request.finish_reason)
         elif isinstance(request, protocol.StatsRequest):
             self._send(client, protocol.encode(protocol.stats_msg(self.stats())))
         elif isinstance(request, protocol.PingRequest):
@@ -266,7 +271,8 @@ class Server:
             return
         try:
             prompt_ids, field = self._prompt_ids(r)
-            protocol.check_context(
+            # None (the rest of the context) becomes an int here: the ring holds one
+            max_tokens = protocol.resolve_max_tokens(
                 len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id, field=field
             )
         except protocol.BadRequest as exc:
@@ -281,6 +287,8 @@ class Server:
             )
             return
         sampling = r.sampling
+        if sampling.max_tokens != max_tokens:
+            sampling = sampling.with_max_tokens(max_tokens)
         if sampling.seed is None:
             sampling = sampling.with_seed(int.from_bytes(os.urandom(8), "little"))
         req = self.table.add(
@@ -319,17 +327,18 @@ class Server:
         return model.tokenizer.encode(r.prompt), "prompt"
 
     # ---- ending requests early ---------------------------------------------------------------
-    def _abort(self, req: InFlight, error: tuple[str, str] | None = None) -> None:
+    def _abort(
+        self, req: InFlight, error: tuple[str, str] | None = None, finish_reason: str = protocol.FINISH_ABORT
+    ) -> None:
         """Ends a request: at once if it is still on the host, else through the abort ring (its
-        `done` then comes from the device, as an error (code, message) when `error` is given,
-        unless an earlier abort of it was already sent: that one's outcome stands)."""
-        if error is not None and req.end_as is None and not req.abort_sent:
-            req.end_as = error  # before the abort enters the ring (InFlight.end_as's rule)
+        `done` then comes from the device).  It ends as an error (code, message) when `error` is
+        given, else with `finish_reason` ("abort", or "stop" for a client's own stop); unless an
+        earlier abort of it was already sent: that one's outcome stands."""
+        ending = Ending(protocol.FINISH_ERROR, *error) if error is not None else Ending(finish_reason)
+        if req.end_as is None and not req.abort_sent:
+            req.end_as = ending  # before the abort enters the ring (InFlight.end_as's rule)
         if self.admission.abort(req):
-            if error is None:
-                self._end_on_host(req, protocol.FINISH_ABORT)
-            else:
-                self._end_on_host(req, protocol.FINISH_ERROR, *error)
+            self._end_on_host(req, ending.finish_reason, ending.code, ending.message)
 
     def _end_on_host(
         self, req: InFlight, reason: str, code: str | None = None, message: str | None = None
@@ -480,9 +489,20 @@ class Server:
         those on the host at once, those on the device through the abort ring, and whatever the
         device has not ended ABORT_WAIT_S later on the host.  Every step is bounded."""
         self._accepting = False
-        deadline = time.monotonic() + self._drain_timeout_s
+        started = time.monotonic()
+        deadline = started + self._drain_timeout_s
+        if len(self.table):
+            log.info(
+                "stopping: draining %d requests in flight (up to %g s, the --drain-timeout)",
+                len(self.table),
+                self._drain_timeout_s,
+            )
+        else:
+            log.info("stopping: nothing in flight")
         while len(self.table) and time.monotonic() < deadline:
             self._frontend_iteration(timeout_ms=10)
+        if len(self.table) or self.admission.queued:
+            log.info("drain ended with %d requests in flight: ending them as shutdown", len(self.table))
         for req in self.admission.drop_queued():
             self._end_on_host(
                 req,
@@ -504,7 +524,11 @@ class Server:
             self.backend.stop()  # raises EngineDead if the device did not stop: never silent
         finally:
             self._close_sockets(linger_ms=1000)
-        log.info("server stopped")
+        log.info(
+            "stopped (shutdown took %.1f s); %d requests accepted since start",
+            time.monotonic() - started,
+            self.metrics.accepted,
+        )
 
     def _abandon_start(self) -> None:
         """backend.start() raised: whatever it had started (a kernel, a launch, an engine thread)
@@ -519,12 +543,9 @@ class Server:
             self._close_sockets(linger_ms=0)
 
     def _close_sockets(self, linger_ms: int) -> None:
-        self._socket.close(linger=linger_ms)
         self._wake_rx.close(0)
         self._wake_tx.close(0)
-        if self._auth is not None:
-            self._auth.stop()
-            self._ctx.term()
+        self._frontend.close(linger_ms)
 
 
 class BackgroundServer:

@@ -90,9 +90,11 @@ class AsyncStream(StreamState):
             except TimeoutError:
                 raise self._timeout_error(timeout if timeout is not None else self.timeout) from None
 
-    async def abort(self) -> None:
+    async def abort(self, finish_reason: str = P.FINISH_ABORT) -> None:
+        """See Stream.abort."""
+        frame = self._abort_frame(finish_reason)
         if self.done is None and not self._client._closed:
-            await self._client._send_frame(P.encode(P.abort_msg(self.id)))
+            await self._client._send_frame(frame)
 
     async def aclose(self) -> None:
         """Stop reading: an unfinished request is aborted and its later replies are dropped."""

@@ -120,10 +120,13 @@ class Stream(StreamState):
             except TimeoutError:
                 raise self._timeout_error(timeout if timeout is not None else self.timeout) from None
 
-    def abort(self) -> None:
-        """Ask the server to stop; the stream still ends with a `done` (normally finish_reason "abort")."""
+    def abort(self, finish_reason: str = P.FINISH_ABORT) -> None:
+        """Ask the server to stop; the stream still ends with a `done`, whose finish_reason is
+        normally `finish_reason`: "abort", or "stop" when the caller found its own stop (a request
+        that ended anyway keeps its own reason)."""
+        frame = self._abort_frame(finish_reason)
         if self.done is None:
-            self._client._send_msg(P.abort_msg(self.id))
+            self._client._send_frame(frame)
 
     def close(self) -> None:
         """Stop reading: an unfinished request is aborted and its later replies are dropped."""
@@ -223,8 +226,9 @@ class Client(CoreView):
 
         The input is one of `prompt` (text), `prompt_ids` (token ids) or `messages` (chat turns,
         [{"role", "content"}, ...], rendered by the model's chat template on the server). The
-        sampling settings are `sampling` or SamplingParams fields as keywords (max_tokens=16
-        unless given), not both."""
+        sampling settings are `sampling` or SamplingParams fields as keywords, not both; without
+        max_tokens the request runs to the end of the context (at most the server's
+        --default-max-tokens)."""
         params = resolve_sampling(sampling, sampling_fields)
         if request_id is not None:
             check_request_id(request_id)  # the caller's mistake whatever state the client is in
@@ -296,8 +300,7 @@ class Client(CoreView):
                 "client I/O thread has stopped (see the logged exception); create a new Client"
             )
 
-    def _send_msg(self, msg: dict) -> None:
-        frame = P.encode(msg)
+    def _send_frame(self, frame: bytes) -> None:
         with self._lock:
             if self._closed:
                 return

@@ -34,7 +34,6 @@ ERR_CLIENT_CLOSED = "client_closed"
 ERR_BAD_REPLY = "bad_reply"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REPLY_TIMEOUT_S = 30.0
-DEFAULT_MAX_TOKENS = 16  # when generate() is given neither `sampling` nor `max_tokens`
 
 
 @dataclass(slots=True)
@@ -73,7 +72,9 @@ def check_request_id(request_id: Any) -> None:
 def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
     """generate()'s `sampling=` or its SamplingParams keyword fields -> one SamplingParams.
 
-    Values are not judged (the server does that); only the keywords are."""
+    The keywords are judged here, and SamplingParams judges its float fields (ValueError); the
+    rest of the values the server judges.  Without max_tokens the request runs to the end of the
+    context (at most the server's --default-max-tokens)."""
     unknown = [name for name in fields if name not in WIRE_FIELDS]
     if unknown:
         raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
@@ -86,7 +87,6 @@ def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any])
             )
         return sampling
     values = dict(fields)
-    values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "stop_token_ids" in values and not isinstance(values["stop_token_ids"], tuple):
         values["stop_token_ids"] = tuple(values["stop_token_ids"])
     return SamplingParams(**values)
@@ -161,6 +161,13 @@ class StreamState:
 
     def _close_locally(self) -> None:
         self.done = local_done(ERR_CLIENT_CLOSED, "stream closed before its end", self)
+
+    def _abort_frame(self, finish_reason: str) -> bytes:
+        """The abort of this request; finish_reason is what its `done` is to say: "abort", or
+        "stop" when the caller found its own stop (protocol 1.3; an older server says "abort")."""
+        if not isinstance(finish_reason, str) or finish_reason not in P.ABORT_FINISH_REASONS:
+            raise ValueError(f'finish_reason: must be "abort" or "stop", got {finish_reason!r}')
+        return P.encode(P.abort_msg(self.id, finish_reason))
 
 
 def local_done(code: str, message: str, stream: StreamState) -> Done:

@@ -8,17 +8,19 @@ See docs/protocol.md for the user-facing specification.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from ipc.sampling_params import MAX_TOP_K, SamplingParams
+from ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
+from ipc.sampling_params import clipped_repr as _show
 
 PROTOCOL_VERSION = 1
-# 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat)
-PROTOCOL_REVISION = 2
+# 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat);
+# 1.3 made generate.max_tokens optional (the rest of the context), added abort.finish_reason
+# ("stop": the client stopped it on purpose) and bounded temperature to float32
+PROTOCOL_REVISION = 3
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -39,6 +41,9 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 FINISH_REASONS = frozenset({FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR})
+# what an abort may ask its request to end with (1.3): "stop" for a client that found its own
+# stop (a stop string, say), so the server counts it as a stop and not as an abort
+ABORT_FINISH_REASONS = frozenset({FINISH_ABORT, FINISH_STOP})
 
 # error codes carried by `done.error.code` and by the `error` op
 ERR_BAD_REQUEST = "bad_request"
@@ -69,6 +74,8 @@ class Limits:
     vocab_size: int = (1 << 31) - 1  # token ids must be in [0, vocab_size); server sets the model's value
     max_context: int = 8192  # prompt length + max_tokens must not exceed this
     max_tokens_cap: int = 4096
+    # a generate without max_tokens runs to the end of the context, at most this many tokens (None: no cap)
+    default_max_tokens: int | None = None
     max_stop_ids: int = 8  # a device ring entry holds 8 stop ids
     max_id_len: int = 256  # characters, for str ids
     max_prompt_chars: int = 512 * 1024  # also bounds the characters of all chat messages together
@@ -94,6 +101,7 @@ class GenerateRequest:
 @dataclass(slots=True)
 class AbortRequest:
     id: RequestId
+    finish_reason: str = FINISH_ABORT  # one of ABORT_FINISH_REASONS: what the request's `done` says (1.3)
 
 
 @dataclass(slots=True)
@@ -134,12 +142,6 @@ class BadRequest(ProtocolError):
 
 
 # ---------------------------------------------------------------- decoding
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    """repr() clipped so hostile values cannot blow up an error message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_int(value: Any) -> bool:
@@ -205,21 +207,12 @@ def _int_field(obj: dict, rid: RequestId, name: str, default: Any, lo: int, hi: 
     return value
 
 
-def _float_field(
-    obj: dict, rid: RequestId, name: str, default: float, lo: float, hi: float, lo_open: bool
-) -> float:
-    value = obj.get(name, default)
-    lo_text = ("(" if lo_open else "[") + f"{lo:g}, " + (f"{hi:g}]" if math.isfinite(hi) else "inf)")
-    if not (_is_int(value) or isinstance(value, float)):
-        raise BadRequest(rid, name, f"must be a number in {lo_text}, got {_show(value)}")
+def _float_field(obj: dict, rid: RequestId, name: str, default: float) -> float:
+    """A float sampling field, judged by its one range (ipc.sampling_params.FLOAT_RANGES)."""
     try:
-        number = float(value)
-    except OverflowError:
-        raise BadRequest(rid, name, f"must be a number in {lo_text}, got {_show(value)}") from None
-    in_range = (lo < number if lo_open else lo <= number) and number <= hi
-    if not math.isfinite(number) or not in_range:
-        raise BadRequest(rid, name, f"must be a finite number in {lo_text}, got {_show(value)}")
-    return number
+        return check_float_field(name, obj.get(name, default))
+    except ValueError as exc:
+        raise BadRequest(rid, name, str(exc)) from None
 
 
 def _token_list(
@@ -253,9 +246,36 @@ def check_context(
         )
 
 
+def resolve_max_tokens(
+    prompt_len: int,
+    max_tokens: int | None,
+    limits: Limits,
+    *,
+    request_id: RequestId | None = None,
+    field: str = "prompt",
+) -> int:
+    """The max_tokens a request runs with, once its prompt is tokenized: its own (checked by
+    check_context), or for None (1.3) the rest of the context, at most limits.default_max_tokens
+    and limits.max_tokens_cap.  BadRequest naming the prompt's `field` when it does not fit."""
+    if max_tokens is not None:
+        check_context(prompt_len, max_tokens, limits, request_id=request_id, field=field)
+        return max_tokens
+    room = limits.max_context - prompt_len
+    if room < 1:
+        raise BadRequest(
+            request_id,
+            field,
+            f"prompt length {prompt_len} leaves no room to generate within max_context "
+            f"{limits.max_context} (max_tokens was not given: the rest of the context)",
+        )
+    return min(room, limits.max_tokens_cap, limits.default_max_tokens or room)
+
+
 def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     rid = _check_id(obj, OP_GENERATE, limits)
-    max_tokens = _int_field(obj, rid, "max_tokens", None, 1, limits.max_tokens_cap)
+    max_tokens = obj.get("max_tokens")  # absent or nil: the rest of the context (1.3)
+    if max_tokens is not None:
+        max_tokens = _int_field(obj, rid, "max_tokens", None, 1, limits.max_tokens_cap)
 
     prompt = obj.get("prompt")
     prompt_ids = obj.get("prompt_ids")
@@ -285,11 +305,13 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
                 rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}"
             )
     else:
+        # at most max_context - 1 ids, so a request without max_tokens has room for one token
         prompt_ids = _token_list(prompt_ids, rid, "prompt_ids", 1, max(1, limits.max_context - 1), limits)
-        check_context(len(prompt_ids), max_tokens, limits, request_id=rid, field="prompt_ids")
+        if max_tokens is not None:
+            check_context(len(prompt_ids), max_tokens, limits, request_id=rid, field="prompt_ids")
 
-    temperature = _float_field(obj, rid, "temperature", 0.0, 0.0, math.inf, lo_open=False)
-    top_p = _float_field(obj, rid, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    temperature = _float_field(obj, rid, "temperature", 0.0)
+    top_p = _float_field(obj, rid, "top_p", 1.0)
     top_k = _int_field(obj, rid, "top_k", 0, 0, min(limits.vocab_size, MAX_TOP_K))
 
     seed = obj.get("seed")
@@ -365,6 +387,21 @@ def _messages(value: Any, rid: RequestId, limits: Limits) -> list[dict[str, str]
     return out
 
 
+def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
+    """An abort gets no `done` of its own (its request's `done` is the answer), so a bad field is
+    a FrameError: the `error` op answers it, and the request it names goes on untouched."""
+    rid = _check_id(obj, OP_ABORT, limits)
+    reason = obj.get("finish_reason")
+    if reason is None:
+        return AbortRequest(rid)
+    if not isinstance(reason, str) or reason not in ABORT_FINISH_REASONS:
+        raise FrameError(
+            f'abort: finish_reason: must be "abort" or "stop", got {_show(reason)} '
+            f"(the abort of id {_show(rid)} was not applied)"
+        )
+    return AbortRequest(rid, reason)
+
+
 def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
     """Decode one client frame; raises only FrameError or BadRequest."""
     if limits is None:
@@ -385,7 +422,7 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
     if op == OP_GENERATE:
         return _decode_generate(obj, limits)
     if op == OP_ABORT:
-        return AbortRequest(id=_check_id(obj, OP_ABORT, limits))
+        return _decode_abort(obj, limits)
     if op == OP_STATS:
         return StatsRequest()
     if op == OP_PING:
@@ -428,8 +465,13 @@ def generate_msg(req: GenerateRequest) -> dict:
     return msg
 
 
-def abort_msg(id: RequestId) -> dict:
-    return {"op": OP_ABORT, "id": id}
+def abort_msg(id: RequestId, finish_reason: str = FINISH_ABORT) -> dict:
+    """finish_reason: what the request's `done` is to say, "abort" or "stop" (1.3); a plain abort
+    leaves the field out, as every revision reads it."""
+    msg: dict[str, Any] = {"op": OP_ABORT, "id": id}
+    if finish_reason != FINISH_ABORT:
+        msg["finish_reason"] = finish_reason
+    return msg
 
 
 def stats_request_msg() -> dict:
@@ -445,7 +487,7 @@ def encode_request(req: Request) -> bytes:
     if isinstance(req, GenerateRequest):
         return encode(generate_msg(req))
     if isinstance(req, AbortRequest):
-        return encode(abort_msg(req.id))
+        return encode(abort_msg(req.id, req.finish_reason))
     if isinstance(req, StatsRequest):
         return encode(stats_request_msg())
     if isinstance(req, PingRequest):

@@ -1,15 +1,29 @@
-"""Chat templates: rendering as transformers renders, message validation, template errors, and
-HFTokenizer.from_dir finding a checkpoint's template. No model file needed."""
+"""Chat templates: rendering as transformers renders, message validation, template errors,
+HFTokenizer.from_dir finding a checkpoint's template, and `serve --chat-template` replacing it
+(its one-line refusals, and a tiny-preset server rendering with it). No model file needed."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
-from device.chat_template import MAX_MESSAGES, ChatTemplate, ChatTemplateError, validate_messages
+from device.backends.common import with_chat_template
+from device.chat_template import (
+    MAX_MESSAGES,
+    ChatTemplate,
+    ChatTemplateError,
+    load_template_override,
+    validate_messages,
+)
+from device.engine_config import EngineConfig
 from device.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ipc.backend import ModelInfo
 
 pytest.importorskip("jinja2")
 
@@ -110,7 +124,7 @@ def test_raise_exception_becomes_chat_template_error():
 
 
 def test_template_failures_are_chat_template_errors():
-    with pytest.raises(ChatTemplateError, match="does not compile"):
+    with pytest.raises(ChatTemplateError, match=r"^not a valid Jinja template: unexpected '}' \(line 1\)$"):
         ChatTemplate("{% for m in messages %}{{ m.content }")
     with pytest.raises(ChatTemplateError, match="empty"):
         ChatTemplate("   ")
@@ -266,3 +280,142 @@ def test_no_template_raises(tmp_path):
     tmpl_tok = HFTokenizer(tok._tok, chat_template=ChatTemplate(CHATML))
     with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content"):
         tmpl_tok.encode_chat([{"role": "user", "content": 1}])
+
+
+# --- serve --chat-template: an override of the model's template ----------------------------
+
+OVERRIDE = (
+    "{{ bos_token }}{% for m in messages %}<<{{ m.role }}: {{ m.content }}>>{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def test_override_is_a_file_or_the_template_text(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(OVERRIDE, encoding="utf-8")
+    assert load_template_override(str(path)).source == OVERRIDE
+    assert load_template_override(OVERRIDE).source == OVERRIDE  # no such file, and it holds {{
+    assert EngineConfig(chat_template=path).chat_template == str(path)  # a Path is taken as its str
+
+
+@pytest.mark.parametrize(
+    ("arg", "error"),
+    [
+        ("{missing}/t.jinja", "--chat-template {missing}/t.jinja: no such file"),
+        ("chatml", "--chat-template chatml: no such file"),  # neither a file nor template text
+        ("{dir}", "--chat-template {dir}: is a directory, not a template file"),
+        ("{empty}", "--chat-template {empty}: the file is empty"),
+        ("{binary}", "--chat-template {binary}: not a text file (not UTF-8)"),
+        ("{broken}", "--chat-template {broken}: not a valid Jinja template: unexpected '}}' (line 2)"),
+        (
+            "{{{{ messages[0].content ",
+            "--chat-template (inline template): not a valid Jinja template: "
+            "unexpected end of template, expected 'end of print statement' (line 1)",
+        ),
+    ],
+    ids=["missing", "plain-name", "directory", "empty", "binary", "broken-file", "broken-inline"],
+)
+def test_a_bad_override_is_one_line_naming_the_fault(tmp_path, arg, error):
+    places = {
+        "missing": tmp_path / "nowhere",
+        "dir": tmp_path,
+        "empty": tmp_path / "empty.jinja",
+        "binary": tmp_path / "bin.jinja",
+        "broken": tmp_path / "broken.jinja",
+    }
+    places["empty"].write_text("  \n", encoding="utf-8")
+    places["binary"].write_bytes(b"\xff\xfe{{ x }}")
+    places["broken"].write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}", encoding="utf-8")
+    arg, error = arg.format(**places), error.format(**places)
+    with pytest.raises(ChatTemplateError) as err:
+        load_template_override(arg)
+    assert str(err.value) == error
+    with pytest.raises(ValueError, match="^" + re.escape(error) + "$"):  # checked where the config is made
+        EngineConfig(chat_template=arg)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_an_unreadable_override_is_named(tmp_path):
+    path = tmp_path / "secret.jinja"
+    path.write_text(OVERRIDE, encoding="utf-8")
+    path.chmod(0)
+    with pytest.raises(
+        ValueError, match=f"^--chat-template {re.escape(str(path))}: cannot read it: Permission denied$"
+    ):
+        EngineConfig(chat_template=str(path))
+
+
+def test_serve_refuses_a_bad_override_in_one_line_before_loading_anything(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages[0].content ", encoding="utf-8")
+    for arg, error in [
+        (str(tmp_path / "nope.jinja"), f"--chat-template {tmp_path / 'nope.jinja'}: no such file"),
+        (
+            str(broken),
+            f"--chat-template {broken}: not a valid Jinja template: "
+            "unexpected end of template, expected 'end of print statement' (line 1)",
+        ),
+    ]:
+        # a preset that would take minutes to build: the refusal comes before it
+        r = subprocess.run(
+            [sys.executable, "-m", "hostctl.cli", "serve", "--model", "llama-8b", "--chat-template", arg],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and r.stderr == f"ringleader: cannot start: {error}\n"
+
+
+def test_the_byte_tokenizer_renders_an_override_after_bos():
+    tok = ByteTokenizer()
+    tok.chat_template = ChatTemplate(OVERRIDE)
+    assert tok.encode_chat(MSGS) == [ByteTokenizer.BOS, *b"<<user: hello there>>ASSISTANT:"]
+
+
+def test_an_override_replaces_the_checkpoint_template_with_its_bos_and_eos(tmp_path):
+    tk = _write_tokenizer_dir(
+        tmp_path, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    )
+    info = ModelInfo(
+        "m", vocab_size=300, max_context=64, eos_token_ids=(), tokenizer=HFTokenizer.from_dir(tmp_path)
+    )
+    info = with_chat_template(info, OVERRIDE)
+    text = "<|im_start|><<user: hello there>><|im_end|>ASSISTANT:"
+    assert info.encode_chat(MSGS) == tk.encode(text, add_special_tokens=False).ids
+    assert info.tokenizer.decode(info.encode_chat(MSGS), skip_special_tokens=False) == text
+
+
+def test_an_override_for_a_model_without_a_tokenizer_is_not_used(caplog):
+    info = ModelInfo("ids-only", vocab_size=300, max_context=64, eos_token_ids=())
+    with caplog.at_level("WARNING", logger="ringleader.chat"):
+        assert with_chat_template(info, OVERRIDE) is info
+    assert "--chat-template not used: ids-only has no tokenizer" in caplog.text
+
+
+def test_a_server_renders_chats_with_the_override(tmp_path):
+    """A tiny-preset server opened with chat_template (as `serve --chat-template` opens it): its
+    chats are the override's bytes after BOS, with and without a system turn."""
+    from device.backends import open_backend
+    from ipc.client import Client
+    from tests.conftest import running_server
+
+    path = tmp_path / "override.jinja"
+    path.write_text(OVERRIDE, encoding="utf-8")
+    chats = [
+        [{"role": "user", "content": "What is 2 + 2?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}],
+    ]
+    with running_server(
+        backend_cls=lambda model, **kw: open_backend(model, device="cpu", **kw), chat_template=str(path)
+    ) as server:
+        with Client(server.address, timeout=60) as client:
+            assert client.stats()["model_info"]["chat_template"] is True
+            for chat in chats:
+                done = client.complete(messages=chat, max_tokens=2, ignore_eos=True).done
+                rendered = ChatTemplate(OVERRIDE).render(chat)
+                assert done.finish_reason == "length"
+                assert done.prompt_tokens == 1 + len(rendered.encode("utf-8"))
+    with running_server(backend_cls=lambda model, **kw: open_backend(model, device="cpu", **kw)) as server:
+        with Client(server.address, timeout=60) as client:  # without the override: no template
+            done = client.complete(messages=chats[0], max_tokens=2).done
+            assert done.error_code == "bad_request" and "no chat template" in done.error_message

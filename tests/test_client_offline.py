@@ -189,8 +189,9 @@ def test_bad_request_comes_back_as_done(server):
         assert done.finish_reason == "error" and not done.ok
         assert done.error_code == "bad_request"
         assert done.error_message.startswith("max_tokens:")
-        done = client.complete(prompt_ids=[1], max_tokens=4, temperature=float("nan")).done
-        assert done.error_code == "bad_request" and "temperature" in done.error_message
+        with pytest.raises(ValueError, match="^temperature: "):  # refused before it is sent
+            client.generate(prompt_ids=[1], max_tokens=4, temperature=float("nan"))
+        assert client.in_flight == 0
         # the client still works afterwards
         assert client.complete("ab", max_tokens=5).token_ids == [ord("a"), ord("b")]
 
@@ -313,8 +314,10 @@ def test_async_abort_bad_request_and_ids(server):
             await stream.abort()
             done = await stream.wait()
             assert done == Done("abort", 2, 1)
-            bad = await client.complete(prompt_ids=[1], max_tokens=4, top_p=0)
-            assert bad.done.error_code == "bad_request" and bad.done.error_message.startswith("top_p:")
+            with pytest.raises(ValueError, match="^top_p: "):  # refused before it is sent
+                await client.generate(prompt_ids=[1], max_tokens=4, top_p=0)
+            bad = await client.complete(prompt_ids=[1], max_tokens=-3)
+            assert bad.done.error_code == "bad_request" and bad.done.error_message.startswith("max_tokens:")
 
     run(main())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hostctl.gateway import BackgroundGateway
 from ipc.client import Client
-from tests.conftest import running_server, wait_until
+from tests.conftest import RawPeer, running_server, wait_until
 
 PROMPT_IDS = list(range(40, 60))
 
@@ -110,13 +111,13 @@ def test_stream_without_usage_ends_with_finish(gateway):
     assert all(c.usage is None for c in chunks)
 
 
-def test_a_stop_string_cuts_the_text_and_aborts_upstream(server, gateway):
+def test_a_stop_string_cuts_the_text_and_ends_upstream_as_a_stop(server, gateway):
     client = api(gateway)
     full = client.completions.create(model="tiny", prompt=PROMPT_IDS, **{**GREEDY, "max_tokens": 40})
     text = full.choices[0].text
     k = next(i for i in range(3, len(text) - 2) if text.find(text[i : i + 2]) == i)
     stop = text[k : k + 2]
-    before = server.server.stats()["finished"].get("abort", 0)
+    before = server.server.stats()["finished"]
     cut = client.completions.create(
         model="tiny", prompt=PROMPT_IDS, stop=[stop], **{**GREEDY, "max_tokens": 40}
     )
@@ -129,7 +130,11 @@ def test_a_stop_string_cuts_the_text_and_aborts_upstream(server, gateway):
     )
     assert "".join(c.choices[0].text for c in streamed) == text[:k]
     assert streamed[-1].choices[0].finish_reason == "stop"
-    assert wait_until(lambda: server.server.stats()["finished"].get("abort", 0) == before + 2)
+    # the server stopped both on the gateway's word: counted as stops, not as aborts
+    assert wait_until(lambda: server.server.stats()["in_flight"] == 0)
+    after = server.server.stats()["finished"]
+    assert after.get("stop", 0) == before.get("stop", 0) + 2
+    assert after.get("abort", 0) == before.get("abort", 0)
 
 
 def test_validation_errors_are_400_naming_the_field(gateway):
@@ -158,6 +163,29 @@ def test_validation_errors_are_400_naming_the_field(gateway):
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     status, body = http(gateway, "GET", "/v1/nothing")
     assert status == 404 and "error" in json.loads(body)
+
+
+def test_float_fields_fit_float32_with_the_protocols_range(server, gateway):
+    client = api(gateway)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=2, temperature=1e308)
+    body = info.value.body
+    assert body["param"] == "temperature"
+    assert body["message"] == "temperature: must be a finite number in [0, 3.4028235e+38], got 1e+308"
+    # the native protocol refuses it with the same words (a raw peer: the bundled client refuses
+    # it before sending)
+    peer = RawPeer(server.address)
+    try:
+        peer.send(
+            {"op": "generate", "id": 1, "prompt_ids": PROMPT_IDS, "max_tokens": 2, "temperature": 1e308}
+        )
+        done = peer.recv_until(lambda m: m["op"] == "done")[-1]
+    finally:
+        peer.close()
+    assert done["error"] == {"code": "bad_request", "message": body["message"]}
+    # vLLM's range, not OpenAI's 0..2: a hot temperature is served
+    hot = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=3, temperature=5, seed=1)
+    assert hot.usage.completion_tokens >= 1
 
 
 def test_models_and_health(gateway):
@@ -221,6 +249,36 @@ def test_gateway_metrics_count_requests_and_tokens(gateway):
     assert ("process_cpu_seconds_total", ()) in after
 
 
+def test_unrouted_paths_share_one_metrics_label(gateway):
+    rng = random.Random(7)
+    for i in range(300):
+        path = f"/v1/{rng.getrandbits(64):x}/{i}"
+        assert http(gateway, "GET", path)[0] == 404
+    assert http(gateway, "GET", "/v1/completions")[0] == 405  # a known path, another method
+    assert http(gateway, "POST", "/v1/completions/")[0] == 404
+    metrics = scrape(gateway)
+    routes = {
+        dict(labels)["route"]
+        for (name, labels) in metrics
+        if name.startswith("ringleader:gateway_") and "route" in dict(labels)
+    }
+    # the registered routes and one label for everything else, however many paths were tried
+    assert routes <= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "unmatched",
+    }
+    assert "unmatched" in routes
+    unmatched = metrics[("ringleader:gateway_requests_total", (("route", "unmatched"), ("status", "404")))]
+    assert unmatched >= 301
+    assert metrics[("ringleader:gateway_requests_total", (("route", "unmatched"), ("status", "405")))] >= 1
+    series = [key for key in metrics if key[0] == "ringleader:gateway_requests_total"]
+    assert len(series) < 20
+
+
 def test_an_unreachable_upstream_is_503():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -277,6 +335,27 @@ def test_chat_on_the_real_model_matches_the_native_client(smollm2_stack):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(smollm2_stack):
+    srv, gw = smollm2_stack
+    client = api(gw)
+    name = client.models.list().data[0].id
+    # a long prompt: with the old default of 256 tokens it did not fit a 512-token context
+    question = "Count the words: " + " ".join(["apple"] * 420) + ". How many?"
+    messages = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(
+        model=name, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    prompt_tokens = r.usage.prompt_tokens
+    assert 256 < prompt_tokens < 500
+    assert r.usage.completion_tokens == 512 - prompt_tokens and r.choices[0].finish_reason == "length"
+    # a prompt that fills the context is refused naming it
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": " ".join(["apple"] * 600)}]
+        )
+    assert info.value.body["param"] == "messages" and "leaves no room" in info.value.body["message"]
 
 
 def test_stop_strings_on_real_text(smollm2_stack):

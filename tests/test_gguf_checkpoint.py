@@ -179,3 +179,11 @@ def test_metadata_is_parsed_once_for_a_load_then_a_tokenizer(hf_model, tmp_path)
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_gguf(tmp_path / "nope.gguf")
+
+
+def test_the_model_is_named_after_the_file_stem(hf_model, tmp_path):
+    """The served name (stats, /v1/models, the `serving` line): the stem, as llama-server shows it."""
+    path = write_gguf(tmp_path / "Tiny-Llama-2L.Q8_0.gguf", hf_model)
+    assert config_from_gguf(open_gguf(path)).name == "Tiny-Llama-2L.Q8_0"
+    assert LlamaModel.from_gguf(path).config.name == "Tiny-Llama-2L.Q8_0"
+    assert config_from_gguf(open_gguf(path), name="chosen").name == "chosen"

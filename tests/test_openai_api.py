@@ -9,22 +9,38 @@ import pytest
 from hostctl.openai_api import APIError, GenerationRequest, ResponseWriter, parse_request
 from hostctl.stop_strings import StopMatcher
 from ipc import protocol as P
+from ipc.sampling_params import FLOAT32_MAX
 
 
 def completion(**body):
-    return parse_request({"model": "m", "prompt": "hi", **body}, chat=False, default_max_tokens=16)
+    return parse_request({"model": "m", "prompt": "hi", **body}, chat=False)
 
 
 def chat(**body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return parse_request({"model": "m", **body}, chat=True, default_max_tokens=100)
+    return parse_request({"model": "m", **body}, chat=True)
 
 
 def test_defaults_follow_openai():
     r = completion()
     assert r.sampling.max_tokens == 16 and r.sampling.temperature == 1.0 and r.sampling.top_p == 1.0
     assert not r.stream and not r.include_usage and r.stop == ()
-    assert chat().sampling.max_tokens == 100
+    # chat without max_tokens: the rest of the context, which the server resolves (as vllm serve)
+    assert chat().sampling.max_tokens is None and chat(max_tokens=None).sampling.max_tokens is None
+
+
+def test_float_fields_take_the_protocols_range():
+    # one range for both paths (ipc.sampling_params.FLOAT_RANGES): vLLM's, not OpenAI's 0..2
+    assert completion(temperature=3).sampling.temperature == 3.0
+    assert completion(temperature=FLOAT32_MAX).sampling.temperature == FLOAT32_MAX
+    for value in (1e308, 10**400, -1, 3.5e38, float("nan"), float("inf")):
+        with pytest.raises(APIError) as info:
+            completion(temperature=value)
+        err = info.value
+        assert err.status == 400 and err.param == "temperature"
+        assert err.message.startswith("temperature: must be a finite number in [0, 3.4028235e+38], got ")
+    with pytest.raises(APIError, match=r"^top_p: must be a finite number in \(0, 1\]"):
+        completion(top_p=1e308)
 
 
 def test_fields_are_translated():
@@ -63,8 +79,10 @@ def test_fields_are_translated():
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
-        ({"temperature": 3}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": 5000}, "top_k"),
         ({"seed": -1}, "seed"),
@@ -119,7 +137,7 @@ def test_chat_content_parts_and_developer_role():
 
 def test_a_body_that_is_not_an_object():
     with pytest.raises(APIError, match="JSON object"):
-        parse_request([1, 2], chat=False, default_max_tokens=16)
+        parse_request([1, 2], chat=False)
 
 
 @pytest.mark.parametrize(

@@ -228,7 +228,7 @@ def test_importing_the_server_and_the_exporter_does_not_need_prometheus_client()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert 'pip install "ringleader[http]"' in out.stdout
+    assert 'pip install -e ".[http]"' in out.stdout and "prometheus-client>=" in out.stdout
 
 
 # ---- the histogram ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ipc import protocol as P
-from ipc.sampling_params import MAX_TOP_K, SamplingParams
+from ipc.sampling_params import FLOAT32_MAX, MAX_TOP_K, SamplingParams
 
 LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 
@@ -85,6 +85,7 @@ field_names = st.sampled_from(
         "stop_token_ids",
         "ignore_eos",
         "priority",
+        "finish_reason",
         "extra",
     ]
 )
@@ -100,6 +101,8 @@ def test_arbitrary_maps_only_raise_protocol_errors(fields, op, with_op):
     assert result is None or isinstance(
         result, (P.GenerateRequest, P.AbortRequest, P.StatsRequest, P.PingRequest)
     )
+    if isinstance(result, P.AbortRequest):
+        assert result.finish_reason in P.ABORT_FINISH_REASONS
 
 
 @settings(max_examples=300)
@@ -148,10 +151,10 @@ chat_turns = st.builds(
 
 @st.composite
 def valid_generates(draw):
-    max_tokens = draw(st.integers(1, LIMITS.max_tokens_cap))
+    max_tokens = draw(st.none() | st.integers(1, LIMITS.max_tokens_cap))
     given = draw(st.sampled_from(["prompt_ids", "prompt", "messages"]))
     prompt_ids = (
-        draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - max_tokens)))
+        draw(st.lists(token, min_size=1, max_size=min(200, LIMITS.max_context - (max_tokens or 1))))
         if given == "prompt_ids"
         else None
     )
@@ -163,7 +166,7 @@ def valid_generates(draw):
         prompt_ids=prompt_ids,
         sampling=SamplingParams(
             max_tokens=max_tokens,
-            temperature=draw(st.floats(min_value=0.0, max_value=1e6)),
+            temperature=draw(st.floats(min_value=0.0, max_value=FLOAT32_MAX)),
             top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
             top_k=draw(st.integers(0, MAX_TOP_K)),
             seed=draw(st.none() | st.integers(0, 2**64 - 1)),
@@ -182,9 +185,25 @@ def test_valid_generate_round_trips(req):
     assert P.decode_request(P.encode_request(req), LIMITS) == req
 
 
-@given(request_ids)
-def test_abort_round_trips(rid):
-    assert P.decode_request(P.encode_request(P.AbortRequest(rid)), LIMITS) == P.AbortRequest(rid)
+@given(request_ids, st.sampled_from(sorted(P.ABORT_FINISH_REASONS)))
+def test_abort_round_trips(rid, finish_reason):
+    abort = P.AbortRequest(rid, finish_reason)
+    assert P.decode_request(P.encode_request(abort), LIMITS) == abort
+
+
+def test_a_plain_abort_is_the_revision_2_frame():
+    assert P.abort_msg(5) == {"op": "abort", "id": 5}
+    assert P.abort_msg(5, "stop") == {"op": "abort", "id": 5, "finish_reason": "stop"}
+    assert decode({"op": "abort", "id": 5, "finish_reason": None}) == P.AbortRequest(5, "abort")
+
+
+@pytest.mark.parametrize("reason", ["length", "error", "STOP", "", 1, True, ["stop"]], ids=repr)
+def test_an_abort_may_end_only_as_abort_or_stop(reason):
+    # an abort has no `done` of its own to carry bad_request: the `error` op answers it
+    with pytest.raises(P.FrameError, match=r'^abort: finish_reason: must be "abort" or "stop"') as info:
+        decode({"op": "abort", "id": "r9", "finish_reason": reason})
+    assert "'r9'" in str(info.value)
+    assert P.reject_msg(info.value)["code"] == P.ERR_BAD_REQUEST
 
 
 def test_stats_and_ping_decode():
@@ -217,9 +236,9 @@ def test_bytes_like_frames_accepted():
 # ------------------------------------------------------------ each invalid field is named
 
 INVALID_FIELDS = [
-    ("max_tokens", [_DROP, None, 0, -3, 1025, True, 1.0, "8", [8]]),
-    ("temperature", [-0.1, float("nan"), float("inf"), "0", True, None]),
-    ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), True, None]),
+    ("max_tokens", [0, -3, 1025, True, 1.0, "8", [8]]),
+    ("temperature", [-0.1, float("nan"), float("inf"), 1e308, 3.5e38, -0.0 - 1e-300, "0", True, None]),
+    ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), float("-inf"), 1e308, True, None]),
     ("top_k", [-1, MAX_TOP_K + 1, 32001, 1.0, True, None]),
     ("seed", [-1, 1.5, "1", True]),
     ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, None, {"a": 1}]),
@@ -246,6 +265,39 @@ def test_invalid_field_is_named(name, value):
 def test_max_tokens_message_format():
     with pytest.raises(P.BadRequest, match=r"^max_tokens: must be an int in \[1, 1024\], got -3$"):
         decode(gen(max_tokens=-3))
+
+
+def test_float_fields_must_fit_float32():
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(temperature=1e308))
+    assert info.value.message == ("temperature: must be a finite number in [0, 3.4028235e+38], got 1e+308")
+    assert decode(gen(temperature=FLOAT32_MAX)).sampling.temperature == FLOAT32_MAX
+    assert decode(gen(temperature=2**64 - 1)).sampling.temperature == float(2**64 - 1)
+    with pytest.raises(P.BadRequest, match=r"^top_p: must be a finite number in \(0, 1\], got nan$"):
+        decode(gen(top_p=float("nan")))
+
+
+@pytest.mark.parametrize("absent", [_DROP, None], ids=["absent", "nil"])
+def test_max_tokens_may_be_left_to_the_server(absent):
+    # 1.3: no max_tokens means the rest of the context; the server resolves it after tokenizing
+    assert decode(gen(max_tokens=absent)).sampling.max_tokens is None
+    assert decode(gen(max_tokens=absent, prompt_ids=[1] * 4095)).sampling.max_tokens is None
+
+
+def test_resolve_max_tokens():
+    assert P.resolve_max_tokens(100, 7, LIMITS) == 7
+    assert P.resolve_max_tokens(4000, None, LIMITS) == 96  # the rest of the context
+    assert P.resolve_max_tokens(100, None, LIMITS) == 1024  # at most max_tokens_cap
+    capped = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=4096, default_max_tokens=300)
+    assert P.resolve_max_tokens(100, None, capped) == 300
+    assert P.resolve_max_tokens(4000, None, capped) == 96
+    assert P.resolve_max_tokens(100, 2000, capped) == 2000  # the cap is for requests that give none
+    with pytest.raises(P.BadRequest) as info:
+        P.resolve_max_tokens(4096, None, LIMITS, request_id=3, field="messages")
+    assert info.value.id == 3 and info.value.field == "messages"
+    assert info.value.message.startswith("messages: prompt length 4096 leaves no room to generate")
+    with pytest.raises(P.BadRequest, match="exceeds max_context"):
+        P.resolve_max_tokens(4000, 97, LIMITS)
 
 
 @pytest.mark.parametrize(

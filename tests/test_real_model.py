@@ -157,3 +157,60 @@ def test_malformed_messages_are_bad_requests_and_the_server_serves_on(server):
         good = client.complete(messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
     assert bad.done.error_code == "bad_request" and bad.done.error_message.startswith("messages[0].role")
     assert good.done.finish_reason in ("stop", "length")
+
+
+# ChatML written with the model's own BOS and EOS (<|im_start|>, <|im_end|>), without the system
+# turn SmolLM2's template adds when there is none
+CHATML_NO_SYSTEM = (
+    "{% for m in messages %}{{ bos_token + m.role + '\\n' + m.content + eos_token + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
+)
+
+
+def test_serve_names_the_gguf_by_its_stem_and_chats_with_an_override(gguf_path, tokenizer, tmp_path):
+    """`ringleader serve --model FILE.gguf --chat-template T`, as a user runs it: the serving line,
+    stats and /v1/models name the model by the file's stem; chats render with T."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from device.chat_template import ChatTemplate
+    from tests.test_cli import free_port
+
+    pytest.importorskip("aiohttp")  # serve --http
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_NO_SYSTEM, encoding="utf-8")
+    address, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "hostctl.cli", "serve", "--model", str(gguf_path), "--bind", address]
+    cmd += ["--slots", "2", "--max-ctx", "256", "--chat-template", str(template), "--http", http]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as stderr:  # a file, not a pipe: a pipe nobody reads would block the server
+        proc = subprocess.Popen(cmd, stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "ringleader: openai gateway at" not in log.read_text():
+            assert proc.poll() is None, f"serve exited with {proc.returncode}: {log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        stem = gguf_path.stem  # SmolLM2-135M-Instruct.Q4_1
+        assert f"ringleader: serving {stem} on {address} (" in log.read_text()
+        with urllib.request.urlopen(f"http://{http}/v1/models", timeout=30) as resp:
+            assert [m["id"] for m in json.load(resp)["data"]] == [stem]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        with Client(address, timeout=300) as client:
+            assert client.stats()["model"] == stem
+            stream = client.complete(messages=messages, max_tokens=32)
+        rendered = ChatTemplate(CHATML_NO_SYSTEM).render(
+            messages, bos_token="<|im_start|>", eos_token="<|im_end|>"
+        )
+        assert (
+            rendered == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        want = tokenizer.encode(rendered, add_special_tokens=False)
+        assert stream.done.prompt_tokens == len(want) < len(tokenizer.encode_chat(messages))  # no system turn
+        assert stream.done.finish_reason == "stop" and "Paris" in stream.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

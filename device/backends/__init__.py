@@ -9,12 +9,21 @@ from ipc.backend import Backend
 def open_backend(config: EngineConfig | str | None = None, /, **fields) -> Backend:
     """config: an EngineConfig, or a model spec (default: EngineConfig's), with fields by name on
     top: open_backend("tiny", device="cpu", n_slots=8).  device auto picks cuda when torch sees a
-    GPU; see EngineConfig.resolved() for what each device fills in."""
+    GPU; see EngineConfig.resolved() for what each device fills in.  A chat_template
+    (--chat-template) replaces the model's own here: a CpuBackend or CudaBackend made directly
+    serves the model's."""
+    from device.backends.common import with_chat_template  # torch: only once a backend opens
+
     cfg = EngineConfig.of(config, **fields).resolved()
+    backend: Backend
     if cfg.device == "cpu":
         from device.backends.cpu import CpuBackend
 
-        return CpuBackend(cfg)
-    from device.backends.cuda import CudaBackend
+        backend = CpuBackend(cfg)
+    else:
+        from device.backends.cuda import CudaBackend
 
-    return CudaBackend(cfg)
+        backend = CudaBackend(cfg)
+    # the backends build the model's own ModelInfo; --chat-template is put on it here, once for both
+    backend.model = with_chat_template(backend.model, cfg.chat_template)
+    return backend

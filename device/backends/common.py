@@ -3,10 +3,13 @@ configuration an EngineConfig asks for, and the ModelInfo the frontend reads."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 
 import numpy as np
 
+from device.chat_template import load_template_override
 from device.engine_config import POLICIES as POLICY_NAMES
 from device.engine_config import EngineConfig
 from device.model import LlamaModel
@@ -16,6 +19,8 @@ from ipc import layout
 from ipc.backend import ModelInfo
 from ipc.histogram import Histogram, HistogramSnapshot
 from ipc.rings import RingConfig
+
+log = logging.getLogger("ringleader.chat")
 
 POLICIES = {name: layout.Policy[name.upper()] for name in POLICY_NAMES}
 
@@ -141,9 +146,12 @@ def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int) -> Ri
 
 
 def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
+    """What the frontend reads of the model `spec` names.  Its name is the model's short one
+    (ModelConfig.name: a preset's name, a GGUF file's stem, a checkpoint directory's name), not
+    the path, as vllm and llama-server name a model."""
     tokenizer = tokenizer_for(spec)
     return ModelInfo(
-        name=str(spec),
+        name=model.config.name,
         vocab_size=model.config.vocab_size,
         max_context=max_ctx,
         eos_token_ids=tuple(model.config.eos_token_ids),
@@ -151,3 +159,17 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
         new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
         encode_chat=tokenizer.encode_chat if getattr(tokenizer, "chat_template", None) else None,
     )
+
+
+def with_chat_template(info: ModelInfo, override: str | None) -> ModelInfo:
+    """`info` with the chat template `serve --chat-template` gives (EngineConfig.chat_template,
+    load_template_override) in place of the model's own; `info` itself when there is none.  It
+    renders with the model's BOS and EOS text and its generation prompt, as the model's own does."""
+    if override is None:
+        return info
+    tokenizer = info.tokenizer
+    if tokenizer is None:
+        log.warning("--chat-template not used: %s has no tokenizer, so it serves token ids only", info.name)
+        return info
+    tokenizer.chat_template = load_template_override(override)  # tokenizer_for made it for `info` alone
+    return dataclasses.replace(info, encode_chat=tokenizer.encode_chat)

@@ -42,7 +42,7 @@ from device.backends.doorbells import Doorbells
 from device.backends.host_memory import HostMemory
 from device.backends.launch_graph import LaunchGraph
 from device.backends.step_graphs import StepGraphs
-from device.engine_config import EngineConfig
+from device.engine_config import EngineConfig, cuda_unavailable_reason
 from device.model import LlamaModel
 from device.model.kv_cache import KVCache
 from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
@@ -92,7 +92,7 @@ class CudaBackend(Doorbells, Backend):
             if not torch.cuda.is_initialized():
                 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(DEVICE_MAX_CONNECTIONS))
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda needs a CUDA GPU that torch can see")
+            raise RuntimeError(cuda_unavailable_reason())
         torch.cuda.init()
         if scheduler == "device":
             refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 import sys
 from collections.abc import Iterator
@@ -111,8 +112,11 @@ def load_state_dict(
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
+    """The checkpoint's config, named after its directory (the served name): made absolute
+    first, so "." or "ckpt/" name the directory too, with symlinks kept as given."""
     model_dir = Path(model_dir)
-    return ModelConfig.from_json_file(model_dir / "config.json", name=model_dir.name)
+    name = Path(os.path.abspath(model_dir)).name or None  # None for "/": config.json's own name
+    return ModelConfig.from_json_file(model_dir / "config.json", name=name)
 
 
 def hf_to_internal(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ Shapes in GGUF list the fastest-varying dimension first; torch's shape is that l
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ import torch
 
 from device.model.config import ModelConfig
 from device.model.gguf_quants import dequantize
+from ipc.install_hint import install_hint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -62,12 +64,17 @@ def _reader(path: str | Path):
     try:
         import gguf
     except ImportError as e:  # optional dependency
-        raise ImportError(
-            "loading a .gguf model needs the `gguf` package: pip install 'ringleader[gguf]'"
-        ) from e
+        raise ImportError(f"loading a .gguf model needs the `gguf` package: {install_hint('gguf')}") from e
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF model file not found: {path}")
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, struct.error, OSError) as exc:  # gguf's own words are vague
+        size = Path(path).stat().st_size
+        raise GGUFError(
+            f"{path} is not a readable GGUF file ({size} bytes; truncated or corrupt?): "
+            f"the gguf reader says: {exc}"
+        ) from None
 
 
 @dataclass
@@ -164,7 +171,7 @@ def config_from_gguf(file: GGUFFile, name: str | None = None) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=file.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
-        name=name or file.path.name,
+        name=name or file.path.stem,  # the served name: SmolLM2-135M-Instruct.Q4_1, not the path
     )
 
 

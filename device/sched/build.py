@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipc import layout
+from ipc.install_hint import install_hint
 from ipc.native import load_library
 
 _HERE = Path(__file__).resolve().parent
@@ -236,7 +237,7 @@ def _nvrtc():
             from cuda import nvrtc  # type: ignore[no-redef]  # cuda-python < 12.6 layout
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise RuntimeError(
-                "NVRTC needs cuda-bindings and the CUDA 13 NVRTC: pip install 'ringleader[nvrtc]'"
+                f"NVRTC needs cuda-bindings and the CUDA 13 NVRTC: {install_hint('nvrtc')}"
             ) from exc
     if chosen:
         from cuda.pathfinder import load_nvidia_dynamic_lib
