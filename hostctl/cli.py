@@ -146,10 +146,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{name: getattr(args, name) for name in ENGINE_OPTIONS})
 
 
-def open_configured_backend(args: argparse.Namespace) -> Backend:
+def open_configured_backend(config: EngineConfig) -> Backend:
     from device.backends import open_backend  # the one place hostctl reaches into device/
 
-    return open_backend(engine_config_from_args(args))
+    return open_backend(config)
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:
@@ -187,7 +187,7 @@ def cmd_serve(args) -> int:
         opened.append(lambda: frontend.close(0))
         _limit_malloc_arenas()
         log.info("loading %s on %s", config.model, config.device)
-        backend = open_configured_backend(args)
+        backend = open_configured_backend(config)
         server = Server(
             backend,
             frontend,
