@@ -537,8 +537,18 @@ def pong_msg() -> dict:
     return {"op": OP_PONG}
 
 
+def _string_keys(value: Any) -> Any:
+    """Every map key on the wire is a string (clients decode with strict map keys): a backend's
+    figures keyed by number (step graphs per bucket) go out as JSON would write them."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_string_keys(v) for v in value]
+    return value
+
+
 def stats_msg(stats: dict) -> dict:
-    msg = dict(stats)
+    msg = _string_keys(stats)
     msg["op"] = OP_STATS
     return msg
 

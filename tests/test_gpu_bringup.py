@@ -425,7 +425,7 @@ def test_the_builtin_table_as_json():
     tests = named["tests"]["argv"]
     assert tests[:3] == ["{py}", "-m", "pytest"] and "{dir}/junit.xml" in tests
     assert tests[-len(gb.TESTS_STAGE_NODES) :] == list(gb.TESTS_STAGE_NODES)
-    assert tests[-1].endswith("::test_gpu_free_while_the_kernel_runs")  # may hang: last
+    assert tests[-1].endswith("::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it")  # last
     assert ("--timeout" in tests) == (importlib.util.find_spec("pytest_timeout") is not None)
     r = subprocess.run(
         RUNNER + ["--list", "--json", "--run", "A"], capture_output=True, text=True, timeout=30

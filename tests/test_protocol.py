@@ -494,6 +494,17 @@ def test_error_pong_stats_msgs():
     assert P.stats_msg({"running": 2, "op": "x"}) == {"running": 2, "op": "stats"}
 
 
+def test_stats_msg_keys_are_strings_so_the_client_decodes_it():
+    """The CUDA backend's description keys its step graphs by bucket number; a reply carrying
+    that was dropped by every client as malformed (strict map keys), so `stats` never returned."""
+    stats = {"backend": {"step_graph_nodes": {1: "119 kernel", 32: "124 kernel"}}, "per": [{2: 3}]}
+    with pytest.raises(P.FrameError):  # what the server sent before
+        P.decode_reply(P.encode({**stats, "op": "stats"}))
+    reply = P.decode_reply(P.encode(P.stats_msg(stats)))
+    assert reply["backend"]["step_graph_nodes"] == {"1": "119 kernel", "32": "124 kernel"}
+    assert reply["per"] == [{"2": 3}]
+
+
 def test_constants():
     assert P.PROTOCOL_VERSION == 1
     assert {

@@ -285,3 +285,18 @@ def test_queue_time_grows_when_slots_are_busy():
     assert second.done.timing["queue_ms"] >= 0.5 * (
         first.done.timing["e2e_ms"] - first.done.timing["ttft_ms"]
     )
+
+
+def test_stats_returns_when_the_backend_keys_figures_by_number():
+    """What hung the first GPU run: the CUDA backend's description keyed its step graphs by
+    bucket number, and the client dropped the stats reply as malformed."""
+
+    class NumberedFigures(CpuBackend):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.description = dict(self.description, step_graph_nodes={1: "119 kernel", 32: "124 kernel"})
+
+    with running_server(backend_cls=NumberedFigures) as bg:
+        with Client(bg.address, timeout=10) as c:
+            stats = c.stats()
+    assert stats["backend"]["step_graph_nodes"] == {"1": "119 kernel", "32": "124 kernel"}

@@ -61,9 +61,10 @@ class StepGraphs:
             log.info("step graph of bucket %d: %s", b, self.reports[b].summary())
         return self.reports
 
-    def describe(self) -> dict[int, str]:
-        """Node counts per bucket, as check_embeddable() read them (for stats and the bring-up)."""
-        return {b: r.summary() for b, r in self.reports.items()}
+    def describe(self) -> dict[str, str]:
+        """Node counts per bucket, as check_embeddable() read them (for stats and the bring-up),
+        keyed by the bucket as a string: the wire's map keys are strings."""
+        return {str(b): r.summary() for b, r in self.reports.items()}
 
     def replay_each_once(self) -> None:
         """Replays each graph once on the all-pad layout the warm-up left (no samples; pad rows
