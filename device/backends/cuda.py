@@ -30,6 +30,7 @@ import torch
 
 from device.backends import cuda_driver as drv
 from device.backends.common import StepTimer, model_info, ring_config_for
+from device.backends.cq_poller import CqPoller
 from device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
 from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
 from device.backends.device_timeline import (
@@ -308,15 +309,12 @@ class CudaBackend(Doorbells, Backend):
             k += 1
 
     def _event_poller(self) -> None:
-        """Device mode: wakes the completion thread when the kernel has published CQ events."""
+        """Device mode: wakes the completion thread when the kernel has published CQ events,
+        polling only when one is due (cq_poller.py); the frontend's doorbell marks submissions."""
         ctl = self.rings.control
-        last = int(ctl[0]["cq_tail"])
-        while not self._scheduler_ended():
-            tail = int(ctl[0]["cq_tail"])
-            if tail != last:
-                last = tail
-                self._events.set()
-            time.sleep(20e-6)
+        CqPoller(
+            lambda: int(ctl[0]["cq_tail"]), self._scheduler_ended, self._events.set, self._doorbell
+        ).run()
 
     def _scheduler_ended(self) -> bool:
         """The scheduler kernel will run no more steps (it exited, or its init failed)."""
