@@ -1,8 +1,16 @@
 #!/usr/bin/env python3
-"""The staged bring-up of the CUDA path on a GPU machine: two runs, value first.
+"""The staged bring-up of the CUDA path on a GPU machine: two runs, value first, then a second
+pass of two shorter runs that fits one session's 15 minutes of device time.
 
     python3 bench/gpu_bringup.py --wheels .whl --out OUT --run A
     python3 bench/gpu_bringup.py --wheels .whl --out OUT --run B --previous A/bringup.json
+    python3 bench/gpu_bringup.py --wheels .whl --out OUT --work /tmp/wC --run C   # carry .carry/piece-1
+    python3 bench/gpu_bringup.py --wheels .whl --out OUT --work /tmp/wD --run D   # at once; .carry/piece-2
+
+Runs C and D (330 s each: parity on tiny, a transformers-made checkpoint and SmolLM2; device vs
+host vs static at 256 streams; CPU interference; transformers' continuous batching; an open-loop
+sweep; the gpu_limits probes not yet run) need two calls back to back on one warm machine: the
+SmolLM2 GGUF travels half in each (bench/gpu_model_pieces.py), the first half kept in /tmp.
 
 A device call of this workplace runs at most 600 s and brings back at most 8 files, so the
 bring-up is two runs (A: env, module, graphs, roofline, the resident backend and the bubble; B:
@@ -63,8 +71,14 @@ SCHEMA = "ringleader.bringup/1"
 # No lazy module loading beside a spinning kernel on a first run, and 32 hardware queues so no
 # stream lands behind the never-ending persistent-kernel launch.
 DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
-RUNS = ("A", "B")
+RUNS = ("A", "B", "C", "D")
 RUN_LIMIT_S = 540.0  # each run's stage timeouts sum to at most this (a device call: 600 s)
+# The second pass (C, D) fits a session's 15 minutes of device time: two calls back to back on one
+# warm machine, the SmolLM2 GGUF carried half in each (bench/gpu_model_pieces.py).
+RUN_LIMITS = {"A": RUN_LIMIT_S, "B": RUN_LIMIT_S, "C": 330.0, "D": 330.0}
+CARRY_STASH = "/tmp/ringleader-carry"  # outside the working tree: kept from call C to call D
+CARRY_MODELS = "/tmp/ringleader-models"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOG_TAIL = 4000
 LOG_IN_FULL = 2_000_000  # characters of one stage's log in bringup.log (head and tail kept)
 TAR_FILE_LIMIT = 20_000_000  # bytes: a bigger file stays out of artifacts.tar.gz
@@ -132,6 +146,8 @@ def builtin_stages() -> list[Stage]:
     budget = ["--server-arg=--run-budget-s", "--server-arg={run_budget_s}"]
     bench = ["{py}", "-m", "hostctl.cli", "bench", "--device", "cuda", "--model", "llama-1b"]
     lengths = ["--input-len", "128", "--output-len", "128", "--ignore-eos", "--no-plots"]
+    pieces = ["{py}", "-m", "bench.gpu_model_pieces"]
+    parity = ["{py}", "-m", "bench.parity", "--device", "cuda", "--json", "{dir}/parity.json"]
 
     def bubble(c: int, n: int) -> Stage:  # resident mode at c streams, with its raw device timeline
         argv = bench + ["--compare", "device", "--launch", "resident", "--concurrency", str(c)]
@@ -190,6 +206,87 @@ def builtin_stages() -> list[Stage]:
             + ["--out-dir", "{dir}"],
             60,
             run="B",
+        ),
+        # ---- run C (second pass, call 1): parity on tiny and a transformers-made checkpoint,
+        # device vs host vs static at 256 streams, CPU interference; half of SmolLM2 kept -----
+        stage("model-stash", pieces + ["stash", ".carry/piece-1", "--to", CARRY_STASH], 10, run="C"),
+        stage("parity", parity + ["--model", "tiny", "--model", "hf-random"], 150, run="C"),
+        stage(
+            "compare-256",
+            bench
+            + [
+                "--compare",
+                "device,host,static",
+                "--concurrency",
+                "256",
+                "--slots",
+                "256",
+                "--requests",
+                "512",
+            ]
+            + [*lengths, *budget, "--out", "{dir}"],
+            100,
+            run="C",
+        ),
+        stage(
+            "interference",
+            bench
+            + [
+                "--compare",
+                "device,host",
+                "--concurrency",
+                "32",
+                "--requests",
+                "128",
+                "--cpu-interference",
+                "16",
+            ]
+            + [*lengths, *budget, "--out", "{dir}"],
+            70,
+            run="C",
+        ),
+        # ---- run D (call 2, the same warm machine): SmolLM2 whole again, its parity, transformers'
+        # continuous batching beside ours, an open-loop sweep, the gpu_limits probes not yet run --
+        stage(
+            "model-join",
+            pieces + ["join", CARRY_STASH, ".carry/piece-2", "--out", CARRY_MODELS],
+            15,
+            run="D",
+        ),
+        stage(
+            "parity-smollm2", parity + ["--model", f"{CARRY_MODELS}/{SMOLLM2_FILE}"], 100, ["model-join"], "D"
+        ),
+        stage(
+            "compare-hf",
+            bench
+            + ["--compare", "device,hf", "--concurrency", "1,32", "--requests", "64"]
+            + [*lengths, *budget, "--out", "{dir}"],
+            90,
+            run="D",
+        ),
+        stage(
+            "sweep",
+            bench
+            + ["--compare", "device,host", "--request-rate", "50,150", "--requests", "128"]
+            + [*lengths, *budget, "--out", "{dir}"],
+            60,
+            run="D",
+        ),
+        stage(
+            "gpu-limits-rest",
+            [
+                "{py}",
+                "-m",
+                "bench.gpu_limits",
+                "--only",
+                "1,4,6,7",
+                "--max-seconds",
+                "55",
+                "--out-dir",
+                "{dir}",
+            ],
+            65,
+            run="D",
         ),
     ]
 
@@ -761,7 +858,7 @@ def list_stages(stages: list[Stage], as_json: bool) -> None:
         )
     for r, total in totals.items():
         n = sum(1 for s in stages if s.run == r)
-        print(f"run {r}: {n} stages, timeouts sum to {total:.0f} s (a run's limit: {RUN_LIMIT_S:.0f} s)")
+        print(f"run {r}: {n} stages, timeouts sum to {total:.0f} s (a run's limit: {RUN_LIMITS[r]:.0f} s)")
     device = " ".join(f"{k}={v}" for k, v in DEVICE_ENV.items())
     print(f"every stage runs with {device} unless its line says otherwise")
 
@@ -772,7 +869,11 @@ def parse_args(argv):
     )
     p.add_argument("--out", help="folder for bringup.json, bringup.log and artifacts.tar.gz (nothing else)")
     p.add_argument("--work", help="folder for the stages' own folders (default: OUT's sibling <OUT>.work)")
-    p.add_argument("--run", choices=RUNS, help="run only this run's stages (A first, then B with --previous)")
+    p.add_argument(
+        "--run",
+        choices=RUNS,
+        help="run only this run's stages (A first, then B with --previous; the second pass: C, then D)",
+    )
     p.add_argument("--list", action="store_true", help="print the stages (with --run/--only/--skip) and exit")
     p.add_argument("--json", action="store_true", help="with --list: a JSON document")
     p.add_argument("--only", default="", help="comma list of stage names or globs")
@@ -785,8 +886,9 @@ def parse_args(argv):
     p.add_argument(
         "--budget-s",
         type=float,
-        default=RUN_LIMIT_S,
-        help=f"this invocation's wall clock, its own work included (default {RUN_LIMIT_S:.0f})",
+        help="this invocation's wall clock, its own work included (default: the run's limit, "
+        + ", ".join(f"{r} {v:.0f}" for r, v in RUN_LIMITS.items())
+        + f"; {RUN_LIMIT_S:.0f} without --run)",
     )
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every stage's timeout")
     p.add_argument("--wheels", help="install these wheels (pip --no-index --target) for every stage first")
@@ -817,6 +919,8 @@ def work_folder(out: Path, asked: str | None) -> Path:
 def main(argv=None) -> int:
     started = time.monotonic()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.budget_s is None:
+        args.budget_s = RUN_LIMITS.get(args.run, RUN_LIMIT_S)
     stages = load_stages(args.stages_file)
     chosen = select(stages, args.run, names(args.only), names(args.skip))
     if args.list:

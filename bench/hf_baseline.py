@@ -85,8 +85,9 @@ def internal_to_hf(state: dict, config) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def build_hf_model(spec: str, device: str, seed: int = 0):
-    """(hf_model, ours): the HF model on `device`, and ringleader's model it was copied from (presets)."""
+def build_hf_model(spec: str, device: str, seed: int = 0, dtype: str | None = None):
+    """(hf_model, ours): the HF model on `device`, and ringleader's model it was copied from (presets);
+    in `dtype`, by default the one the server computes in on that device."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -94,7 +95,7 @@ def build_hf_model(spec: str, device: str, seed: int = 0):
     from device.model.gguf_checkpoint import is_gguf
     from device.model.presets import PRESETS
 
-    dtype = getattr(torch, DTYPES.get(device, "float32"))
+    dtype = getattr(torch, dtype or DTYPES.get(device, "float32"))
     if spec not in PRESETS:
         from transformers.utils import logging as hf_logging
 
