@@ -158,6 +158,10 @@ def builtin_stages() -> list[Stage]:
     def stage(name, argv, timeout, needs=(), run="A") -> Stage:
         return Stage(name, argv, timeout, tuple(needs), dict(DEVICE_ENV), run)
 
+    def measured(name, flags: str, timeout, needs=(), run="A") -> Stage:
+        """`ringleader bench` on llama-1b, 128 in / 128 out, the kernel's run budget, out to {dir}."""
+        return stage(name, bench + flags.split() + [*lengths, *budget, "--out", "{dir}"], timeout, needs, run)
+
     return [
         # ---- run A: does the device path run at all, and what is its bubble -----------------
         stage("env", ["{py}", "-m", "hostctl.cli", "doctor", "--json", "{dir}/doctor.json"], 30),
@@ -183,11 +187,9 @@ def builtin_stages() -> list[Stage]:
         bubble(64, 128),
         # ---- run B: the other modes, device vs host, the tests left over, three probes -------
         stage("backend-host", checks + ["backend", "--scheduler", "host"], 110, ["graphs-fp32"], "B"),
-        stage(
+        measured(
             "perf",
-            bench
-            + ["--compare", "device,host", "--concurrency", "1,32", "--requests", "64", *lengths]
-            + [*budget, "--out", "{dir}"],
+            "--compare device,host --concurrency 1,32 --requests 64",
             150,
             ["backend-host", "backend-resident"],
             "B",
@@ -211,37 +213,15 @@ def builtin_stages() -> list[Stage]:
         # device vs host vs static at 256 streams, CPU interference; half of SmolLM2 kept -----
         stage("model-stash", pieces + ["stash", ".carry/piece-1", "--to", CARRY_STASH], 10, run="C"),
         stage("parity", parity + ["--model", "tiny", "--model", "hf-random"], 150, run="C"),
-        stage(
+        measured(
             "compare-256",
-            bench
-            + [
-                "--compare",
-                "device,host,static",
-                "--concurrency",
-                "256",
-                "--slots",
-                "256",
-                "--requests",
-                "512",
-            ]
-            + [*lengths, *budget, "--out", "{dir}"],
+            "--compare device,host,static --concurrency 256 --slots 256 --requests 512",
             100,
             run="C",
         ),
-        stage(
+        measured(
             "interference",
-            bench
-            + [
-                "--compare",
-                "device,host",
-                "--concurrency",
-                "32",
-                "--requests",
-                "128",
-                "--cpu-interference",
-                "16",
-            ]
-            + [*lengths, *budget, "--out", "{dir}"],
+            "--compare device,host --concurrency 32 --requests 128 --cpu-interference 16",
             70,
             run="C",
         ),
@@ -256,22 +236,8 @@ def builtin_stages() -> list[Stage]:
         stage(
             "parity-smollm2", parity + ["--model", f"{CARRY_MODELS}/{SMOLLM2_FILE}"], 100, ["model-join"], "D"
         ),
-        stage(
-            "compare-hf",
-            bench
-            + ["--compare", "device,hf", "--concurrency", "1,32", "--requests", "64"]
-            + [*lengths, *budget, "--out", "{dir}"],
-            90,
-            run="D",
-        ),
-        stage(
-            "sweep",
-            bench
-            + ["--compare", "device,host", "--request-rate", "50,150", "--requests", "128"]
-            + [*lengths, *budget, "--out", "{dir}"],
-            60,
-            run="D",
-        ),
+        measured("compare-hf", "--compare device,hf --concurrency 1,32 --requests 64", 90, run="D"),
+        measured("sweep", "--compare device,host --request-rate 50,150 --requests 128", 60, run="D"),
         stage(
             "gpu-limits-rest",
             [

@@ -68,8 +68,8 @@ def split(source: Path, pieces: int, out: Path) -> list[Path]:
     return folders
 
 
-def read_piece(folder: Path) -> dict:
-    manifest = json.loads((folder / MANIFEST).read_text())
+def checked_part(folder: Path, manifest: dict) -> dict:
+    """The manifest with the part's path, once the part is there and its SHA-256 matches."""
     part = folder / manifest["part"]
     if not part.is_file():
         raise ValueError(f"{folder}: its part {manifest['part']} is missing")
@@ -79,7 +79,7 @@ def read_piece(folder: Path) -> dict:
 
 
 def stash(piece: Path, to: Path) -> Path:
-    m = read_piece(piece)
+    m = checked_part(piece, json.loads((piece / MANIFEST).read_text()))
     to.mkdir(parents=True, exist_ok=True)
     shutil.copy2(m["path"], to / m["part"])
     shutil.copy2(piece / MANIFEST, to / f"{m['part']}.{MANIFEST}")
@@ -91,13 +91,7 @@ def find_pieces(places: list[Path]) -> list[dict]:
     found = []
     for place in places:
         for manifest in sorted(place.glob(f"*{MANIFEST}")):
-            m = json.loads(manifest.read_text())
-            part = place / m["part"]
-            if not part.is_file():
-                raise ValueError(f"{manifest}: its part {m['part']} is missing")
-            if sha256_of(part) != m["part_sha256"]:
-                raise ValueError(f"{part}: SHA-256 differs from its manifest (a broken copy)")
-            found.append({**m, "path": part})
+            found.append(checked_part(place, json.loads(manifest.read_text())))
     return found
 
 

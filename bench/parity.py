@@ -35,11 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bringup_checks import greedy_agreement, kernel_run_budget_s, write_result
+from bench.bringup_checks import LOGIT_TOLERANCE, greedy_agreement, kernel_run_budget_s, write_result
 
 HF_RANDOM = "hf-random"
 PROMPT_LENGTHS = (3, 9, 33, 70)
-TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}  # as bench.bringup_checks.LOGIT_TOLERANCE
 SERVER_SHAPE = dict(n_slots=8, max_ctx=512, token_budget=64)  # 70-token prompts take two steps
 # (a, b, the dtype whose tolerance decides a near-tie)
 COMPARISONS = (
@@ -165,13 +164,13 @@ def check_model(spec: str, label: str, device: str, n_tokens: int) -> dict:
             record["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     record["comparisons"] = []
     for a, b, dtype in COMPARISONS:
-        row: dict = {"a": a, "b": b, "tolerance": TOLERANCE[dtype]}
+        row: dict = {"a": a, "b": b, "tolerance": LOGIT_TOLERANCE[dtype]}
         if a not in got or b not in got:
             missing = [v for v in (a, b) if v not in got]
             why = "not run on this machine" if all(v not in record["variants"] for v in missing) else "failed"
             row["skipped"] = f"{', '.join(missing)} {why}"
         else:
-            row.update(greedy_agreement(reference, prompts, got[a], got[b], TOLERANCE[dtype]))
+            row.update(greedy_agreement(reference, prompts, got[a], got[b], LOGIT_TOLERANCE[dtype]))
             row["identical"] = len(row["exact_prompts"]) == len(prompts)
         record["comparisons"].append(row)
     failed = [v for v, r in record["variants"].items() if "error" in r]

@@ -12,25 +12,13 @@ from device.model.checkpoint import load_config
 from ipc.client import Client
 from tests.conftest import running_server
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-
-def _write_checkpoint(path):
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+from bench.parity import make_hf_checkpoint
 
 
 def test_a_checkpoint_directory_is_served_by_its_name(tmp_path):
-    ckpt = _write_checkpoint(tmp_path / "models" / "my-llama")
+    ckpt = make_hf_checkpoint(tmp_path / "models" / "my-llama")
     with running_server(str(ckpt), n_slots=2, max_ctx=64, token_budget=16) as server:
         assert server.server.backend.model.name == "my-llama"
         with Client(server.address, timeout=60) as client:
