@@ -30,10 +30,10 @@ from collections import Counter
 import msgpack
 import zmq
 
-from bench.servers import ServerOptions, ServerProcess
-from device.engine_config import EngineConfig
-from hostctl.metrics import thread_cpu_seconds
-from ipc.client import AsyncClient, Client
+from ringleader.bench.servers import ServerOptions, ServerProcess
+from ringleader.device.engine_config import EngineConfig
+from ringleader.hostctl.serving.metrics import thread_cpu_seconds
+from ringleader.ipc.client import AsyncClient, Client
 
 
 class Peer:

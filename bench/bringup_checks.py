@@ -1,5 +1,5 @@
 """The GPU bring-up's own checks, one per stage of bench/gpu_bringup.py, each run in a process of
-its own: `python -m bench.bringup_checks module|graphs|backend ...`.
+its own: `python -m ringleader.bench.bringup_checks module|graphs|backend ...`.
 
 Each prints what it found, writes its key figures as JSON to $RL_BRINGUP_RESULT (when set) and
 exits 1 when a check failed, so the runner can mark the stage and go on with the next.
@@ -54,9 +54,9 @@ def write_result(figures: dict) -> None:
 def check_module() -> dict:
     import torch
 
-    from device.backends import cuda_driver as drv
-    from device.backends.cuda import SCHED_THREADS, device_arch
-    from device.sched.build import KERNELS, compile_kernel
+    from ringleader.device.backends import cuda_driver as drv
+    from ringleader.device.backends.cuda import SCHED_THREADS, device_arch
+    from ringleader.device.sched.build import KERNELS, compile_kernel
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # makes torch's primary context current
@@ -87,7 +87,7 @@ def check_module() -> dict:
 # ---- graphs ---------------------------------------------------------------------------------
 def _submit_all(driver, rng) -> None:
     """Prompts of every length class, greedy and sampled, all running to max_tokens."""
-    from ipc import layout as L
+    from ringleader.ipc import layout as L
 
     requests = [
         (21, 5, 0.0, 1.0, 0, 0),
@@ -121,14 +121,15 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     """graphs_cls: StepGraphs unless a test passes a stand-in (CUDA graphs need a GPU)."""
     import torch
 
-    from device.backends import cuda_driver as drv
-    from device.backends.cuda import default_buckets
-    from device.backends.cuda_graph_rules import GraphNotEmbeddable, check_conditional_body
-    from device.backends.step_graphs import StepGraphs
-    from device.model import LlamaModel
-    from device.model.static_step import StaticStep, StepLayout
-    from ipc import layout as L
-    from ipc.rings import RingConfig
+    from ringleader.device.backends import cuda_driver as drv
+    from ringleader.device.backends.cuda import default_buckets
+    from ringleader.device.backends.cuda_graph_rules import GraphNotEmbeddable, check_conditional_body
+    from ringleader.device.backends.step_graphs import StepGraphs
+    from ringleader.device.model import LlamaModel
+    from ringleader.device.model.static_step import StaticStep
+    from ringleader.device.model.step_layout import StepLayout
+    from ringleader.ipc import layout as L
+    from ringleader.ipc.rings import RingConfig
     from tests.sched_driver import Driver, scheduler
 
     dtype = getattr(torch, dtype_name)
@@ -242,10 +243,10 @@ def check_embed(model_name: str, *, backend_cls=None) -> dict:
     bench's servers build it), resident launch asked for, built and released without a launch."""
     import torch
 
-    from device.engine_config import EngineConfig
+    from ringleader.device.engine_config import EngineConfig
 
     if backend_cls is None:
-        from device.backends.cuda import CudaBackend as backend_cls
+        from ringleader.device.backends.cuda import CudaBackend as backend_cls
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # what earlier checks in this process left cached
     config = EngineConfig(model=model_name, launch="resident")
@@ -296,9 +297,9 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
     """backend_cls: CudaBackend unless a test passes another (the check's own logic on a CPU)."""
     import torch
 
-    from device.backends.cuda import CudaBackend
-    from device.model import LlamaModel, generate_greedy
-    from ipc.client import Client
+    from ringleader.device.backends.cuda import CudaBackend
+    from ringleader.device.model import LlamaModel, generate_greedy
+    from ringleader.ipc.client import Client
     from tests.conftest import RawPeer, running_server
     from tests.test_server import collect
 
@@ -396,7 +397,7 @@ def check_backend(scheduler_mode: str, launch: str, *, backend_cls=None, device:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.bringup_checks",
+        prog="python -m ringleader.bench.bringup_checks",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -8,7 +8,7 @@ a read every 20 µs) and `CqPoller` (device/backends/cq_poller.py).  Per run: th
 thread's CPU-seconds per 1k events, and how long after each event the completion thread was
 woken (p50/p99).  Runs alternate between the two pollers.
 
-    python -m bench.cq_poll_micro --periods-us 226,1570,2015 --events 3000 --repeats 3 --json PATH
+    python -m ringleader.bench.cq_poll_micro --periods-us 226,1570,2015 --events 3000 --repeats 3 --json PATH
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from device.backends.cq_poller import CqPoller
+from ringleader.device.backends.cq_poller import CqPoller
 
 FIXED_POLL_S = 20e-6  # the first H100 run's poller
 
@@ -109,7 +109,9 @@ def one_run(poller: str, period_s: float, n_events: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.cq_poll_micro", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ringleader.bench.cq_poll_micro", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--periods-us", default="226,1570,2015", help="step periods to stand in for (µs)")
     p.add_argument("--events", type=int, default=3000, help="CQ events per run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each poller per period, alternating")

@@ -14,7 +14,7 @@ register counts. So CI also compiles
 Each comes from its PyPI wheel, without dependencies, kept in a cache under this Python
 environment (`share/ringleader/gpu-image/`); a folder is complete once its marker file exists.
 
-    python -m bench.gpu_image_toolchain       # prints where each is, fetching it first
+    python -m ringleader.bench.gpu_image_toolchain       # prints where each is, fetching it first
 """
 
 from __future__ import annotations

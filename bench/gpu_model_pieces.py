@@ -3,9 +3,9 @@
 A device call carries at most 64 MiB of working tree, and the SmolLM2 GGUF is 98 MB, so the
 second GPU pass carries it in two pieces, one per call, while the machine stays warm between them:
 
-    python -m bench.gpu_model_pieces split FILE --pieces 2 --out .carry          # here
-    python -m bench.gpu_model_pieces stash .carry/piece-1 --to DIR               # there, call 1
-    python -m bench.gpu_model_pieces join DIR .carry/piece-2 --out MODELS_DIR    # there, call 2
+    python -m ringleader.bench.gpu_model_pieces split FILE --pieces 2 --out .carry          # here
+    python -m ringleader.bench.gpu_model_pieces stash .carry/piece-1 --to DIR               # there, call 1
+    python -m ringleader.bench.gpu_model_pieces join DIR .carry/piece-2 --out MODELS_DIR    # there, call 2
 
 Each piece folder holds one part and a manifest (the file's name, size and SHA-256, the part's
 index, offset and SHA-256); join checks every part and the whole file, and names what is missing
@@ -120,7 +120,7 @@ def join(places: list[Path], out: Path) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.gpu_model_pieces",
+        prog="python -m ringleader.bench.gpu_model_pieces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,7 +6,7 @@ bench/results/2026-11-23-cpu-smollm2/), UNVERIFIED on a GPU. The benchmark offer
 
 The model, in the dtype the server computes in on that device (float32 on the CPU):
 - a preset: transformers' LlamaForCausalLM is built from the preset's config and the weights
-  are copied from `device.model.LlamaModel.from_preset(...)` (same name, seed, dtype and device
+  are copied from `ringleader.device.model.LlamaModel.from_preset(...)` (same name, seed, dtype and device
   as the server uses, hence the same random weights; fused qkv and gate_up are split back into
   HF's projections);
 - a .gguf file: `from_pretrained(dir, gguf_file=name)`, transformers' own GGUF loader, which
@@ -28,9 +28,9 @@ import os
 import time
 from pathlib import Path
 
-from bench.loadgen import Load, RunResult, SendOptions
-from bench.metrics import RequestRecord
-from bench.workloads import RequestSpec
+from ringleader.bench.loadgen import Load, RunResult, SendOptions
+from ringleader.bench.metrics import RequestRecord
+from ringleader.bench.workloads import RequestSpec
 
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
@@ -91,9 +91,9 @@ def build_hf_model(spec: str, device: str, seed: int = 0, dtype: str | None = No
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from device.model import LlamaModel
-    from device.model.gguf_checkpoint import is_gguf
-    from device.model.presets import PRESETS
+    from ringleader.device.model import LlamaModel
+    from ringleader.device.model.gguf_checkpoint import is_gguf
+    from ringleader.device.model.presets import PRESETS
 
     dtype = getattr(torch, dtype or DTYPES.get(device, "float32"))
     if spec not in PRESETS:

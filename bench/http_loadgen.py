@@ -44,9 +44,16 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.loadgen import Load, LoadGenerator, RunResult, SendOptions, cpu_seconds_self, run_schedule
-from bench.metrics import RequestRecord, summarize
-from bench.workloads import RequestSpec
+from ringleader.bench.loadgen import (
+    Load,
+    LoadGenerator,
+    RunResult,
+    SendOptions,
+    cpu_seconds_self,
+    run_schedule,
+)
+from ringleader.bench.metrics import RequestRecord, summarize
+from ringleader.bench.workloads import RequestSpec
 
 log = logging.getLogger("ringleader.bench")
 

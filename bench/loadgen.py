@@ -29,8 +29,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from bench.metrics import RequestRecord, summarize
-from bench.workloads import RequestSpec
+from ringleader.bench.metrics import RequestRecord, summarize
+from ringleader.bench.workloads import RequestSpec
 
 log = logging.getLogger("ringleader.bench")
 

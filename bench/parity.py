@@ -1,6 +1,6 @@
 """Greedy parity of every serving path on one model, against transformers.
 
-    python -m bench.parity --model tiny --model hf-random [--model PATH.gguf] [--device cuda] --json PATH
+    python -m ringleader.bench.parity --model tiny --model hf-random [--model PATH.gguf] [--device cuda] --json PATH
 
 For each model, the same prompts (seeded token ids of 3 to ~70 tokens, submitted together so they
 share steps, the long ones prefilled in chunks) and `--tokens` greedy tokens with `ignore_eos`:
@@ -14,10 +14,10 @@ share steps, the long ones prefilled in chunks) and `--tokens` greedy tokens wit
 
 `hf-random` is a Llama checkpoint made here with transformers (random weights, save_pretrained):
 what a user's own checkpoint looks like to the loader.  A preset reaches transformers through
-bench.hf_baseline's weight copy; a .gguf file through transformers' own GGUF loader.
+ringleader.bench.hf_baseline's weight copy; a .gguf file through transformers' own GGUF loader.
 
 Two paths on different kernels agree exactly unless the reference's best two logits nearly tie
-(bench.bringup_checks.greedy_agreement decides, on ringleader's fp32 model): each comparison
+(ringleader.bench.bringup_checks.greedy_agreement decides, on ringleader's fp32 model): each comparison
 lists the prompts that are identical, the divergences at a near-tie, and the mismatches.  It
 passes when nothing mismatches; fp32 paths are also expected to be identical, and `identical`
 says whether they were.  Writes $RL_BRINGUP_RESULT when set (a bring-up stage).
@@ -35,7 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bringup_checks import LOGIT_TOLERANCE, greedy_agreement, kernel_run_budget_s, write_result
+from ringleader.bench.bringup_checks import (
+    LOGIT_TOLERANCE,
+    greedy_agreement,
+    kernel_run_budget_s,
+    write_result,
+)
 
 HF_RANDOM = "hf-random"
 PROMPT_LENGTHS = (3, 9, 33, 70)
@@ -83,7 +88,7 @@ def prompts_for(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def transformers_greedy(spec: str, device: str, prompts, n_tokens: int) -> list[list[int]]:
     import torch
 
-    from bench.hf_baseline import build_hf_model
+    from ringleader.bench.hf_baseline import build_hf_model
 
     model, _ = build_hf_model(spec, device, dtype="float32")
     out = []
@@ -99,7 +104,7 @@ def transformers_greedy(spec: str, device: str, prompts, n_tokens: int) -> list[
 
 def served_greedy(spec: str, backend_cls, prompts, n_tokens: int, **options) -> list[list[int]]:
     """Greedy tokens from a real server with this backend, every prompt in flight at once."""
-    from ipc.client import Client
+    from ringleader.ipc.client import Client
     from tests.conftest import running_server
 
     with running_server(spec, backend_cls=backend_cls, **SERVER_SHAPE, **options) as bg:
@@ -116,14 +121,14 @@ def variants(device: str):
     """(name, run(spec, prompts, n) -> tokens) for each path this machine has."""
     import torch
 
-    from device.backends.cpu import CpuBackend
+    from ringleader.device.backends.cpu import CpuBackend
 
     out = [
         ("transformers", lambda spec, p, n: transformers_greedy(spec, device, p, n)),
         ("cpu", lambda spec, p, n: served_greedy(spec, CpuBackend, p, n, dtype="float32")),
     ]
     if device == "cuda":
-        from device.backends.cuda import CudaBackend
+        from ringleader.device.backends.cuda import CudaBackend
 
         for name, dtype in (("cuda-fp32", torch.float32), ("cuda-bf16", torch.bfloat16)):
             out.append(
@@ -147,7 +152,7 @@ def variants(device: str):
 def check_model(spec: str, label: str, device: str, n_tokens: int) -> dict:
     import torch
 
-    from device.model import LlamaModel
+    from ringleader.device.model import LlamaModel
 
     reference = LlamaModel.from_spec(spec, torch.float32, device)  # decides near-ties
     prompts = prompts_for(reference.config.vocab_size)
@@ -202,7 +207,7 @@ def describe(record: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.parity",
+        prog="python -m ringleader.bench.parity",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

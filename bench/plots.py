@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import load_label, run_label
+from ringleader.bench.report import load_label, run_label
 
 _STYLES = ["-", "--", ":", "-."]
 _TITLE_FONTSIZE = 9.5

@@ -11,7 +11,7 @@ measures, side by side in one process:
 
 and reports floor = (weight bytes + KV bytes) / bandwidth and ratio = step time / floor.
 
-    python -m bench.roofline --model llama-1b --dtype bfloat16 --rows 1,32 --ctx 512 --json PATH
+    python -m ringleader.bench.roofline --model llama-1b --dtype bfloat16 --rows 1,32 --ctx 512 --json PATH
     ringleader bench --roofline --model llama-1b --device cuda --out DIR
 """
 
@@ -28,9 +28,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import save_json
-from device.model.llama import LlamaModel
-from device.model.static_step import StaticStep, StepLayout
+from ringleader.bench.report import save_json
+from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.static_step import StaticStep
+from ringleader.device.model.step_layout import StepLayout
 
 
 def weight_bytes_per_step(model: LlamaModel) -> int:

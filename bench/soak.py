@@ -2,8 +2,8 @@
 
     python bench/soak.py --duration 10m --concurrency 16 --interval 30 --json soak.json
 
-It starts `python -m hostctl.cli serve` (bench/servers.py) or drives one that is already running
-(--address), with `--concurrency` workers on the real asyncio client (ipc.client.AsyncClient).
+It starts `python -m ringleader.hostctl.cli serve` (bench/servers.py) or drives one that is already running
+(--address), with `--concurrency` workers on the real asyncio client (ringleader.ipc.client.AsyncClient).
 Each worker sends one request at a time: random prompt and output lengths; a fraction of them
 aborted part-way (--abort-fraction); a fraction sent on a bare DEALER socket that is closed after
 a reply or two without reading the rest and without an abort (--disconnect-fraction), which is
@@ -41,11 +41,17 @@ import zmq.asyncio
 if __package__ in (None, ""):  # `python bench/soak.py` from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.metrics import percentile
-from bench.servers import ServerOptions, ServerProcess, resolve_device
-from bench.workloads import FIRST_PROMPT_ID, LAST_PROMPT_ID, LENGTH_DISTS, fit_context, sample_lengths
-from device.engine_config import DEVICES, EngineConfig
-from ipc.client import AsyncClient
+from ringleader.bench.metrics import percentile
+from ringleader.bench.servers import ServerOptions, ServerProcess, resolve_device
+from ringleader.bench.workloads import (
+    FIRST_PROMPT_ID,
+    LAST_PROMPT_ID,
+    LENGTH_DISTS,
+    fit_context,
+    sample_lengths,
+)
+from ringleader.device.engine_config import DEVICES, EngineConfig
+from ringleader.ipc.client import AsyncClient
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TCK = os.sysconf("SC_CLK_TCK")

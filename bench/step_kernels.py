@@ -8,7 +8,7 @@ around them (embedding, final norm, lm_head, sampling). In a captured graph each
 is one kernel node, paying launch and tail time inside the graph, which is why the decode step
 wants few of them.
 
-    python -m bench.step_kernels --model llama-1b --json PATH
+    python -m ringleader.bench.step_kernels --model llama-1b --json PATH
 
 prints the product path (Triton attention + fused pointwise kernels) next to the same step with
 torch's pointwise ops and next to the all-torch reference, and writes {"kernels_per_layer",
@@ -29,11 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import save_json
-from device.model.llama import LlamaModel
-from device.model.presets import preset_config
-from device.model.static_step import StaticStep, StepLayout
-from device.model.triton_launch import LaunchRecorder
+from ringleader.bench.report import save_json
+from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.presets import preset_config
+from ringleader.device.model.static_step import StaticStep
+from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.model.triton_launch import LaunchRecorder
 
 # operators that launch no kernel: allocation without a fill, and aliasing bookkeeping
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "set_"}

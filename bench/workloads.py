@@ -139,7 +139,7 @@ def prompt_id_range_for(spec: str) -> tuple[int, int]:
     byte range, else the longest run of ordinary ids of its tokenizer's vocabulary (capped at
     the checkpoint's config vocab_size when it has one). A checkpoint without a tokenizer keeps
     the byte range (ordinary ids of any real vocabulary past the first few)."""
-    from device.model.presets import PRESETS, tokenizer_for
+    from ringleader.device.model.presets import PRESETS, tokenizer_for
 
     if spec in PRESETS:
         return PRESET_PROMPT_IDS

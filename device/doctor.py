@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 
-from ipc.install_hint import install_hint
+from ringleader.ipc.install_hint import install_hint
 
 
 def _version(dist: str) -> str | None:
@@ -65,7 +65,7 @@ class Doctor:
         self._bindings()
         build = self._compile(gpu)
         if build is not None and self.report["versions"].get("driver_cuda"):
-            from device.sched.build import ptx_loadable
+            from ringleader.device.sched.build import ptx_loadable
 
             driver = tuple(int(x) for x in self.report["versions"]["driver_cuda"].split("."))
             ok, why = ptx_loadable(build.nvrtc_version, driver)
@@ -76,7 +76,7 @@ class Doctor:
         return self.report
 
     def _environment(self) -> None:
-        from device.backends.cuda_preflight import environment_hazards
+        from ringleader.device.backends.cuda_preflight import environment_hazards
 
         names = (
             "CUDA_LAUNCH_BLOCKING",
@@ -142,7 +142,7 @@ class Doctor:
                 f"cuda-bindings {version}: the CUDA backend uses the 13.x API (cuda-bindings>=13,<14)"
             )
         try:
-            from device.backends import cuda_driver as drv
+            from ringleader.device.backends import cuda_driver as drv
 
             drv.check(drv.cu.cuInit(0), "cuInit")
             self.report["versions"]["driver_cuda"] = "%d.%d" % drv.driver_version()
@@ -151,7 +151,7 @@ class Doctor:
             self.note(f"no CUDA driver usable here ({exc})")
 
     def _compile(self, gpu: bool):
-        from device.sched.build import compile_kernel, nvrtc_library
+        from ringleader.device.sched.build import compile_kernel, nvrtc_library
 
         arch = self.arch or (self.report["gpu"]["arch"] if gpu else "sm_90")
         try:
@@ -173,8 +173,8 @@ class Doctor:
         return build
 
     def _load_module(self, build) -> None:
-        from device.backends import cuda_driver as drv
-        from device.sched.build import KERNELS
+        from ringleader.device.backends import cuda_driver as drv
+        from ringleader.device.sched.build import KERNELS
 
         try:
             module, how = drv.load_module(build)

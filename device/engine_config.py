@@ -57,7 +57,9 @@ class EngineConfig:
             raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))  # a Path is accepted
-            from device.chat_template import load_template_override  # jinja2 only when asked for
+            from ringleader.device.text.chat_template import (
+                load_template_override,  # jinja2 only when asked for
+            )
 
             # compiled here, so a bad template fails in one line before any weights load
             load_template_override(self.chat_template)
@@ -98,36 +100,6 @@ class EngineConfig:
             # max_ctx None stays: the backend fits the longest context into --gpu-memory-fraction
             dtype=self.dtype or "bfloat16",  # half the memory of float32 for weights and KV cache
         )
-
-
-# The `ringleader serve` flag of each EngineConfig field it takes (hostctl/cli.py adds the
-# options; the bench writes flags for the servers it starts).
-SERVE_FLAGS = {
-    "model": "--model",
-    "device": "--device",
-    "scheduler": "--scheduler",
-    "launch": "--launch",
-    "policy": "--policy",
-    "n_slots": "--slots",
-    "max_ctx": "--max-ctx",
-    "gpu_memory_fraction": "--gpu-memory-fraction",
-    "token_budget": "--token-budget",
-    "aging_steps": "--aging-steps",
-    "seed": "--seed",
-    "threads": "--threads",
-    "trace_path": "--trace",
-    "run_budget_s": "--run-budget-s",
-    "chat_template": "--chat-template",
-}
-
-
-def serve_flags(**fields) -> list[str]:
-    """`ringleader serve` flags for EngineConfig fields given by name (None: the server's default)."""
-    out: list[str] = []
-    for name, value in fields.items():
-        if value is not None:
-            out += [SERVE_FLAGS[name], str(value)]
-    return out
 
 
 def resolve_device(device: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-from ipc.native import load_library
+from ringleader.ipc.native import load_library
 
 _SOURCE = r"""
 #include <stdint.h>

@@ -1,17 +1,36 @@
 """The one interface through which hostctl reaches a device backend.
 
 A backend owns the model, the scheduler and the shared memory; hostctl sees only the host-shared
-rings (ipc.rings.HostRings) and these methods.  hostctl never chooses what runs in a step.
+rings (ringleader.ipc.rings.HostRings) and these methods.  hostctl never chooses what runs in a step.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
-from ipc.histogram import HistogramSnapshot
+from ringleader.ipc.histogram import HistogramSnapshot
+
+if TYPE_CHECKING:  # a type only: importing the rings builds their native atomics
+    from ringleader.ipc.rings import HostRings
+
+
+class TextEncoder(Protocol):
+    """What the host asks of a model's tokenizer: a prompt's text to token ids (the device's
+    tokenizers, ringleader.device.text.tokenizer.Tokenizer, offer this and more)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class Detokenizer(Protocol):
+    """One request's token ids to text as they stream: push returns only newly completed text
+    (never half a character), flush what was held back when the request ends."""
+
+    def push(self, token_ids: int | Iterable[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 @dataclass
@@ -20,8 +39,8 @@ class ModelInfo:
     vocab_size: int
     max_context: int
     eos_token_ids: tuple[int, ...]
-    tokenizer: Any = None  # encode(str) -> list[int]; None: ids only
-    new_detokenizer: Callable[[], Any] | None = None  # -> object with push(ids) -> str, flush()
+    tokenizer: TextEncoder | None = None  # None: the model serves token ids only
+    new_detokenizer: Callable[[], Detokenizer] | None = None  # one per request that wants text
     # chat turns -> prompt ids through the model's chat template (ValueError naming the fault);
     # None: the model has no template
     encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None
@@ -33,7 +52,7 @@ class EngineDead(RuntimeError):
 
 
 class Backend(abc.ABC):
-    rings: Any  # ipc.rings.HostRings
+    rings: HostRings
     model: ModelInfo
     description: dict  # device, scheduler placement, launch mode, dtype ... for stats and bench
 

@@ -1,8 +1,8 @@
 """A fixed-bucket histogram cheap enough for the per-token and per-step paths, and its snapshot.
 
-It lives in ipc because both sides fill one: the host's completion thread (hostctl/metrics.py:
+It lives in ipc because both sides fill one: the host's completion thread (hostctl/serving/metrics.py:
 latencies and token counts) and a backend's engine thread (step times, device/backends/common.py),
-and a backend hands its snapshots to the host through ipc.backend.Backend.step_histograms.  It is
+and a backend hands its snapshots to the host through ringleader.ipc.backend.Backend.step_histograms.  It is
 not thread-safe by itself: its owner writes it under a lock of its own and takes `snapshot()`
 under the same lock, so a snapshot's buckets, sum and count always agree.
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
-from ipc.sampling_params import clipped_repr as _show
+from ringleader.ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
+from ringleader.ipc.sampling_params import clipped_repr as _show
 
 PROTOCOL_VERSION = 1
 # 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat);
@@ -208,7 +208,7 @@ def _int_field(obj: dict, rid: RequestId, name: str, default: Any, lo: int, hi: 
 
 
 def _float_field(obj: dict, rid: RequestId, name: str, default: float) -> float:
-    """A float sampling field, judged by its one range (ipc.sampling_params.FLOAT_RANGES)."""
+    """A float sampling field, judged by its one range (ringleader.ipc.sampling_params.FLOAT_RANGES)."""
     try:
         return check_float_field(name, obj.get(name, default))
     except ValueError as exc:

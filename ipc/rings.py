@@ -1,7 +1,7 @@
 """Host-side views of the shared memory: the SQ and abort-ring producers, the CQ consumer and the
 prompt arena.
 
-Memory is planned from ipc.layout.ARRAYS: every array starts on a 128-byte boundary.  A backend
+Memory is planned from ringleader.ipc.layout.ARRAYS: every array starts on a 128-byte boundary.  A backend
 allocates the bytes (plain host memory on the CPU, pinned host memory plus device memory on CUDA)
 and hands the host-shared arrays to these classes; hostctl never touches the device-private ones.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc import layout
-from ipc.atomics import AtomicU32
-from ipc.sampling_params import SamplingParams
+from ringleader.ipc import layout
+from ringleader.ipc.atomics import AtomicU32
+from ringleader.ipc.sampling_params import SamplingParams
 
 ALIGN = 128
 

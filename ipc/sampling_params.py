@@ -1,12 +1,12 @@
 """How one request's tokens are chosen and when it stops: the one type that carries these
 settings from the client's generate call, through the protocol decoder and the host's request
-table, to the SQ entry the device reads (ipc.rings.SubmissionQueue.push).
+table, to the SQ entry the device reads (ringleader.ipc.rings.SubmissionQueue.push).
 
 It judges only what holds whatever the model: the float fields must fit the ring's float32 and
 their ranges (FLOAT_RANGES, checked by check_float_field, which the protocol decoder and the
 HTTP gateway call too), so a value no server could run is refused in the caller's process.  What
 depends on the model or the server's limits (max_tokens, top_k, token ids) is judged by the
-server's decoder (ipc.protocol), which answers with a `done` naming the field.
+server's decoder (ringleader.ipc.protocol), which answers with a `done` naming the field.
 """
 
 from __future__ import annotations

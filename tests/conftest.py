@@ -10,8 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from device.backends.cpu import CpuBackend
-from hostctl.server import BackgroundServer, Server
+from ringleader.device.backends.cpu import CpuBackend
+from ringleader.hostctl.serving.background_server import BackgroundServer
+from ringleader.hostctl.serving.server import Server
 
 
 def wait_until(pred, timeout: float = 20.0, step: float = 0.01) -> bool:
@@ -114,6 +115,6 @@ def fetched(what: str, cached, fetch):
 def smollm2_gguf():
     """Path of the real model's GGUF file (bench/smollm2.py: $RINGLEADER_TEST_GGUF, the cache, or
     a download)."""
-    from bench import smollm2
+    from ringleader.bench import smollm2
 
     return fetched("the SmolLM2 GGUF file", smollm2.cached_path, smollm2.fetch)

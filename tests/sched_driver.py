@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from device.backends.host_memory import HostMemory
-from device.sched.build import cpu_scheduler as scheduler
-from ipc import layout
-from ipc.rings import HostRings, RingConfig
-from ipc.sampling_params import SamplingParams
+from ringleader.device.backends.host_memory import HostMemory
+from ringleader.device.sched.build import cpu_scheduler as scheduler
+from ringleader.ipc import layout
+from ringleader.ipc.rings import HostRings, RingConfig
+from ringleader.ipc.sampling_params import SamplingParams
 
 
 def token_for(handle: int, index: int, vocab: int = 1000) -> int:

@@ -8,10 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from bench import cli
-from bench.metrics import RequestRecord, run_metrics, summarize
-from bench.servers import ServerError, ServerProcess, cpu_deltas, plan_variants
-from bench.workloads import (
+from ringleader.bench import cli
+from ringleader.bench.load_plan import loads, request_counts
+from ringleader.bench.metrics import RequestRecord, run_metrics, summarize
+from ringleader.bench.options import check_options
+from ringleader.bench.servers import ServerError, ServerProcess, cpu_deltas, plan_variants
+from ringleader.bench.workloads import (
     PRESET_PROMPT_IDS,
     WorkloadConfig,
     arrival_times,
@@ -179,13 +181,13 @@ def test_no_argument_run_is_the_quick_comparison():
 def test_requests_per_load_point():
     parse = cli.build_parser().parse_args
     args = parse(["--concurrency", "1,8,32", "--requests", "8,24,64"])
-    assert cli.request_counts(args) == [8, 24, 64] and cli._check(args) == []
-    assert [(load.concurrency, n) for load, n in cli._loads(args)] == [(1, 8), (8, 24), (32, 64)]
+    assert request_counts(args) == [8, 24, 64] and check_options(args) == []
+    assert [(load.concurrency, n) for load, n in loads(args)] == [(1, 8), (8, 24), (32, 64)]
     args = parse(["--concurrency", "1,8", "--request-rate", "5", "--requests", "10"])
-    assert cli.request_counts(args) == [10, 10, 10] and args.requests == 10
-    (_, _, (rate, n)) = cli._loads(args)
+    assert request_counts(args) == [10, 10, 10] and args.requests == 10
+    (_, _, (rate, n)) = loads(args)
     assert rate.request_rate == 5 and n == 10 and len(rate.arrival_s) == 10
-    assert cli._check(parse(["--concurrency", "1,8", "--requests", "4,8,16"]))  # 3 counts, 2 points
+    assert check_options(parse(["--concurrency", "1,8", "--requests", "4,8,16"]))  # 3 counts, 2 points
     assert cli.main(["--concurrency", "1,8", "--requests", "4,0"]) == 2
 
 
@@ -257,7 +259,7 @@ def _tokenizer_dir(tmp_path, config_vocab=None):
 
 def test_prompt_id_range_of_a_checkpoint_directory(tmp_path):
     d = _tokenizer_dir(tmp_path)
-    from device.model.presets import tokenizer_for
+    from ringleader.device.model.presets import tokenizer_for
 
     assert tokenizer_for(str(d)).special_token_ids() == {0, 1, 2, 5}
     assert prompt_id_range_for(str(d)) == (6, 26)
@@ -402,7 +404,9 @@ def _fake_run(scheduler, concurrency, tok_s, ttft, tpot, busy=0):
 
 
 def test_ratios_vs_hf_in_the_summary():
-    from bench.report import format_ratios, markdown_summary, ratios_vs_hf
+    from ringleader.bench.report_comparisons import ratios_vs_hf
+    from ringleader.bench.report_markdown import markdown_summary
+    from ringleader.bench.report_tables import format_ratios
 
     runs = [
         _fake_run("host", 1, 30.0, 100.0, 20.0),
@@ -446,7 +450,7 @@ def test_ratios_vs_hf_in_the_summary():
 
 def test_hf_baseline_copies_the_preset_weights():
     pytest.importorskip("transformers")
-    from bench.hf_baseline import build_hf_model, logits_gap
+    from ringleader.bench.hf_baseline import build_hf_model, logits_gap
 
     hf, ours = build_hf_model("tiny", "cpu", seed=0)
     assert logits_gap(hf, ours, list(range(3, 40))) < 1e-3
@@ -457,7 +461,7 @@ def test_hf_loads_a_gguf_file_with_transformers(monkeypatch):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from bench.hf_baseline import build_hf_model
+    from ringleader.bench.hf_baseline import build_hf_model
 
     seen = {}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench import cli
-from bench.http_loadgen import (
+from ringleader.bench import cli
+from ringleader.bench.http_loadgen import (
     TEXT_CHUNKS,
     TOKEN_IDS,
     HttpLoadGenerator,
@@ -24,10 +24,14 @@ from bench.http_loadgen import (
     list_models,
     measure_http,
 )
-from bench.loadgen import Load, SendOptions
-from bench.report import format_overhead, gateway_overhead, make_run_entry, markdown_summary
-from bench.servers import plan_variants
-from bench.workloads import WorkloadConfig, arrival_times, make_requests
+from ringleader.bench.loadgen import Load, SendOptions
+from ringleader.bench.options import check_options
+from ringleader.bench.report import make_run_entry
+from ringleader.bench.report_comparisons import gateway_overhead
+from ringleader.bench.report_markdown import markdown_summary
+from ringleader.bench.report_tables import format_overhead
+from ringleader.bench.servers import plan_variants
+from ringleader.bench.workloads import WorkloadConfig, arrival_times, make_requests
 from tests.conftest import running_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +41,7 @@ IGNORE_EOS = SendOptions(ignore_eos=True)
 @pytest.fixture(scope="module")
 def gateway():
     """(server, gateway): a tiny CPU server and a BackgroundGateway in front of it."""
-    from hostctl.gateway import BackgroundGateway
+    from ringleader.hostctl.gateway.app import BackgroundGateway
 
     with running_server() as server, BackgroundGateway(server.address, host="127.0.0.1", port=0) as gw:
         yield server, gw
@@ -242,9 +246,9 @@ def test_http_helpers():
     ]
     assert TEXT_CHUNKS != TOKEN_IDS
     parse = cli.build_parser().parse_args
-    assert cli._check(parse(["--http", "http://h:1", "--compare", "host"]))
-    assert cli._check(parse(["--http", "http://h:1", "--connect", "tcp://h:2"]))
-    assert cli._check(parse(["--http-model", "m"]))
+    assert check_options(parse(["--http", "http://h:1", "--compare", "host"]))
+    assert check_options(parse(["--http", "http://h:1", "--connect", "tcp://h:2"]))
+    assert check_options(parse(["--http-model", "m"]))
     assert cli.main(["--http", "ftp://h:1"]) == 2
     assert [v.name for v in plan_variants(["gateway"], "cpu")[0]] == ["gateway"]
 
@@ -330,7 +334,7 @@ def test_compare_gateway_end_to_end(tmp_path):
     """`ringleader bench --compare gateway`: one server with --http, each load point measured
     natively and through the gateway, and the overhead table in the JSON, summary and console."""
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "hostctl.cli", "bench", "--compare", "gateway", "--model", "tiny"]
+    cmd = [sys.executable, "-m", "ringleader.hostctl.cli", "bench", "--compare", "gateway", "--model", "tiny"]
     cmd += ["--device", "cpu", "--concurrency", "1,4", "--requests", "4", "--input-len", "8"]
     cmd += ["--output-len", "8", "--warmup", "1", "--no-plots", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

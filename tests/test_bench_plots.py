@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import plots, report
-from bench.loadgen import Load, RunResult
-from bench.metrics import RequestRecord
+from ringleader.bench import plots, report
+from ringleader.bench.loadgen import Load, RunResult
+from ringleader.bench.metrics import RequestRecord
 
 pytest.importorskip("matplotlib")
 

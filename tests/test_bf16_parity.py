@@ -13,8 +13,9 @@ import copy
 import pytest
 import torch
 
-from device.model import LlamaModel, StepBatch
-from device.model.static_step import StaticStep, StepLayout
+from ringleader.device.model import LlamaModel, StepBatch
+from ringleader.device.model.static_step import StaticStep
+from ringleader.device.model.step_layout import StepLayout
 
 PROMPT = list(range(100, 120))
 STEPS, MAX_CTX = 32, 64

@@ -5,9 +5,9 @@ stand-in below replays the static step eagerly and reports the node list a plain
 import pytest
 import torch
 
-from bench import bringup_checks
-from device.backends.cpu import CpuBackend
-from device.backends.cuda_graph_rules import GraphNode
+from ringleader.bench import bringup_checks
+from ringleader.device.backends.cpu import CpuBackend
+from ringleader.device.backends.cuda_graph_rules import GraphNode
 
 
 class EagerGraphs:

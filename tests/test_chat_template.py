@@ -13,17 +13,17 @@ import sys
 
 import pytest
 
-from device.backends.common import with_chat_template
-from device.chat_template import (
+from ringleader.device.backends.common import with_chat_template
+from ringleader.device.engine_config import EngineConfig
+from ringleader.device.text.chat_template import (
     MAX_MESSAGES,
     ChatTemplate,
     ChatTemplateError,
     load_template_override,
     validate_messages,
 )
-from device.engine_config import EngineConfig
-from device.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from ipc.backend import ModelInfo
+from ringleader.device.text.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ringleader.ipc.backend import ModelInfo
 
 pytest.importorskip("jinja2")
 
@@ -358,7 +358,16 @@ def test_serve_refuses_a_bad_override_in_one_line_before_loading_anything(tmp_pa
     ]:
         # a preset that would take minutes to build: the refusal comes before it
         r = subprocess.run(
-            [sys.executable, "-m", "hostctl.cli", "serve", "--model", "llama-8b", "--chat-template", arg],
+            [
+                sys.executable,
+                "-m",
+                "ringleader.hostctl.cli",
+                "serve",
+                "--model",
+                "llama-8b",
+                "--chat-template",
+                arg,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -395,8 +404,8 @@ def test_an_override_for_a_model_without_a_tokenizer_is_not_used(caplog):
 def test_a_server_renders_chats_with_the_override(tmp_path):
     """A tiny-preset server opened with chat_template (as `serve --chat-template` opens it): its
     chats are the override's bytes after BOS, with and without a system turn."""
-    from device.backends import open_backend
-    from ipc.client import Client
+    from ringleader.device.backends import open_backend
+    from ringleader.ipc.client import Client
     from tests.conftest import running_server
 
     path = tmp_path / "override.jinja"

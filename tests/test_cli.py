@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import RawPeer
 
-CLI = [sys.executable, "-m", "hostctl.cli"]
+CLI = [sys.executable, "-m", "ringleader.hostctl.cli"]
 
 
 def free_port() -> int:
@@ -80,7 +80,7 @@ def test_a_plain_install_serves_without_the_http_extras():
     addr = f"tcp://127.0.0.1:{free_port()}"
     code = (
         "import sys; sys.modules['aiohttp'] = None; sys.modules['prometheus_client'] = None; "
-        "from hostctl.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from ringleader.hostctl.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", "--bind", addr, "--slots", "2", "--max-ctx", "128"],
@@ -174,8 +174,9 @@ def test_serve_offers_the_launch_modes():
 
 
 def test_serve_options_are_the_engine_config_and_its_defaults():
-    from device.engine_config import EngineConfig
-    from hostctl.cli import build_parser, engine_config_from_args
+    from ringleader.device.engine_config import EngineConfig
+    from ringleader.hostctl.cli import build_parser
+    from ringleader.hostctl.commands.serve_flags import engine_config_from_args
 
     parser = build_parser()
     assert engine_config_from_args(parser.parse_args(["serve"])) == EngineConfig()
@@ -185,6 +186,22 @@ def test_serve_options_are_the_engine_config_and_its_defaults():
     assert engine_config_from_args(args) == EngineConfig(n_slots=4, max_ctx=256, trace_path="t.json", seed=3)
     args = parser.parse_args(["serve", "--run-budget-s", "90"])
     assert engine_config_from_args(args).run_budget_s == 90.0
+
+
+def test_serve_options_are_the_server_config_and_its_defaults():
+    from ringleader.hostctl.cli import build_parser
+    from ringleader.hostctl.commands.serve_flags import serve_flags, server_config_from_args
+    from ringleader.hostctl.serving.config import ServerConfig
+
+    parser = build_parser()
+    assert server_config_from_args(parser.parse_args(["serve"])) == ServerConfig()
+    args = parser.parse_args(["serve", "--max-queue", "7", "--drain-timeout", "0.5", "--watchdog-s", "3"])
+    assert server_config_from_args(args) == ServerConfig(max_queued=7, drain_timeout_s=0.5, watchdog_s=3.0)
+    # the bench writes a server's flags from the fields of both configs
+    assert serve_flags(n_slots=4, threads=None, max_queued=7) == ["--slots", "4", "--max-queue", "7"]
+    cpu, gpu = ServerConfig().resolved("cpu"), ServerConfig().resolved("NVIDIA H100 80GB HBM3")
+    assert (cpu.watchdog_s, gpu.watchdog_s) == (60.0, 2.0)
+    assert ServerConfig(watchdog_s=5.0).resolved("cpu").watchdog_s == 5.0
 
 
 def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything():
@@ -197,7 +214,7 @@ def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything()
 
 
 def test_engine_config_fills_the_per_device_defaults_in_one_place():
-    from device.engine_config import EngineConfig
+    from ringleader.device.engine_config import EngineConfig
 
     cpu, cuda = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
     assert (cpu.device, cpu.scheduler, cpu.max_ctx, cpu.dtype) == ("cpu", "host", 2048, "float32")

@@ -14,8 +14,8 @@ import msgpack
 import pytest
 import zmq
 
-from hostctl.metrics import thread_cpu_seconds
-from ipc.client import ERR_DISCONNECTED, AsyncClient, Client
+from ringleader.hostctl.serving.metrics import thread_cpu_seconds
+from ringleader.ipc.client import ERR_DISCONNECTED, AsyncClient, Client
 from tests.conftest import wait_until
 
 LONG = dict(prompt_ids=[1, 2, 3], max_tokens=400, ignore_eos=True)

@@ -7,8 +7,8 @@ import time
 import pytest
 import zmq
 
-from ipc import protocol as P
-from ipc.client import ERR_CLIENT_CLOSED, ERR_DISCONNECTED, AsyncClient, Client, Done, TokenChunk
+from ringleader.ipc import protocol as P
+from ringleader.ipc.client import ERR_CLIENT_CLOSED, ERR_DISCONNECTED, AsyncClient, Client, Done, TokenChunk
 from tests.conftest import wait_until
 
 LIMITS = P.Limits(vocab_size=1000, max_context=512, max_tokens_cap=256)

@@ -10,7 +10,7 @@ import bisect
 import numpy as np
 import pytest
 
-from device.backends.cq_poller import CqPoller
+from ringleader.device.backends.cq_poller import CqPoller
 
 OVERSHOOT_S = 55e-6  # a sleep of d returns after d + this (timer slack on Linux)
 SEEN_WITHIN_S = CqPoller.FINE_S + OVERSHOOT_S + 1e-9  # one fine poll after the event
@@ -132,7 +132,7 @@ def test_it_returns_once_the_scheduler_has_ended_even_when_idle():
 def test_the_benchmark_runs_both_pollers_against_a_real_process_and_each_sees_every_event(tmp_path):
     import json
 
-    from bench import cq_poll_micro
+    from ringleader.bench import cq_poll_micro
 
     out = tmp_path / "cq.json"
     assert (

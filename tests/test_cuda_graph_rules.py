@@ -3,7 +3,7 @@ shaped as the driver reports them (the GPU bring-up reads the real ones)."""
 
 import pytest
 
-from device.backends.cuda_graph_rules import (
+from ringleader.device.backends.cuda_graph_rules import (
     BODY_NODE_TYPES,
     GraphNode,
     GraphNotEmbeddable,

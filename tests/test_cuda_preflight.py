@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from device.backends.cuda_preflight import (
+from ringleader.device.backends.cuda_preflight import (
     GIB,
     UnsafeEnvironment,
     environment_hazards,
@@ -47,7 +47,7 @@ def test_refusal_lists_every_hazard_and_the_allocator():
 
 
 def test_the_backend_refuses_before_touching_cuda(monkeypatch):
-    from device.backends.cuda import CudaBackend
+    from ringleader.device.backends.cuda import CudaBackend
 
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     with pytest.raises(UnsafeEnvironment, match="PYTORCH_NO_CUDA_MEMORY_CACHING=1"):
@@ -57,7 +57,7 @@ def test_the_backend_refuses_before_touching_cuda(monkeypatch):
 def test_the_host_scheduler_has_no_persistent_kernel_to_protect(monkeypatch):
     import torch
 
-    from device.backends.cuda import CudaBackend
+    from ringleader.device.backends.cuda import CudaBackend
 
     monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
     if torch.cuda.is_available():
@@ -69,7 +69,16 @@ def test_the_host_scheduler_has_no_persistent_kernel_to_protect(monkeypatch):
 def test_serve_refuses_with_the_variable_named():
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
     r = subprocess.run(
-        [sys.executable, "-m", "hostctl.cli", "serve", "--device", "cuda", "--bind", "tcp://127.0.0.1:0"],
+        [
+            sys.executable,
+            "-m",
+            "ringleader.hostctl.cli",
+            "serve",
+            "--device",
+            "cuda",
+            "--bind",
+            "tcp://127.0.0.1:0",
+        ],
         env=env,
         capture_output=True,
         text=True,

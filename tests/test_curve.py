@@ -14,8 +14,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hostctl import cli
-from ipc import curve as C
+from ringleader.hostctl import cli
+from ringleader.ipc import curve as C
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -325,7 +325,10 @@ def test_keygen_cli(tmp_path, capsys):
     assert "refusing to overwrite" in capsys.readouterr().err
     # the installed entry point, default name
     r = subprocess.run(
-        [sys.executable, "-m", "hostctl.cli", "keygen", str(d)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ringleader.hostctl.cli", "keygen", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0, r.stderr
     assert C.load_keypair(str(d / "ringleader.key_secret"))

@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
-from device.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
-from device.tokenizer import HFTokenizer, IncrementalDetokenizer  # noqa: E402
+from ringleader.device.text.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
+from ringleader.device.text.tokenizer import HFTokenizer, IncrementalDetokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

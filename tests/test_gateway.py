@@ -20,8 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hostctl.gateway import BackgroundGateway
-from ipc.client import Client
+from ringleader.hostctl.gateway.app import BackgroundGateway
+from ringleader.ipc.client import Client
 from tests.conftest import RawPeer, running_server, wait_until
 
 PROMPT_IDS = list(range(40, 60))
@@ -411,7 +411,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_serve_with_http_and_the_gateway_command(server):
-    rl = [sys.executable, "-m", "hostctl.cli"]
+    rl = [sys.executable, "-m", "ringleader.hostctl.cli"]
     serve, urls = _start(
         rl + ["serve", "--model", "tiny", "--bind", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0"],
         ["openai gateway"],

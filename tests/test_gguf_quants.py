@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from device.model import gguf_quants
-from device.model.gguf_quants import SUPPORTED, UnsupportedQuantization, dequantize
+from ringleader.device.model import gguf_quants
+from ringleader.device.model.gguf_quants import SUPPORTED, UnsupportedQuantization, dequantize
 
 gguf = pytest.importorskip("gguf")
 

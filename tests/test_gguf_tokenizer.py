@@ -1,4 +1,4 @@
-"""The tokenizer rebuilt from a GGUF's metadata (device.gguf_tokenizer) against transformers' GGUF
+"""The tokenizer rebuilt from a GGUF's metadata (ringleader.device.text.gguf_tokenizer) against transformers' GGUF
 tokenizer on a real file (SmolLM2-135M-Instruct: conftest's smollm2_gguf), plus
 synthetic vocabularies for the other pre-tokenizers, SentencePiece, and the errors."""
 
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
-from device.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf  # noqa: E402
-from device.tokenizer import HFTokenizer  # noqa: E402
+from ringleader.device.text.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf  # noqa: E402
+from ringleader.device.text.tokenizer import HFTokenizer  # noqa: E402
 
 
 def read_metadata(path) -> dict:

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from device.backends.cuda import default_buckets
-from device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
-from ipc import layout
+from ringleader.device.backends.cuda import default_buckets
+from ringleader.device.backends.device_timeline import TimelineReader, timeline_summary, write_chrome_trace
+from ringleader.ipc import layout
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
@@ -137,7 +137,7 @@ def test_timeline_read_waits_a_bounded_time_and_never_copies_over_a_copy_in_flig
 
 
 def _serve(**kw):
-    from device.backends.cuda import CudaBackend
+    from ringleader.device.backends.cuda import CudaBackend
     from tests.conftest import running_server
 
     kw.setdefault("n_slots", 256)
@@ -154,7 +154,7 @@ def _serve(**kw):
     ids=["device-resident", "device-pump", "host-loop"],
 )
 def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
-    from bench.bringup_checks import check_backend
+    from ringleader.bench.bringup_checks import check_backend
 
     f = check_backend(scheduler, launch)
     assert f["launch_running"] == ("host-loop" if scheduler == "host" else launch), f["description"]

@@ -20,6 +20,17 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from ringleader.bench.bringup_machine import versions_line
+from ringleader.bench.bringup_stages import (
+    CARRY_MODELS,
+    CARRY_STASH,
+    COVERED_BY_STAGE,
+    RUN_LIMITS,
+    SMOLLM2_FILE,
+    TESTS_STAGE_NODES,
+    builtin_stages,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(REPO / "bench" / "gpu_bringup.py")]
 RUN_A = [
@@ -38,17 +49,6 @@ RUN_D = ["model-join", "parity-smollm2", "compare-hf", "sweep", "gpu-limits-rest
 ALL_RUNS = {"A": RUN_A, "B": RUN_B, "C": RUN_C, "D": RUN_D}
 DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 THREE = ["artifacts.tar.gz", "bringup.json", "bringup.log"]
-
-
-def _runner_module():
-    spec = importlib.util.spec_from_file_location("gpu_bringup_under_test", REPO / "bench" / "gpu_bringup.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gb = _runner_module()
 
 
 def py(code: str) -> list[str]:
@@ -397,7 +397,7 @@ def test_versions_line_comes_first(tmp_path):
     assert r.returncode == 0
     first = r.stdout.splitlines()[0]
     v = doc["versions"]
-    assert first == gb.versions_line(v)
+    assert first == versions_line(v)
     assert re.fullmatch(
         r"versions: nvrtc \S+ \(.+\), driver 580\.65\.06 \(CUDA \S+\), cuda-bindings \S+, torch \S+, triton \S+",
         first,
@@ -406,7 +406,7 @@ def test_versions_line_comes_first(tmp_path):
     for key in ("torch", "triton", "cuda-bindings"):
         spec = importlib.util.find_spec(key.replace("-", "."))
         assert (v.get(key) is not None) == (spec is not None) or key == "cuda-bindings"
-    assert gb.versions_line({}) == (
+    assert versions_line({}) == (
         "versions: nvrtc none (none), driver none (CUDA none), cuda-bindings none, torch none, triton none"
     )
 
@@ -422,7 +422,7 @@ def test_the_builtin_table_as_json():
     assert [row["run"] for row in rows] == [run for run, names in ALL_RUNS.items() for _ in names]
     sums = {run: sum(row["timeout_s"] for row in rows if row["run"] == run) for run in ALL_RUNS}
     assert doc["totals"] == sums
-    assert sums == gb.RUN_LIMITS, sums  # each run uses its call to the full
+    assert sums == RUN_LIMITS, sums  # each run uses its call to the full
     # the second pass in one session's 15 device minutes: two calls, a start, the transfers
     assert sums["C"] + sums["D"] + 2 * 30 + 90 <= 15 * 60
     assert all(row["env"] == DEVICE_ENV for row in rows)
@@ -435,13 +435,13 @@ def test_the_builtin_table_as_json():
         argv = named[name]["argv"]
         assert "--server-arg=--run-budget-s" in argv and "--server-arg={run_budget_s}" in argv
     # the SmolLM2 pieces: stashed outside the tree in C, joined in D where parity-smollm2 reads it
-    assert named["model-stash"]["argv"][-3:] == [".carry/piece-1", "--to", gb.CARRY_STASH]
-    assert named["model-join"]["argv"][-4:] == [gb.CARRY_STASH, ".carry/piece-2", "--out", gb.CARRY_MODELS]
-    assert named["parity-smollm2"]["argv"][-1] == f"{gb.CARRY_MODELS}/{gb.SMOLLM2_FILE}"
+    assert named["model-stash"]["argv"][-3:] == [".carry/piece-1", "--to", CARRY_STASH]
+    assert named["model-join"]["argv"][-4:] == [CARRY_STASH, ".carry/piece-2", "--out", CARRY_MODELS]
+    assert named["parity-smollm2"]["argv"][-1] == f"{CARRY_MODELS}/{SMOLLM2_FILE}"
     assert named["graphs-bf16"]["argv"][-2:] == ["--embed", "llama-1b"]
     tests = named["tests"]["argv"]
     assert tests[:3] == ["{py}", "-m", "pytest"] and "{dir}/junit.xml" in tests
-    assert tests[-len(gb.TESTS_STAGE_NODES) :] == list(gb.TESTS_STAGE_NODES)
+    assert tests[-len(TESTS_STAGE_NODES) :] == list(TESTS_STAGE_NODES)
     assert tests[-1].endswith("::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it")  # last
     assert ("--timeout" in tests) == (importlib.util.find_spec("pytest_timeout") is not None)
     r = subprocess.run(
@@ -501,14 +501,14 @@ def test_every_gpu_only_test_runs_in_some_stage(tmp_path):
     def listed(node: str, ids) -> bool:
         return any(node == i or node.startswith(i + "[") for i in ids)
 
-    listed_ids = list(gb.TESTS_STAGE_NODES) + list(gb.COVERED_BY_STAGE)
+    listed_ids = list(TESTS_STAGE_NODES) + list(COVERED_BY_STAGE)
     missing = [n for n in gpu_only if not listed(n, listed_ids)]
     assert not missing, f"GPU-only tests no bring-up stage runs (add them to TESTS_STAGE_NODES): {missing}"
     gone = [i for i in listed_ids if not any(listed(n, [i]) for n in collected)]
-    assert not gone, f"listed in bench/gpu_bringup.py, no longer collected: {gone}"
-    assert not set(gb.TESTS_STAGE_NODES) & set(gb.COVERED_BY_STAGE)
-    stage_names = {s.name for s in gb.builtin_stages()}
-    assert set(gb.COVERED_BY_STAGE.values()) <= stage_names
+    assert not gone, f"listed in bench/bringup_stages.py, no longer collected: {gone}"
+    assert not set(TESTS_STAGE_NODES) & set(COVERED_BY_STAGE)
+    stage_names = {s.name for s in builtin_stages()}
+    assert set(COVERED_BY_STAGE.values()) <= stage_names
 
 
 def test_list_and_no_gpu(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench import gpu_model_pieces as gmp
+from ringleader.bench import gpu_model_pieces as gmp
 
 
 @pytest.fixture

@@ -3,15 +3,15 @@ driver refuses the CUBIN (only PTX no newer than the driver accepts)."""
 
 import pytest
 
-from device.backends.device_memory import LAYOUT_RUN, PINNED
-from device.sched.build import ptx_loadable
-from ipc import layout
-from ipc.rings import RingConfig, plan_memory
+from ringleader.device.backends.device_memory import LAYOUT_RUN, PINNED
+from ringleader.device.sched.build import ptx_loadable
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig, plan_memory
 
 
 def test_build_carries_ptx_with_its_isa_and_the_nvrtc_version():
     pytest.importorskip("cuda.bindings.nvrtc")
-    from device.sched.build import compile_kernel, nvrtc_version
+    from ringleader.device.sched.build import compile_kernel, nvrtc_version
 
     build = compile_kernel("sm_90")
     assert (

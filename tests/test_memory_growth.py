@@ -29,8 +29,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from hostctl import inflight
-from ipc.client import AsyncClient
+from ringleader.hostctl.serving import inflight
+from ringleader.ipc.client import AsyncClient
 from tests.conftest import running_server
 
 REQUESTS_PER_ROUND = 160

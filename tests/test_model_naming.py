@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from device.model.checkpoint import load_config
-from ipc.client import Client
+from ringleader.device.model.checkpoint import load_config
+from ringleader.ipc.client import Client
 from tests.conftest import running_server
 
 pytest.importorskip("transformers")
 
-from bench.parity import make_hf_checkpoint
+from ringleader.bench.parity import make_hf_checkpoint
 
 
 def test_a_checkpoint_directory_is_served_by_its_name(tmp_path):

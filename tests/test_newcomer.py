@@ -18,10 +18,11 @@ import pytest
 import torch
 import zmq
 
-from hostctl import cli
+from ringleader.hostctl import cli
+from ringleader.hostctl.commands.serve_flags import ENGINE_FLAGS
 from tests.conftest import RawPeer
 
-CLI = [sys.executable, "-m", "hostctl.cli"]
+CLI = [sys.executable, "-m", "ringleader.hostctl.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -120,7 +121,7 @@ def test_device_cuda_without_a_gpu_says_what_to_use():
 def test_a_missing_http_package_is_named_before_the_load():
     code = (
         "import sys; sys.modules['aiohttp'] = None; "
-        "from hostctl.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from ringleader.hostctl.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code, "serve", "--model", "llama-1b", "--http", "127.0.0.1:0"],
@@ -140,7 +141,7 @@ def test_build_kernel_without_nvrtc_is_one_line():
     assert "ringleader: build-kernel: $RINGLEADER_NVRTC=/nope/libnvrtc.so: no such file" in r.stderr
     code = (
         "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None; "
-        "from hostctl.cli import main; sys.exit(main(['build-kernel']))"
+        "from ringleader.hostctl.cli import main; sys.exit(main(['build-kernel']))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -317,7 +318,7 @@ def test_every_option_with_a_default_shows_it_in_help():
             elif action.default not in (None, False) and "default" not in shown.lower():
                 missing.append(f"{name} {action.option_strings[0]}: default not shown")
     assert not missing, missing
-    assert "GGUF" in cli.ENGINE_OPTIONS["model"][1]
+    assert "GGUF" in ENGINE_FLAGS["model"].help
 
 
 def test_help_runs_for_every_command():
@@ -338,7 +339,7 @@ def test_help_runs_for_every_command():
 def test_log_lines_are_never_lost_silently_when_read(tmp_path):
     """The log output writes every queued line before the process exits."""
     code = (
-        "import logging; from hostctl.log_output import LogOutput; out = LogOutput('INFO'); "
+        "import logging; from ringleader.hostctl.serving.log_output import LogOutput; out = LogOutput('INFO'); "
         "[logging.getLogger('x').info('line %d', i) for i in range(500)]; out.stop(); print(out.dropped)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from device.tokenizer import ByteTokenizer
-from hostctl.server import Server
-from ipc import protocol as P
-from ipc.client import AsyncClient, Client
-from ipc.sampling_params import FLOAT32_MAX, SamplingParams
+from ringleader.device.text.tokenizer import ByteTokenizer
+from ringleader.hostctl.serving.server import Server
+from ringleader.ipc import protocol as P
+from ringleader.ipc.client import AsyncClient, Client
+from ringleader.ipc.sampling_params import FLOAT32_MAX, SamplingParams
 from tests.conftest import RawPeer, running_server, wait_until
 
 MAX_CTX = 512  # running_server's default context

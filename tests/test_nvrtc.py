@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from bench import gpu_image_toolchain
-from device.sched.build import NVRTC_ENV, CpuScheduler, scheduler_source
-from ipc import layout
+from ringleader.bench import gpu_image_toolchain
+from ringleader.device.sched.build import NVRTC_ENV, CpuScheduler, scheduler_source
+from ringleader.ipc import layout
 from tests.conftest import fetched
 
 KERNEL_FUNCTIONS = {"rl_scheduler_persistent", "rl_step_wait", "rl_step_begin", "rl_step_signal"}
@@ -32,7 +32,7 @@ def build_kernel(tmp_path, arch: str, library) -> dict:
     """`ringleader build-kernel` in a process of its own (a process uses one NVRTC for its life)."""
     out = tmp_path / f"build-{arch}.json"
     env = {k: v for k, v in os.environ.items() if k != NVRTC_ENV}
-    cmd = [sys.executable, "-m", "hostctl.cli", "build-kernel", "--arch", arch, "--json", str(out)]
+    cmd = [sys.executable, "-m", "ringleader.hostctl.cli", "build-kernel", "--arch", arch, "--json", str(out)]
     cmd += ["--nvrtc", str(library)] if library else []
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -57,8 +57,8 @@ def test_the_scheduler_compiles_with_every_nvrtc_release(tmp_path, nvrtc_release
 
 _WRONG_LAYOUT_PROBE = """
 import json
-from device.sched.build import NvrtcError, nvrtc_compile, nvrtc_version, scheduler_source
-from ipc import layout
+from ringleader.device.sched.build import NvrtcError, nvrtc_compile, nvrtc_version, scheduler_source
+from ringleader.ipc import layout
 source = scheduler_source("kernel.cu")
 options = ["--gpu-architecture=sm_90", "--std=c++17", "-default-device"]
 right_offset = "RL_ASSERT_OFFSET(RlConfig, version, 4);"
@@ -105,7 +105,7 @@ def test_a_wrong_layout_fails_every_compiler_that_can_see_it(tmp_path, nvrtc_rel
 
 def test_nvrtc_reports_a_broken_source():
     pytest.importorskip("cuda.bindings.nvrtc")
-    import device.sched.build as b
+    import ringleader.device.sched.build as b
 
     original = b.scheduler_source
     b.scheduler_source = lambda entry: original(entry) + "\nthis is not C++;\n"

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from hostctl.openai_api import APIError, GenerationRequest, ResponseWriter, parse_request
-from hostctl.stop_strings import StopMatcher
-from ipc import protocol as P
-from ipc.sampling_params import FLOAT32_MAX
+from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest, ResponseWriter, parse_request
+from ringleader.hostctl.gateway.stop_strings import StopMatcher
+from ringleader.ipc import protocol as P
+from ringleader.ipc.sampling_params import FLOAT32_MAX
 
 
 def completion(**body):
@@ -30,7 +30,7 @@ def test_defaults_follow_openai():
 
 
 def test_float_fields_take_the_protocols_range():
-    # one range for both paths (ipc.sampling_params.FLOAT_RANGES): vLLM's, not OpenAI's 0..2
+    # one range for both paths (ringleader.ipc.sampling_params.FLOAT_RANGES): vLLM's, not OpenAI's 0..2
     assert completion(temperature=3).sampling.temperature == 3.0
     assert completion(temperature=FLOAT32_MAX).sampling.temperature == FLOAT32_MAX
     for value in (1e308, 10**400, -1, 3.5e38, float("nan"), float("inf")):

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import parity
+from ringleader.bench import parity
 
 
 def test_cpu_backend_matches_transformers_on_tiny_and_a_transformers_checkpoint(tmp_path):

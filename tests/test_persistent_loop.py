@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from device.backends.device_timeline import timeline_summary
-from ipc import layout
-from ipc.rings import RingConfig
+from ringleader.device.backends.device_timeline import timeline_summary
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
 from tests.conftest import wait_until
 from tests.sched_driver import Driver, scheduler, token_for
 

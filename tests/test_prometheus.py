@@ -1,4 +1,4 @@
-"""The Prometheus exporter (hostctl/prometheus.py, docs/metrics.md): scraped over HTTP from a real
+"""The Prometheus exporter (hostctl/serving/prometheus.py, docs/metrics.md): scraped over HTTP from a real
 server on 127.0.0.1 with the CPU backend and `tiny`, parsed with prometheus_client's own parser;
 known requests move the counters and histograms by exactly what they should.  Also the
 fixed-bucket histogram (ipc/histogram.py) and the device timeline's incremental feed, on
@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from device.backends import open_backend
-from device.backends.device_timeline import TimelineFeed, complete_rows, timeline_summary
-from hostctl.prometheus import MetricsExporter
-from hostctl.server import BackgroundServer, Server
-from ipc import layout
-from ipc.client import Client
-from ipc.histogram import Histogram, buckets_125
+from ringleader.device.backends import open_backend
+from ringleader.device.backends.device_timeline import TimelineFeed, complete_rows, timeline_summary
+from ringleader.hostctl.serving.background_server import BackgroundServer
+from ringleader.hostctl.serving.prometheus import MetricsExporter
+from ringleader.hostctl.serving.server import Server
+from ringleader.ipc import layout
+from ringleader.ipc.client import Client
+from ringleader.ipc.histogram import Histogram, buckets_125
 from tests.conftest import running_server
 
 P = "ringleader:"
@@ -220,9 +221,9 @@ def test_the_exporter_serves_before_the_server_starts_and_after_it_stops():
 def test_importing_the_server_and_the_exporter_does_not_need_prometheus_client():
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "import hostctl.server, hostctl.prometheus\n"
+        "import ringleader.hostctl.serving.server, ringleader.hostctl.serving.prometheus\n"
         "try:\n"
-        "    hostctl.prometheus.MetricsExporter(None, '127.0.0.1', 0)\n"
+        "    ringleader.hostctl.serving.prometheus.MetricsExporter(None, '127.0.0.1', 0)\n"
         "except ImportError as exc:\n"
         "    print(exc)\n"
     )

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc import protocol as P
-from ipc.sampling_params import FLOAT32_MAX, MAX_TOP_K, SamplingParams
+from ringleader.ipc import protocol as P
+from ringleader.ipc.sampling_params import FLOAT32_MAX, MAX_TOP_K, SamplingParams
 
 LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 

@@ -15,9 +15,9 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
-from device.model import LlamaModel  # noqa: E402
-from device.model.presets import tokenizer_for  # noqa: E402
-from ipc.client import Client  # noqa: E402
+from ringleader.device.model import LlamaModel  # noqa: E402
+from ringleader.device.model.presets import tokenizer_for  # noqa: E402
+from ringleader.ipc.client import Client  # noqa: E402
 from tests.conftest import running_server  # noqa: E402
 
 N_TOKENS = 64
@@ -176,14 +176,23 @@ def test_serve_names_the_gguf_by_its_stem_and_chats_with_an_override(gguf_path, 
     import time
     import urllib.request
 
-    from device.chat_template import ChatTemplate
+    from ringleader.device.text.chat_template import ChatTemplate
     from tests.test_cli import free_port
 
     pytest.importorskip("aiohttp")  # serve --http
     template = tmp_path / "chatml.jinja"
     template.write_text(CHATML_NO_SYSTEM, encoding="utf-8")
     address, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "hostctl.cli", "serve", "--model", str(gguf_path), "--bind", address]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringleader.hostctl.cli",
+        "serve",
+        "--model",
+        str(gguf_path),
+        "--bind",
+        address,
+    ]
     cmd += ["--slots", "2", "--max-ctx", "256", "--chat-template", str(template), "--http", http]
     log = tmp_path / "serve.log"
     with open(log, "w") as stderr:  # a file, not a pipe: a pipe nobody reads would block the server

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 
 import zmq
 
-from ipc.client import Client
+from ringleader.ipc.client import Client
 from tests.conftest import RawPeer, running_server, wait_until
 
 
@@ -257,7 +257,7 @@ def test_sigterm_under_load_ends_every_request_and_the_process_in_time():
         [
             sys.executable,
             "-m",
-            "hostctl.cli",
+            "ringleader.hostctl.cli",
             "serve",
             "--bind",
             address,

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device.backends.host_memory import HostMemory
-from ipc import layout
-from ipc.rings import AbortQueue, PromptArena, RingConfig
-from ipc.sampling_params import SamplingParams
+from ringleader.device.backends.host_memory import HostMemory
+from ringleader.ipc import layout
+from ringleader.ipc.rings import AbortQueue, PromptArena, RingConfig
+from ringleader.ipc.sampling_params import SamplingParams
 from tests.sched_driver import Driver, token_for
 
 

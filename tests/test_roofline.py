@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from bench import roofline
-from bench.cli import main as bench_main
-from device.model import LlamaModel
+from ringleader.bench import roofline
+from ringleader.bench.cli import main as bench_main
+from ringleader.device.model import LlamaModel
 
 
 def test_weight_and_kv_bytes_follow_the_model():

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import sched_micro
-from bench.sched_micro import SCENARIOS, Harness
-from device.sched.build import HOST_ACCESS_KINDS as KINDS
-from ipc import layout
+from ringleader.bench import sched_micro
+from ringleader.bench.sched_micro import SCENARIOS, Harness
+from ringleader.device.sched.build import HOST_ACCESS_KINDS as KINDS
+from ringleader.ipc import layout
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (1, 4)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc import layout
-from ipc.rings import RingConfig
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import Driver, token_for
 
 

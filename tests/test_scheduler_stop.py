@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from device.backends.host_memory import HostMemory
-from ipc import layout
-from ipc.rings import RingConfig
+from ringleader.device.backends.host_memory import HostMemory
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import Driver, scheduler
 
 CFG = RingConfig(

@@ -7,9 +7,9 @@ import threading
 import time
 from collections import Counter, defaultdict
 
-from device.backends.cpu import CpuBackend
-from device.tokenizer import ByteTokenizer
-from ipc.client import Client
+from ringleader.device.backends.cpu import CpuBackend
+from ringleader.device.text.tokenizer import ByteTokenizer
+from ringleader.ipc.client import Client
 from tests.conftest import RawPeer, running_server
 
 
@@ -246,7 +246,7 @@ def test_a_stalled_heartbeat_ends_every_request_with_engine_dead():
 def test_async_client_streams_concurrently(tiny_server):
     import asyncio
 
-    from ipc.client import AsyncClient
+    from ringleader.ipc.client import AsyncClient
 
     async def main():
         async with AsyncClient(tiny_server.address, timeout=60) as c:

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from device.backends.cpu import CpuBackend
-from hostctl.server import Server
-from ipc.client import ERR_DISCONNECTED, Client
-from ipc.curve import ClientCurve, ServerCurve, generate_keypair
+from ringleader.device.backends.cpu import CpuBackend
+from ringleader.hostctl.serving.server import Server
+from ringleader.ipc.client import ERR_DISCONNECTED, Client
+from ringleader.ipc.curve import ClientCurve, ServerCurve, generate_keypair
 from tests.conftest import running_server
 
 

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from ipc.client import Client  # noqa: E402
+from ringleader.ipc.client import Client  # noqa: E402
 from tests.conftest import running_server  # noqa: E402
 
 CORPUS = [

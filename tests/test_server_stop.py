@@ -7,9 +7,10 @@ import time
 import pytest
 import zmq
 
-from device.backends.cpu import CpuBackend
-from hostctl.server import BackgroundServer, Server
-from ipc.backend import EngineDead
+from ringleader.device.backends.cpu import CpuBackend
+from ringleader.hostctl.serving.background_server import BackgroundServer
+from ringleader.hostctl.serving.server import Server
+from ringleader.ipc.backend import EngineDead
 
 
 class StuckOnStop(CpuBackend):

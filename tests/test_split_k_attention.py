@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device.model.triton_attention import (
+from ringleader.device.model.triton_attention import (
     DEFAULT_SM_COUNT,
     HAVE_TRITON,
     MAX_SPLITS,
     choose_splits,
     ragged_attention_reference,
 )
-from device.model.triton_launch import LaunchRecorder
+from ringleader.device.model.triton_launch import LaunchRecorder
 from tests.triton_interpreter import run_interpreted_checks_of
 
 
@@ -53,7 +53,7 @@ ROWS = [  # (slot, first position, n_rows); slot -1 = pad rows
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from device.model import triton_attention as ta
+    from ringleader.device.model import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
     for n_heads, n_kv, head_dim in SHAPES:
@@ -180,7 +180,7 @@ def _meta_inputs(T=3, H=32, KV=8, D=128, S=5, C=4096):
 def test_launches_recorded_on_meta_tensors(n_splits, kernels):
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.model.triton_attention import ragged_attention_triton
 
     q, k, v, slot_of, positions = _meta_inputs()
     with LaunchRecorder() as rec:
@@ -192,7 +192,7 @@ def test_launches_recorded_on_meta_tensors(n_splits, kernels):
 def test_auto_splits_on_a_full_bucket_is_the_single_launch():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.model.triton_attention import ragged_attention_triton
 
     T = -(-DEFAULT_SM_COUNT // 8)  # T x 8 kv heads programs fill the SMs on their own
     q, k, v, slot_of, positions = _meta_inputs(T=T)
@@ -204,7 +204,7 @@ def test_auto_splits_on_a_full_bucket_is_the_single_launch():
 def test_rejects_zero_splits():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.model.triton_attention import ragged_attention_triton
 
     with pytest.raises(ValueError, match="n_splits"):
         ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=0)

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from device.model import LlamaModel, StepBatch, sample
-from device.model.static_step import StaticStep, StepLayout
-from device.model.triton_attention import ragged_attention_reference
-from ipc import layout as L
-from ipc.rings import RingConfig
+from ringleader.device.model import EagerStep, LlamaModel, StepBatch
+from ringleader.device.model.static_step import StaticStep
+from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.model.triton_attention import ragged_attention_reference
+from ringleader.ipc import layout as L
+from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import Driver, scheduler
 from tests.triton_interpreter import run_interpreted_checks_of
 
@@ -28,7 +29,7 @@ def test_triton_under_interpreter():
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from device.model import triton_attention as ta
+    from ringleader.device.model import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
     model = LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
@@ -43,7 +44,7 @@ def run_interpreted_checks() -> None:
 
 
 def test_reference_matches_eager_ragged_attention():
-    from device.model.eager_attention import ragged_attention
+    from ringleader.device.model.eager_attention import ragged_attention
 
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(4, 40, 2, 16, generator=gen)
@@ -85,31 +86,6 @@ def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> N
     )
 
 
-def _eager_step(model, kv, a):
-    """What the CPU backend does with the layout: eager step + sample."""
-    h = a["step"][0]
-    n, nseg, ns = int(h["n_tokens"]), int(h["n_segments"]), int(h["n_samples"])
-    batch = StepBatch.from_numpy(
-        a["token_ids"][:n],
-        a["positions"][:n],
-        a["slot_of"][:n],
-        a["seg_slot"][:nseg],
-        a["seg_row_start"][:nseg],
-        a["seg_n_rows"][:nseg],
-        a["sample_row"][:ns],
-    )
-    logits = model.step(batch, kv)
-    tokens = sample(
-        logits,
-        torch.from_numpy(a["sample_temperature"][:ns]),
-        torch.from_numpy(a["sample_top_k"][:ns]),
-        torch.from_numpy(a["sample_top_p"][:ns]),
-        torch.from_numpy(a["sample_seed"][:ns].view(np.int64)),
-        torch.from_numpy(a["sample_counter"][:ns]),
-    )
-    return logits, tokens.numpy().astype(np.int32)
-
-
 def _drive(model, attention, max_steps):
     cfg = RingConfig(
         n_slots=N_SLOTS,
@@ -126,10 +102,11 @@ def _drive(model, attention, max_steps):
     for plen, *params in REQUESTS:
         _submit(d, rng.integers(3, 250, plen), *params)
     kv_eager = model.new_kv_cache(N_SLOTS, MAX_CTX)
+    eager = EagerStep(model, kv_eager)
     kv_static = StaticStep.new_kv_cache(model, N_SLOTS, MAX_CTX)
     step = StaticStep(model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention)
     a = d.a
-    lay = StepLayout.from_arrays(a, "cpu")  # views: the step writes the scheduler's next_token
+    lay = StepLayout.from_arrays(a, "cpu")  # views: each step writes the scheduler's next_token
     seen = {"mixed": 0, "padded": 0, "stale": 0}
     for _ in range(max_steps):
         d.rings.submissions.publish()
@@ -146,12 +123,16 @@ def _drive(model, attention, max_steps):
         seen["stale"] += ns < N_SLOTS
         assert np.all(a["slot_of"][n:bucket] == -1)
 
-        logits_e, tokens_e = _eager_step(model, kv_eager, a)
+        # one layout, one bucket, two steps: the eager one is the reference
         before = a["next_token"].copy()
+        logits_e = eager.run(bucket, lay)
+        expected = a["next_token"].copy()
+        unsampled = np.setdiff1d(np.arange(N_SLOTS), a["sample_slot"][:ns])
+        np.testing.assert_array_equal(expected[unsampled], before[unsampled])
+        a["next_token"][:] = before
         logits_s = step.run(bucket, lay)
+        assert logits_e.shape[0] == ns
         torch.testing.assert_close(logits_s[:ns], logits_e, atol=1e-4, rtol=1e-4)
-        expected = before.copy()
-        expected[a["sample_slot"][:ns]] = tokens_e
         np.testing.assert_array_equal(a["next_token"], expected)
         # the real slots' caches agree; pad rows only ever wrote the scratch slot
         torch.testing.assert_close(kv_static.k[:, :N_SLOTS], kv_eager.k, atol=1e-5, rtol=1e-5)
@@ -232,9 +213,12 @@ def test_layout_views_alias_the_scheduler_arrays():
     )
     d = Driver(cfg)
     lay = StepLayout.from_arrays(d.a, "cpu")
-    d.a["step"][0]["n_samples"] = 3
+    header = d.a["step"][0]
+    header["n_tokens"], header["n_segments"], header["n_samples"] = 7, 2, 3
+    d.a["seg_n_rows"][1] = 6
     d.a["sample_seed"][1] = np.uint64(2**63 + 5)
-    assert int(lay.n_samples[0]) == 3 and lay.n_samples.shape == (1,)
+    assert lay.read_counts() == (7, 2, 3) and lay.n_samples.shape == (1,)
+    assert int(lay.seg_n_rows[1]) == 6 and lay.seg_slot.shape == (4,)
     assert int(lay.sample_seed[1]) == -(2**63) + 5
     lay.next_token[2] = 77
     assert d.a["next_token"][2] == 77
@@ -247,3 +231,11 @@ def test_rejects_a_cache_without_scratch_slot(model):
     step = StaticStep(model, StaticStep.new_kv_cache(model, 4, 32), 4, 32, 16, attention="torch")
     with pytest.raises(ValueError, match="bucket"):
         step.run(17, StepLayout.allocate(4, 16, "cpu"))
+
+
+def test_eager_step_refuses_a_bucket_below_its_rows(model):
+    eager = EagerStep(model, model.new_kv_cache(4, 32))
+    lay = StepLayout.allocate(4, 16, "cpu")
+    lay.n_tokens[0] = 5
+    with pytest.raises(ValueError, match="bucket 4"):
+        eager.run(4, lay)

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from bench import step_kernels
-from bench.step_kernels import KernelCounter, count_step
-from device.model.triton_attention import HAVE_TRITON
+from ringleader.bench import step_kernels
+from ringleader.bench.step_kernels import KernelCounter, count_step
+from ringleader.device.model.triton_attention import HAVE_TRITON
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 

@@ -6,8 +6,13 @@ import json
 
 import pytest
 
-from device.model.presets import tokenizer_for
-from device.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
+from ringleader.device.model.presets import tokenizer_for
+from ringleader.device.text.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    load_tokenizer,
+)
 
 TEXTS = [
     "Hello, world! héllo wörld",

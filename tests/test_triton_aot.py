@@ -22,11 +22,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_image_toolchain, triton_aot
-from bench.step_kernels import count_step
-from device.model import triton_attention, triton_fused, triton_sampling
-from device.model.triton_attention import HAVE_TRITON
-from device.model.triton_launch import Launch, LaunchRecorder, launch
+from ringleader.bench import (
+    gpu_image_toolchain,
+    triton_aot,
+    triton_compile,
+    triton_specializations,
+    triton_step_shapes,
+)
+from ringleader.bench.step_kernels import count_step
+from ringleader.bench.triton_compile import max_warps_for_registers, parse_res_usage
+from ringleader.device.model import triton_attention, triton_fused, triton_sampling
+from ringleader.device.model.triton_attention import HAVE_TRITON
+from ringleader.device.model.triton_launch import Launch, LaunchRecorder, launch
 from tests.conftest import fetched
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,15 +76,12 @@ Resource usage:
  Common:
   GLOBAL:11
 """
-    usage = triton_aot.parse_res_usage(text, "_kernel")
+    usage = parse_res_usage(text, "_kernel")
     assert usage["REG"] == 96 and usage["STACK"] == 80 and usage["LOCAL"] == 8 and usage["CONSTANT[0]"] == 672
-    assert (
-        triton_aot.parse_res_usage(text.replace(" Function helper:\n  REG:8", " Other:\n  X:8"), "x")["REG"]
-        == 96
-    )
+    assert parse_res_usage(text.replace(" Function helper:\n  REG:8", " Other:\n  X:8"), "x")["REG"] == 96
     with pytest.raises(ValueError):
-        triton_aot.parse_res_usage(text, "missing")  # two functions, neither the one asked for
-    assert triton_aot.max_warps_for_registers(255) == 8 and triton_aot.max_warps_for_registers(32) == 64
+        parse_res_usage(text, "missing")  # two functions, neither the one asked for
+    assert max_warps_for_registers(255) == 8 and max_warps_for_registers(32) == 64
 
 
 def test_the_recorder_hands_over_each_launch():
@@ -94,10 +98,10 @@ def test_the_recorder_hands_over_each_launch():
 
 
 def test_smollm2_shapes_are_the_files(smollm2_gguf):
-    from device.model.gguf_checkpoint import config_from_gguf, open_gguf
+    from ringleader.device.model.gguf_checkpoint import config_from_gguf, open_gguf
 
     real = config_from_gguf(open_gguf(smollm2_gguf))
-    ours = triton_aot.SMOLLM2_CONFIG
+    ours = triton_step_shapes.SMOLLM2_CONFIG
     shape = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
     for name in (*shape, "head_dim", "max_position_embeddings", "tie_word_embeddings"):
         assert getattr(ours, name) == getattr(real, name), name
@@ -116,7 +120,7 @@ def _launcher_view(kernel, launch_: Launch, target) -> dict:
     saved = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        with triton_aot.target_driver(target, device="aot-test"):
+        with triton_compile.target_driver(target, device="aot-test"):
             assert kernel.run(*launch_.args, grid=launch_.grid, warmup=False, **launch_.meta) is None
     finally:
         knobs.runtime.jit_cache_hook = saved
@@ -128,18 +132,18 @@ def _launcher_view(kernel, launch_: Launch, target) -> dict:
 @needs_triton
 def test_specializations_are_the_launchers():
     launches: list[Launch] = []
-    shapes = {s.name: s for s in triton_aot.product_shapes()}
+    shapes = {s.name: s for s in triton_step_shapes.product_shapes()}
     # bf16 with split-K attention at 1 row, fp32 with "ieee" dots and one attention launch
-    triton_aot.walk_step(shapes["cuda-default/tiny/bfloat16"], 132, launches.append)
-    triton_aot.walk_step(shapes["bringup-backend"], 132, launches.append)
+    triton_step_shapes.walk_step(shapes["cuda-default/tiny/bfloat16"], 132, launches.append)
+    triton_step_shapes.walk_step(shapes["bringup-backend"], 132, launches.append)
     meta = dict(device="meta", dtype=torch.bfloat16)
     x = torch.empty(64, **meta)
     for x_arg, y_arg in ((x, torch.empty(64, **meta)), (x[1:], x[8:])):  # aligned; 2 B and 16 B in
         launches.append(Launch(_probe_kernel, (1,), (x_arg, y_arg, 16, 16, 1, 0.5), {"BLOCK": 16}))
     launches.append(Launch(_probe_kernel, (1,), (x, x, 1, 1, 3, 2.0), {"BLOCK": 32, "num_warps": 2}))
 
-    target = triton_aot.GPUTarget("cuda", 90, 32)
-    specializer = triton_aot.Specializer(90)
+    target = triton_compile.GPUTarget("cuda", 90, 32)
+    specializer = triton_specializations.Specializer(90)
     checked = set()
     for item in launches:
         ours = specializer.derive(item)
@@ -190,7 +194,7 @@ def test_every_product_kernel_compiles_for_sm90_without_spills(tmp_path, capsys)
         }
     assert recorded <= compiled and {"_ragged_attention_kernel", "_ragged_attention_split_kernel"} <= recorded
     used_by = {u.split("@")[0] for r in data["records"] for u in r["used_by"]}
-    assert used_by == {s.name for s in triton_aot.product_shapes()}
+    assert used_by == {s.name for s in triton_step_shapes.product_shapes()}
     assert all(r["regs"] > 0 and r["shared_bytes"] is not None for r in data["records"])
     assert "sm_90:" in capsys.readouterr().out
     print(f"sm_90 ahead-of-time compile: {len(data['records'])} specializations in {wall:.1f} s")
@@ -206,7 +210,7 @@ def test_every_product_kernel_compiles_for_sm90_with_the_gpu_images_triton(tmp_p
     )
     out = tmp_path / "aot.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
-    cmd = [sys.executable, "-m", "bench.triton_aot", "--arch", "sm_90", "--json", str(out)]
+    cmd = [sys.executable, "-m", "ringleader.bench.triton_aot", "--arch", "sm_90", "--json", str(out)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     data = json.loads(out.read_text()) if out.exists() else {}
     assert data.get("triton_version") == gpu_image_toolchain.TRITON, r.stdout[-2000:] + r.stderr[-4000:]
@@ -218,25 +222,25 @@ def test_every_product_kernel_compiles_for_sm90_with_the_gpu_images_triton(tmp_p
 
 @needs_triton
 def test_registers_and_spills_are_the_cubins(capfd):
-    shape = next(s for s in triton_aot.product_shapes() if s.name == "roofline/rows1")
-    specs, _ = triton_aot.collect_specializations([shape], {90: (132,)})
+    shape = next(s for s in triton_step_shapes.product_shapes() if s.name == "roofline/rows1")
+    specs, _ = triton_specializations.collect_specializations([shape], {90: (132,)})
     attention = next(s for s in specs if s.kernel.startswith("_ragged_attention"))
     # 32 registers cannot hold an attention block: ptxas must spill, and the record must say so
     squeezed = dataclasses.replace(attention, options={**attention.options, "maxnreg": 32})
-    result = triton_aot.compile_specialization(squeezed)
+    result = triton_compile.compile_specialization(squeezed)
     assert result["regs"] == 32 and result["spills"] > 0 and not result["error"]
 
     # Triton's own ptxas run, its -v log shown (TRITON_DUMP_PTXAS_LOG), reports the same numbers
     fn = getattr(triton_attention, attention.kernel)
-    target = triton_aot.GPUTarget("cuda", 90, 32)
+    target = triton_compile.GPUTarget("cuda", 90, 32)
     with (
-        triton_aot.target_driver(target),
+        triton_compile.target_driver(target),
         knobs.nvidia.scope(),
         knobs.compilation.scope(),
     ):
         knobs.nvidia.dump_ptxas_log = True
         knobs.compilation.always_compile = True  # a cached CUBIN would skip ptxas
-        src = triton_aot.ASTSource(fn, squeezed.signature, squeezed.constexprs, squeezed.attrs)
+        src = triton_compile.ASTSource(fn, squeezed.signature, squeezed.constexprs, squeezed.attrs)
         capfd.readouterr()
         triton.compile(src, target=target, options=squeezed.options)
         log = capfd.readouterr().out

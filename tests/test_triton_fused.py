@@ -19,10 +19,10 @@ import time
 import pytest
 import torch
 
-from device.model import ops
-from device.model.config import ModelConfig
-from device.model.triton_fused import HAVE_TRITON
-from device.model.triton_launch import LaunchRecorder
+from ringleader.device.model import ops
+from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.triton_fused import HAVE_TRITON
+from ringleader.device.model.triton_launch import LaunchRecorder
 from tests.triton_interpreter import run_interpreted_checks_of
 
 
@@ -32,7 +32,7 @@ def test_fused_kernels_under_interpreter():
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from device.model import triton_fused as tf
+    from ringleader.device.model import triton_fused as tf
 
     global BF16_TRUNCATES
     assert type(tf._silu_mul_kernel).__name__ == "InterpretedFunction", "triton imported too early"
@@ -58,8 +58,8 @@ def run_interpreted_checks() -> None:
 def check_counter_uniform() -> None:
     """The sampler's hash as one Triton launch: bit for bit sampling.counter_uniform, over seeds
     at the int64 edges and counters of either width (so a seed draws the same on every path)."""
-    from device.model.sampling import counter_uniform
-    from device.model.triton_sampling import counter_uniform_triton
+    from ringleader.device.model.sampling import counter_uniform
+    from ringleader.device.model.triton_sampling import counter_uniform_triton
 
     gen = torch.Generator().manual_seed(9)
     seed = torch.randint(-(2**63), 2**63 - 1, (3000,), generator=gen, dtype=torch.int64)
@@ -144,7 +144,7 @@ def _rows(T: int, n: int, dtype: torch.dtype, gen: torch.Generator, strided: boo
 
 
 def check_add_rms_norm(dtype: torch.dtype, T: int, hidden: int, strided: bool) -> None:
-    from device.model.triton_fused import add_rms_norm
+    from ringleader.device.model.triton_fused import add_rms_norm
 
     gen = torch.Generator().manual_seed(hidden + T)
     eps = 1e-5
@@ -168,7 +168,7 @@ def check_add_rms_norm(dtype: torch.dtype, T: int, hidden: int, strided: bool) -
 
 
 def check_silu_mul(dtype: torch.dtype, T: int, inter: int, strided: bool) -> None:
-    from device.model.triton_fused import silu_mul
+    from ringleader.device.model.triton_fused import silu_mul
 
     gen = torch.Generator().manual_seed(inter + T)
     if strided:  # column stride T: a transposed buffer
@@ -224,7 +224,7 @@ def check_rope_store_kv(
 ) -> None:
     """layout: "contiguous"; "transposed" (qkv column stride T, caches stored [S, KV, C, D]);
     "padded" (qkv a column slice of a wider buffer, caches layer 1 of a [2, S, C, KV, D] pair)."""
-    from device.model.triton_fused import rope_store_kv
+    from ringleader.device.model.triton_fused import rope_store_kv
 
     cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(H * 100 + D)
@@ -299,7 +299,7 @@ def check_rope_store_kv(
 def test_each_wrapper_is_one_launch_on_meta():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+    from ringleader.device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
 
     meta = dict(device="meta", dtype=torch.bfloat16)
     T, hidden, inter, H, KV, D, S, C = 7, 4096, 14336, 32, 8, 128, 9, 64
@@ -333,7 +333,7 @@ def test_each_wrapper_is_one_launch_on_meta():
 def test_shape_errors():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+    from ringleader.device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
 
     meta = dict(device="meta", dtype=torch.float16)
     with pytest.raises(ValueError):

@@ -6,7 +6,7 @@ probes 4-6, torch; every driver call goes through the runtime's own helpers
 to this file; NVRTC compiles them to a CUBIN for the device's own arch (sm_90
 when there is no GPU) and the driver API loads and launches them.
 
-Run ``python -m bench.gpu_limits [options]`` from the repository root.
+Run ``python -m ringleader.bench.gpu_limits [options]`` from the repository root.
 Modules: __main__ (CLI, run loop), common (budget, records, statistics,
 rescue), report (tee, JSON, table), kernels (control block, NVRTC), device
 (context, memory, streams, Probe), then one module per probe: doorbell (1),

@@ -1,4 +1,4 @@
-"""The CLI: ``python -m bench.gpu_limits [--quick] [--only 1,3] [--compile-only] ...`` (see the
+"""The CLI: ``python -m ringleader.bench.gpu_limits [--quick] [--only 1,3] [--compile-only] ...`` (see the
 package docstring); the run loop gives each probe its own thread, timeout and health check."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-import bench.gpu_limits as gpu_limits
-from bench.gpu_limits.blocking import exit_child, probe_blocking
-from bench.gpu_limits.common import (
+import ringleader.bench.gpu_limits as gpu_limits
+from ringleader.bench.gpu_limits.blocking import exit_child, probe_blocking
+from ringleader.bench.gpu_limits.common import (
     DEFAULT_OUT,
     PROBE_NAMES,
     RUN_ORDER,
@@ -31,21 +31,28 @@ from bench.gpu_limits.common import (
     device_slug,
     shutdown_all,
 )
-from bench.gpu_limits.device import Probe, health_check, init_torch, run_in_thread, try_init_device
-from bench.gpu_limits.doorbell import probe_doorbell
-from bench.gpu_limits.handoff import probe_handoff
-from bench.gpu_limits.kernels import (
+from ringleader.bench.gpu_limits.device import Probe, health_check, init_torch, run_in_thread, try_init_device
+from ringleader.bench.gpu_limits.doorbell import probe_doorbell
+from ringleader.bench.gpu_limits.handoff import probe_handoff
+from ringleader.bench.gpu_limits.kernels import (
     COMPILE_TAG,
     compile_all,
     compile_summary,
     nvrtc_version,
     print_kernel_table,
 )
-from bench.gpu_limits.launch import probe_launch
-from bench.gpu_limits.memops import probe_memops
-from bench.gpu_limits.report import fmt, install_tee, json_default, open_log, print_table, save_json
-from bench.gpu_limits.roofline import probe_roofline
-from bench.gpu_limits.torchgraph import probe_torchgraph
+from ringleader.bench.gpu_limits.launch import probe_launch
+from ringleader.bench.gpu_limits.memops import probe_memops
+from ringleader.bench.gpu_limits.report import (
+    fmt,
+    install_tee,
+    json_default,
+    open_log,
+    print_table,
+    save_json,
+)
+from ringleader.bench.gpu_limits.roofline import probe_roofline
+from ringleader.bench.gpu_limits.torchgraph import probe_torchgraph
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,7 +69,7 @@ PROBE_FUNCS = {
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python -m bench.gpu_limits",
+        prog="python -m ringleader.bench.gpu_limits",
         description=gpu_limits.__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu_limits import common
-from bench.gpu_limits.common import MIB, PTR, U32, U64, Timeout, errdict, sub, wait_until
-from bench.gpu_limits.device import Probe, run_in_thread, try_init_device
-from bench.gpu_limits.kernels import CTL_EXIT, CTL_HEARTBEAT, CTL_STARTED, compile_group
-from device.backends import cuda_driver as drv
+from ringleader.bench.gpu_limits import common
+from ringleader.bench.gpu_limits.common import MIB, PTR, U32, U64, Timeout, errdict, sub, wait_until
+from ringleader.bench.gpu_limits.device import Probe, run_in_thread, try_init_device
+from ringleader.bench.gpu_limits.kernels import CTL_EXIT, CTL_HEARTBEAT, CTL_STARTED, compile_group
+from ringleader.device.backends import cuda_driver as drv
 
-REPO = Path(__file__).resolve().parents[2]  # `python -m bench.gpu_limits` runs from here
+REPO = Path(__file__).resolve().parents[2]  # `python -m ringleader.bench.gpu_limits` runs from here
 
 
 def _blocking_ops(P: Probe, torch) -> list:
@@ -166,7 +166,7 @@ def _exit_test(P: Probe, mode: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "bench.gpu_limits",
+        "ringleader.bench.gpu_limits",
         "--_exit-child",
         mode,
         "--device",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device.backends.cuda_driver import CudaError
+from ringleader.device.backends.cuda_driver import CudaError
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 SCHEMA = "ringleader.gpu_limits/1"

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from bench.gpu_limits.common import PTR, U32, U64, Timeout, summarize
-from bench.gpu_limits.device import Graphs, Probe
-from device.backends import cuda_driver as drv
+from ringleader.bench.gpu_limits.common import PTR, U32, U64, Timeout, summarize
+from ringleader.bench.gpu_limits.device import Graphs, Probe
+from ringleader.device.backends import cuda_driver as drv
 
 
 def run_counted_graph(P: Probe, ge, state: int, n: int, stream, extra=None) -> tuple[float, int]:

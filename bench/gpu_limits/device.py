@@ -1,8 +1,8 @@
 """The device the probes run on: its primary context, pinned control blocks, scratch device
 memory, streams and waits with timeouts, the loaded kernels (Probe) and probe threads.
 
-Every driver call goes through device.backends.cuda_driver (drv); `drv.cu` is looked up at each
-call, so a stand-in driver module set there (tests/test_gpu_limits_build.py) reaches all of it.
+Every driver call goes through ringleader.device.backends.cuda_driver (drv); `drv.cu` is looked up at each
+call, so a stand-in driver module set there (tests/fake_cuda_driver.py) reaches all of it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import traceback
 
 import numpy as np
 
-from bench.gpu_limits.common import MIB, Budget, SkipProbe, Timeout, add_rescuer, wait_until
-from bench.gpu_limits.kernels import (
+from ringleader.bench.gpu_limits.common import MIB, Budget, SkipProbe, Timeout, add_rescuer, wait_until
+from ringleader.bench.gpu_limits.kernels import (
     CTL_DOORBELL,
     CTL_EXIT,
     CTL_SHUTDOWN,
@@ -24,8 +24,8 @@ from bench.gpu_limits.kernels import (
     EXIT_NAMES,
     KERNEL_GROUPS,
 )
-from device.backends import cuda_driver as drv
-from device.backends.cuda_driver import CudaError
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.cuda_driver import CudaError
 
 
 class Ctl:

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from bench.gpu_limits.common import PTR, U32, U64, Timeout, sub, summarize, trow, wait_until
-from bench.gpu_limits.device import Ctl, Probe
-from bench.gpu_limits.kernels import (
+from ringleader.bench.gpu_limits.common import PTR, U32, U64, Timeout, sub, summarize, trow, wait_until
+from ringleader.bench.gpu_limits.device import Ctl, Probe
+from ringleader.bench.gpu_limits.kernels import (
     CTL_ANSWER,
     CTL_DOORBELL,
     CTL_HANDLED,
@@ -17,7 +17,7 @@ from bench.gpu_limits.kernels import (
     CTL_POLLS_LO,
     CTL_STARTED,
 )
-from device.backends import cuda_driver as drv
+from ringleader.device.backends import cuda_driver as drv
 
 
 def _doorbell_floor(ctl: Ctl, n: int) -> dict:

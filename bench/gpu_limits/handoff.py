@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from bench.gpu_limits.common import PTR, U32, U64, Timeout, sub, summarize, trow
-from bench.gpu_limits.device import Probe
-from bench.gpu_limits.kernels import CTL_DONE0, CTL_DONE1
-from device.backends import cuda_driver as drv
+from ringleader.bench.gpu_limits.common import PTR, U32, U64, Timeout, sub, summarize, trow
+from ringleader.bench.gpu_limits.device import Probe
+from ringleader.bench.gpu_limits.kernels import CTL_DONE0, CTL_DONE1
+from ringleader.device.backends import cuda_driver as drv
 
 
 def _timer_resolution(P: Probe) -> dict:

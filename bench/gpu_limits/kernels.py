@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from device.sched.build import NvrtcError, nvrtc_compile, parse_ptxas_log
+from ringleader.device.sched.build import NvrtcError, nvrtc_compile, parse_ptxas_log
 
 KERNEL_SRC = Path(__file__).resolve().parent / "kernels.cu"
 COMPILE_TAG = "GPU_LIMITS_COMPILE"
@@ -88,7 +88,7 @@ def parse_ptxas(log: str) -> dict:
 
 def nvrtc_version() -> str:
     try:
-        from device.sched.build import nvrtc_version as version
+        from ringleader.device.sched.build import nvrtc_version as version
 
         return "%d.%d" % version()
     except Exception as e:

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from bench.gpu_limits.common import Timeout, sub, summarize, trow
-from bench.gpu_limits.conditional import switch_graph, while_graph
-from bench.gpu_limits.device import Graphs, Probe
-from device.backends import cuda_driver as drv
+from ringleader.bench.gpu_limits.common import Timeout, sub, summarize, trow
+from ringleader.bench.gpu_limits.conditional import switch_graph, while_graph
+from ringleader.bench.gpu_limits.device import Graphs, Probe
+from ringleader.device.backends import cuda_driver as drv
 
 
 def _time_launches(P: Probe, launch, label: str) -> dict:

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from bench.gpu_limits.common import (
+from ringleader.bench.gpu_limits.common import (
     PTR,
     U32,
     U64,
@@ -18,11 +18,11 @@ from bench.gpu_limits.common import (
     summarize,
     trow,
 )
-from bench.gpu_limits.conditional import run_counted_graph
-from bench.gpu_limits.device import Graphs, Probe
-from bench.gpu_limits.kernels import CTL_DOORBELL
-from device.backends import cuda_driver as drv
-from device.backends.cuda_driver import CudaError
+from ringleader.bench.gpu_limits.conditional import run_counted_graph
+from ringleader.bench.gpu_limits.device import Graphs, Probe
+from ringleader.bench.gpu_limits.kernels import CTL_DOORBELL
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.cuda_driver import CudaError
 
 
 def _memop_handoff(P: Probe, use_events: bool) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu_limits.common import PROBE_NAMES
+from ringleader.bench.gpu_limits.common import PROBE_NAMES
 
 
 class Tee:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.gpu_limits.common import GIB, MIB, sub, summarize
-from bench.gpu_limits.device import Probe
+from ringleader.bench.gpu_limits.common import GIB, MIB, sub, summarize
+from ringleader.bench.gpu_limits.device import Probe
 
 
 def probe_roofline(P: Probe) -> dict:

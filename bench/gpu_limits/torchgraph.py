@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.gpu_limits.common import PTR, U32, U64, sub, summarize
-from bench.gpu_limits.conditional import run_counted_graph
-from bench.gpu_limits.device import Graphs, Probe
-from device.backends import cuda_driver as drv
+from ringleader.bench.gpu_limits.common import PTR, U32, U64, sub, summarize
+from ringleader.bench.gpu_limits.conditional import run_counted_graph
+from ringleader.bench.gpu_limits.device import Graphs, Probe
+from ringleader.device.backends import cuda_driver as drv
 
 
 def probe_torchgraph(P: Probe) -> dict:

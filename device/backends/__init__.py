@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from device.engine_config import EngineConfig
-from ipc.backend import Backend
+from ringleader.device.engine_config import EngineConfig
+from ringleader.ipc.backend import Backend
 
 
 def open_backend(config: EngineConfig | str | None = None, /, **fields) -> Backend:
@@ -12,16 +12,16 @@ def open_backend(config: EngineConfig | str | None = None, /, **fields) -> Backe
     GPU; see EngineConfig.resolved() for what each device fills in.  A chat_template
     (--chat-template) replaces the model's own here: a CpuBackend or CudaBackend made directly
     serves the model's."""
-    from device.backends.common import with_chat_template  # torch: only once a backend opens
+    from ringleader.device.backends.common import with_chat_template  # torch: only once a backend opens
 
     cfg = EngineConfig.of(config, **fields).resolved()
     backend: Backend
     if cfg.device == "cpu":
-        from device.backends.cpu import CpuBackend
+        from ringleader.device.backends.cpu import CpuBackend
 
         backend = CpuBackend(cfg)
     else:
-        from device.backends.cuda import CudaBackend
+        from ringleader.device.backends.cuda import CudaBackend
 
         backend = CudaBackend(cfg)
     # the backends build the model's own ModelInfo; --chat-template is put on it here, once for both

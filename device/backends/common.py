@@ -9,16 +9,16 @@ import threading
 
 import numpy as np
 
-from device.chat_template import load_template_override
-from device.engine_config import POLICIES as POLICY_NAMES
-from device.engine_config import EngineConfig
-from device.model import LlamaModel
-from device.model.presets import tokenizer_for
-from device.tokenizer import IncrementalDetokenizer
-from ipc import layout
-from ipc.backend import ModelInfo
-from ipc.histogram import Histogram, HistogramSnapshot
-from ipc.rings import RingConfig
+from ringleader.device.engine_config import POLICIES as POLICY_NAMES
+from ringleader.device.engine_config import EngineConfig
+from ringleader.device.model import LlamaModel
+from ringleader.device.model.presets import tokenizer_for
+from ringleader.device.text.chat_template import load_template_override
+from ringleader.device.text.tokenizer import IncrementalDetokenizer
+from ringleader.ipc import layout
+from ringleader.ipc.backend import ModelInfo
+from ringleader.ipc.histogram import Histogram, HistogramSnapshot
+from ringleader.ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.chat")
 

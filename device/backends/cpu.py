@@ -1,4 +1,4 @@
-"""CPU backend: the host-compiled scheduler on an engine thread, the model step in torch.
+"""CPU backend: the host-compiled scheduler on an engine thread, the eager model step in torch.
 
 The engine thread runs the scheduler's two phases in the order the GPU kernel runs them: the
 critical phase (consumes next_token, builds the step layout), then the overlapped phase (reads
@@ -14,18 +14,17 @@ import threading
 import time
 import traceback
 
-import numpy as np
 import torch
 
-from device.backends.common import StepTimer, model_info, ring_config_for
-from device.backends.doorbells import Doorbells
-from device.backends.host_memory import HostMemory
-from device.engine_config import EngineConfig
-from device.model import LlamaModel, StepBatch, sample
-from device.sched.build import CpuScheduler
-from ipc import layout
-from ipc.backend import Backend, EngineDead
-from ipc.histogram import HistogramSnapshot
+from ringleader.device.backends.common import StepTimer, model_info, ring_config_for
+from ringleader.device.backends.doorbells import Doorbells
+from ringleader.device.backends.host_memory import HostMemory
+from ringleader.device.engine_config import EngineConfig
+from ringleader.device.model import EagerStep, LlamaModel, StepLayout
+from ringleader.device.sched.build import CpuScheduler
+from ringleader.ipc import layout
+from ringleader.ipc.backend import Backend, EngineDead
+from ringleader.ipc.histogram import HistogramSnapshot
 
 log = logging.getLogger("ringleader.cpu")
 
@@ -43,9 +42,10 @@ class CpuBackend(Doorbells, Backend):
         self._model = LlamaModel.from_spec(cfg.model, getattr(torch, cfg.dtype), "cpu", cfg.seed)
         assert cfg.max_ctx is not None  # resolved("cpu") gives every config one
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
-        self._kv = self._model.new_kv_cache(cfg.n_slots, max_ctx)
-        self._model.prepare(max_ctx)
+        self._step = EagerStep(self._model, self._model.new_kv_cache(cfg.n_slots, max_ctx))
         self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx))
+        # zero-copy views of the scheduler's arrays, built once: the step reads and writes them in place
+        self._layout = StepLayout.from_arrays(self._memory.arrays)
         self.rings = self._memory.rings
         self.model = model_info(cfg.model, self._model, max_ctx)
         self.description = {
@@ -144,27 +144,5 @@ class CpuBackend(Doorbells, Backend):
             self._events.set()
 
     def _run_model_step(self) -> None:
-        a = self._memory.arrays
-        head = a["step"][0]
-        n, n_seg, n_samples = int(head["n_tokens"]), int(head["n_segments"]), int(head["n_samples"])
-        batch = StepBatch.from_numpy(
-            a["token_ids"][:n],
-            a["positions"][:n],
-            a["slot_of"][:n],
-            a["seg_slot"][:n_seg],
-            a["seg_row_start"][:n_seg],
-            a["seg_n_rows"][:n_seg],
-            a["sample_row"][:n_samples],
-        )
-        logits = self._model.step(batch, self._kv)
-        if n_samples == 0:
-            return
-        tokens = sample(
-            logits,
-            torch.from_numpy(a["sample_temperature"][:n_samples]),
-            torch.from_numpy(a["sample_top_k"][:n_samples]),
-            torch.from_numpy(a["sample_top_p"][:n_samples]),
-            torch.from_numpy(a["sample_seed"][:n_samples].view(np.int64)),
-            torch.from_numpy(a["sample_counter"][:n_samples]),
-        )
-        a["next_token"][a["sample_slot"][:n_samples]] = tokens.numpy().astype(np.int32)
+        """The step the critical phase laid out, exactly: its bucket is its n_tokens."""
+        self._step.run(int(self._layout.n_tokens.item()), self._layout)

@@ -28,29 +28,29 @@ import time
 import numpy as np
 import torch
 
-from device.backends import cuda_driver as drv
-from device.backends.common import StepTimer, model_info, ring_config_for
-from device.backends.cq_poller import CqPoller
-from device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
-from device.backends.device_memory import DeviceMemory, PackedLayoutCopy
-from device.backends.device_timeline import (
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.common import StepTimer, model_info, ring_config_for
+from ringleader.device.backends.cq_poller import CqPoller
+from ringleader.device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
+from ringleader.device.backends.device_memory import DeviceMemory, PackedLayoutCopy
+from ringleader.device.backends.device_timeline import (
     TimelineFeed,
     TimelineReader,
     timeline_summary,
     write_chrome_trace,
 )
-from device.backends.doorbells import Doorbells
-from device.backends.host_memory import HostMemory
-from device.backends.launch_graph import LaunchGraph
-from device.backends.step_graphs import StepGraphs
-from device.engine_config import EngineConfig, cuda_unavailable_reason
-from device.model import LlamaModel
-from device.model.kv_cache import KVCache
-from device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
-from ipc import layout
-from ipc.backend import Backend, EngineDead
-from ipc.histogram import HistogramSnapshot
-from ipc.rings import RingConfig
+from ringleader.device.backends.doorbells import Doorbells
+from ringleader.device.backends.host_memory import HostMemory
+from ringleader.device.backends.launch_graph import LaunchGraph
+from ringleader.device.backends.step_graphs import StepGraphs
+from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reason
+from ringleader.device.model import LlamaModel
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
+from ringleader.ipc import layout
+from ringleader.ipc.backend import Backend, EngineDead
+from ringleader.ipc.histogram import HistogramSnapshot
+from ringleader.ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cuda")
 
@@ -81,7 +81,8 @@ class CudaBackend(Doorbells, Backend):
     def __init__(self, config: EngineConfig | str | None = None, /, **fields):
         """config: an EngineConfig, or a model spec; fields: EngineConfig fields by name
         (CudaBackend("tiny", scheduler="host")).  threads is not used here."""
-        from device.model.static_step import StaticStep, StepLayout
+        from ringleader.device.model.static_step import StaticStep
+        from ringleader.device.model.step_layout import StepLayout
 
         cfg = self.config = EngineConfig.of(config, **fields).resolved("cuda")  # validated there
         scheduler, launch, n_slots = cfg.scheduler, cfg.launch, cfg.n_slots

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from ipc.native import cache_dir
+from ringleader.ipc.native import cache_dir
 
 try:
     from cuda.bindings import driver as cu
@@ -181,7 +181,7 @@ def driver_version() -> tuple[int, int]:
 def load_module(build, driver: tuple[int, int] | None = None):
     """Loads the scheduler module from its CUBIN; if the driver refuses it, from its PTX, but
     only when that PTX is no newer than the driver accepts.  Returns (module, how it loaded)."""
-    from device.sched.build import ptx_loadable
+    from ringleader.device.sched.build import ptx_loadable
 
     key = hashlib.sha256(build.cubin).hexdigest()[:16]
     (cache_dir() / f"rlsched-{build.arch}-{key}.cubin").write_bytes(build.cubin)  # for cuobjdump
@@ -323,7 +323,7 @@ def node_types(graph) -> list[str]:
 
 
 def _read_nodes(graph) -> list:
-    from device.backends.cuda_graph_rules import GraphNode
+    from ringleader.device.backends.cuda_graph_rules import GraphNode
 
     nodes = []
     for h, kind in _node_kinds(graph):

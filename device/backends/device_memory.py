@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from device.backends import cuda_driver as drv
-from device.backends.host_memory import HostMemory, context_table
-from ipc import layout
-from ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.host_memory import HostMemory, context_table
+from ringleader.ipc import layout
+from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
 PINNED = layout.HOST_RINGS
-# The step layout: ipc.layout.ARRAYS from the header to the last sample field, contiguous in
+# The step layout: ringleader.ipc.layout.ARRAYS from the header to the last sample field, contiguous in
 # both memory plans, so the host-scheduled baseline uploads it in one copy.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
 LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step") : _NAMES.index("sample_counter") + 1])
@@ -56,6 +56,9 @@ class DeviceMemory:
             token_ids=t("token_ids", torch.int32),
             positions=t("positions", torch.int32),
             slot_of=t("slot_of", torch.int32),
+            seg_slot=t("seg_slot", torch.int32),
+            seg_row_start=t("seg_row_start", torch.int32),
+            seg_n_rows=t("seg_n_rows", torch.int32),
             sample_row=t("sample_row", torch.int32),
             sample_slot=t("sample_slot", torch.int32),
             sample_temperature=t("sample_temperature", torch.float32),
@@ -63,6 +66,8 @@ class DeviceMemory:
             sample_top_k=t("sample_top_k", torch.int32),
             sample_seed=t("sample_seed", torch.int64),
             sample_counter=t("sample_counter", torch.int32),
+            n_tokens=step_header[0:1],
+            n_segments=step_header[2:3],
             n_samples=step_header[3:4],
             next_token=t("next_token", torch.int32),
         )

@@ -1,5 +1,5 @@
 """The device timeline: per step, the scheduler's and the step graph's %globaltimer stamps
-(ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time (timeline_summary holds
+(ringleader.ipc.layout RL_TRACE_*), summarised as bubble, step and scheduler time (timeline_summary holds
 the bubble's definition), fed into the metrics' histograms (TimelineFeed), or written as a
 Chrome trace."""
 
@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from ipc import layout
-from ipc.histogram import Histogram
+from ringleader.ipc import layout
+from ringleader.ipc.histogram import Histogram
 
 
 class TimelineReader:
@@ -27,7 +27,7 @@ class TimelineReader:
     def __init__(self, device_memory, *, wait_s: float = 2.0, driver=None):
         """driver: the CUDA driver helpers (device/backends/cuda_driver), or a stand-in (tests)."""
         if driver is None:
-            from device.backends import cuda_driver as driver
+            from ringleader.device.backends import cuda_driver as driver
         self._drv = driver
         self._src = device_memory.address("trace")
         self._nbytes = device_memory.device_nbytes["trace"]

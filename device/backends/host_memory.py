@@ -9,12 +9,19 @@ import ctypes
 
 import numpy as np
 
-from ipc import layout
-from ipc.rings import HostRings, RingConfig, aligned_host_buffer, map_arrays, plan_memory, write_config
+from ringleader.ipc import layout
+from ringleader.ipc.rings import (
+    HostRings,
+    RingConfig,
+    aligned_host_buffer,
+    map_arrays,
+    plan_memory,
+    write_config,
+)
 
 
 def context_table(addresses: dict[str, int]) -> ctypes.Array:
-    """RlContext: one pointer per ipc.layout.ARRAYS entry, in order."""
+    """RlContext: one pointer per ringleader.ipc.layout.ARRAYS entry, in order."""
     table = (ctypes.c_uint64 * len(layout.ARRAYS))()
     for i, (name, _, _) in enumerate(layout.ARRAYS):
         table[i] = addresses[name]

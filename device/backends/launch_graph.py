@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import ctypes
 
-from device.backends import cuda_driver as drv
-from device.backends.step_graphs import StepGraphs
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.step_graphs import StepGraphs
 
 PUMP_STEPS_PER_LAUNCH = 8
 LAUNCH_MODES = ("resident", "pump")

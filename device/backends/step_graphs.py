@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from device.backends import cuda_driver as drv
-from device.backends.cuda_graph_rules import GraphReport, check_conditional_body
+from ringleader.device.backends import cuda_driver as drv
+from ringleader.device.backends.cuda_graph_rules import GraphReport, check_conditional_body
 
 log = logging.getLogger("ringleader.cuda")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from device.model.config import ModelConfig
+from ringleader.device.model.config import ModelConfig
 
 _DTYPES = {
     "F32": torch.float32,

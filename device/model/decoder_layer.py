@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from device.model.config import ModelConfig
+from ringleader.device.model.config import ModelConfig
 
 Device = str | torch.device
 

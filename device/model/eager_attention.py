@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from device.model.kv_cache import KVCache
-from device.model.ops import rope_split
-from device.model.step_batch import StepBatch, StepPlan
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.ops import rope_split
+from ringleader.device.model.step_batch import StepBatch, StepPlan
 
 
 def ragged_attention(

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from device.model.config import ModelConfig
-from device.model.gguf_quants import dequantize
-from ipc.install_hint import install_hint
+from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.gguf_quants import dequantize
+from ringleader.ipc.install_hint import install_hint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from device.model.config import ModelConfig
+from ringleader.device.model.config import ModelConfig
 
 
 class KVCache:

@@ -5,8 +5,9 @@ row's k/v into the per-slot KV cache and attends over that slot's cached prefix.
 
 `LlamaModel.forward` is the trunk both steps share (embedding, the layers, final norm and
 lm_head on the sampled rows); each step passes in its own KV-cache side (`CacheAttention`):
-`step` the eager one (device/model/eager_attention.py), `StaticStep.run` the capturable one,
-and its pointwise kernels (torch's ops, or the fused Triton ones on the GPU).
+`step` (a StepBatch through the eager one, device/model/eager_attention.py; `EagerStep.run`
+calls it), `StaticStep.run` the capturable one, and its pointwise kernels (torch's ops, or the
+fused Triton ones on the GPU).
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device.model import ops
-from device.model.checkpoint import hf_to_internal, load_config, load_state_dict
-from device.model.config import ModelConfig
-from device.model.decoder_layer import CacheAttention, DecoderLayer, PointwiseKernels, RMSNorm
-from device.model.eager_attention import EagerAttention
-from device.model.gguf_checkpoint import is_gguf, load_gguf
-from device.model.kv_cache import KVCache
-from device.model.ops import rope_tables
-from device.model.presets import LOGIT_STD, PRESETS, preset_config
-from device.model.step_batch import StepBatch
+from ringleader.device.model import ops
+from ringleader.device.model.checkpoint import hf_to_internal, load_config, load_state_dict
+from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.decoder_layer import CacheAttention, DecoderLayer, PointwiseKernels, RMSNorm
+from ringleader.device.model.eager_attention import EagerAttention
+from ringleader.device.model.gguf_checkpoint import is_gguf, load_gguf
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.ops import rope_tables
+from ringleader.device.model.presets import LOGIT_STD, PRESETS, preset_config
+from ringleader.device.model.step_batch import StepBatch
 
 Device = str | torch.device
 

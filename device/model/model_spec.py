@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from device.model.gguf_checkpoint import is_gguf
-from device.model.presets import PRESETS
+from ringleader.device.model.gguf_checkpoint import is_gguf
+from ringleader.device.model.presets import PRESETS
 
 GGUF_MAGIC = b"GGUF"
 

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from device.model.config import ModelConfig
+from ringleader.device.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from device.model.config import ModelConfig
-from device.model.gguf_checkpoint import gguf_metadata, is_gguf
-from device.tokenizer import ByteTokenizer, load_tokenizer
+from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.gguf_checkpoint import gguf_metadata, is_gguf
+from ringleader.device.text.tokenizer import ByteTokenizer, load_tokenizer
 
 _BYTE = ByteTokenizer
 
@@ -97,7 +97,7 @@ def tokenizer_for(spec: str | Path):
     if isinstance(spec, str) and spec in PRESETS:
         return load_tokenizer(None)
     if is_gguf(spec):
-        from device.gguf_tokenizer import tokenizer_from_gguf
+        from ringleader.device.text.gguf_tokenizer import tokenizer_from_gguf
 
         return tokenizer_from_gguf(gguf_metadata(spec))
     return load_tokenizer(spec)

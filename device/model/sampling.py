@@ -18,10 +18,11 @@ exact, no candidates involved.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ipc.sampling_params import MAX_TOP_K
+from ringleader.ipc.sampling_params import MAX_TOP_K
 
 _MASK32 = 0xFFFFFFFF
 
@@ -60,16 +61,24 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings [N] of one sample() call: each row's SamplingParams as tensors,
+    plus its RNG counter. Any device and integer/float width; sample() converts."""
+
+    temperature: torch.Tensor  # <= 0: greedy
+    top_k: torch.Tensor  # 0: no limit
+    top_p: torch.Tensor  # >= 1.0: no limit
+    seed: torch.Tensor  # int64 (a uint64 seed's bits)
+    counter: torch.Tensor  # the index of the token within its request
+
+
 def sample(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    counter: torch.Tensor,
+    params: SamplingTensors,
     uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
 ) -> torch.Tensor:
-    """Sampled token ids [N] (int64) from fp32 logits [N, V].
+    """Sampled token ids [N] (int64) from fp32 logits [N, V], row i under params' row i.
 
     Per row: temperature <= 0 -> argmax. Otherwise logits / temperature, keep the top_k
     largest (0 = no limit), then the smallest prefix whose probability reaches top_p
@@ -80,12 +89,12 @@ def sample(
     N, V = logits.shape
     dev = logits.device
     logits = logits.float()
-    temperature = temperature.to(dev, torch.float32)
-    top_p = top_p.to(dev, torch.float32)[:, None]
-    top_k = top_k.to(dev, torch.int64)[:, None]
+    temperature = params.temperature.to(dev, torch.float32)
+    top_p = params.top_p.to(dev, torch.float32)[:, None]
+    top_k = params.top_k.to(dev, torch.int64)[:, None]
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    target = uniform(seed.to(dev), counter.to(dev))[:, None]  # in (0, 1)
+    target = uniform(params.seed.to(dev), params.counter.to(dev))[:, None]  # in (0, 1)
 
     # the whole distribution, unnormalised, in vocabulary order: the unrestricted rows' draw,
     # and its total is the mass top_p measures against when top_k is off

@@ -1,14 +1,14 @@
 """The model step in static shapes, for capture as one CUDA graph per token-count bucket.
 
 `StaticStep.run(bucket, layout)` reads the scheduler's step layout straight from device
-tensors (`StepLayout`) and does what `LlamaModel.step` + `sample` do for the CPU backend (the
-same trunk and decoder-layer body, with `StaticAttention` as the KV-cache side, or with
-`attention="triton"` the Triton attention, `FusedStaticAttention` and the fused pointwise
-kernels of triton_fused), but
-without anything that depends on tensor values on the host: rows [0, bucket) are processed
-(pad rows carry slot_of = -1), logits and samples are computed for the first min(bucket,
-n_slots) sample entries (a step never samples more entries than it has rows), and only the
-first n_samples of them (a device-side count) write next_token.
+tensors (`StepLayout`) and does what `EagerStep.run` does for the CPU backend, its reference
+(the same trunk and decoder-layer body and the same sampler, with `StaticAttention` as the
+KV-cache side, or with `attention="triton"` the Triton attention, `FusedStaticAttention` and the
+fused pointwise kernels of triton_fused), but without anything that depends on tensor values
+on the host: rows [0, bucket) are processed (pad rows carry slot_of = -1), logits and samples
+are computed for the first min(bucket, n_slots) sample entries (a step never samples more
+entries than it has rows), and only the first n_samples of them (a device-side count) write
+next_token. It never reads the layout's segments, n_tokens or n_segments.
 
 Scratch slot: pad rows still produce k/v; they are written to slot n_slots (position 0), so
 the KV cache must have n_slots + 1 slots (`StaticStep.new_kv_cache`). Real slots are never
@@ -20,104 +20,24 @@ Capture on CUDA (the capturing code's side):
   2. step.warmup(layout, buckets): one eager run per bucket with an all-pad layout; compiles the
      Triton kernel, initialises cuBLAS and the allocator's pools. It overwrites the layout.
   3. per bucket b: capture `logits_b = step.run(b, layout)` on a side stream (capture_begin /
-     capture_end, thread-local mode); keep the graph and logits_b alive.
+     capture_end, thread-local mode); keep the graph, and logits_b where replays are checked.
   4. per step the scheduler fills the layout and picks the bucket; replay graph[bucket].
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
-from device.model import ops
-from device.model.decoder_layer import PointwiseKernels
-from device.model.kv_cache import KVCache
-from device.model.llama import LlamaModel
-from device.model.ops import rope_split
-from device.model.sampling import counter_uniform, sample
-from device.model.triton_attention import ragged_attention_reference
-
-Device = str | torch.device
-
-# field -> (dtype the step reads it as, the scheduler array it mirrors)
-_LAYOUT_FIELDS = {
-    "token_ids": (np.int32, "token_ids"),
-    "positions": (np.int32, "positions"),
-    "slot_of": (np.int32, "slot_of"),
-    "sample_row": (np.int32, "sample_row"),
-    "sample_slot": (np.int32, "sample_slot"),
-    "sample_temperature": (np.float32, "sample_temperature"),
-    "sample_top_p": (np.float32, "sample_top_p"),
-    "sample_top_k": (np.int32, "sample_top_k"),
-    "sample_seed": (np.int64, "sample_seed"),  # uint64 seeds, same bits
-    "sample_counter": (np.int32, "sample_counter"),
-    "n_samples": (np.int32, None),  # RlStepHeader.n_samples (uint32), shape [1]
-    "next_token": (np.int32, "next_token"),
-}
-
-
-def _array_view(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
-    dtype, src = _LAYOUT_FIELDS[name]
-    if src is None:
-        return arrays["step"]["n_samples"].view(dtype)  # strided [1] view into the header
-    return arrays[src].view(dtype)
-
-
-@dataclass
-class StepLayout:
-    """Device tensors mirroring the scheduler's step arrays (ipc.layout.ARRAYS).
-
-    token_ids, positions, slot_of: int32 [token_budget]; sample_*: [n_slots] (seed as int64);
-    n_samples: int32 [1], read on the device only; next_token: int32 [n_slots], written by run.
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_of: torch.Tensor
-    sample_row: torch.Tensor
-    sample_slot: torch.Tensor
-    sample_temperature: torch.Tensor
-    sample_top_p: torch.Tensor
-    sample_top_k: torch.Tensor
-    sample_seed: torch.Tensor
-    sample_counter: torch.Tensor
-    n_samples: torch.Tensor
-    next_token: torch.Tensor
-
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> StepLayout:
-        """On the CPU: zero-copy views of the scheduler's arrays (writes to next_token land in
-        them). Elsewhere: freshly allocated device tensors holding a copy of their contents."""
-        views = {name: torch.from_numpy(_array_view(arrays, name)) for name in _LAYOUT_FIELDS}
-        if torch.device(device).type != "cpu":
-            views = {name: t.to(device).contiguous() for name, t in views.items()}
-        return cls(**views)
-
-    @classmethod
-    def allocate(cls, n_slots: int, token_budget: int, device: Device) -> StepLayout:
-        """Zeroed tensors of the right sizes (pad rows have slot_of = -1)."""
-        rows = ("token_ids", "positions", "slot_of")
-        out = {
-            name: torch.zeros(
-                token_budget if name in rows else 1 if name == "n_samples" else n_slots,
-                dtype=getattr(torch, np.dtype(dtype).name),
-                device=device,
-            )
-            for name, (dtype, _) in _LAYOUT_FIELDS.items()
-        }
-        out["slot_of"].fill_(-1)
-        return cls(**out)
-
-    def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
-        """Uploads the scheduler's host arrays into these tensors (host-scheduled mode);
-        next_token is left alone (the step writes it)."""
-        for f in fields(self):
-            if f.name != "next_token":
-                src = torch.from_numpy(_array_view(arrays, f.name))
-                getattr(self, f.name).copy_(src, non_blocking=non_blocking)
+from ringleader.device.model import ops
+from ringleader.device.model.decoder_layer import PointwiseKernels
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.ops import rope_split
+from ringleader.device.model.sampling import counter_uniform, sample
+from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.model.triton_attention import ragged_attention_reference
 
 
 class StaticAttention:
@@ -160,7 +80,7 @@ class FusedStaticAttention(StaticAttention):
         pass  # the kernel does it per row
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        from device.model.triton_fused import rope_store_kv
+        from ringleader.device.model.triton_fused import rope_store_kv
 
         kv, step = self.kv, self.step
         return rope_store_kv(
@@ -204,7 +124,7 @@ class StaticStep:
             raise ValueError(f"KV cache max_ctx {kv.max_ctx} < {max_ctx}")
         self._attend: Callable[..., torch.Tensor]
         if attention == "triton":
-            from device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
+            from ringleader.device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
 
             if not HAVE_TRITON:
                 raise RuntimeError("attention='triton' needs triton; use attention='torch'")
@@ -217,8 +137,8 @@ class StaticStep:
             raise ValueError(f"attention must be 'triton' or 'torch', got {attention!r}")
         self.fused = attention == "triton" if fused is None else fused
         if self.fused:
-            from device.model import triton_fused
-            from device.model.triton_sampling import counter_uniform_triton
+            from ringleader.device.model import triton_fused
+            from ringleader.device.model.triton_sampling import counter_uniform_triton
 
             self._kernels: PointwiseKernels = triton_fused
             self._cache_side: type[StaticAttention] = FusedStaticAttention
@@ -250,9 +170,9 @@ class StaticStep:
 
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
-        """Runs rows [0, bucket) of `layout`, writes next_token for the first n_samples sample
-        entries; returns fp32 logits [min(bucket, n_slots), vocab] (rows >= n_samples are
-        garbage)."""
+        """Runs rows [0, bucket) of `layout`, writes next_token[sample_slot[i]] for the first
+        n_samples sample entries; returns their fp32 logits [min(bucket, n_slots), vocab]
+        (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor)."""
         if not 0 < bucket <= self.token_budget:
             raise ValueError(f"bucket {bucket} not in [1, {self.token_budget}]")
         cache = self._cache_side(self, layout.slot_of[:bucket], layout.positions[:bucket])
@@ -265,17 +185,10 @@ class StaticStep:
 
     def _sample_into(self, logits: torch.Tensor, layout: StepLayout, m: int) -> None:
         valid = self._entry_ids[:m] < layout.n_samples  # [m], n_samples read on the device
+        params = layout.sampling(m)
         # stale entries sample greedily (no NaN from stale parameters) and land in the sink
-        temperature = torch.where(valid, layout.sample_temperature[:m], 0.0)
-        tokens = sample(
-            logits,
-            temperature,
-            layout.sample_top_k[:m],
-            layout.sample_top_p[:m],
-            layout.sample_seed[:m],
-            layout.sample_counter[:m],
-            uniform=self._uniform,
-        )
+        params.temperature = torch.where(valid, params.temperature, 0.0)
+        tokens = sample(logits, params, uniform=self._uniform)
         slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
         target = torch.where(valid, slot, self.n_slots)
         sink = self._token_sink

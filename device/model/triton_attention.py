@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
-from device.model.triton_launch import launch
+from ringleader.device.model.triton_launch import launch
 
 try:
     import triton

@@ -29,7 +29,7 @@ by up to ~1.5 ulps of the inputs' magnitude max(|x1|, |x2|)). fp32 matches torch
 
 Everything is static: grids depend on shapes only, the cache row is computed on the device from
 slot_of / positions, nothing syncs with the host, so all three are capturable. Every launch goes
-through device.model.triton_launch.launch, so under a LaunchRecorder the wrappers run on
+through ringleader.device.model.triton_launch.launch, so under a LaunchRecorder the wrappers run on
 meta-device tensors and are counted instead of launched. The first call per dtype / shape
 compiles (do it before capturing). Under TRITON_INTERPRET=1 (set before triton is imported)
 the kernels run on CPU tensors.
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from device.model.triton_launch import launch
+from ringleader.device.model.triton_launch import launch
 
 try:
     import triton

@@ -5,8 +5,8 @@
 recorded by the kernel's name instead: a step can then be walked on the meta device, where no
 kernel can run, and its aten operators and Triton launches counted together without a GPU.
 A recorder given `on_launch` also hands each launch over whole (kernel object, grid, args,
-meta), which is what bench/triton_aot.py needs to derive the specialization Triton would
-compile for it.
+meta), which is what bench/triton_specializations.py needs to derive the specialization Triton
+would compile for it.
 """
 
 from __future__ import annotations

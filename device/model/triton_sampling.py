@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from device.model.triton_launch import launch
+from ringleader.device.model.triton_launch import launch
 
 try:
     import triton

@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc import layout
-from ipc.install_hint import install_hint
-from ipc.native import load_library
+from ringleader.ipc import layout
+from ringleader.ipc.install_hint import install_hint
+from ringleader.ipc.native import load_library
 
 _HERE = Path(__file__).resolve().parent
 KERNEL_NAME = "rl_scheduler_persistent"

@@ -1,0 +1,87 @@
+"""The options of `ringleader bench`: their defaults, their argument types, and the checks that
+look across several of them (bench/cli.py builds the parser from these)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ringleader.bench import servers as S
+from ringleader.bench.load_plan import load_points
+from ringleader.bench.workloads import parse_rate
+from ringleader.device.engine_config import EngineConfig
+
+DEFAULT_COMPARE = "device,host,static"
+SERVER_DEFAULTS = EngineConfig()  # what a server started without the option uses
+# the server's default --max-ctx on a CPU; the workload keeps to it on CUDA too, where the
+# server's default is the longest context that fits in memory (known only once it runs)
+DEFAULT_MAX_CTX = SERVER_DEFAULTS.resolved("cpu").max_ctx
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def count_list(text: str) -> int | list[int]:
+    """--requests: one count (an int, for every load point) or a comma list (one per point)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma list, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma list, got {text!r}")
+    return vals[0] if len(vals) == 1 else vals
+
+
+def rate_list(text: str) -> list[float]:
+    try:
+        return [parse_rate(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def check_options(args) -> list[str]:
+    """What is wrong with the parsed options, one message each; raises ValueError on an --http URL
+    that is not http(s) or an unknown --compare variant."""
+    out = []
+    counts = args.requests if isinstance(args.requests, list) else [args.requests]
+    if any(n < 1 for n in counts):
+        out.append("--requests must be >= 1")
+    if len(counts) > 1 and len(counts) != len(load_points(args)):
+        out.append(
+            f"--requests has {len(counts)} counts for {len(load_points(args))} load points "
+            "(--concurrency values, then --request-rate values)"
+        )
+    if args.input_len < 1 or args.output_len < 1:
+        out.append("--input-len and --output-len must be >= 1")
+    if args.burstiness <= 0:
+        out.append("--burstiness must be > 0")
+    if args.cpu_interference < 0:
+        out.append("--cpu-interference must be >= 0")
+    if args.warmup < 0:
+        out.append("--warmup must be >= 0")
+    if args.connect and args.compare:
+        out.append("--connect benchmarks one running server; --compare starts servers (choose one)")
+    if args.http and (args.connect or args.compare):
+        out.append(
+            "--http benchmarks one running HTTP endpoint; --connect and --compare are other targets "
+            "(choose one)"
+        )
+    if args.http_model and not args.http:
+        out.append("--http-model goes with --http")
+    if args.http:
+        from ringleader.bench.http_loadgen import base_url
+
+        base_url(args.http)  # raises ValueError on a URL that is not http(s)
+    if args.compare is not None:
+        S.plan_variants(args.compare, "cuda")  # raises on unknown names
+    return out

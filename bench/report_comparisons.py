@@ -1,0 +1,142 @@
+"""Comparisons between the runs of one benchmark document: each run under CPU interference
+against the same run without it, each ringleader run against transformers' (hf), and the HTTP
+gateway against ZeroMQ on the same server."""
+
+from __future__ import annotations
+
+
+def degradation(runs: list[dict]) -> list[dict]:
+    """Each run under CPU interference against the same scheduler and load without it."""
+    base = {
+        (r["scheduler"], r["concurrency"], r["request_rate"]): r
+        for r in runs
+        if not r.get("cpu_interference")
+    }
+    out = []
+    for r in runs:
+        if not r.get("cpu_interference"):
+            continue
+        b = base.get((r["scheduler"], r["concurrency"], r["request_rate"]))
+        if b is None:
+            continue
+
+        def ratio(a, c):
+            return (a / c) if a is not None and c not in (None, 0) else None
+
+        tput = ratio(r["output_tokens_per_s"], b["output_tokens_per_s"])
+        out.append(
+            {
+                "scheduler": r["scheduler"],
+                "concurrency": r["concurrency"],
+                "request_rate": r["request_rate"],
+                "cpu_interference": r["cpu_interference"],
+                "output_tokens_per_s": [b["output_tokens_per_s"], r["output_tokens_per_s"]],
+                "throughput_ratio": tput,
+                "throughput_drop_pct": (100.0 * (1.0 - tput)) if tput is not None else None,
+                **{
+                    f"{k}_{p}_ratio": ratio(r[k][p], b[k][p])
+                    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+                    for p in ("p50", "p99")
+                },
+                "cpu_s_per_1k_tokens_ratio": ratio(r["cpu_s_per_1k_tokens"], b["cpu_s_per_1k_tokens"]),
+            }
+        )
+    return out
+
+
+RATIO_BASE = "hf"  # the baseline of a compare run's ratios
+
+
+def _ratio(a, b):
+    return (a / b) if a is not None and b not in (None, 0) else None
+
+
+def _point(r: dict) -> tuple:
+    """A run's load point: concurrency, request rate and busy level."""
+    return r["concurrency"], r["request_rate"], r.get("cpu_interference") or 0
+
+
+def paired_with(runs: list[dict], baseline: str, scheduler: str | None = None) -> list[tuple[dict, dict]]:
+    """(run, baseline run) for each run of `scheduler` (None: of any other scheduler) that has
+    a `baseline` run at its load point, in the order of `runs`."""
+    base = {_point(r): r for r in runs if r["scheduler"] == baseline}
+    return [
+        (r, base[_point(r)])
+        for r in runs
+        if r["scheduler"] != baseline and scheduler in (None, r["scheduler"]) and _point(r) in base
+    ]
+
+
+def _point_fields(r: dict, baseline: str) -> dict:
+    """The fields that name a comparison's run, baseline and load point."""
+    return {
+        "scheduler": r["scheduler"],
+        "baseline": baseline,
+        "concurrency": r["concurrency"],
+        "request_rate": r["request_rate"],
+        "cpu_interference": r.get("cpu_interference") or 0,
+    }
+
+
+def ratios_vs_hf(runs: list[dict]) -> list[dict]:
+    """Each ringleader run against the `hf` run at the same load (and busy level): the ratio
+    ringleader / hf of output tok/s (above 1: ringleader is faster) and of TTFT and TPOT p50
+    (below 1: ringleader is faster). Empty when the runs have no hf variant."""
+    out = []
+    for r, b in paired_with(runs, RATIO_BASE):
+        out.append(
+            {
+                **_point_fields(r, RATIO_BASE),
+                "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
+                "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
+                "ttft_ms_p50_ratio": _ratio(r["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
+                "tpot_ms_p50_ratio": _ratio(r["tpot_ms"]["p50"], b["tpot_ms"]["p50"]),
+                "cpu_s_per_1k_tokens_ratio": _ratio(r["cpu_s_per_1k_tokens"], b["cpu_s_per_1k_tokens"]),
+            }
+        )
+    return out
+
+
+OVERHEAD_BASE, OVERHEAD_OF = "native", "gateway"  # the --compare gateway variant's two labels
+
+
+def _diff(a, b):
+    return (a - b) if a is not None and b is not None else None
+
+
+def _per_1k(cpu_s, tokens):
+    return cpu_s / (tokens / 1000.0) if cpu_s is not None and tokens else None
+
+
+def gateway_overhead(runs: list[dict]) -> list[dict]:
+    """Each `gateway` run (HTTP through the gateway) against the `native` run (ZeroMQ) of the same
+    server at the same load and busy level: output tok/s gateway / native, and what the gateway
+    adds, gateway - native, to TTFT p50/p99 (ms) and to TPOT p50 and ITL p50/p99 (ms per token);
+    the load generator's CPU per 1k tokens and the server's (which includes the in-process
+    gateway) of each, as [gateway, native]. Empty without a gateway variant."""
+    out = []
+    for r, b in paired_with(runs, OVERHEAD_BASE, OVERHEAD_OF):
+        out.append(
+            {
+                **_point_fields(r, OVERHEAD_BASE),
+                "output_tokens_per_s": [r["output_tokens_per_s"], b["output_tokens_per_s"]],
+                "output_tokens_per_s_ratio": _ratio(r["output_tokens_per_s"], b["output_tokens_per_s"]),
+                **{
+                    f"{k}_{p}_diff": _diff(r[k][p], b[k][p])
+                    for k, p in (
+                        ("ttft_ms", "p50"),
+                        ("ttft_ms", "p99"),
+                        ("tpot_ms", "p50"),
+                        ("itl_ms", "p50"),
+                        ("itl_ms", "p99"),
+                        ("e2e_ms", "p50"),
+                    )
+                },
+                "loadgen_cpu_s_per_1k_tokens": [
+                    _per_1k(r.get("loadgen_cpu_s"), r.get("output_tokens")),
+                    _per_1k(b.get("loadgen_cpu_s"), b.get("output_tokens")),
+                ],
+                "server_cpu_s_per_1k_tokens": [r.get("cpu_s_per_1k_tokens"), b.get("cpu_s_per_1k_tokens")],
+            }
+        )
+    return out

@@ -1,0 +1,129 @@
+"""summary.md: a benchmark document as markdown (the settings, every table, how to read them,
+the notes and the plots)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ringleader.bench.report import load_label
+from ringleader.bench.report_comparisons import RATIO_BASE
+from ringleader.bench.report_tables import (
+    OVERHEAD_HEAD,
+    RATIO_HEAD,
+    cell,
+    overhead_cells,
+    ratio_cells,
+    table_rows,
+)
+
+
+def _loadavg(v) -> str:
+    return "?" if not v else "/".join(f"{x:.2f}" for x in v)
+
+
+def _requests_text(requests) -> str:
+    if isinstance(requests, list):
+        return "/".join(str(n) for n in requests) + " requests (one count per load point)"
+    return f"{requests} requests"
+
+
+def _md_table(head, rows) -> list[str]:
+    """A markdown table's lines: the head, its rule, one line per row of cells."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
+
+
+def markdown_summary(doc: dict, plots: list[str]) -> str:
+    s, env = doc["settings"], doc["environment"]
+    git = env.get("git") or {}
+    out = [
+        f"# ringleader bench: {doc['model']} on {doc['device']}",
+        "",
+        f"- created: {doc['created']}",
+        f"- command: `{' '.join(['ringleader', 'bench', *doc['command']])}`",
+        f"- git commit: `{git.get('commit')}`" + (" (uncommitted changes)" if git.get("dirty") else ""),
+        f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs)"
+        + (f", GPU {env['gpu']}" if env.get("gpu") else "")
+        + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
+        f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
+        f"- workload: {_requests_text(s.get('requests'))} per run, input {s.get('input_len')}, "
+        f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
+        f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
+        "",
+    ]
+    head, rows = table_rows(doc["runs"])
+    out += _md_table(head, rows)
+    out.append("")
+    ratios = doc.get("ratios_vs_hf") or []
+    if ratios:
+        out += [
+            "## ringleader / hf",
+            "",
+            "Each ringleader variant against transformers' continuous batching (`hf`) at the same "
+            "load: output tok/s ratio above 1, and TTFT / TPOT p50 ratios below 1, favour ringleader.",
+            "",
+            *_md_table(RATIO_HEAD, [ratio_cells(d) for d in ratios]),
+        ]
+        out.append("")
+    overhead = doc.get("gateway_overhead") or []
+    if overhead:
+        out += [
+            "## gateway / native",
+            "",
+            "The same server measured over ZeroMQ (`native`, bench/loadgen.py) and through its "
+            "OpenAI-compatible HTTP gateway (`gateway`, streaming `/v1/completions`, "
+            "bench/http_loadgen.py), back to back at each load: output tok/s ratio gateway / native, "
+            "and gateway - native for TTFT (ms) and for TPOT and ITL (ms per token: the latency the "
+            "gateway adds to each token). The load generators' own CPU per 1k tokens is shown for both, "
+            "since they differ (the HTTP client: aiohttp, SSE framing, one JSON parse per chunk; the "
+            "ZeroMQ one: a msgpack frame per message through zmq.asyncio and zmq's I/O thread), and on "
+            "a CPU host each takes cores the server could use. The server's CPU of the gateway rows "
+            "includes the gateway, which runs in the server's process. Differences smaller than the "
+            "run-to-run spread (run the command twice to see it) are noise.",
+            "",
+            *_md_table(OVERHEAD_HEAD, [overhead_cells(d) for d in overhead]),
+        ]
+        out.append("")
+    deg = doc.get("degradation") or []
+    if deg:
+        out += [
+            "## Degradation under CPU interference",
+            "",
+            "| scheduler | load | busy | out tok/s without -> with | throughput | TTFT p99 | TPOT p50 | TPOT p99 | CPU/1k |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for d in deg:
+            load = load_label(d)
+            a, b = d["output_tokens_per_s"]
+            out.append(
+                f"| {d['scheduler']} | {load} | {d['cpu_interference']} | {cell(a, '{:.0f}')} -> {cell(b, '{:.0f}')} "
+                f"| x{cell(d['throughput_ratio'], '{:.2f}')} | x{cell(d['ttft_ms_p99_ratio'], '{:.2f}')} "
+                f"| x{cell(d['tpot_ms_p50_ratio'], '{:.2f}')} | x{cell(d['tpot_ms_p99_ratio'], '{:.2f}')} "
+                f"| x{cell(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')} |"
+            )
+        out.append("")
+    out += [
+        "## How to read it",
+        "",
+        "- TTFT includes queueing for a batch slot and prefill; queue is the server's `done.timing."
+        "queue_ms` (host ring wait + device pending-queue wait); `decode_ms` in the JSON is E2E - TTFT.",
+        "- ITL: a token message carrying k tokens counts as one gap and k-1 zero gaps.",
+        "- CPU s/1k tok: the server process's CPU-seconds (all threads) per 1000 output tokens, from "
+        "`process_cpu_s` in its `stats` before and after the run; per-thread figures are in the JSON. "
+        "On the CPU backend this includes the model's compute.",
+        "- loadgen CPU: CPU-seconds of the benchmark process during the run, and that as a share of one core.",
+    ]
+    if any(r["scheduler"] == RATIO_BASE for r in doc["runs"]):
+        out.append(
+            "- hf runs in the benchmark's own process: its CPU s/1k tok is that whole process (model, "
+            "batching and load generation), and it has no separate loadgen CPU."
+        )
+    out += [
+        "",
+    ]
+    if doc.get("notes"):
+        out += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(out)

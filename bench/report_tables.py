@@ -1,0 +1,180 @@
+"""A benchmark document's tables as the console shows them: every run, the degradation under CPU
+interference, the ratios to hf and the gateway's overhead (bench/report_markdown.py reuses their
+rows and cells)."""
+
+from __future__ import annotations
+
+from ringleader.bench.report import load_label
+
+
+def cell(x, fmt="{:.1f}") -> str:
+    """A number as a table shows it: `fmt`, or "-" for None."""
+    return "-" if x is None else fmt.format(x)
+
+
+def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    has_bubbles = any(r.get("bubble_us_p50") is not None for r in runs)
+    head = [
+        "scheduler",
+        "load",
+        "busy",
+        "ok/fail",
+        "req/s",
+        "out tok/s",
+        "TTFT p50/p99 ms",
+        "queue p50/p99 ms",
+        "TPOT p50/p99 ms",
+        "ITL p99 ms",
+        "E2E p50/p99 ms",
+        "CPU s/1k tok",
+        "loadgen CPU",
+    ]
+    if has_bubbles:
+        head += ["bubble p50/p99 us", "step p50 us"]
+    rows = []
+    for r in runs:
+        row = [
+            r["scheduler"],
+            load_label(r),
+            str(r.get("cpu_interference") or 0),
+            f"{r['completed']}/{r['failed']}",
+            cell(r["request_throughput"], "{:.2f}"),
+            cell(r["output_tokens_per_s"], "{:.0f}"),
+            f"{cell(r['ttft_ms']['p50'])}/{cell(r['ttft_ms']['p99'])}",
+            f"{cell((r.get('queue_ms') or {}).get('p50'))}/{cell((r.get('queue_ms') or {}).get('p99'))}",
+            f"{cell(r['tpot_ms']['p50'], '{:.2f}')}/{cell(r['tpot_ms']['p99'], '{:.2f}')}",
+            cell(r["itl_ms"]["p99"], "{:.2f}"),
+            f"{cell(r['e2e_ms']['p50'], '{:.0f}')}/{cell(r['e2e_ms']['p99'], '{:.0f}')}",
+            cell(r["cpu_s_per_1k_tokens"], "{:.3f}"),
+            "-"
+            if r.get("loadgen_cpu_frac") is None
+            else f"{r['loadgen_cpu_s']:.2f}s {100 * r['loadgen_cpu_frac']:.0f}%",
+        ]
+        if has_bubbles:
+            row += [
+                f"{cell(r.get('bubble_us_p50'))}/{cell(r.get('bubble_us_p99'))}",
+                cell(r.get("step_us_p50")),
+            ]
+        rows.append(row)
+    return head, rows
+
+
+def format_table(runs: list[dict]) -> str:
+    head, rows = table_rows(runs)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += [
+        "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def format_degradation(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lines = ["degradation under CPU interference (with / without):"]
+    for d in rows:
+        load = load_label(d)
+        lines.append(
+            f"  {d['scheduler']:<7} {load:<12} +{d['cpu_interference']} busy: "
+            f"throughput x{cell(d['throughput_ratio'], '{:.2f}')}, "
+            f"TTFT p99 x{cell(d['ttft_ms_p99_ratio'], '{:.2f}')}, "
+            f"TPOT p50 x{cell(d['tpot_ms_p50_ratio'], '{:.2f}')}, "
+            f"TPOT p99 x{cell(d['tpot_ms_p99_ratio'], '{:.2f}')}, "
+            f"CPU/1k x{cell(d['cpu_s_per_1k_tokens_ratio'], '{:.2f}')}"
+        )
+    return "\n".join(lines)
+
+
+def ratio_cells(d: dict) -> list[str]:
+    a, b = d["output_tokens_per_s"]
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    return [
+        d["scheduler"],
+        load_label(d) + busy,
+        f"{cell(a, '{:.1f}')} / {cell(b, '{:.1f}')}",
+        f"x{cell(d['output_tokens_per_s_ratio'], '{:.2f}')}",
+        f"x{cell(d['ttft_ms_p50_ratio'], '{:.2f}')}",
+        f"x{cell(d['tpot_ms_p50_ratio'], '{:.2f}')}",
+    ]
+
+
+RATIO_HEAD = ["scheduler", "load", "out tok/s (it / hf)", "tok/s ratio", "TTFT p50 ratio", "TPOT p50 ratio"]
+
+
+def format_ratios(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cells = [ratio_cells(d) for d in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(RATIO_HEAD)]
+    lines = [
+        "ringleader / hf (transformers continuous batching) at the same load: tok/s above 1 and "
+        "TTFT/TPOT below 1 favour ringleader",
+        "  " + "  ".join(h.ljust(w) for h, w in zip(RATIO_HEAD, widths)),
+    ]
+    lines += [
+        "  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def _signed(x, fmt="{:+.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+OVERHEAD_HEAD = [
+    "load",
+    "out tok/s (gateway / native)",
+    "tok/s ratio",
+    "TTFT p50 +ms",
+    "TTFT p99 +ms",
+    "TPOT p50 +ms/tok",
+    "ITL p50 +ms/tok",
+    "ITL p99 +ms/tok",
+    "loadgen CPU s/1k tok (gateway / native)",
+    "server CPU s/1k tok (gateway / native)",
+]
+
+
+def overhead_cells(d: dict) -> list[str]:
+    a, b = d["output_tokens_per_s"]
+    la, lb = d["loadgen_cpu_s_per_1k_tokens"]
+    sa, sb = d["server_cpu_s_per_1k_tokens"]
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    return [
+        load_label(d) + busy,
+        f"{cell(a, '{:.1f}')} / {cell(b, '{:.1f}')}",
+        f"x{cell(d['output_tokens_per_s_ratio'], '{:.3f}')}",
+        _signed(d["ttft_ms_p50_diff"]),
+        _signed(d["ttft_ms_p99_diff"]),
+        _signed(d["tpot_ms_p50_diff"], "{:+.3f}"),
+        _signed(d["itl_ms_p50_diff"], "{:+.3f}"),
+        _signed(d["itl_ms_p99_diff"], "{:+.3f}"),
+        f"{cell(la, '{:.3f}')} / {cell(lb, '{:.3f}')}",
+        f"{cell(sa, '{:.3f}')} / {cell(sb, '{:.3f}')}",
+    ]
+
+
+OVERHEAD_TEXT = (
+    "the HTTP gateway against ZeroMQ on the same server (gateway - native; +ms/tok = added latency "
+    "per token); the two load generators' own CPU differs (see loadgen CPU), and on a CPU host "
+    "they share the cores with the server"
+)
+
+
+def format_overhead(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cells = [overhead_cells(d) for d in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(OVERHEAD_HEAD)]
+    lines = [
+        OVERHEAD_TEXT,
+        "  " + "  ".join(h.ljust(w) for h, w in zip(OVERHEAD_HEAD, widths)),
+    ]
+    lines += [
+        "  " + "  ".join(c.rjust(w) if i >= 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
+    return "\n".join(lines)

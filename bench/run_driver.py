@@ -1,0 +1,264 @@
+"""The load test of `ringleader bench`: start each target (a `ringleader serve` process, or
+transformers in this process), measure every load point at every busy level against it, stop it;
+then the results document, its tables and its files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ringleader.bench import servers as S
+from ringleader.bench.interference import CpuInterference
+from ringleader.bench.load_plan import LoadPlan, plan_loads
+from ringleader.bench.loadgen import SendOptions, measure
+from ringleader.bench.options import DEFAULT_COMPARE, DEFAULT_MAX_CTX, SERVER_DEFAULTS, name_list
+from ringleader.bench.output import Console, say_results, say_run, write_outputs
+from ringleader.bench.report import build_document, make_run_entry
+from ringleader.bench.targets import TargetPlan, plan_targets, target_notes, token_count_notes
+from ringleader.bench.workloads import prompt_id_range_for
+
+
+@dataclass
+class Endpoint:
+    """Where one target's requests go: transformers in this process (runner), a ZeroMQ address
+    (a server's, also the one behind a gateway, for its stats), an HTTP URL and its model."""
+
+    runner: Any = None  # an HfRunner
+    address: str | None = None
+    http_url: str | None = None
+    http_model: str | None = None
+
+
+def run_bench(args, command: list[str], say: Console) -> int:
+    """Every target at every load point, the tables, the files under --out. Returns 0, 1 when a
+    run failed or completed fewer requests than it sent, or 2 when nothing could run."""
+    max_ctx = args.max_ctx or DEFAULT_MAX_CTX
+    try:
+        id_range = prompt_id_range_for(args.model)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"ringleader bench: cannot read the vocabulary of {args.model}: {exc}", file=sys.stderr)
+        return 2
+    load_plan = plan_loads(args, max_ctx, id_range)
+    requested = args.compare or name_list(DEFAULT_COMPARE)
+    target_plan = plan_targets(args, requested, say)
+    if target_plan is None:
+        return 2
+    notes = target_plan.skipped + target_notes(args, target_plan, id_range)
+    _say_plan(args, target_plan, load_plan, id_range, say)
+
+    runs: list[dict] = []
+    t_start = time.perf_counter()
+    loadavg_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    for name, variant in target_plan.targets:
+        runs += run_target(args, name, variant, target_plan.device, target_plan.model, load_plan, say)
+    notes += token_count_notes(runs)
+    device, model = target_plan.device, target_plan.model
+    if args.connect and runs:
+        device = (runs[0].get("backend") or {}).get("device", "?")
+        model = runs[0]["model"]
+        for r in runs:
+            r["device"] = device
+
+    settings = dict(vars(args))
+    settings.update(
+        resolved_device=device,
+        max_context=max_ctx,
+        prompt_id_range=list(id_range),
+        variants=target_plan.names,
+        skipped=[] if args.connect or args.http else [n for n in requested if n not in target_plan.names],
+        elapsed_s=time.perf_counter() - t_start,
+        host_loadavg_at_start=loadavg_start,
+    )
+    doc = build_document(
+        command=command, settings=settings, model=model, device=device, runs=runs, notes=notes
+    )
+    say_results(say, doc)
+    write_outputs(args, doc, say)
+    bad = [r for r in runs if r["failed"] or r["completed"] < r["requests"]]
+    return 1 if bad else 0
+
+
+def _say_plan(
+    args, target_plan: TargetPlan, load_plan: LoadPlan, id_range: tuple[int, int], say: Console
+) -> None:
+    say(
+        f"ringleader bench: model {target_plan.model}, device {target_plan.device}, variants {', '.join(target_plan.names)}; "
+        f"{len(load_plan.points)} load point(s) x {'/'.join(str(len(sp)) for _, sp in load_plan.points)} requests, "
+        f"prompt ids in [{id_range[0]}, {id_range[1]})"
+        + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else "")
+    )
+
+
+def run_target(args, name, variant, device, model, load_plan: LoadPlan, say: Console) -> list[dict]:
+    """Every run of one target: start it (variant None: --http or --connect, already running),
+    measure each load point at each busy level, stop it."""
+    runs = []
+    server = runner = None
+    http_url = http_model = address = None
+    try:
+        if variant is None and args.http:
+            http_url, http_model = args.http, model
+        elif variant is None:
+            address = args.connect
+        elif variant.kind == "hf":
+            runner = _start_hf(args, name, device, load_plan.options, say)
+        else:
+            gateway = variant.kind == "gateway"
+            serve_args = _server_options(args, device).args() + list(variant.server_args)
+            server = S.ServerProcess(serve_args, http=gateway)
+            address, http_url, http_model = _start_server(server, name, gateway, say)
+        endpoint = Endpoint(runner, address, http_url, http_model)
+        passes = _passes(name, variant, endpoint)
+        for load, specs in load_plan.points:
+            for busy in load_plan.busy_levels:
+                for label, how in passes:
+                    with CpuInterference(busy) as spinners:
+                        result = _measure_pass(args, how, endpoint, specs, load, load_plan)
+                    entry = _run_entry(args, label, how, device, model, load, result, spinners.describe())
+                    runs.append(entry)
+                    say_run(say, entry)
+    finally:
+        if server is not None:
+            code = server.stop()
+            if code not in (0, None, -signal.SIGTERM):
+                say(f"[{name}] server exited with code {code}:\n{server.output_tail()}", always=True)
+        if runner is not None:
+            runner.close()
+    return runs
+
+
+def _start_hf(args, name, device, options: SendOptions, say: Console):
+    """transformers' continuous batching in this process, with the servers' batch limits."""
+    from ringleader.bench.hf_baseline import HfRunner, build_hf_model
+
+    say(f"[{name}] building the transformers model ...")
+    import torch
+
+    if args.threads:  # as the servers get it
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    hf_model, _ = build_hf_model(args.model, device, args.weights_seed or 0)
+    # the servers' batch limits and KV capacity (their defaults when not given; CUDA sizes
+    # its KV from free memory, the workload keeps to DEFAULT_MAX_CTX), so both batch alike
+    slots = args.slots or SERVER_DEFAULTS.n_slots
+    budget = max(args.token_budget or SERVER_DEFAULTS.token_budget, slots)
+    max_ctx = args.max_ctx or DEFAULT_MAX_CTX  # the context the workload keeps to
+    runner = HfRunner(
+        hf_model,
+        slots=slots,
+        token_budget=budget,
+        kv_tokens=slots * max_ctx,
+        options=options,
+        timeout_s=args.timeout,
+    )
+    say(
+        f"[{name}] transformers model up in {time.perf_counter() - t0:.1f} s: "
+        f"{type(hf_model).__name__} {hf_model.dtype} on {device}, max_requests_per_batch "
+        f"{slots}, max_batch_tokens {budget}, KV cache {slots} x {max_ctx} tokens, "
+        f"torch threads {torch.get_num_threads()}, in this process"
+    )
+    return runner
+
+
+def _server_options(args, device) -> S.ServerOptions:
+    return S.ServerOptions(
+        model=args.model,
+        device=device,
+        launch=args.launch,
+        slots=args.slots,
+        max_ctx=args.max_ctx,
+        token_budget=args.token_budget,
+        threads=args.threads,
+        weights_seed=args.weights_seed,
+        max_queue=args.max_queue,
+        extra=list(args.server_arg),
+    )
+
+
+def _start_server(server: S.ServerProcess, name, gateway: bool, say: Console):
+    """Starts `server`; returns its address, and with a gateway the gateway's URL and the first
+    model it lists (else None, None)."""
+    t0 = time.perf_counter()
+    address = server.start()
+    launch = (server.stats().get("backend") or {}).get("launch")
+    say(
+        f"[{name}] server up at {address}"
+        + (f" with its gateway at {server.http_url}" if gateway else "")
+        + f" in {time.perf_counter() - t0:.1f} s"
+        + (f", launch {launch}" if launch else "")
+        + f": {' '.join(server.serve_args)}"
+    )
+    http_url = http_model = None
+    if gateway:
+        from ringleader.bench.http_loadgen import list_models
+
+        http_url = server.http_url
+        try:
+            http_model = (list_models(http_url) or [None])[0]
+        except Exception as exc:
+            raise S.ServerError(f"the gateway at {http_url} did not list its models: {exc}") from exc
+    return address, http_url, http_model
+
+
+def _passes(name, variant, endpoint: Endpoint) -> list[tuple[str | None, str]]:
+    """(label, how) of each run at a load point: the zmq load generator, the HTTP one, or both
+    against one gateway server."""
+    if endpoint.runner is not None:
+        return [(name, "hf")]
+    if variant is not None and variant.kind == "gateway":
+        return [("native", "zmq"), ("gateway", "http")]
+    if endpoint.http_url is not None:
+        return [(name, "http")]
+    return [(name if variant is not None else None, "zmq")]
+
+
+def _measure_pass(args, how, endpoint: Endpoint, specs, load, load_plan: LoadPlan):
+    """One measured run: transformers in this process (hf), the ZeroMQ generator, or the HTTP one."""
+    warm, options = load_plan.warm, load_plan.options
+    if how == "hf":
+        return endpoint.runner.measure(specs, load, warm)
+    if how == "http":
+        from ringleader.bench.http_loadgen import measure_http
+
+        return measure_http(
+            endpoint.http_url,
+            specs,
+            load,
+            warmup=warm,
+            options=options,
+            timeout_s=args.timeout,
+            model=endpoint.http_model,
+            stats_address=endpoint.address,  # the ringleader server behind a gateway, else None
+        )
+    return measure(endpoint.address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
+
+
+def _run_entry(args, label, how, device, model, load, result, busy: dict) -> dict:
+    """One run's entry of the results, named by its label (or --label, or the server's stats)."""
+    after = result.stats_after
+    entry = make_run_entry(
+        scheduler=label or args.label or _label_from(after),
+        device=device,
+        model=after.get("model") or getattr(result, "model", None) or model,
+        load=load,
+        result=result,
+        burstiness=args.burstiness,
+        busy=busy,
+        backend=after.get("backend"),
+    )
+    if how == "http":
+        entry["transport"] = "http"
+        entry["token_count"] = result.token_count
+    return entry
+
+
+def _label_from(stats: dict) -> str:
+    backend = stats.get("backend") or {}
+    if backend.get("policy") == "static":
+        return "static"
+    sched = str(backend.get("scheduler", "connected"))
+    return "host" if sched.startswith("host") else sched

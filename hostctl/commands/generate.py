@@ -1,0 +1,155 @@
+"""`ringleader generate`: stream one completion from a running server, or with --chat and no
+prompt, a conversation on stdin (one user turn per line).  The sampling options are one per
+SamplingParams field, named after it, with the field's default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from ringleader.hostctl.commands.client_options import add_client_options, client_from_args
+from ringleader.ipc.sampling_params import WIRE_FIELDS as SAMPLING_FIELDS
+from ringleader.ipc.sampling_params import SamplingParams
+
+SAMPLING_HELP = {
+    "max_tokens": "most tokens to generate (default: the rest of the model's context, at most the "
+    "server's --default-max-tokens)",
+    "temperature": "0 picks the most likely token (greedy); higher samples more freely",
+    "top_p": "sample from the smallest set of tokens whose probability adds up to this; 1 is off",
+    "top_k": "sample from this many of the most likely tokens; 0 is off",
+    "seed": "the same seed and settings give the same tokens, under any load (default: the server draws one)",
+    "stop_token_ids": "comma-separated token ids that end the answer, besides the model's end token "
+    "(default: none)",
+    "ignore_eos": "go on past the model's end token, up to --max-tokens",
+}
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="stream one completion from a running server")
+    p.add_argument("prompt", nargs="?", help="the prompt text (with --chat: the user's turn)")
+    p.add_argument("--prompt-ids", type=int_list, help="the prompt as comma-separated token ids")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send chat messages, rendered by the model's chat template; without a prompt, "
+        "a conversation with one user turn per line of stdin",
+    )
+    p.add_argument("--system", help="with --chat: a system turn first")
+    add_sampling_options(p)
+    p.add_argument("--priority", type=int, default=0, help="under serve --policy priority: higher goes first")
+    p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=None,
+        help="the server ends the request with error code timeout after this long",
+    )
+    add_client_options(p, timeout=120.0)
+    p.set_defaults(run=run)
+    return p
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """One option per SamplingParams field, named after it, with the field's default."""
+    special: dict[str, dict[str, Any]] = {
+        "max_tokens": dict(type=int),
+        "seed": dict(type=int),
+        "stop_token_ids": dict(type=int_list, default=()),
+        "ignore_eos": dict(action="store_true"),
+    }
+    for f in dataclasses.fields(SamplingParams):
+        options = {"default": f.default, "type": type(f.default), **special.get(f.name, {})}
+        if options.get("action"):
+            options.pop("type")
+        p.add_argument("--" + f.name.replace("_", "-"), help=SAMPLING_HELP[f.name], **options)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    fields = {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    return SamplingParams(**{**fields, "stop_token_ids": tuple(fields["stop_token_ids"])})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sampling_from_args(args)  # a value no server takes fails here, in one line
+    except ValueError as exc:
+        print(f"ringleader generate: {exc}", file=sys.stderr)
+        return 2
+    if args.chat:
+        if args.prompt_ids is not None:
+            print("--chat takes text (a user turn), not --prompt-ids", file=sys.stderr)
+            return 2
+    elif (args.prompt is None) == (args.prompt_ids is None):
+        print("give a prompt or --prompt-ids (one of them)", file=sys.stderr)
+        return 2
+    with client_from_args(args) as client:
+        if not args.chat:
+            return _print_stream(client, args, prompt=args.prompt, prompt_ids=args.prompt_ids)[0]
+        turns = [{"role": "system", "content": args.system}] if args.system else []
+        if args.prompt is not None:  # one question, one answer
+            return _print_stream(client, args, messages=turns + [{"role": "user", "content": args.prompt}])[0]
+        return _chat_loop(client, args, turns)
+
+
+def _chat_loop(client, args: argparse.Namespace, turns: list[dict[str, str]]) -> int:
+    """A conversation on stdin: each line is a user turn; the answers join the history."""
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        turns.append({"role": "user", "content": line.rstrip("\n")})
+        rc, answer = _print_stream(client, args, messages=turns)
+        if rc:
+            return rc
+        turns.append({"role": "assistant", "content": answer})
+
+
+def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]:
+    """Streams one request to stdout, its end to stderr; (exit code, the text streamed)."""
+    stream = client.generate(
+        **inputs, sampling=sampling_from_args(args), priority=args.priority, timeout_ms=args.timeout_ms
+    )
+    show_ids = inputs.get("prompt_ids") is not None or args.ids
+    text: list[str] = []
+    try:
+        for chunk in stream:
+            if show_ids or chunk.text is None:
+                if chunk.token_ids:
+                    print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
+            else:
+                text.append(chunk.text)
+                print(chunk.text, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: end the request on the server too, then exit 130
+        stream.abort()
+        stream.wait(timeout=5)
+        interrupted = True
+    else:
+        interrupted = False
+    done = stream.done
+    print()
+    if done is None:  # interrupted, and the server did not confirm the abort in time
+        print("[interrupted]", file=sys.stderr)
+        return 130, "".join(text)
+    print(
+        f"[{done.finish_reason}: {done.prompt_tokens} prompt + {done.completion_tokens} "
+        f"completion tokens]" + (f" {done.error_code}: {done.error_message}" if done.error_code else ""),
+        file=sys.stderr,
+    )
+    if interrupted:
+        return 130, "".join(text)
+    return (0 if done.finish_reason != "error" else 1), "".join(text)

@@ -1,0 +1,197 @@
+"""The completion thread: reads CQ events, turns them into wire frames per request, and hands
+the frames to the frontend thread (the only one that touches the ROUTER socket).
+
+Tokens of one request that arrive in one batch of events are coalesced into one `token` frame.
+A request's DONE ends it through Finisher.end; a request that is no longer in the table (ended
+by the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
+The watchdog lives here too: when the backend reports a failure or the device's heartbeat
+stalls, every request in flight ends with engine_dead, and `dead_reason` tells the frontend to
+accept no more.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from ringleader.hostctl.serving.finisher import Finisher, Frame
+from ringleader.hostctl.serving.inflight import RequestTable
+from ringleader.hostctl.serving.metrics import ServerMetrics
+from ringleader.ipc import layout, protocol
+from ringleader.ipc.backend import Backend
+
+FINISH_NAMES: dict[int, str] = {
+    layout.Finish.STOP: protocol.FINISH_STOP,
+    layout.Finish.LENGTH: protocol.FINISH_LENGTH,
+    layout.Finish.ABORT: protocol.FINISH_ABORT,
+}
+
+
+class Outbox:
+    """Frames from the completion thread (put_many) to the frontend thread (take_all); `notify`
+    wakes the frontend.  A deque's append and popleft are safe across threads."""
+
+    def __init__(self, notify: Callable[[], None]):
+        self._frames: deque[Frame] = deque()
+        self._notify = notify
+
+    def put_many(self, frames: list[Frame]) -> None:
+        if frames:
+            self._frames.extend(frames)
+            self._notify()
+
+    def take_all(self) -> list[Frame]:
+        out = []
+        while self._frames:
+            out.append(self._frames.popleft())
+        return out
+
+
+class CompletionRouter:
+    """Runs the completion thread, the one reader of the CQ."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        table: RequestTable,
+        finisher: Finisher,
+        outbox: Outbox,
+        metrics: ServerMetrics,
+        watchdog_s: float,
+    ):
+        self._backend = backend
+        self._rings = backend.rings
+        self._table = table
+        self._finisher = finisher
+        self._outbox = outbox
+        self._metrics = metrics
+        self._watchdog_s = watchdog_s
+        self._stop = threading.Event()
+        # written by the completion thread only, once (None -> why); read through `dead_reason`
+        self._dead_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rl-completions", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    @property
+    def native_id(self) -> int | None:
+        """The completion thread's native id while it runs (None before and after: an id of a
+        thread that ended may belong to another one by now)."""
+        return self._thread.native_id if self._thread.is_alive() else None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead, or None while it lives.  Set by the completion thread only
+        (the frontend reads it to refuse new work); once set it never changes."""
+        return self._dead_reason
+
+    def _run(self) -> None:
+        last_progress = time.monotonic()
+        last_heartbeat = None
+        while not self._stop.is_set():
+            # 1. wait (at most 50 ms) for the backend to signal new CQ events
+            self._backend.wait_for_events(0.05)
+            # 2. take the CQ's events and route them: token frames, and the `done` of each DONE
+            events = self._rings.completions.take()
+            if len(events):
+                self._route(events)
+            # 3. engine dead: end whatever the frontend accepted before it saw dead_reason
+            if self._dead_reason is not None:
+                if len(self._table):
+                    self._fail_all(self._dead_reason)
+                continue
+            # 4. watchdog: a failure the backend reports, or a heartbeat that stopped moving
+            failure = self._backend.failure()
+            heartbeat = int(self._rings.control[0]["heartbeat_ns"])
+            now = time.monotonic()
+            if heartbeat != last_heartbeat or len(events):
+                last_heartbeat, last_progress = heartbeat, now
+            elif now - last_progress > self._watchdog_s:
+                failure = failure or f"device heartbeat stalled for {now - last_progress:.1f} s"
+            if failure is not None:
+                self._dead_reason = failure
+                self._fail_all(failure)
+
+    def _fail_all(self, reason: str) -> None:
+        """Engine dead: every in-flight request ends now with engine_dead."""
+        frames = []
+        for req in self._table.all():
+            frame = self._finisher.end(
+                req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}"
+            )
+            if frame is not None:
+                frames.append(frame)
+        self._outbox.put_many(frames)
+
+    def _route(self, events) -> None:
+        """One CQ batch: a token frame per request, then its `done` if it ended; the batch's
+        metrics go to ServerMetrics at once, under one lock, before its frames are handed on."""
+        frames: list[Frame] = []
+        tokens: dict[int, list[int]] = {}
+        order: list[int] = []  # handles in first-event order, so frames keep event order
+        dones: dict[int, int] = {}
+        now = time.perf_counter_ns()
+        queued: dict[int, int] = {}
+        for handle, kind, reason, token, waited in zip(
+            events["handle"].tolist(),
+            events["kind"].tolist(),
+            events["finish_reason"].tolist(),
+            events["token"].tolist(),
+            events["queued_us"].tolist(),
+        ):
+            if handle not in tokens and handle not in dones:
+                order.append(handle)
+            if kind == layout.EventKind.TOKEN:
+                tokens.setdefault(handle, []).append(token)
+            else:
+                dones[handle] = reason
+                queued[handle] = waited
+        n_tokens = n_prompt = 0
+        ttft: list[float] = []  # seconds, per request whose first token is in this batch
+        itl: list[tuple[float, int]] = []  # (seconds per token, tokens) per later token frame
+        for handle in order:
+            req = self._table.get(handle)
+            if req is None:
+                continue  # already ended (engine_dead or shutdown): its late events are moot
+            ids = tokens.get(handle)
+            if ids:
+                k = len(ids)
+                if req.completion_tokens == 0:
+                    req.first_token_ns = now
+                    if req.arena_offset is not None:  # set before the GENERATE was published
+                        self._rings.arena.release(req.arena_offset)  # prefill is over
+                    n_prompt += req.prompt_len
+                    ttft.append((now - req.arrival_ns) / 1e9)
+                    if k > 1:  # the rest of a first frame came with the first token: no gap
+                        itl.append((0.0, k - 1))
+                else:  # the gap since its last frame, shared evenly by this frame's tokens
+                    itl.append(((now - req.last_token_ns) / 1e9 / k, k))
+                req.last_token_ns = now
+                req.completion_tokens += k
+                n_tokens += k
+                text = req.detokenizer.push(ids) if req.detokenizer is not None else None
+                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, ids, text))))
+            if handle not in dones:
+                continue
+            finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
+            code = message = None
+            if finish == protocol.FINISH_ABORT and req.end_as is not None:
+                # the host's reason for the abort (a request that ended anyway keeps its own)
+                finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
+            done = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle])
+            if done is None:
+                continue  # the frontend ended it meanwhile (shutdown)
+            tail = req.detokenizer.flush() if req.detokenizer is not None else None
+            if tail:
+                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
+            frames.append(done)
+        if n_tokens:
+            self._metrics.routed(n_tokens, n_prompt, ttft, itl)
+        self._outbox.put_many(frames)

@@ -1,0 +1,117 @@
+"""The one place a request's `done` frame is made.
+
+`Finisher.end` ends a request that was accepted into the RequestTable, whichever thread ends it
+and why: the completion thread for a DONE from the device and for engine_dead, the frontend
+thread for a request the device does not hold (aborted while queued on the host, shut down).
+It removes the request from the table, and only the caller that wins that removal gets a frame
+back; so every accepted request gets exactly one `done`, counted once in ServerMetrics.  The
+completion thread appends the frame to the Outbox, the frontend sends it directly.
+
+`reject_frame` is the `done` of a generate that was never accepted (bad request, duplicate id,
+overloaded, shutdown or engine dead at arrival): it has no table entry and zero usage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ringleader.hostctl.serving.inflight import InFlight, RequestTable
+from ringleader.hostctl.serving.metrics import ServerMetrics
+from ringleader.ipc import protocol
+from ringleader.ipc.rings import PromptArena
+
+Frame = tuple[bytes, bytes]  # (client identity, encoded message)
+
+log = logging.getLogger("ringleader.requests")
+
+
+def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
+    """Where the request's time went, as the server saw it (an extra field of `done`):
+    queue = waiting on the host for ring space + waiting on the device for a slot."""
+    now = time.perf_counter_ns()
+    out = {"e2e_ms": (now - req.arrival_ns) / 1e6}
+    if req.first_token_ns:
+        out["ttft_ms"] = (req.first_token_ns - req.arrival_ns) / 1e6
+    if req.submit_ns and device_queued_us is not None:
+        out["queue_ms"] = (req.submit_ns - req.arrival_ns) / 1e6 + device_queued_us / 1e3
+    return out
+
+
+def done_frame(
+    req: InFlight,
+    finish_reason: str,
+    code: str | None = None,
+    message: str | None = None,
+    device_queued_us: int | None = None,
+    timing: dict | None = None,
+) -> Frame:
+    """timing: server_timing's, when the caller already has it (Finisher.end counts the same)."""
+    # a request that timed out before its first token is billed nothing, like a rejected one
+    unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
+    msg = protocol.done_msg(
+        req.id,
+        finish_reason,
+        0 if unstarted_timeout else req.prompt_len,
+        req.completion_tokens,
+        error_code=code,
+        error_message=message,
+    )
+    msg["timing"] = timing if timing is not None else server_timing(req, device_queued_us)
+    return req.client, protocol.encode(msg)
+
+
+def reject_frame(request_id: protocol.RequestId | None, code: str, message: str) -> bytes:
+    """The `done` of a generate that is never accepted (usage is zero by the protocol)."""
+    return protocol.encode(
+        protocol.done_msg(request_id, protocol.FINISH_ERROR, 0, 0, error_code=code, error_message=message)
+    )
+
+
+class Finisher:
+    """Ends accepted requests; used by both threads (the table and the metrics lock)."""
+
+    def __init__(self, table: RequestTable, metrics: ServerMetrics, arena: PromptArena):
+        self._table = table
+        self._metrics = metrics
+        self._arena = arena
+
+    def end(
+        self,
+        req: InFlight,
+        reason: str,
+        code: str | None = None,
+        message: str | None = None,
+        *,
+        device_queued_us: int | None = None,
+    ) -> Frame | None:
+        """Ends `req` once: returns its `done` frame to the caller that removed it from the table,
+        None to everyone else (it had already ended).
+
+        device_queued_us is given exactly when the DONE came from the device: only then is the
+        prompt's arena space released here (if its first token did not release it already),
+        since the device no longer reads it.  A request ended on the host either never reached
+        the arena, or belongs to a device that is dead or did not answer at shutdown."""
+        if self._table.finish(req.handle) is not req:
+            return None
+        if device_queued_us is not None and req.completion_tokens == 0 and req.arena_offset is not None:
+            self._arena.release(req.arena_offset)
+        timing = server_timing(req, device_queued_us)
+        frame = done_frame(req, reason, code, message, timing=timing)
+        self._metrics.finished(req, reason, code, timing)
+        if log.isEnabledFor(logging.INFO):
+            log.info(request_log_line(req, reason, code, timing))
+        return frame
+
+
+def request_log_line(req: InFlight, reason: str, code: str | None, timing: dict) -> str:
+    """The one line each accepted request leaves in the log when it ends (at info)."""
+    rid = repr(req.id)
+    if len(rid) > 48:
+        rid = rid[:45] + "..."
+    ttft = timing.get("ttft_ms")
+    return (
+        f"request {rid} of client {req.client.hex()}: {reason}{' ' + code if code else ''}, "
+        f"{req.prompt_len} prompt + {req.completion_tokens} completion tokens, "
+        f"TTFT {f'{ttft:.1f} ms' if ttft is not None else '-'}, total {timing['e2e_ms']:.1f} ms"
+    )

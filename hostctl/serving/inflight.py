@@ -1,0 +1,168 @@
+"""A request from acceptance until its one `done` is sent: the host's request table.
+
+Written by the frontend thread (add, mark_in_sq) and by both threads through Finisher.end
+(finish); all of it under the lock.  A request leaves the table exactly once (`finish`), which
+is what makes its `done` unique.  The table also keeps, under the same lock, what admission and
+fairness need in O(1): the requests of each client, and how many requests have entered the SQ
+and not ended.
+
+Fields of InFlight and their one writer (the other thread only reads):
+  handle, client, id, prompt_ids,
+  sampling, priority, detokenizer,
+  arrival_ns                   set at creation, never written again (the detokenizer is used by
+                               the completion thread only)
+  in_sq, sq_pos                frontend thread, under the table lock (mark_in_sq)
+  arena_offset, submit_ns      frontend thread, before the GENERATE is published; the completion
+                               thread reads them after the request's first event
+  abort_sent, deadline_ns,
+  queue_deadline_ns            frontend thread, which alone reads them too
+  end_as                       frontend thread, only before the request's abort enters the ring;
+                               the completion thread reads it after it sees the request's DONE
+                               (the Ending that DONE's abort becomes); never written again
+  first_token_ns,
+  completion_tokens            completion thread; the frontend reads them (timeouts, and the
+                               usage of a `done` it sends itself)
+  last_token_ns                completion thread (the inter-token gap); read by whichever thread
+                               ends the request (time per output token)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringleader.ipc import protocol
+from ringleader.ipc.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a request the host stops ends: its `done`'s finish reason, with (code, message) for
+    "error".  An abort from a client ends as "abort", or as "stop" when the client found its own
+    stop (a stop string); a timeout or a shutdown ends as an error."""
+
+    finish_reason: str
+    code: str | None = None
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason == protocol.FINISH_ERROR) != (self.code is not None):
+            raise ValueError(f"an error ending needs a code and only it has one: {self}")
+
+
+@dataclass(eq=False)
+class InFlight:
+    handle: int
+    client: bytes
+    id: Any
+    prompt_ids: Any  # numpy int32 tokens, kept until they are in the arena
+    sampling: SamplingParams  # its seed resolved
+    priority: int
+    detokenizer: Any = None
+    arena_offset: int | None = None  # frontend thread, once the prompt is in the arena
+    # frontend thread, under the table lock: its GENERATE entry was written to the SQ (the device
+    # owns it now), and the SQ index of that entry, which its abort names
+    in_sq: bool = False
+    sq_pos: int = 0
+    abort_sent: bool = False  # frontend thread only
+    # frontend thread, only before its abort enters the ring; read by the completion thread after
+    # the DONE: what the device's abort becomes (a stop, an error such as timeout)
+    end_as: Ending | None = None
+    completion_tokens: int = 0  # completion thread
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    submit_ns: int = 0  # frontend thread, when it enters the SQ
+    first_token_ns: int = 0  # completion thread
+    last_token_ns: int = 0  # completion thread: when its latest token frame was routed
+    deadline_ns: int = 0  # frontend thread only: perf_counter_ns by which it must end (0: none)
+    queue_deadline_ns: int = 0  # frontend thread only: by when its first token must come (0: none)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def started(self) -> bool:
+        return self.first_token_ns != 0
+
+
+class RequestTable:
+    def __init__(self):
+        self._lock = threading.Lock()  # everything below is read and written under it, by both threads
+        self._by_handle: dict[int, InFlight] = {}
+        self._by_key: dict[tuple[bytes, Any], InFlight] = {}
+        self._by_client: dict[bytes, dict[int, InFlight]] = {}
+        self._in_sq = 0
+        self._next_handle = 1
+
+    def __len__(self) -> int:
+        return len(self._by_handle)
+
+    @property
+    def in_sq(self) -> int:
+        """Requests the device holds (written to the SQ, not ended): what the admission window bounds."""
+        return self._in_sq
+
+    @staticmethod
+    def key(client: bytes, request_id: Any) -> tuple:
+        return (client, type(request_id).__name__, request_id)  # 1 and "1" are different ids
+
+    def contains(self, client: bytes, request_id: Any) -> bool:
+        with self._lock:
+            return self.key(client, request_id) in self._by_key
+
+    def add(self, client: bytes, request_id: Any, **fields) -> InFlight:
+        with self._lock:
+            handle = self._next_handle
+            while handle in self._by_handle or handle == 0:  # u32 wrap: skip live handles
+                handle = (handle + 1) & 0xFFFFFFFF
+            self._next_handle = (handle + 1) & 0xFFFFFFFF
+            req = InFlight(handle=handle, client=client, id=request_id, **fields)
+            self._by_handle[handle] = req
+            self._by_key[self.key(client, request_id)] = req
+            self._by_client.setdefault(client, {})[handle] = req
+            return req
+
+    def mark_in_sq(self, req: InFlight, sq_pos: int) -> None:
+        """Records that its GENERATE entry is in the SQ (not counted if it ended meanwhile)."""
+        with self._lock:
+            if self._by_handle.get(req.handle) is req:
+                req.in_sq, req.sq_pos = True, sq_pos
+                self._in_sq += 1
+
+    def get(self, handle: int) -> InFlight | None:
+        with self._lock:
+            return self._by_handle.get(handle)
+
+    def find(self, client: bytes, request_id: Any) -> InFlight | None:
+        with self._lock:
+            return self._by_key.get(self.key(client, request_id))
+
+    def of_client(self, client: bytes) -> list[InFlight]:
+        with self._lock:
+            return list(self._by_client.get(client, {}).values())
+
+    def count_of(self, client: bytes) -> int:
+        with self._lock:
+            return len(self._by_client.get(client, ()))
+
+    def all(self) -> list[InFlight]:
+        with self._lock:
+            return list(self._by_handle.values())
+
+    def finish(self, handle: int) -> InFlight | None:
+        """Removes the request; only the caller that gets it back may send its `done`.  Called
+        by Finisher.end only, which builds that `done`."""
+        with self._lock:
+            req = self._by_handle.pop(handle, None)
+            if req is not None:
+                self._by_key.pop(self.key(req.client, req.id), None)
+                mine = self._by_client.get(req.client)
+                if mine is not None:
+                    mine.pop(handle, None)
+                    if not mine:
+                        del self._by_client[req.client]
+                if req.in_sq:
+                    self._in_sq -= 1
+            return req

@@ -1,0 +1,186 @@
+"""Server-side counters, latency histograms and the host's CPU use, for `stats`, for the
+benchmark and for the Prometheus exporter (hostctl/serving/prometheus.py, docs/metrics.md).
+
+CPU time is read for the whole process (what a deployment pays) and per thread from
+/proc/self/task/<tid>/stat where Linux provides it, so the cost of the IO and completion
+threads can be told apart from the CPU backend's compute thread.  The process's resident set
+(/proc/self/statm) is reported too, so a soak run can watch a server it did not start.
+
+The histograms are ringleader.ipc.histogram.Histogram (a bisect and three adds; nothing from
+prometheus_client is touched on the per-token path), all written under ServerMetrics' one lock:
+the completion thread takes it once per CQ batch (`routed`), and either thread once per `done`
+(`finished`); `snapshot_with_histograms` reads under the same lock, so what one scrape sees is
+consistent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from ringleader.ipc import protocol
+from ringleader.ipc.histogram import Histogram, HistogramSnapshot, buckets_125
+
+__all__ = [
+    "Histogram",
+    "HistogramSnapshot",
+    "ServerMetrics",
+    "process_cpu_seconds",
+    "process_rss_bytes",
+    "thread_cpu_seconds",
+]
+
+# Bucket bounds in seconds: vLLM's, with finer ones below its smallest where a GPU server lands
+# (a dashboard's histogram_quantile works on any bounds).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (  # inter-token latency and time per output token
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (  # end to end, and queue time
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = buckets_125(1_000_000)
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def process_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def process_rss_bytes() -> int | None:
+    """Resident set size of this process (None where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def thread_cpu_seconds(native_id: int | None) -> float | None:
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ServerMetrics:
+    """Counters and histograms of the server.  Each is written by one thread, or under the lock;
+    `snapshot` and `snapshot_with_histograms` may run on any thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.accepted = 0  # frontend thread
+        self.rejected_bad_request = 0  # frontend thread, through rejected()
+        self.rejected_overloaded = 0  # frontend thread, through rejected()
+        self.rejected_by_code: dict[str, int] = {}  # frontend thread, under the lock: every code
+        self.finished_by_reason: dict[str, int] = {}  # both threads, under the lock (Finisher.end)
+        self.errors_by_code: dict[str, int] = {}  # both threads, under the lock (Finisher.end)
+        self.output_tokens = 0  # completion thread, under the lock
+        self.prompt_tokens = 0  # completion thread, under the lock: at each request's first token
+        self.bad_frames = 0  # frontend thread
+        # under the lock: the completion thread (routed) and both threads (finished)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.inter_token = Histogram(TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(TOKEN_LATENCY_BUCKETS)
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+
+    def routed(
+        self,
+        n_tokens: int,
+        prompt_tokens: int,
+        ttft_s: list[float],
+        inter_token_s: list[tuple[float, int]],
+    ) -> None:
+        """One CQ batch, from the completion thread, under one lock: its output tokens, the
+        prompt tokens of the requests that got their first token, those requests' TTFTs and the
+        (per-token gap, tokens) of every other token frame (the inter-token latency)."""
+        with self._lock:
+            self.output_tokens += n_tokens
+            self.prompt_tokens += prompt_tokens
+            observe = self.ttft.observe
+            for v in ttft_s:
+                observe(v)
+            observe = self.inter_token.observe
+            for v, n in inter_token_s:
+                observe(v, n)
+
+    def rejected(self, code: str) -> None:
+        """Counts a generate that was never accepted: by code, every one; in the two older
+        fields, shutdown and engine_dead are not counted."""
+        with self._lock:
+            self.rejected_by_code[code] = self.rejected_by_code.get(code, 0) + 1
+            if code == protocol.ERR_OVERLOADED:
+                self.rejected_overloaded += 1
+            elif code in (protocol.ERR_BAD_REQUEST, protocol.ERR_DUPLICATE_ID):
+                self.rejected_bad_request += 1
+
+    def finished(self, req, reason: str, code: str | None = None, timing: dict | None = None) -> None:
+        """Counts an accepted request's one `done` (Finisher.end); timing: the `done`'s own
+        (finisher.server_timing), so the histograms and the frame agree to the nanosecond."""
+        with self._lock:
+            self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+            if code is not None:
+                self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+            if timing is None:
+                return
+            self.e2e.observe(timing["e2e_ms"] / 1e3)
+            queue_ms = timing.get("queue_ms")
+            if queue_ms is not None:
+                self.queue.observe(queue_ms / 1e3)
+            n = req.completion_tokens
+            if n >= 2 and req.first_token_ns and req.last_token_ns:
+                self.time_per_output_token.observe((req.last_token_ns - req.first_token_ns) / 1e9 / (n - 1))
+            self.request_prompt_tokens.observe(req.prompt_len)
+            self.request_generation_tokens.observe(n)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = self._snapshot_locked()
+        # read outside the lock: a /proc read must not hold up the completion thread
+        out.update(process_cpu_s=process_cpu_seconds(), process_rss_bytes=process_rss_bytes())
+        return out
+
+    def snapshot_with_histograms(self) -> tuple[dict, dict[str, HistogramSnapshot]]:
+        """snapshot() and every histogram, from one moment (the exporter's view: a scrape never
+        sees a `done` counted whose latencies are not, or the reverse)."""
+        with self._lock:
+            return self._snapshot_locked(), {
+                "ttft_s": self.ttft.snapshot(),
+                "inter_token_s": self.inter_token.snapshot(),
+                "time_per_output_token_s": self.time_per_output_token.snapshot(),
+                "e2e_s": self.e2e.snapshot(),
+                "queue_s": self.queue.snapshot(),
+                "request_prompt_tokens": self.request_prompt_tokens.snapshot(),
+                "request_generation_tokens": self.request_generation_tokens.snapshot(),
+            }
+
+    def _snapshot_locked(self) -> dict:
+        return {
+            "uptime_s": time.time() - self.started,
+            "accepted": self.accepted,
+            "rejected_bad_request": self.rejected_bad_request,
+            "rejected_overloaded": self.rejected_overloaded,
+            "rejected_by_code": dict(self.rejected_by_code),
+            "bad_frames": self.bad_frames,
+            "finished": dict(self.finished_by_reason),
+            "errors_by_code": dict(self.errors_by_code),
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }

@@ -1,0 +1,443 @@
+"""The sans-I/O core shared by the sync `Client` (ringleader.ipc.client) and the `AsyncClient` (ringleader.ipc.client.async_client).
+
+`ClientCore` keeps a client's bookkeeping: request ids, the registry of open streams (weak
+references: a stream nobody holds any more is aborted), the stats/ping callers waiting for an
+id-less reply, and the liveness clock.  It takes what the I/O shell observed (a reply frame, a
+monitor event, a clock reading, a stream that was dropped) and answers with `Actions`: what to
+deliver to which stream or waiter, and which frames to send.  It owns no socket, no thread and
+no event loop, and it is not thread-safe: the sync shell calls it under its lock, the async shell
+from its one event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import zmq  # event constants only: the core never touches a socket
+
+from ringleader.ipc import protocol as P
+from ringleader.ipc.curve import HANDSHAKE_FAILED_EVENTS, describe_handshake_failure
+from ringleader.ipc.sampling_params import WIRE_FIELDS, SamplingParams
+
+log = logging.getLogger("ringleader.ipc.client")
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+# Client-local error codes for a Done the server never sent (the request's fate is unknown).
+ERR_DISCONNECTED = "disconnected"
+ERR_CLIENT_CLOSED = "client_closed"
+ERR_BAD_REPLY = "bad_reply"
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_REPLY_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error_code: str | None = None
+    error_message: str | None = None
+    timing: dict | None = None  # the server's view: queue_ms, ttft_ms, e2e_ms (when it sends them)
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != P.FINISH_ERROR
+
+
+# ---------------------------------------------------------------- requests
+
+
+def check_request_id(request_id: Any) -> None:
+    """Ids are checked locally: the server answers a bad id with an id-less error we could not route."""
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise TypeError(f"request_id must be a str or an int, got {type(request_id).__name__}")
+    if isinstance(request_id, str) and not 1 <= len(request_id) <= P.Limits().max_id_len:
+        raise ValueError(f"request_id must be 1..{P.Limits().max_id_len} characters")
+    if isinstance(request_id, int) and not P.INT64_MIN <= request_id <= P.INT64_MAX:
+        raise ValueError("request_id int must fit in int64")
+
+
+def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
+    """generate()'s `sampling=` or its SamplingParams keyword fields -> one SamplingParams.
+
+    The keywords are judged here, and SamplingParams judges its float fields (ValueError); the
+    rest of the values the server judges.  Without max_tokens the request runs to the end of the
+    context (at most the server's --default-max-tokens)."""
+    unknown = [name for name in fields if name not in WIRE_FIELDS]
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if sampling is not None:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if fields:
+            raise TypeError(
+                f"generate() takes sampling= or sampling fields, not both (got sampling= and {', '.join(fields)})"
+            )
+        return sampling
+    values = dict(fields)
+    if "stop_token_ids" in values and not isinstance(values["stop_token_ids"], tuple):
+        values["stop_token_ids"] = tuple(values["stop_token_ids"])
+    return SamplingParams(**values)
+
+
+def event_from_reply(obj: dict) -> TokenChunk | Done | None:
+    """A token/done reply map -> TokenChunk/Done; None for a malformed token, an error Done for a malformed done."""
+    try:
+        if obj["op"] == P.OP_TOKEN:
+            token_ids = obj.get("token_ids", [])
+            text = obj.get("text")
+            if not isinstance(token_ids, list) or (text is not None and not isinstance(text, str)):
+                return None
+            return TokenChunk(token_ids, text)
+        usage = obj.get("usage") or {}
+        error = obj.get("error") or {}
+        return Done(
+            finish_reason=obj.get("finish_reason", P.FINISH_ERROR),
+            prompt_tokens=usage.get("prompt_tokens", 0),
+            completion_tokens=usage.get("completion_tokens", 0),
+            error_code=error.get("code"),
+            error_message=error.get("message"),
+            timing=obj.get("timing") if isinstance(obj.get("timing"), dict) else None,
+        )
+    except (AttributeError, KeyError, TypeError):
+        pass
+    if obj.get("op") == P.OP_DONE:
+        return Done(P.FINISH_ERROR, 0, 0, ERR_BAD_REPLY, "malformed done message from the server")
+    return None
+
+
+def routable_id(obj: dict) -> P.RequestId | None:
+    rid = obj.get("id")
+    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def decode_reply(frame: bytes) -> dict | None:
+    """A server frame -> its reply map; None (logged) for a malformed frame."""
+    try:
+        return P.decode_reply(frame)
+    except P.FrameError:
+        log.warning("ignoring a malformed frame from the server (%d bytes)", len(frame))
+        return None
+
+
+# ---------------------------------------------------------------- streams
+
+
+class StreamState:
+    """Accumulation shared by the sync and async streams."""
+
+    def __init__(self, request_id: P.RequestId, timeout: float | None):
+        self.id = request_id
+        self.timeout = timeout
+        self.done: Done | None = None
+        self.token_ids: list[int] = []
+        self._texts: list[str] = []
+
+    @property
+    def text(self) -> str | None:
+        """Concatenated text of all chunks, None when the server sent no text (no tokenizer)."""
+        return "".join(self._texts) if self._texts else None
+
+    def _absorb(self, item: TokenChunk) -> TokenChunk:
+        self.token_ids.extend(item.token_ids)
+        if item.text is not None:
+            self._texts.append(item.text)
+        return item
+
+    def _timeout_error(self, timeout: float | None) -> TimeoutError:
+        return TimeoutError(f"request {self.id!r}: no reply from the server within {timeout} s")
+
+    def _close_locally(self) -> None:
+        self.done = local_done(ERR_CLIENT_CLOSED, "stream closed before its end", self)
+
+    def _abort_frame(self, finish_reason: str) -> bytes:
+        """The abort of this request; finish_reason is what its `done` is to say: "abort", or
+        "stop" when the caller found its own stop (protocol 1.3; an older server says "abort")."""
+        if not isinstance(finish_reason, str) or finish_reason not in P.ABORT_FINISH_REASONS:
+            raise ValueError(f'finish_reason: must be "abort" or "stop", got {finish_reason!r}')
+        return P.encode(P.abort_msg(self.id, finish_reason))
+
+
+def local_done(code: str, message: str, stream: StreamState) -> Done:
+    return Done(P.FINISH_ERROR, 0, len(stream.token_ids), code, message)
+
+
+# ---------------------------------------------------------------- liveness
+
+
+class Liveness:
+    """When a client with work outstanding pings the server, and when it gives up on it.
+
+    Driven with monotonic times.  Idle clients are never woken by it: `poll_interval` is None
+    while nothing is outstanding.
+    """
+
+    def __init__(self, address: str, connect_timeout: float | None, reply_timeout: float | None, now: float):
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self.reply_timeout = reply_timeout
+        self.connected = False
+        self._quiet_since = now  # start of the current wait with nothing heard
+        self._pinged = False
+        self._busy = False
+
+    def heard(self, now: float) -> None:
+        self._quiet_since, self._pinged = now, False
+
+    def on_connected(self, now: float) -> None:
+        self.connected = True
+        self.heard(now)
+
+    def on_disconnected(self, now: float) -> None:
+        self.connected = False
+        self.heard(now)
+
+    def poll_interval(self, busy: bool) -> float | None:
+        limits = [t for t in (self.connect_timeout, self.reply_timeout) if t is not None]
+        if not busy or not limits:
+            return None
+        return min(1.0, max(0.05, min(limits) / 4))
+
+    def check(self, now: float, busy: bool) -> str | None:
+        """ "ping" when a keep-alive ping is due, a failure message when the server is given up, else None."""
+        if busy and not self._busy:
+            self.heard(now)  # the clock starts when work starts, not at the last reply of long ago
+        self._busy = busy
+        if not busy:
+            return None
+        quiet = now - self._quiet_since
+        if not self.connected:
+            if self.connect_timeout is not None and quiet > self.connect_timeout:
+                self.heard(now)
+                return f"no connection to the server at {self.address} within {self.connect_timeout:g} s"
+            return None
+        if self.reply_timeout is None:
+            return None
+        if quiet > self.reply_timeout:
+            self.heard(now)
+            return f"no reply from the server at {self.address} within {self.reply_timeout:g} s"
+        if quiet > self.reply_timeout / 3 and not self._pinged:
+            self._pinged = True
+            return "ping"
+        return None
+
+
+# ---------------------------------------------------------------- the core
+
+S = TypeVar("S", bound=StreamState)  # the shell's stream type
+W = TypeVar("W")  # the shell's waiter for a stats/pong reply (threading event holder, future)
+
+
+@dataclass(slots=True)
+class Actions(Generic[S, W]):
+    """What the I/O shell does after the core took an input."""
+
+    events: list[tuple[S, TokenChunk | Done]] = field(default_factory=list)  # put on the stream's queue
+    replies: list[tuple[W, Any]] = field(default_factory=list)  # resolve the waiter with the value
+    errors: list[tuple[W, BaseException]] = field(default_factory=list)  # fail the waiter
+    send: list[bytes] = field(default_factory=list)  # frames for the server, in order
+    failed: bool = False  # all pending work was just ended locally (drop frames queued for the server)
+
+
+class ClientCore(Generic[S, W]):
+    """A client's state, without I/O (see the module docstring).
+
+    Ping waiters are (waiter, sent time); waiter None is the client's own keep-alive ping.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout: float | None,
+        reply_timeout: float | None,
+        max_frame_bytes: int | None,
+        now: float,
+    ):
+        self.address = address
+        self.max_frame_bytes = max_frame_bytes
+        self.last_error: dict | None = None  # latest id-less `error` op from the server
+        self.streams: dict[P.RequestId, weakref.ref[S]] = {}
+        self.stats_waiters: collections.deque[W] = collections.deque()
+        self.ping_waiters: collections.deque[tuple[W | None, float]] = collections.deque()
+        self.liveness = Liveness(address, connect_timeout, reply_timeout, now)
+        self._ids = itertools.count(1)
+
+    # -- requests from the caller
+
+    def prepare_generate(
+        self,
+        request_id: P.RequestId | None,
+        prompt: str | None,
+        prompt_ids: Iterable[int] | None,
+        sampling: SamplingParams,
+        priority: int,
+        timeout_ms: int | None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+    ) -> tuple[P.RequestId, bytes]:
+        """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream)."""
+        if request_id is None:
+            request_id = next(self._ids)
+            while request_id in self.streams:
+                request_id = next(self._ids)
+        else:
+            check_request_id(request_id)
+            if request_id in self.streams:
+                raise ValueError(f"request id {request_id!r} is already in flight on this client")
+        if prompt_ids is not None and not isinstance(prompt_ids, list):
+            prompt_ids = list(prompt_ids)
+        turns = None if messages is None else [dict(m) for m in messages]
+        request = P.GenerateRequest(request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns)
+        return request_id, self.encode_checked(P.generate_msg(request))
+
+    def encode_checked(self, msg: dict) -> bytes:
+        frame = P.encode(msg)
+        if self.max_frame_bytes is not None and len(frame) > self.max_frame_bytes:
+            raise ValueError(f"request encodes to {len(frame)} bytes; frame limit is {self.max_frame_bytes}")
+        return frame
+
+    def add_stream(self, stream: S, on_collected: Callable[[P.RequestId, weakref.ref[S]], None]) -> None:
+        """Register before sending, so no reply can miss it.  `on_collected(id, ref)` runs wherever the
+        garbage collector runs once the stream is dropped; the shell hands it to abandon()."""
+        rid = stream.id
+        self.streams[rid] = weakref.ref(stream, lambda ref: on_collected(rid, ref))
+
+    def abandon(self, request_id: P.RequestId, ref: weakref.ref[S] | None) -> bytes | None:
+        """Forget a stream nobody reads; returns its abort frame (ref None: whatever stream has the id)."""
+        current = self.streams.get(request_id)
+        if current is None or (ref is not None and current is not ref):
+            return None  # finished already, or the id now belongs to a newer stream
+        del self.streams[request_id]
+        return P.encode(P.abort_msg(request_id))
+
+    def abort_all(self) -> list[bytes]:
+        """Abort frames for every request in flight (on close)."""
+        return [P.encode(P.abort_msg(rid)) for rid in self.streams]
+
+    def add_stats_waiter(self, waiter: W) -> bytes:
+        self.stats_waiters.append(waiter)
+        return P.encode(P.stats_request_msg())
+
+    def add_ping_waiter(self, waiter: W, sent: float) -> bytes:
+        self.ping_waiters.append((waiter, sent))
+        return P.encode(P.ping_msg())
+
+    def busy(self) -> bool:
+        return bool(self.streams or self.stats_waiters or any(w is not None for w, _ in self.ping_waiters))
+
+    # -- what the shell observed
+
+    def on_frame(self, frame: bytes, now: float) -> Actions[S, W]:
+        """A frame from the server, received at `now`."""
+        self.liveness.heard(now)
+        obj = decode_reply(frame)
+        return Actions() if obj is None else self.on_reply(obj, now)
+
+    def on_reply(self, obj: dict, now: float) -> Actions[S, W]:
+        """Demultiplex a decoded reply: token/done by id, stats/pong in FIFO order, error to last_error."""
+        actions: Actions[S, W] = Actions()
+        op = obj["op"]
+        if op in (P.OP_TOKEN, P.OP_DONE):
+            rid = routable_id(obj)
+            event = event_from_reply(obj)
+            if rid is None:
+                ref = None
+            else:
+                ref = self.streams.pop(rid, None) if op == P.OP_DONE else self.streams.get(rid)
+            stream = ref() if ref is not None else None
+            if stream is not None and event is not None:
+                actions.events.append((stream, event))
+        elif op == P.OP_STATS:
+            if self.stats_waiters:  # a timed-out waiter still consumes its reply
+                actions.replies.append((self.stats_waiters.popleft(), obj))
+        elif op == P.OP_PONG:
+            waiter = self.ping_waiters.popleft()[0] if self.ping_waiters else None
+            if waiter is not None:
+                actions.replies.append((waiter, now))
+        elif op == P.OP_ERROR:
+            self.last_error = obj
+            log.warning("server rejected a frame: %s: %s", obj.get("code"), obj.get("message"))
+        return actions
+
+    def on_monitor_event(self, kind: int, value: int, now: float) -> str | None:
+        """A socket monitor event; returns the message that ends outstanding work, or None.
+
+        On a failure the shell first reads what already arrived, then calls connection_lost()."""
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.liveness.on_connected(now)
+            return None
+        if kind == zmq.EVENT_DISCONNECTED:
+            return "connection to the server was lost"
+        if kind & HANDSHAKE_FAILED_EVENTS:
+            return describe_handshake_failure(kind, value)
+        return None
+
+    def connection_lost(self, message: str, now: float) -> Actions[S, W]:
+        self.liveness.on_disconnected(now)
+        return self.fail_pending(ERR_DISCONNECTED, message, ConnectionError(message))
+
+    def poll_interval(self) -> float | None:
+        """How long the shell may sleep before tick() is due; None: until something happens."""
+        return self.liveness.poll_interval(self.busy())
+
+    def tick(self, now: float) -> Actions[S, W]:
+        """The liveness check: maybe a keep-alive ping to send, maybe giving the server up."""
+        verdict = self.liveness.check(now, self.busy())
+        if verdict == "ping":
+            self.ping_waiters.append((None, now))
+            return Actions(send=[P.encode(P.ping_msg())])
+        if verdict is not None:
+            return self.fail_pending(ERR_DISCONNECTED, verdict, ConnectionError(verdict))
+        return Actions()
+
+    def keepalive_not_sent(self) -> None:
+        """The ping tick() asked for could not be sent: forget its pong."""
+        if self.ping_waiters and self.ping_waiters[-1][0] is None:
+            self.ping_waiters.pop()
+
+    def fail_pending(self, code: str, message: str, waiter_error: BaseException) -> Actions[S, W]:
+        """End every open stream with a local Done and every waiter with `waiter_error`."""
+        streams = [ref() for ref in self.streams.values()]
+        waiters = list(self.stats_waiters) + [w for w, _ in self.ping_waiters if w is not None]
+        self.streams.clear()
+        self.stats_waiters.clear()
+        self.ping_waiters.clear()
+        actions: Actions[S, W] = Actions(failed=True)
+        actions.events = [(s, local_done(code, message, s)) for s in streams if s is not None]
+        actions.errors = [(w, waiter_error) for w in waiters]
+        return actions
+
+
+class CoreView:
+    """What both clients show of their core (`self._core`, a ClientCore)."""
+
+    _core: ClientCore
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._core.streams)
+
+    @property
+    def last_error(self) -> dict | None:
+        """The latest id-less `error` op from the server."""
+        return self._core.last_error
+
+    @property
+    def max_frame_bytes(self) -> int | None:
+        return self._core.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int | None) -> None:
+        self._core.max_frame_bytes = value
