@@ -25,7 +25,7 @@ local) per thread is what Triton's launcher reports as n_spills * 4; any is coun
 Identical specializations are compiled once per arch (triton.compile on a GPUTarget), in
 --jobs processes. Triton's cache (~/.triton/cache) makes a second run take seconds. The GPU
 image's Triton is 3.6.0; to compile with it where a newer one is installed, put it first on the
-path: `PYTHONPATH=$(python -c 'from bench import gpu_image_toolchain as t; print(t.triton_site())')`.
+path: `PYTHONPATH=$(python -c 'from ringleader.bench import gpu_image_toolchain as t; print(t.triton_site())')`.
 
     python -m ringleader.bench.triton_aot --arch sm_90 --arch sm_87 --arch sm_80 --json PATH
 
