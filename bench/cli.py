@@ -35,6 +35,7 @@ from ringleader.bench.report import save_json
 from ringleader.bench.run_driver import run_bench
 from ringleader.bench.workloads import LENGTH_DISTS
 from ringleader.device.engine_config import DEVICES, LAUNCHES
+from ringleader.hostctl.serving.config import ServerConfig
 
 QUICK_ARGS = [
     "--concurrency",
@@ -106,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"server max token rows per step (server default {SERVER_DEFAULTS.token_budget})",
     )
     g.add_argument("--threads", type=int, help="server torch CPU threads")
-    g.add_argument("--max-queue", type=int, help="server host queue bound")
+    g.add_argument(
+        "--max-queue", type=int, help=f"server host queue bound (server default {ServerConfig().max_queued})"
+    )
     g.add_argument("--weights-seed", type=int, help="seed of the preset's random weights (server --seed)")
     g.add_argument(
         "--server-arg",
