@@ -23,6 +23,7 @@ from ringleader.bench import servers as S
 from ringleader.bench.options import (
     DEFAULT_COMPARE,
     DEFAULT_MAX_CTX,
+    ENGINE_DEFAULTS,
     SERVER_DEFAULTS,
     check_options,
     count_list,
@@ -35,7 +36,6 @@ from ringleader.bench.report import save_json
 from ringleader.bench.run_driver import run_bench
 from ringleader.bench.workloads import LENGTH_DISTS
 from ringleader.device.engine_config import DEVICES, LAUNCHES
-from ringleader.hostctl.serving.config import ServerConfig
 
 QUICK_ARGS = [
     "--concurrency",
@@ -87,28 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--model",
-        default=SERVER_DEFAULTS.model,
+        default=ENGINE_DEFAULTS.model,
         help="preset, checkpoint directory or .gguf file (default %(default)s)",
     )
-    g.add_argument("--device", default=SERVER_DEFAULTS.device, choices=DEVICES)
+    g.add_argument("--device", default=ENGINE_DEFAULTS.device, choices=DEVICES)
     g.add_argument(
         "--launch",
         choices=LAUNCHES,
-        help=f"CUDA launch mode of the device scheduler (the server's default: {SERVER_DEFAULTS.launch}); "
+        help=f"CUDA launch mode of the device scheduler (the server's default: {ENGINE_DEFAULTS.launch}); "
         "the mode that ran is in each run's backend.launch",
     )
-    g.add_argument("--slots", type=int, help=f"server batch slots (server default {SERVER_DEFAULTS.n_slots})")
+    g.add_argument("--slots", type=int, help=f"server batch slots (server default {ENGINE_DEFAULTS.n_slots})")
     g.add_argument(
         "--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})"
     )
     g.add_argument(
         "--token-budget",
         type=int,
-        help=f"server max token rows per step (server default {SERVER_DEFAULTS.token_budget})",
+        help=f"server max token rows per step (server default {ENGINE_DEFAULTS.token_budget})",
     )
     g.add_argument("--threads", type=int, help="server torch CPU threads")
     g.add_argument(
-        "--max-queue", type=int, help=f"server host queue bound (server default {ServerConfig().max_queued})"
+        "--max-queue", type=int, help=f"server host queue bound (server default {SERVER_DEFAULTS.max_queued})"
     )
     g.add_argument("--weights-seed", type=int, help="seed of the preset's random weights (server --seed)")
     g.add_argument(

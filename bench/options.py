@@ -9,12 +9,14 @@ from ringleader.bench import servers as S
 from ringleader.bench.load_plan import load_points
 from ringleader.bench.workloads import parse_rate
 from ringleader.device.engine_config import EngineConfig
+from ringleader.hostctl.serving.config import ServerConfig
 
 DEFAULT_COMPARE = "device,host,static"
-SERVER_DEFAULTS = EngineConfig()  # what a server started without the option uses
+ENGINE_DEFAULTS = EngineConfig()  # what a server started without the option uses: its engine
+SERVER_DEFAULTS = ServerConfig()  # and its server
 # the server's default --max-ctx on a CPU; the workload keeps to it on CUDA too, where the
 # server's default is the longest context that fits in memory (known only once it runs)
-DEFAULT_MAX_CTX = SERVER_DEFAULTS.resolved("cpu").max_ctx
+DEFAULT_MAX_CTX = ENGINE_DEFAULTS.resolved("cpu").max_ctx
 
 
 def int_list(text: str) -> list[int]:

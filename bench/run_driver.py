@@ -15,7 +15,7 @@ from ringleader.bench import servers as S
 from ringleader.bench.interference import CpuInterference
 from ringleader.bench.load_plan import LoadPlan, plan_loads
 from ringleader.bench.loadgen import SendOptions, measure
-from ringleader.bench.options import DEFAULT_COMPARE, DEFAULT_MAX_CTX, SERVER_DEFAULTS, name_list
+from ringleader.bench.options import DEFAULT_COMPARE, DEFAULT_MAX_CTX, ENGINE_DEFAULTS, name_list
 from ringleader.bench.output import Console, say_results, say_run, write_outputs
 from ringleader.bench.report import build_document, make_run_entry
 from ringleader.bench.targets import TargetPlan, plan_targets, target_notes, token_count_notes
@@ -144,8 +144,8 @@ def _start_hf(args, name, device, options: SendOptions, say: Console):
     hf_model, _ = build_hf_model(args.model, device, args.weights_seed or 0)
     # the servers' batch limits and KV capacity (their defaults when not given; CUDA sizes
     # its KV from free memory, the workload keeps to DEFAULT_MAX_CTX), so both batch alike
-    slots = args.slots or SERVER_DEFAULTS.n_slots
-    budget = max(args.token_budget or SERVER_DEFAULTS.token_budget, slots)
+    slots = args.slots or ENGINE_DEFAULTS.n_slots
+    budget = max(args.token_budget or ENGINE_DEFAULTS.token_budget, slots)
     max_ctx = args.max_ctx or DEFAULT_MAX_CTX  # the context the workload keeps to
     runner = HfRunner(
         hf_model,

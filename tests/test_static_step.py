@@ -225,6 +225,23 @@ def test_layout_views_alias_the_scheduler_arrays():
     assert lay.token_ids.shape == (8,) and lay.sample_row.shape == (4,)
 
 
+def test_layout_over_a_byte_buffer_aliases_the_scheduler_arrays():
+    """The CUDA backend's form (StepLayout.over_buffer(DeviceMemory.tensor)): arrays viewed from
+    raw bytes, the counts at their words in the step header."""
+    cfg = RingConfig(
+        n_slots=4, max_ctx=64, token_budget=8, sq_size=64, cq_size=2048, arena_size=1 << 12, pending_cap=64
+    )
+    d = Driver(cfg)
+    lay = StepLayout.over_buffer(lambda name, dtype: torch.from_numpy(d.a[name].view(np.uint8)).view(dtype))
+    header = d.a["step"][0]
+    header["n_tokens"], header["bucket"], header["n_segments"], header["n_samples"] = 7, 8, 2, 3
+    d.a["sample_temperature"][2] = 0.5
+    assert lay.read_counts() == (7, 2, 3)
+    assert lay.sample_temperature.dtype == torch.float32 and float(lay.sample_temperature[2]) == 0.5
+    lay.next_token[1] = 9
+    assert d.a["next_token"][1] == 9
+
+
 def test_rejects_a_cache_without_scratch_slot(model):
     with pytest.raises(ValueError, match="n_slots \\+ 1"):
         StaticStep(model, model.new_kv_cache(4, 32), 4, 32, 16, attention="torch")

@@ -123,7 +123,7 @@ class CudaBackend(Doorbells, Backend):
         else:
             self.rings = self._mem.rings
         self.model = model_info(cfg.model, self._model, max_ctx)
-        self._layout = StepLayout(**self._mem.layout_views())
+        self._layout = StepLayout.over_buffer(self._mem.tensor)
         self._step = StaticStep(
             self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=cfg.attention
         )

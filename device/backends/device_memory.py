@@ -48,30 +48,6 @@ class DeviceMemory:
         off, n = self.device_offsets[name], self.device_nbytes[name]
         return self.buffer[off : off + n].view(dtype)
 
-    def layout_views(self) -> dict:
-        """The StepLayout fields as views of the device buffer, where the scheduler writes them."""
-        t = self.tensor
-        step_header = t("step", torch.int32)  # RlStepHeader: n_tokens, bucket, n_segments, n_samples, ...
-        return dict(
-            token_ids=t("token_ids", torch.int32),
-            positions=t("positions", torch.int32),
-            slot_of=t("slot_of", torch.int32),
-            seg_slot=t("seg_slot", torch.int32),
-            seg_row_start=t("seg_row_start", torch.int32),
-            seg_n_rows=t("seg_n_rows", torch.int32),
-            sample_row=t("sample_row", torch.int32),
-            sample_slot=t("sample_slot", torch.int32),
-            sample_temperature=t("sample_temperature", torch.float32),
-            sample_top_p=t("sample_top_p", torch.float32),
-            sample_top_k=t("sample_top_k", torch.int32),
-            sample_seed=t("sample_seed", torch.int64),
-            sample_counter=t("sample_counter", torch.int32),
-            n_tokens=step_header[0:1],
-            n_segments=step_header[2:3],
-            n_samples=step_header[3:4],
-            next_token=t("next_token", torch.int32),
-        )
-
     def context_bytes(self) -> bytes:
         return bytes(self.context)
 

@@ -126,29 +126,21 @@ class StepBatch:
     @classmethod
     def from_layout(cls, layout: StepLayout, n_tokens: int, n_segments: int, n_samples: int) -> StepBatch:
         """Rows [0, n_tokens), segments [0, n_segments) and sample entries [0, n_samples) of
-        `layout`, on its device. Cost: an int64 widening per array; the plan reads the
-        positions and segments on the host (on the CPU views, no copy; elsewhere a sync)."""
+        `layout`, read on the host (on the CPU: views of the scheduler's arrays, no copy)."""
         rows, segs = slice(0, n_tokens), slice(0, n_segments)
 
         def host(t: torch.Tensor) -> np.ndarray:
-            return t.cpu().numpy()  # on the CPU: the same memory
+            return t.cpu().numpy()
 
-        plan = StepPlan.from_numpy(
+        return cls.from_numpy(
+            host(layout.token_ids[rows]),
             host(layout.positions[rows]),
+            host(layout.slot_of[rows]),
             host(layout.seg_slot[segs]),
             host(layout.seg_row_start[segs]),
             host(layout.seg_n_rows[segs]),
+            host(layout.sample_row[:n_samples]),
             device=layout.token_ids.device,
-        )
-        return cls(
-            layout.token_ids[rows].long(),
-            layout.positions[rows].long(),
-            layout.slot_of[rows].long(),
-            layout.seg_slot[segs].long(),
-            layout.seg_row_start[segs].long(),
-            layout.seg_n_rows[segs].long(),
-            layout.sample_row[:n_samples].long(),
-            plan,
         )
 
     @classmethod

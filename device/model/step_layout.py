@@ -8,12 +8,14 @@ also reads the segments and the counts on the host, which on the CPU are zero-co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from ringleader.device.model.sampling import SamplingTensors
+from ringleader.ipc import layout
 
 Device = str | torch.device
 
@@ -40,11 +42,22 @@ _FIELDS = {
 _ROW_FIELDS = ("token_ids", "positions", "slot_of")  # [token_budget]; the counts [1]; the rest [n_slots]
 
 
-def _array_view(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
-    dtype, src = _FIELDS[name]
-    if src.startswith("step."):
-        return arrays["step"][src[5:]].view(dtype)  # strided [1] view into the header
-    return arrays[src].view(dtype)
+# a count's int32 word in the step header (RlStepHeader, ringleader.ipc.layout.STEP)
+_HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().fields.items()}
+
+
+def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every field as a view of the scheduler's arrays: `array(name, dtype)` views one whole array
+    as dtype; a count is a [1] view of its word in the step header."""
+    header = array("step", np.dtype(np.int32))
+    views = {}
+    for name, (dtype, src) in _FIELDS.items():
+        if src.startswith("step."):
+            word = _HEADER_WORD[src[5:]]
+            views[name] = header[word : word + 1]
+        else:
+            views[name] = array(src, np.dtype(dtype))
+    return views
 
 
 @dataclass
@@ -80,10 +93,16 @@ class StepLayout:
         """On the CPU: zero-copy views of the scheduler's arrays (writes to next_token land in
         them), built once for every step. Elsewhere: freshly allocated device tensors holding a
         copy of their contents."""
-        views = {name: torch.from_numpy(_array_view(arrays, name)) for name in _FIELDS}
+        views = _views(lambda name, dtype: torch.from_numpy(arrays[name].view(dtype)))
         if torch.device(device).type != "cpu":
             views = {name: t.to(device).contiguous() for name, t in views.items()}
         return cls(**views)
+
+    @classmethod
+    def over_buffer(cls, tensor: Callable[[str, torch.dtype], torch.Tensor]) -> StepLayout:
+        """Views of a device buffer that holds the scheduler's arrays, where it writes them
+        (`tensor(name, dtype)` views one whole array: DeviceMemory.tensor)."""
+        return cls(**_views(lambda name, dtype: tensor(name, getattr(torch, dtype.name))))
 
     @classmethod
     def allocate(cls, n_slots: int, token_budget: int, device: Device) -> StepLayout:
@@ -104,10 +123,10 @@ class StepLayout:
     def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
         """Uploads the scheduler's host arrays into these tensors (host-scheduled mode);
         next_token is left alone (the step writes it)."""
+        source = StepLayout.from_arrays(arrays)
         for f in fields(self):
             if f.name != "next_token":
-                src = torch.from_numpy(_array_view(arrays, f.name))
-                getattr(self, f.name).copy_(src, non_blocking=non_blocking)
+                getattr(self, f.name).copy_(getattr(source, f.name), non_blocking=non_blocking)
 
     def sampling(self, m: int) -> SamplingTensors:
         """The sampling settings of sample entries [0, m), as views."""
