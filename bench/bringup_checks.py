@@ -136,11 +136,21 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     n_slots, max_ctx, budget = 8, 256, 32
     buckets = default_buckets(budget)
     model = LlamaModel.from_spec(model_name, dtype, device, 0)
-    kv_e, kv_g = (StaticStep.new_kv_cache(model, n_slots, max_ctx) for _ in range(2))
+    cfg = RingConfig(
+        n_slots=n_slots,
+        max_ctx=max_ctx,
+        token_budget=budget,
+        buckets=buckets,
+        sq_size=64,
+        cq_size=4096,
+        arena_size=1 << 12,
+        pending_cap=64,
+    )
+    kv_e, kv_g = (StaticStep.new_kv_cache(model, cfg.n_pages, cfg.page_size) for _ in range(2))
     attention = "triton" if device == "cuda" else "torch"  # the product's kernel wherever it runs
     step_e = StaticStep(model, kv_e, n_slots, max_ctx, budget, attention=attention)
     step_g = StaticStep(model, kv_g, n_slots, max_ctx, budget, attention=attention)
-    lay_e, lay_g = (StepLayout.allocate(n_slots, budget, device) for _ in range(2))
+    lay_e, lay_g = (StepLayout.allocate(n_slots, budget, device, cfg.pages_per_slot) for _ in range(2))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if graphs_cls is None:
         drv.check(drv.cu.cuInit(0), "cuInit")
@@ -169,16 +179,6 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     sync()
     figures["replay_alone_ok"] = bool((lay_g.next_token == -7).all())
 
-    cfg = RingConfig(
-        n_slots=n_slots,
-        max_ctx=max_ctx,
-        token_budget=budget,
-        buckets=buckets,
-        sq_size=64,
-        cq_size=4096,
-        arena_size=1 << 12,
-        pending_cap=64,
-    )
     d = Driver(cfg)
     _submit_all(d, np.random.default_rng(5))
     worst, mismatched, decided, seen, n_steps = 0.0, 0, 0, set(), 0
@@ -261,7 +261,10 @@ def check_embed(model_name: str, *, backend_cls=None) -> dict:
         figures["build_s"] = round(time.perf_counter() - t0, 2)
         d = backend.description
         figures.update(
-            {k: d.get(k) for k in ("dtype", "buckets", "launch", "module", "max_ctx", "kv_cache_gib")}
+            {
+                k: d.get(k)
+                for k in ("dtype", "buckets", "launch", "module", "max_ctx", "kv_pages", "kv_cache_mib")
+            }
         )
         figures["step_graph_nodes"] = d.get("step_graph_nodes")
     finally:

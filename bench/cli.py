@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--slots", type=int, help=f"server batch slots (server default {ENGINE_DEFAULTS.n_slots})")
     g.add_argument(
-        "--max-ctx", type=int, help=f"server KV tokens per slot (server default {DEFAULT_MAX_CTX})"
+        "--max-ctx",
+        type=int,
+        help=f"server longest context of one request (server default {DEFAULT_MAX_CTX})",
     )
     g.add_argument(
         "--token-budget",

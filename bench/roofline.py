@@ -29,9 +29,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringleader.bench.report import save_json
+from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
+
+PAGE_SIZE = 16  # KV-cache positions per page, the engine's default
 
 
 def weight_bytes_per_step(model: LlamaModel) -> int:
@@ -45,9 +48,7 @@ def weight_bytes_per_step(model: LlamaModel) -> int:
 
 def kv_bytes_per_step(model: LlamaModel, rows: int, ctx: int, dtype: torch.dtype) -> int:
     """Bytes of cached k and v that `rows` decode rows at context `ctx` read."""
-    c = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * c.num_layers * rows * ctx * c.num_kv_heads * c.head_dim * elem
+    return rows * ctx * KVCache.bytes_per_token(model.config, dtype)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -82,9 +83,12 @@ def _timed(fn, device: torch.device, repeats: int) -> list[float]:
     return out
 
 
-def decode_layout(rows: int, ctx: int, vocab: int, device: torch.device) -> StepLayout:
-    """`rows` decode rows, one per slot, at position ctx - 1, each sampled greedily."""
-    layout = StepLayout.allocate(rows, rows, device)
+def decode_layout(rows: int, ctx: int, vocab: int, pages_per_slot: int, device: torch.device) -> StepLayout:
+    """`rows` decode rows, one per slot, at position ctx - 1, each sampled greedily; slot s owns
+    pages [s * pages_per_slot, (s + 1) * pages_per_slot)."""
+    layout = StepLayout.allocate(rows, rows, device, pages_per_slot)
+    pages = torch.arange(rows * pages_per_slot, dtype=torch.int32, device=device)
+    layout.block_table.copy_(pages.view(rows, pages_per_slot))
     ids = torch.arange(rows, dtype=torch.int32, device=device)
     layout.token_ids.copy_((ids * 7919 + 17) % vocab)
     layout.positions.fill_(ctx - 1)
@@ -101,10 +105,11 @@ def step_seconds(
     """Median seconds of one decode step of `rows` rows at context `ctx` (a CUDA graph replay
     on CUDA), and the spread."""
     device = model.device
-    max_ctx = max(ctx, 16)
-    kv = StaticStep.new_kv_cache(model, rows, max_ctx)
+    max_ctx = max(ctx, PAGE_SIZE)
+    pages_per_slot = -(-max_ctx // PAGE_SIZE)
+    kv = StaticStep.new_kv_cache(model, rows * pages_per_slot, PAGE_SIZE)
     step = StaticStep(model, kv, rows, max_ctx, token_budget=rows, attention=attention)
-    layout = decode_layout(rows, ctx, model.config.vocab_size, device)
+    layout = decode_layout(rows, ctx, model.config.vocab_size, pages_per_slot, device)
     if device.type == "cuda":
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):

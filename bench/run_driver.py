@@ -147,18 +147,25 @@ def _start_hf(args, name, device, options: SendOptions, say: Console):
     slots = args.slots or ENGINE_DEFAULTS.n_slots
     budget = max(args.token_budget or ENGINE_DEFAULTS.token_budget, slots)
     max_ctx = args.max_ctx or DEFAULT_MAX_CTX  # the context the workload keeps to
+    kv_tokens = slots * max_ctx
+    if device == "cpu":  # ringleader's default page pool on the CPU, in tokens of this model
+        per_token = 2 * hf_model.config.num_hidden_layers * hf_model.config.num_key_value_heads
+        per_token *= getattr(hf_model.config, "head_dim", None) or (
+            hf_model.config.hidden_size // hf_model.config.num_attention_heads
+        )
+        kv_tokens = min(kv_tokens, ENGINE_DEFAULTS.resolved("cpu").kv_cache_memory // (4 * per_token))
     runner = HfRunner(
         hf_model,
         slots=slots,
         token_budget=budget,
-        kv_tokens=slots * max_ctx,
+        kv_tokens=kv_tokens,
         options=options,
         timeout_s=args.timeout,
     )
     say(
         f"[{name}] transformers model up in {time.perf_counter() - t0:.1f} s: "
         f"{type(hf_model).__name__} {hf_model.dtype} on {device}, max_requests_per_batch "
-        f"{slots}, max_batch_tokens {budget}, KV cache {slots} x {max_ctx} tokens, "
+        f"{slots}, max_batch_tokens {budget}, KV cache {kv_tokens} tokens, "
         f"torch threads {torch.get_num_threads()}, in this process"
     )
     return runner

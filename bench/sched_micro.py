@@ -110,7 +110,10 @@ VOCAB = 1000
 def ring_config(n_slots: int) -> RingConfig:
     return RingConfig(
         n_slots=n_slots,
-        max_ctx=1 << 24,
+        # long enough that no request of a run of up to ~30k steps ends by context; no longer,
+        # since each slot's token row and block table are sized by it (and the page pool, at
+        # every slot's full context, is set free at init)
+        max_ctx=1 << 15,
         token_budget=max(n_slots, 256),
         sq_size=1024,
         cq_size=8192,

@@ -36,6 +36,8 @@ from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_launch import LaunchRecorder
 
+PAGE_SIZE = 16  # KV-cache positions per page, the engine's default
+
 # operators that launch no kernel: allocation without a fill, and aliasing bookkeeping
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "set_"}
 
@@ -69,10 +71,11 @@ def count_step(
     """Kernels of one StaticStep.run(bucket) of `model_name` (a preset), on the meta device."""
     config = preset_config(model_name)
     model = LlamaModel(config, dtype, "meta")
-    kv = StaticStep.new_kv_cache(model, n_slots, max_ctx)
+    pages_per_slot = -(-max_ctx // PAGE_SIZE)
+    kv = StaticStep.new_kv_cache(model, n_slots * pages_per_slot, PAGE_SIZE)
     budget = max(bucket, n_slots)
     step = StaticStep(model, kv, n_slots, max_ctx, budget, attention=attention, fused=fused)
-    layout = StepLayout.allocate(n_slots, max(bucket, n_slots), "meta")
+    layout = StepLayout.allocate(n_slots, budget, "meta", pages_per_slot)
 
     aten, triton = KernelCounter(), LaunchRecorder()
     per_layer: list[Counter[str]] = []

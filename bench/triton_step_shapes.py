@@ -22,9 +22,10 @@ from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_launch import Launch, LaunchRecorder
 
-# the device the CUDA defaults' KV cache is planned on (max_ctx None: the longest that fits);
-# the planned context reaches a specialization only through its divisibility (it is a multiple
-# of 256) and the split-K cap ceil(max_ctx / BLOCK_N), above MAX_SPLITS from 2048 tokens on
+# the device the CUDA defaults' KV pages are planned on (max_ctx None: the model's, cut to the
+# pool); the context reaches a specialization through the block table's row stride (pages per
+# slot: divisible by 16 when max_ctx is a multiple of 256 at page size 16) and the split-K cap
+# ceil(max_ctx / BLOCK_N), above MAX_SPLITS from 2048 tokens on
 PLANNING_DEVICE_BYTES = 80 * GIB  # an H100 80GB
 
 # SmolLM2-135M-Instruct as device/model/gguf_checkpoint.config_from_gguf reads it from the
@@ -77,7 +78,9 @@ def planned_max_ctx(config: ModelConfig, dtype: torch.dtype, n_slots: int, token
         max_ctx=None,
         token_budget=token_budget,
         dtype_bytes=elem,
-        bytes_per_token=KVCache.bytes_needed(config, 1, 1, dtype),
+        bytes_per_token=KVCache.bytes_per_token(config, dtype),
+        page_size=EngineConfig().page_size,
+        kv_cache_memory=None,
         free_bytes=PLANNING_DEVICE_BYTES - weights,
         total_bytes=PLANNING_DEVICE_BYTES,
         fraction=EngineConfig().gpu_memory_fraction,
@@ -158,12 +161,15 @@ def walk_step(
     with `sm_count` SMs would; returns the Triton launches by kernel name."""
     dtype = getattr(torch, shape.dtype)
     model = LlamaModel(model_config(shape.model), dtype, "meta")
-    kv = StaticStep.new_kv_cache(model, shape.n_slots, shape.max_ctx)
+    page_size = EngineConfig().page_size
+    pages_per_slot = -(-shape.max_ctx // page_size)
+    # a pool as CudaBackend plans it at most: every slot's longest context (+ the scratch page)
+    kv = StaticStep.new_kv_cache(model, shape.n_slots * pages_per_slot, page_size)
     # CudaBackend's step: attention as configured (the default, "triton"), fused kernels with it
     step = StaticStep(
         model, kv, shape.n_slots, shape.max_ctx, shape.token_budget, attention=EngineConfig().attention
     )
-    layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta")
+    layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta", pages_per_slot)
     with (
         triton_attention.planning_for_sms(sm_count),
         LaunchRecorder(on_launch) as recorder,

@@ -23,8 +23,13 @@ class EngineConfig:
     scheduler: str | None = None  # where sched_step runs: device | host (None: per device, resolved())
     launch: str = "auto"  # CUDA launch mode of the device scheduler: auto | resident | pump
     policy: str = "fifo"  # admission: fifo | priority (with aging) | static batching
-    n_slots: int = 32  # batch slots: max concurrent sequences
-    max_ctx: int | None = None  # KV cache tokens per slot (None: per device, resolved())
+    # batch slots: max concurrent sequences (cheap: a slot holds KV pages only for its tokens)
+    n_slots: int = 128
+    max_ctx: int | None = None  # the longest context of one request (None: per device, resolved())
+    # the KV page pool: bytes (an int, or text such as 512MiB, 2GB), or on CUDA a fraction (0, 1]
+    # of the memory free once the weights and the step's workspace are in (None: per device)
+    kv_cache_memory: int | float | str | None = None
+    page_size: int = 16  # token positions per KV page
     token_budget: int = 256  # max token rows per step (raised to n_slots if below)
     aging_steps: int = 64  # priority policy: a waiting request gains one level per this many steps
     gpu_memory_fraction: float = 0.9  # CUDA: share of device memory for weights, KV cache, workspace
@@ -53,6 +58,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.run_budget_s is not None and not self.run_budget_s > 0:
             raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
         if self.chat_template is not None:
@@ -85,21 +94,66 @@ class EngineConfig:
                 raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
             if self.dtype not in (None, "float32"):
                 raise ValueError(f"the cpu backend computes in float32, got dtype {self.dtype!r}")
+            if isinstance(self.kv_cache_memory, float):
+                raise ValueError(
+                    f"--kv-cache-memory {self.kv_cache_memory}: a fraction is of free device memory, "
+                    "CUDA only; give the cpu backend bytes (e.g. 512MiB)"
+                )
             return dataclasses.replace(
                 self,
                 device="cpu",
                 scheduler="host",  # the CPU build only: no device to run a persistent kernel on
-                # no free-memory probe on the host (CUDA has one): a fixed context per slot
+                # no free-memory probe on the host (CUDA has one): a fixed longest context
                 max_ctx=self.max_ctx or 2048,
+                # a few hundred MB, not n_slots full contexts: pages follow the tokens, and a
+                # pool this size holds ~11k tokens of SmolLM2-135M (5 contexts of 2048) in fp32
+                kv_cache_memory=self.kv_cache_memory or CPU_KV_CACHE_BYTES,
                 dtype="float32",  # the only dtype the CPU backend computes in
             )
         return dataclasses.replace(
             self,
             device="cuda",
             scheduler=self.scheduler or "device",  # the persistent scheduler kernel is the product
-            # max_ctx None stays: the backend fits the longest context into --gpu-memory-fraction
+            # max_ctx None stays: the model's own limit, cut to what the page pool holds; and
+            # kv_cache_memory None: the pool takes what --gpu-memory-fraction leaves
             dtype=self.dtype or "bfloat16",  # half the memory of float32 for weights and KV cache
         )
+
+
+CPU_KV_CACHE_BYTES = 512 << 20
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_memory_size(value: int | float | str) -> int | float:
+    """--kv-cache-memory: bytes as an int or text with a unit (512MiB, 2G and 2GiB binary, 2GB
+    decimal), or a fraction in (0, 1] written with a point (0.5); returns int bytes or the float."""
+    text = str(value).strip().lower().replace("_", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number) :]
+    try:
+        if unit not in _UNITS:
+            raise ValueError
+        if "." in number and not unit:
+            fraction = float(number)
+            if not 0.0 < fraction <= 1.0:
+                raise ValueError
+            return fraction
+        size = float(number) * _UNITS[unit]
+        if size < 1 or ("." in number and not unit):
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"--kv-cache-memory must be bytes (1073741824, 512MiB, 2GB) or a fraction of free "
+            f"device memory in (0, 1] such as 0.5, got {value!r}"
+        ) from None
+    return int(size)
 
 
 def resolve_device(device: str) -> str:

@@ -31,6 +31,11 @@ names its request's handle and the SQ position of its GENERATE; one whose GENERA
 the SQ is parked in the device-private sq_cancel (per SQ position) and applied when that entry is
 drained, one whose request already finished is ignored.  The host may publish an abort before or
 after the GENERATE it names.
+The KV pages are the scheduler's alone (device memory, no host access): it pops pages off
+free_pages and writes them into a slot's block_table at admission (the whole prompt) and as
+decode reaches a new page (critical phase), and pushes them back when the slot ends, is aborted
+or is preempted (critical phase, once no step in flight can read them); the model step only
+reads block_table.
 The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
 free once its first TOKEN or its DONE event has been read: the device reads a prompt once, when
 it admits the request into a slot, copying it into device memory, before either event).
@@ -45,7 +50,7 @@ from enum import Enum, IntEnum, IntFlag
 import numpy as np
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 
 MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
 MAX_EOS_IDS = 4
@@ -129,6 +134,9 @@ CONFIG = Struct("RlConfig", (
     _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
     _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
     _f("trace_len", "u32"),
+    # the paged KV cache: n_pages pages of page_size token positions; a slot's block table has
+    # pages_per_slot entries (ceil(max_ctx / page_size))
+    _f("page_size", "u32"), _f("pages_per_slot", "u32"), _f("n_pages", "u32"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -150,7 +158,9 @@ CONTROL = Struct("RlControl", (
     _f("cq_stalls", "u64"), _f("pending", "u64"), _f("active_slots", "u64"),
     _f("last_step_tokens", "u64"),
     _f("aborts", "u64"),  # requests ended by an abort (each also counts in finished)
-    _f("_ctr_pad", "u64", 5),
+    _f("preemptions", "u64"),  # decode ran out of KV pages: a request gave its pages back to recompute later
+    _f("kv_pages_free", "u64"),
+    _f("_ctr_pad", "u64", 3),
 ), align=64)
 
 # Submission queue entry (host -> device): a GENERATE; the device reuses `op` for its pending state.
@@ -175,14 +185,22 @@ CQ_EVENT = Struct("RlCqEvent", (
 
 # Device-private: one batch slot's request.  ev_token and finish are the events the critical
 # phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
+# fill_len: the tokens its prefill feeds (the prompt; after a preemption the prompt and every
+# token generated so far, recomputed); n_pages: the block-table entries it holds; admit_seq:
+# its admission's sequence number (the youngest is preempted first).
 SLOT = Struct("RlSlot", (
     _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),
     _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"), _f("top_k", "i32"),
     _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
     _f("ev_token", "u32"), _f("finish", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
-    _f("queued_us", "u32"),
+    _f("queued_us", "u32"), _f("fill_len", "u32"), _f("n_pages", "u32"), _f("admit_seq", "u32"),
 ))
+
+# Device-private: one KV page's record.  ref_count is 1 while a slot's block table holds it and
+# 0 on the free list; key is the prefix-cache hash of its tokens (0: none; prefix caching will
+# share pages by key, with ref_count counting their readers).
+PAGE = Struct("RlPage", (_f("ref_count", "u32"), _f("_reserved", "u32"), _f("key", "u64")))
 
 # Device-private scheduler bookkeeping.  The counters live here, in device memory, and are
 # mirrored to the host control block with plain stores (every RL_MIRROR_STEPS steps, after
@@ -201,6 +219,12 @@ SCHED = Struct("RlSchedState", (
     _f("has_cancelled", "u32"),  # some pending entry is CANCELLED: its DONE is still to write
     _f("chained", "u32"),  # a step was built and no idle pass came since (the bubble's condition)
     _f("idle", "u32"),     # the last overlapped phase found nothing to do (the compute side's hint)
+    _f("n_free_pages", "u32"),  # entries of free_pages in use (a stack: pop and push at the top)
+    _f("admit_seq", "u32"),     # the next admission's sequence number
+    # the overlapped phase could not give every decoding slot its next row's page: the critical
+    # phase does, preempting if it must
+    _f("pages_short", "u32"), _f("_pad", "u32"),
+    _f("preemptions", "u64"),
 ))
 
 # The step the scheduler built, read by the model step.
@@ -209,7 +233,7 @@ STEP = Struct("RlStepHeader", (
     _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
-STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, SCHED, STEP)
+STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
 
 # Pointer table handed to sched_step: names, element type, and length in terms of the config.
 ARRAYS = (
@@ -226,6 +250,8 @@ ARRAYS = (
     ("sample_temperature", "float", "n_slots"), ("sample_top_p", "float", "n_slots"),
     ("sample_top_k", "int32_t", "n_slots"), ("sample_seed", "uint64_t", "n_slots"),
     ("sample_counter", "int32_t", "n_slots"),
+    # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
+    ("block_table", "int32_t", "block_table_len"),
     ("next_token", "int32_t", "n_slots"),
     # scheduler work space for scans, sorts and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
@@ -233,9 +259,12 @@ ARRAYS = (
     ("pending_tmp", "RlSqEntry", "pending_cap"),
     # slots in PREFILL, in admission order (the order prefill chunks are given out)
     ("prefill_queue", "uint32_t", "n_slots"),
-    # device copy of the prompt arena, same offsets: admission copies a prompt in, so the
-    # critical phase lays out prefill rows without reading host memory
-    ("prompt_copy", "int32_t", "arena_size"),
+    # per slot, max_ctx token ids: the prompt, copied in from the arena at admission, then each
+    # token generated (copied as its event is written); prefill rows, and a preempted request's
+    # recompute, read them here, so the critical phase lays out rows without reading host memory
+    ("slot_tokens", "int32_t", "slot_tokens_len"),
+    # the KV pages: their records, and the free list (a stack of page ids, n_free_pages deep)
+    ("pages", "RlPage", "n_pages"), ("free_pages", "uint32_t", "n_pages"),
     # per SQ position: the handle of an abort that arrived before that entry was drained (0: none)
     ("sq_cancel", "uint32_t", "sq_size"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
@@ -281,12 +310,14 @@ class Finish(IntEnum):
 
 class SlotState(IntEnum):
     # ENDING: finished, its DONE not yet written (then FREE); ABORTED: its DONE written, but the
-    # step in flight may still use the slot (FREE at the next critical phase)
+    # step in flight may still use the slot (FREE at the next critical phase); PREEMPTED: its
+    # pages given back when decode ran out, waiting to recompute (PREFILL again when they fit)
     FREE = 0
     PREFILL = 1
     DECODE = 2
     ENDING = 3
     ABORTED = 4
+    PREEMPTED = 5
 
 
 class Policy(IntEnum):

@@ -50,11 +50,23 @@ class RingConfig:
     eos_ids: tuple[int, ...] = ()
     buckets: tuple[int, ...] = ()
     trace_len: int = 4096  # steps kept in the device timeline ring
+    page_size: int = 16  # token positions per KV page
+    # KV pages in the pool; 0: n_slots * pages_per_slot, every slot's longest context at once
+    n_pages: int = 0
 
     def __post_init__(self):
         if self.aq_size == 0:  # frozen: resolve "auto" once, so every reader sees the real size
             in_device = self.sq_size + self.pending_cap + self.n_slots
             object.__setattr__(self, "aq_size", 1 << (in_device - 1).bit_length())
+        if not _pow2(self.page_size):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.n_pages == 0:
+            object.__setattr__(self, "n_pages", self.n_slots * self.pages_per_slot)
+        if self.n_pages < self.pages_per_slot:
+            raise ValueError(
+                f"{self.n_pages} KV pages of {self.page_size} tokens cannot hold one request of "
+                f"max_ctx {self.max_ctx} ({self.pages_per_slot} pages): a request that long could never finish"
+            )
         for name in ("sq_size", "cq_size", "arena_size", "aq_size"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
@@ -73,9 +85,19 @@ class RingConfig:
     def work_len(self) -> int:
         return max(self.n_slots, self.pending_cap)
 
+    @property
+    def pages_per_slot(self) -> int:
+        return -(-self.max_ctx // self.page_size)
+
     def lengths(self) -> dict[str, int]:
         return layout.array_lengths(
-            {**self.__dict__, "work_len": self.work_len, "trace_words": self.trace_len * layout.TRACE_FIELDS}
+            {
+                **self.__dict__,
+                "work_len": self.work_len,
+                "trace_words": self.trace_len * layout.TRACE_FIELDS,
+                "block_table_len": self.n_slots * self.pages_per_slot,
+                "slot_tokens_len": self.n_slots * self.max_ctx,
+            }
         )
 
 
@@ -132,6 +154,9 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
         "policy",
         "aging_steps",
         "trace_len",
+        "page_size",
+        "pages_per_slot",
+        "n_pages",
     ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
@@ -326,12 +351,19 @@ class HostRings:
             "active_slots",
             "last_step_tokens",
             "aborts",
+            "preemptions",
+            "kv_pages_free",
             "heartbeat_ns",
             "error_code",
             "state",
             "exit_reason",
         )
-        out: dict[str, int | str] = {n: int(c[n]) for n in names}
+        out: dict[str, int | str | float] = {n: int(c[n]) for n in names}
+        total, free = self.config.n_pages, int(c["kv_pages_free"])
+        out["kv_pages_total"] = total
+        # the share of KV pages held by requests, as vllm's kv_cache_usage_perc (0..1); the
+        # counter mirror starts at 0 free before the scheduler first mirrors it
+        out["kv_cache_usage_perc"] = (total - free) / total if int(c["state"]) else 0.0
         state, exit_reason = int(c["state"]), int(c["exit_reason"])
         out["state_name"] = layout.STATE_NAMES.get(state, str(state))
         out["exit_reason_name"] = layout.EXIT_REASON_NAMES.get(exit_reason, str(exit_reason))

@@ -18,7 +18,7 @@ from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 
 PROMPT = list(range(100, 120))
-STEPS, MAX_CTX = 32, 64
+STEPS, MAX_CTX, PAGE_SIZE = 32, 64, 16
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,11 @@ def test_bf16_static_step_tracks_fp32(fp32_model, fp32_greedy):
     # the same dequantized weights, rounded to bf16
     model = copy.deepcopy(fp32_model).to(torch.bfloat16)
     assert model.dtype == torch.bfloat16
-    step = StaticStep(model, StaticStep.new_kv_cache(model, 1, MAX_CTX), 1, MAX_CTX, len(PROMPT), "torch")
-    layout = StepLayout.allocate(1, len(PROMPT), "cpu")
+    pages = MAX_CTX // PAGE_SIZE
+    kv = StaticStep.new_kv_cache(model, pages, PAGE_SIZE)
+    step = StaticStep(model, kv, 1, MAX_CTX, len(PROMPT), "torch")
+    layout = StepLayout.allocate(1, len(PROMPT), "cpu", pages)
+    layout.block_table[0] = torch.arange(pages).flip(0)  # the slot's pages, in reverse
     got = [_static_logits(step, layout, PROMPT, 0)]
     for i, pos in enumerate(range(len(PROMPT), len(PROMPT) + STEPS - 1)):
         got.append(_static_logits(step, layout, [tokens[i]], pos))  # teacher-forced: fp32's tokens

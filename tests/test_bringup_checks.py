@@ -131,7 +131,7 @@ class BuiltNotLaunched(CpuBackend):
 def test_embed_check_builds_at_the_server_defaults_and_never_launches():
     figures = bringup_checks.check_embed("tiny", backend_cls=BuiltNotLaunched)
     assert figures["ok"] and figures["launch"] == "resident" and BuiltNotLaunched.stopped
-    assert figures["n_slots"] == 32 and figures["token_budget"] == 256  # what `serve` builds
+    assert figures["n_slots"] == 128 and figures["token_budget"] == 256  # what `serve` builds
 
     class Unavailable(BuiltNotLaunched):
         def __init__(self, config):

@@ -219,7 +219,8 @@ def test_engine_config_fills_the_per_device_defaults_in_one_place():
     cpu, cuda = EngineConfig().resolved("cpu"), EngineConfig().resolved("cuda")
     assert (cpu.device, cpu.scheduler, cpu.max_ctx, cpu.dtype) == ("cpu", "host", 2048, "float32")
     assert (cuda.device, cuda.scheduler, cuda.max_ctx, cuda.dtype) == ("cuda", "device", None, "bfloat16")
-    assert (cpu.n_slots, cpu.token_budget) == (cuda.n_slots, cuda.token_budget) == (32, 256)
+    assert (cpu.n_slots, cpu.token_budget) == (cuda.n_slots, cuda.token_budget) == (128, 256)
+    assert (cpu.kv_cache_memory, cuda.kv_cache_memory, cpu.page_size) == (512 << 20, None, 16)
     given = EngineConfig(scheduler="host", max_ctx=512, dtype="float16").resolved("cuda")
     assert (given.scheduler, given.max_ctx, given.dtype) == ("host", 512, "float16")
     with pytest.raises(ValueError, match="needs CUDA"):

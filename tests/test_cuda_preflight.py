@@ -89,62 +89,70 @@ def test_serve_refuses_with_the_variable_named():
     assert "Traceback" not in r.stderr
 
 
-# ---- the KV cache plan ---------------------------------------------------------------------
+# ---- the KV page pool plan -----------------------------------------------------------------
 H100 = dict(free_bytes=79 * GIB, total_bytes=80 * GIB, fraction=0.9, workspace_bytes=2 * GIB)
 LLAMA_8B_BF16 = 2 * 32 * 8 * 128 * 2  # bytes per token: k and v, 32 layers, 8 kv heads x 128
 LLAMA_1B_BF16 = 2 * 16 * 8 * 64 * 2
+PAGE = dict(page_size=16, kv_cache_memory=None)
 
 
-def test_a_fitting_cache_is_planned_as_asked():
+def test_the_pool_takes_what_the_fraction_leaves_less_the_scratch_page():
     plan = plan_kv_cache(
-        n_slots=32, max_ctx=2048, model_max_ctx=131072, bytes_per_token=LLAMA_1B_BF16, **H100
+        n_slots=256, max_ctx=None, model_max_ctx=131072, bytes_per_token=LLAMA_8B_BF16, **PAGE, **H100
     )
-    assert plan.max_ctx == 2048 and plan.kv_bytes == 33 * 2048 * LLAMA_1B_BF16
-    assert plan.budget_bytes == int(0.9 * 80 * GIB) - 1 * GIB - 2 * GIB
+    budget = int(0.9 * 80 * GIB) - 1 * GIB - 2 * GIB
+    assert plan.budget_bytes == budget
+    assert plan.pool.n_pages == budget // (16 * LLAMA_8B_BF16) - 1
+    assert plan.kv_bytes == (plan.pool.n_pages + 1) * 16 * LLAMA_8B_BF16 <= budget
+    # the old per-slot cache held 256 slots x 4096 tokens of llama-8b only in 138 GB: the pool
+    # serves 256 slots in what is there, one request of the model's whole context fitting
+    assert plan.max_ctx == min(131072, plan.pool.n_pages * 16)
 
 
-def test_the_review_case_does_not_fit_and_says_what_would():
-    # 256 slots x 4096 tokens of llama-8b in bf16: about 138 GB, more than any H100 holds
+def test_pages_are_capped_at_what_the_slots_can_use():
+    plan = plan_kv_cache(
+        n_slots=4, max_ctx=2048, model_max_ctx=131072, bytes_per_token=LLAMA_1B_BF16, **PAGE, **H100
+    )
+    assert plan.pool.n_pages == 4 * 2048 // 16 and plan.pool.full_requests == 4
+
+
+def test_kv_cache_memory_in_bytes_or_as_a_fraction_of_free_memory():
+    plan = plan_kv_cache(
+        n_slots=64, max_ctx=4096, model_max_ctx=131072, bytes_per_token=LLAMA_1B_BF16,
+        page_size=16, kv_cache_memory=GIB, **H100,
+    )  # fmt: skip
+    assert plan.kv_bytes <= GIB and plan.pool.n_pages == GIB // (16 * LLAMA_1B_BF16) - 1
+    half = plan_kv_cache(
+        n_slots=1024, max_ctx=4096, model_max_ctx=131072, bytes_per_token=LLAMA_1B_BF16,
+        page_size=16, kv_cache_memory=0.5, **H100,
+    )  # fmt: skip
+    assert half.pool.n_pages == int(0.5 * 77 * GIB) // (16 * LLAMA_1B_BF16) - 1
+    with pytest.raises(MemoryError, match="--kv-cache-memory 100.00 GiB does not fit"):
+        plan_kv_cache(
+            n_slots=1, max_ctx=16, model_max_ctx=16, bytes_per_token=1,
+            page_size=16, kv_cache_memory=100 * GIB, **H100,
+        )  # fmt: skip
+
+
+def test_a_context_no_request_fits_says_what_would():
     with pytest.raises(MemoryError) as err:
-        plan_kv_cache(n_slots=256, max_ctx=4096, model_max_ctx=131072, bytes_per_token=LLAMA_8B_BF16, **H100)
+        plan_kv_cache(
+            n_slots=32, max_ctx=131072, model_max_ctx=131072, bytes_per_token=LLAMA_8B_BF16,
+            page_size=16, kv_cache_memory=GIB, **H100,
+        )  # fmt: skip
     text = str(err.value)
-    assert "256 slots x 4096 tokens" in text and "128.50 GiB" in text
-    budget = int(0.9 * 80 * GIB) - 3 * GIB
-    assert f"at most {budget // (4096 * LLAMA_8B_BF16) - 1} slots fit" in text
-    assert f"at most {budget // (257 * LLAMA_8B_BF16)} tokens per slot" in text
-    assert "--gpu-memory-fraction 0.9" in text
-
-
-def test_an_unset_context_takes_what_fits_capped_by_the_model():
-    plan = plan_kv_cache(
-        n_slots=32, max_ctx=None, model_max_ctx=131072, bytes_per_token=LLAMA_8B_BF16, **H100
-    )
-    assert plan.max_ctx % 256 == 0 and plan.kv_bytes <= plan.budget_bytes
-    assert (plan.max_ctx + 256) * 33 * LLAMA_8B_BF16 > plan.budget_bytes  # the longest that fits
-    small = plan_kv_cache(n_slots=4, max_ctx=None, model_max_ctx=4096, bytes_per_token=1024, **H100)
-    assert small.max_ctx == 4096
+    assert "one request of --max-ctx 131072 needs 8192" in text and "--kv-cache-memory" in text
+    assert "lower --max-ctx" in text and "--gpu-memory-fraction 0.9" in text
 
 
 def test_nothing_fits_and_bad_fractions():
-    with pytest.raises(MemoryError, match="no KV cache fits"):
+    with pytest.raises(MemoryError, match="--max-ctx"):
         plan_kv_cache(
-            n_slots=32,
-            max_ctx=None,
-            model_max_ctx=4096,
-            bytes_per_token=LLAMA_8B_BF16,
-            free_bytes=5 * GIB,
-            total_bytes=80 * GIB,
-            fraction=0.9,
-            workspace_bytes=GIB,
-        )
+            n_slots=32, max_ctx=None, model_max_ctx=4096, bytes_per_token=LLAMA_8B_BF16, **PAGE,
+            free_bytes=5 * GIB, total_bytes=80 * GIB, fraction=0.9, workspace_bytes=GIB,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="gpu-memory-fraction"):
         plan_kv_cache(
-            n_slots=1,
-            max_ctx=16,
-            model_max_ctx=16,
-            bytes_per_token=1,
-            free_bytes=1,
-            total_bytes=1,
-            fraction=1.5,
-            workspace_bytes=0,
-        )
+            n_slots=1, max_ctx=16, model_max_ctx=16, bytes_per_token=1, **PAGE,
+            free_bytes=1, total_bytes=1, fraction=1.5, workspace_bytes=0,
+        )  # fmt: skip

@@ -163,7 +163,7 @@ def test_ragged_step_matches_sequences_run_alone():
     seqs = {s: [256] + rng.integers(0, 256, size=n).tolist() for s, n in ((3, 22), (1, 16), (0, 8))}
     ref = {s: _alone_logits(model, toks) for s, toks in seqs.items()}
 
-    kv = KVCache.for_model(model.config, n_slots=4, max_ctx=64)
+    kv = KVCache.for_slots(model.config, n_slots=4, max_ctx=64)
     # leave stale junk in slot 0 (longer than its next request) to check masking of old entries
     model.step(StepBatch.from_segments([(0, rng.integers(0, 256, size=30).tolist(), 0)]), kv)
 

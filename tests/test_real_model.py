@@ -126,6 +126,28 @@ def test_greedy_matches_transformers_under_concurrency(server, hf, tokenizer):
         assert have == want, f"prompt {prompt[:8]}...: first divergence at {_first_diff(want, have)}"
 
 
+def test_greedy_matches_transformers_when_a_tiny_kv_pool_forces_preemption(gguf_path, hf, tokenizer):
+    """The same prompts through a pool of 20 pages of 16 tokens (SmolLM2 in fp32: 46,080 bytes a
+    token), where they need about 50 at once: decode runs out of pages, the youngest requests are
+    preempted and recompute what they had, and every stream still equals transformers' greedy
+    generate, each token sent once."""
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS] + [tokenizer.encode_chat(m) for m in CHATS]
+    expected = [_hf_greedy(hf, p, N_TOKENS) for p in prompts]
+    pool = 20 * 16 * 2 * 30 * 3 * 64 * 4
+    with (
+        running_server(str(gguf_path), n_slots=8, max_ctx=256, token_budget=16, kv_cache_memory=pool) as bg,
+        Client(bg.address, timeout=300) as client,
+    ):
+        assert client.stats()["backend"]["kv_pages"] == 20
+        streams = [client.generate(prompt_ids=p, max_tokens=N_TOKENS) for p in prompts]
+        got = [s.wait() and s.token_ids for s in streams]
+        device = client.stats()["device"]
+    assert device["preemptions"] > 0, "the pool never ran short"
+    assert device["kv_pages_free"] == device["kv_pages_total"] == 20
+    for prompt, want, have in zip(prompts, expected, got):
+        assert have == want, f"prompt {prompt[:8]}...: first divergence at {_first_diff(want, have)}"
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

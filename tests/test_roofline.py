@@ -22,8 +22,9 @@ def test_weight_and_kv_bytes_follow_the_model():
 
 
 def test_decode_layout_samples_every_row():
-    lay = roofline.decode_layout(rows=4, ctx=9, vocab=100, device=torch.device("cpu"))
+    lay = roofline.decode_layout(rows=4, ctx=9, vocab=100, pages_per_slot=2, device=torch.device("cpu"))
     assert lay.slot_of.tolist() == [0, 1, 2, 3] and lay.positions.tolist() == [8] * 4
+    assert lay.block_table.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert int(lay.n_samples[0]) == 4 and all(0 <= t < 100 for t in lay.token_ids.tolist())
 
 

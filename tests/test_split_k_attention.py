@@ -1,14 +1,22 @@
-"""Ragged attention's Triton kernels (single pass and split-K / flash-decoding) against the
-reference, on the CPU.
+"""Ragged attention over a paged KV cache: the Triton kernels (single pass and split-K /
+flash-decoding) against the reference on the CPU, and the reference against a plain per-slot
+computation.
 
 The kernels run under the Triton interpreter, which has to be switched on before triton is
 first imported, so those checks run in a child process started with TRITON_INTERPRET=1
 (`run_interpreted_checks`); the test skips when triton is not
-installed. choose_splits' rule and the launch count (on the meta device, through
-triton_launch's LaunchRecorder) are checked in this process.
+installed. choose_splits' rule, the paged reference and the launch count (on the meta device,
+through triton_launch's LaunchRecorder) are checked in this process.
+
+Paging is exercised for real: pages handed out in a random order (a slot's pages scattered
+over the pool), page sizes below, at and above BLOCK_N (64), contexts ending mid-page, NaN in every
+cache cell no row may read (a page's tail past its slot's context, the unallocated pages) and
+block-table entries past a slot's context pointing at those NaN pages or out of the pool.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,49 +36,7 @@ def test_split_k_under_interpreter():
     run_interpreted_checks_of("tests.test_split_k_attention", "split-k interpreted checks passed")
 
 
-# ---- the kernels, in the child process --------------------------------------------------------
-
-MAX_CTX = 320  # 5 blocks of BLOCK_N = 64
-# heads, kv heads, head_dim: GQA groups 1, 4, 8 (the interpreter runs ~10 ms a program: keep
-# the grids small)
-SHAPES = [(2, 2, 16), (8, 2, 32), (16, 2, 64)]
-# heads, kv heads, head_dim of the single-pass kernel alone (MHA, a head_dim not a power of
-# two, a group of 16)
-ONE_PASS_SHAPES = [(4, 4, 16), (6, 2, 24), (16, 1, 64)]
-SPLITS = [1, 2, 3, 8]  # 8 is more than the 5 blocks of a full-length row
-ROWS = [  # (slot, first position, n_rows); slot -1 = pad rows
-    (0, 0, 1),  # first token of a request: one position, every other split empty
-    (1, 63, 1),
-    (2, 64, 1),  # either side of a BLOCK_N boundary
-    (-1, 0, 1),  # a pad row in the middle
-    (3, 299, 1),  # a long decode row
-    (4, 125, 5),  # prefill chunk crossing a block boundary
-    (5, MAX_CTX - 1, 1),  # the last position
-    (1, 191, 1),  # a second row of slot 1, at a block's last column
-    (-1, 0, 2),  # bucket padding at the end
-]
-
-
-def run_interpreted_checks() -> None:
-    """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_attention as ta
-
-    assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
-    for n_heads, n_kv, head_dim in SHAPES:
-        case = make_case(n_heads, n_kv, head_dim, torch.float32)
-        for n_splits in SPLITS:
-            check_matches_reference(ta.ragged_attention_triton, case, n_splits)
-    for n_heads, n_kv, head_dim in ONE_PASS_SHAPES:
-        check_matches_reference(
-            ta.ragged_attention_triton, make_case(n_heads, n_kv, head_dim, torch.float32), 1
-        )
-    # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
-    # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
-    fp16_cases = [((16, 2, 64), 1), ((16, 2, 64), 3), ((8, 2, 32), 8), ((8, 2, 64), 1)]
-    for (n_heads, n_kv, head_dim), n_splits in fp16_cases:
-        case = make_case(n_heads, n_kv, head_dim, torch.float16)
-        check_matches_reference(ta.ragged_attention_triton, case, n_splits)
-    print("split-k interpreted checks passed")
+# ---- paged caches ------------------------------------------------------------------------------
 
 
 def _rows(spec):
@@ -82,43 +48,204 @@ def _rows(spec):
     return torch.tensor(slot_of, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
 
 
-def make_case(n_heads, n_kv, head_dim, dtype):
-    """Inputs, the reference output and the caches poisoned with NaN wherever no row may read."""
-    gen = torch.Generator().manual_seed(n_heads * 100 + n_kv * 10 + head_dim)
-    n_slots = 6  # slot 6 = scratch, never read
-    shape = (n_slots + 1, MAX_CTX, n_kv, head_dim)
-    k, v = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-    slot_of, positions = _rows(ROWS)
-    q = torch.randn(slot_of.shape[0], n_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
-    ref = ragged_attention_reference(q, k, v, slot_of, positions, scale)
-    kp, vp = k.clone(), v.clone()
-    for s in range(n_slots + 1):
-        mine = positions[slot_of == s]
-        end = int(mine.max()) + 1 if mine.numel() else 0
-        kp[s, end:] = float("nan")
-        vp[s, end:] = float("nan")
-    return dict(q=q, k=kp, v=vp, v_clean=v, slot_of=slot_of, positions=positions, scale=scale, ref=ref)
+def slot_lengths(slot_of, positions, n_slots):
+    """Each slot's context length: one past its rows' last position (0 for a slot with none)."""
+    ends = [0] * n_slots
+    for s, p in zip(slot_of.tolist(), positions.tolist()):
+        if s >= 0:
+            ends[s] = max(ends[s], p + 1)
+    return ends
 
 
-def check_matches_reference(attention, case, n_splits):
-    q, slot_of = case["q"], case["slot_of"]
+def random_block_table(lengths, pages_per_slot, page_size, n_pages, gen, dtype=torch.int32):
+    """[len(lengths), pages_per_slot] block table over a pool of n_pages: each slot's pages drawn
+    from a random permutation of the pool, and every entry past a slot's context garbage (a page
+    no slot owns, or an id outside the pool). Returns the table (a column slice of a wider one,
+    so its row stride is not pages_per_slot) and the pages no slot owns."""
+    n_slots = len(lengths)
+    perm = torch.randperm(n_pages, generator=gen)
+    owned = perm[: n_slots * pages_per_slot].view(n_slots, pages_per_slot)
+    spare = perm[n_slots * pages_per_slot :]
+    assert spare.numel() >= 1, "the pool needs a page no slot owns"
+    wide = torch.full((n_slots, pages_per_slot + 3), -1, dtype=torch.int64)
+    wide[:, :pages_per_slot] = owned
+    for s, length in enumerate(lengths):
+        past = torch.arange(pages_per_slot + 3) >= -(-length // page_size)
+        garbage = spare[torch.randint(spare.numel(), (pages_per_slot + 3,), generator=gen)]
+        garbage[::3] = n_pages + 1000  # out of the pool: reading it would fault or read junk
+        wide[s, past] = garbage[past]
+    return wide.to(dtype)[:, :pages_per_slot], spare
+
+
+def paged_copy(contiguous, block_table, lengths, n_pages):
+    """contiguous [S, max_ctx, ...] -> pages [n_pages, PS, ...] holding each slot's first
+    lengths[s] positions where the block table puts them; NaN everywhere else."""
+    S, max_ctx = contiguous.shape[:2]
+    page_size = max_ctx // block_table.shape[1]
+    pages = torch.full((n_pages, page_size, *contiguous.shape[2:]), float("nan"), dtype=contiguous.dtype)
+    for s in range(S):
+        for p in range(lengths[s]):
+            pages[block_table[s, p // page_size], p % page_size] = contiguous[s, p]
+    return pages
+
+
+def contiguous_attention(q, k, v, slot_of, positions, scale):
+    """q [T, H, D]; k/v [S, C, KV, D] per-slot contiguous caches: row by row, in fp64."""
+    T, H, D = q.shape
+    G = H // k.shape[2]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        s, p = int(slot_of[t]), int(positions[t])
+        if s < 0:
+            continue
+        kt = k[s, : p + 1].double().repeat_interleave(G, dim=1)  # [n, H, D]
+        vt = v[s, : p + 1].double().repeat_interleave(G, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[t].double(), kt) * scale, dim=-1)
+        out[t] = torch.einsum("hn,nhd->hd", weights, vt)
+    return out
+
+
+def test_paged_reference_is_the_contiguous_computation():
+    """Contiguous per-slot caches scattered into shuffled pages: the paged reference gives what
+    the plain per-slot computation gives, at page sizes below, at and above a row's length."""
+    for page_size in (1, 4, 16, 64):
+        gen = torch.Generator().manual_seed(page_size)
+        H, KV, D, n_slots, max_ctx = 6, 2, 8, 4, 64
+        slot_of, positions = _rows([(0, 0, 1), (1, 17, 3), (-1, 0, 1), (2, 63, 1), (3, 30, 1), (-1, 0, 2)])
+        lengths = slot_lengths(slot_of, positions, n_slots)
+        pages_per_slot = max_ctx // page_size
+        n_pages = n_slots * pages_per_slot + 3
+        table, _ = random_block_table(lengths, pages_per_slot, page_size, n_pages, gen)
+        k = torch.randn(n_slots, max_ctx, KV, D, generator=gen)
+        v = torch.randn(n_slots, max_ctx, KV, D, generator=gen)
+        q = torch.randn(slot_of.shape[0], H, D, generator=gen)
+        k_pages = paged_copy(k, table, lengths, n_pages)
+        v_pages = paged_copy(v, table, lengths, n_pages)
+        got = ragged_attention_reference(q, k_pages, v_pages, table, slot_of, positions, D**-0.5)
+        want = contiguous_attention(q, k, v, slot_of, positions, D**-0.5)
+        assert got.dtype == q.dtype and not got.isnan().any(), page_size
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=f"page size {page_size}")
+        assert torch.all(got[slot_of < 0] == 0)
+
+
+# ---- the kernels, in the child process --------------------------------------------------------
+
+CTX = 320  # 5 blocks of BLOCK_N = 64; a case's max_ctx is this rounded up to whole pages
+
+
+class Case(NamedTuple):
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    splits: tuple[int, ...]
+    layout: str = "contiguous"  # or "transposed": pages stored [P, KV, PS, D], viewed [P, PS, KV, D]
+    table_dtype: torch.dtype = torch.int32
+
+
+# GQA groups 1, 3, 4, 8, 16; page sizes 1 to 256 around BLOCK_N = 64 (the interpreter runs
+# ~10 ms a program: keep the grids small); 8 splits is more than the 5 blocks of a full row
+CASES = [
+    Case(2, 2, 16, 16, torch.float32, (1, 2, 3, 8)),
+    Case(8, 2, 32, 64, torch.float32, (1, 2, 3, 8), table_dtype=torch.int64),
+    Case(16, 2, 64, 128, torch.float32, (1, 2, 3, 8)),
+    Case(2, 2, 16, 1, torch.float32, (1, 3)),
+    # the single-pass kernel alone: MHA, a head_dim not a power of two, a group of 16
+    Case(4, 4, 16, 8, torch.float32, (1,)),
+    Case(6, 2, 24, 16, torch.float32, (1,), layout="transposed"),
+    Case(16, 1, 64, 256, torch.float32, (1,)),
+    # the GPU runs bf16, but the interpreter's tl.dot mishandles bf16 (numpy has no bf16);
+    # fp16 takes the same low-precision path (p cast to v's dtype, cast on store)
+    Case(16, 2, 64, 16, torch.float16, (1, 3)),
+    Case(8, 2, 32, 64, torch.float16, (8,)),
+    Case(8, 2, 64, 128, torch.float16, (1,), layout="transposed"),
+]
+
+
+def rows_for(max_ctx):
+    """(slot, first position, n_rows); slot -1 = pad rows."""
+    return [
+        (0, 0, 1),  # first token of a request: one position, every other split empty
+        (1, 63, 1),
+        (2, 64, 1),  # either side of a BLOCK_N boundary
+        (-1, 0, 1),  # a pad row in the middle
+        (3, 299, 1),  # a long decode row, ending mid-page for every page size > 4
+        (4, 125, 5),  # prefill chunk crossing a block boundary
+        (5, max_ctx - 1, 1),  # the last position
+        (1, 191, 1),  # a second row of slot 1, at a block's last column
+        (-1, 0, 2),  # bucket padding at the end
+    ]
+
+
+def run_interpreted_checks() -> None:
+    """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
+    from ringleader.device.model import triton_attention as ta
+
+    assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+    for case in CASES:
+        inputs = make_inputs(case)
+        single = None
+        for n_splits in case.splits:
+            got = check_matches_reference(ta.ragged_attention_triton, inputs, n_splits)
+            if n_splits == 1:
+                single = got
+            elif single is not None:  # split-K against the single launch, as tight
+                torch.testing.assert_close(got, single, **_tolerance(got.dtype), msg=f"{case}, {n_splits}")
+    print("split-k interpreted checks passed")
+
+
+def make_inputs(case: Case):
+    """Inputs, the reference output, and paged caches NaN wherever no row may read."""
+    gen = torch.Generator().manual_seed(case.n_heads * 1000 + case.head_dim * 10 + case.page_size)
+    n_slots = 7  # slot 6 has no rows: its block-table row is all garbage
+    pages_per_slot = -(-CTX // case.page_size)
+    max_ctx = pages_per_slot * case.page_size
+    slot_of, positions = _rows(rows_for(max_ctx))
+    lengths = slot_lengths(slot_of, positions, n_slots)
+    n_pages = n_slots * pages_per_slot + 2
+    table, spare = random_block_table(lengths, pages_per_slot, case.page_size, n_pages, gen, case.table_dtype)
+    shape = (n_pages, case.page_size, case.n_kv, case.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(slot_of.shape[0], case.n_heads, case.head_dim, generator=gen).to(case.dtype)
+    # NaN in every cell no row reads: unowned pages, and each slot's pages past its context
+    readable = torch.zeros(n_pages, case.page_size, dtype=torch.bool)
+    for s, length in enumerate(lengths):
+        for p in range(length):
+            readable[table[s, p // case.page_size], p % case.page_size] = True
+    assert not readable[spare].any()
+    k, v = (x.masked_fill(~readable[:, :, None, None], float("nan")).to(case.dtype) for x in (k, v))
+    if case.layout == "transposed":
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    scale = case.head_dim**-0.5
+    ref = ragged_attention_reference(q, k, v, table, slot_of, positions, scale)
+    assert not ref.isnan().any(), "the reference read a cell no row may read"
+    return dict(
+        case=case, q=q, k=k, v=v, table=table, slot_of=slot_of, positions=positions, scale=scale, ref=ref
+    )
+
+
+def _tolerance(dtype):
+    return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=1e-2)
+
+
+def check_matches_reference(attention, inputs, n_splits):
+    q, slot_of, table, k = inputs["q"], inputs["slot_of"], inputs["table"], inputs["k"]
     T, H, D = q.shape
     # a strided output prefilled with NaN: every element (pad rows too) must be written
     out = torch.full((T, H, 2 * D), float("nan"), dtype=q.dtype)[..., :D]
     got = attention(
-        q, case["k"], case["v"], slot_of, case["positions"], case["scale"], out=out, n_splits=n_splits
+        q, k, inputs["v"], table, slot_of, inputs["positions"], inputs["scale"], out=out, n_splits=n_splits
     )
     assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype
-    tol = dict(atol=2e-5, rtol=1e-5) if q.dtype == torch.float32 else dict(atol=3e-3, rtol=1e-2)
-    msg = f"shape {tuple(q.shape)}, kv {case['k'].shape[2]}, {q.dtype}, n_splits={n_splits}"
-    torch.testing.assert_close(got.float(), case["ref"].float(), **tol, msg=lambda m: f"{msg}: {m}")
+    msg = f"{inputs['case']}, n_splits={n_splits}"
+    torch.testing.assert_close(got, inputs["ref"], **_tolerance(q.dtype), msg=lambda m: f"{msg}: {m}")
     assert torch.all(got[slot_of < 0] == 0), msg
     # a decode row over one cached position returns that position's v (GQA mapping), whatever
     # the number of empty splits beside it
-    g = H // case["k"].shape[2]
-    expect = case["v_clean"][0, 0].repeat_interleave(g, dim=0)
+    expect = inputs["v"][table[0, 0].long(), 0].repeat_interleave(H // k.shape[2], dim=0)
     torch.testing.assert_close(got[0], expect, atol=1e-6, rtol=1e-6, msg=msg)
+    return got
 
 
 # ---- choose_splits ------------------------------------------------------------------------------
@@ -161,12 +288,17 @@ def test_choose_splits_bounds_and_monotonic():
 # ---- launches, counted on the meta device ------------------------------------------------------
 
 
-def _meta_inputs(T=3, H=32, KV=8, D=128, S=5, C=4096):
+def _meta_inputs(T=3, H=32, KV=8, D=128, S=5, max_ctx=4096, page_size=16, n_pages=None):
+    """q, k/v pages, block table, slot_of, positions on the meta device; the pool defaults to
+    every slot's pages."""
     meta = dict(device="meta")
+    pages_per_slot = max_ctx // page_size
+    n_pages = S * pages_per_slot if n_pages is None else n_pages
     q = torch.empty(T, H, D, dtype=torch.bfloat16, **meta)
-    k = torch.empty(S, C, KV, D, dtype=torch.bfloat16, **meta)
+    k = torch.empty(n_pages, page_size, KV, D, dtype=torch.bfloat16, **meta)
+    table = torch.empty(S, pages_per_slot, dtype=torch.int32, **meta)
     slot_of = torch.empty(T, dtype=torch.int32, **meta)
-    return q, k, torch.empty_like(k), slot_of, torch.empty_like(slot_of)
+    return q, k, torch.empty_like(k), table, slot_of, torch.empty_like(slot_of)
 
 
 @pytest.mark.parametrize(
@@ -182,9 +314,9 @@ def test_launches_recorded_on_meta_tensors(n_splits, kernels):
         pytest.skip("triton is not installed")
     from ringleader.device.model.triton_attention import ragged_attention_triton
 
-    q, k, v, slot_of, positions = _meta_inputs()
+    q, k, v, table, slot_of, positions = _meta_inputs()
     with LaunchRecorder() as rec:
-        out = ragged_attention_triton(q, k, v, slot_of, positions, 0.1, n_splits=n_splits)
+        out = ragged_attention_triton(q, k, v, table, slot_of, positions, 0.1, n_splits=n_splits)
     assert dict(rec.counts) == kernels
     assert out.shape == q.shape and out.device.type == "meta"
 
@@ -195,10 +327,30 @@ def test_auto_splits_on_a_full_bucket_is_the_single_launch():
     from ringleader.device.model.triton_attention import ragged_attention_triton
 
     T = -(-DEFAULT_SM_COUNT // 8)  # T x 8 kv heads programs fill the SMs on their own
-    q, k, v, slot_of, positions = _meta_inputs(T=T)
+    q, k, v, table, slot_of, positions = _meta_inputs(T=T)
     with LaunchRecorder() as rec:
-        ragged_attention_triton(q, k, v, slot_of, positions, 0.1)
+        ragged_attention_triton(q, k, v, table, slot_of, positions, 0.1)
     assert dict(rec.counts) == {"_ragged_attention_kernel": 1}
+
+
+@pytest.mark.parametrize(("max_ctx", "page_size"), [(128, 16), (128, 128), (4096, 16), (4096, 256)])
+def test_auto_splits_plan_for_the_block_tables_reach(max_ctx, page_size):
+    """choose_splits sees max_ctx = pages per slot * page size, not the pool's size."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.device.model.triton_attention import launch_config, ragged_attention_triton
+
+    seen = []
+    q, k, v, table, slot_of, positions = _meta_inputs(T=1, max_ctx=max_ctx, page_size=page_size, n_pages=4096)
+    with LaunchRecorder(on_launch=seen.append) as rec:
+        ragged_attention_triton(q, k, v, table, slot_of, positions, 0.1)
+    want = choose_splits(1, max_ctx, 8, DEFAULT_SM_COUNT, launch_config(4, 128, q.dtype)["BLOCK_N"])
+    if want == 1:
+        assert dict(rec.counts) == {"_ragged_attention_kernel": 1}
+    else:
+        assert seen[0].grid == (1, 8, want)
+    assert (want == 1) == (max_ctx == 128)
+    assert all(launch_.meta.get("PAGE_SIZE", page_size) == page_size for launch_ in seen)
 
 
 def test_rejects_zero_splits():
@@ -208,3 +360,14 @@ def test_rejects_zero_splits():
 
     with pytest.raises(ValueError, match="n_splits"):
         ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=0)
+
+
+def test_rejects_a_page_size_not_a_power_of_two():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.device.model.triton_attention import ragged_attention_triton
+
+    q, k, v, _, slot_of, positions = _meta_inputs(max_ctx=4800, page_size=48)
+    table = torch.empty(5, 100, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="power of two"):
+        ragged_attention_triton(q, k, v, table, slot_of, positions, 0.1)

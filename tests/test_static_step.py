@@ -1,4 +1,5 @@
-"""The static-shape step (CUDA-graph form) against the eager ragged step, on the CPU.
+"""The static-shape step (CUDA-graph form) against the eager ragged step, on the CPU, both
+through the paged KV cache's block table.
 
 The step with Triton attention, and the product path (Triton attention, the fused pointwise
 kernels, the Triton uniform), runs under the Triton interpreter, which has to be switched on
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringleader.device.model import EagerStep, LlamaModel, StepBatch
+from ringleader.device.model import EagerStep, KVCache, LlamaModel, StepBatch
 from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_attention import ragged_attention_reference
@@ -36,7 +37,7 @@ def run_interpreted_checks() -> None:
     _, seen = _drive(model, ta.ragged_attention_triton, max_steps=7)
     assert seen["mixed"] and seen["padded"], seen
     # the product path: Triton attention, the fused pointwise kernels, the Triton uniform
-    step = StaticStep(model, StaticStep.new_kv_cache(model, N_SLOTS, MAX_CTX), N_SLOTS, MAX_CTX, BUDGET)
+    step = StaticStep(model, StaticStep.new_kv_cache(model, 8), N_SLOTS, MAX_CTX, BUDGET)
     assert step.fused
     _, seen = _drive(model, "triton", max_steps=7)
     assert seen["mixed"] and seen["padded"], seen
@@ -47,12 +48,19 @@ def test_reference_matches_eager_ragged_attention():
     from ringleader.device.model.eager_attention import ragged_attention
 
     gen = torch.Generator().manual_seed(1)
-    k = torch.randn(4, 40, 2, 16, generator=gen)
-    v = torch.randn(4, 40, 2, 16, generator=gen)
+    n_pages, ps, m = 40, 4, 10
+    k = torch.randn(n_pages, ps, 2, 16, generator=gen)
+    v = torch.randn(n_pages, ps, 2, 16, generator=gen)
     batch = StepBatch.from_segments([(2, [0] * 1, 7), (0, [0] * 1, 30), (1, [0] * 6, 10), (3, [0] * 1, 0)])
+    # interleaved shuffled pages; entries past each slot's context are junk
+    table = torch.randperm(n_pages, generator=gen)[: 4 * m].view(m, 4).t().contiguous()
+    for slot, ctx in enumerate((31, 16, 8, 1)):
+        table[slot, -(-ctx // ps) :] = -1 if slot % 2 else 10**6
     q = torch.randn(batch.n_rows, 4, 16, generator=gen)
-    eager = ragged_attention(q, batch, batch.get_plan(), k, v)
-    ref = ragged_attention_reference(q, k, v, batch.slot_of.int(), batch.positions.int(), 16**-0.5)
+    eager = ragged_attention(q, batch, batch.get_plan(), k, v, table)
+    ref = ragged_attention_reference(
+        q, k, v, table.int(), batch.slot_of.int(), batch.positions.int(), 16**-0.5
+    )
     torch.testing.assert_close(ref, eager, atol=1e-5, rtol=1e-5)
 
 
@@ -96,14 +104,16 @@ def _drive(model, attention, max_steps):
         cq_size=2048,
         arena_size=1 << 12,
         pending_cap=64,
+        page_size=8,  # contexts span several pages
     )
     d = Driver(cfg)
     rng = np.random.default_rng(5)
     for plen, *params in REQUESTS:
         _submit(d, rng.integers(3, 250, plen), *params)
-    kv_eager = model.new_kv_cache(N_SLOTS, MAX_CTX)
+    # both caches hold the scheduler's pages; the static one has the scratch page after them
+    kv_eager = KVCache.for_model(model.config, cfg.n_pages, cfg.page_size)
     eager = EagerStep(model, kv_eager)
-    kv_static = StaticStep.new_kv_cache(model, N_SLOTS, MAX_CTX)
+    kv_static = StaticStep.new_kv_cache(model, cfg.n_pages, cfg.page_size)
     step = StaticStep(model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention)
     a = d.a
     lay = StepLayout.from_arrays(a, "cpu")  # views: each step writes the scheduler's next_token
@@ -134,9 +144,9 @@ def _drive(model, attention, max_steps):
         assert logits_e.shape[0] == ns
         torch.testing.assert_close(logits_s[:ns], logits_e, atol=1e-4, rtol=1e-4)
         np.testing.assert_array_equal(a["next_token"], expected)
-        # the real slots' caches agree; pad rows only ever wrote the scratch slot
-        torch.testing.assert_close(kv_static.k[:, :N_SLOTS], kv_eager.k, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kv_static.v[:, :N_SLOTS], kv_eager.v, atol=1e-5, rtol=1e-5)
+        # the scheduler's pages agree; pad rows only ever wrote the scratch page
+        torch.testing.assert_close(kv_static.k[:, :-1], kv_eager.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv_static.v[:, :-1], kv_eager.v, atol=1e-5, rtol=1e-5)
         d.drain_cq()
     return d, seen
 
@@ -148,26 +158,103 @@ def test_static_step_torch_matches_eager(model):
     assert seen["mixed"] and seen["padded"] and seen["stale"], seen
 
 
-# ---- masked sample writes ----------------------------------------------------------------------
+# ---- hand-built layouts over a shuffled block table ---------------------------------------------
+
+PS, CTX = 4, 32
+M = CTX // PS
+N_PAGES = 4 * M + 3  # the scheduler's pool (the static cache adds the scratch page after it)
+
+
+def _shuffled_table(n_slots: int, m: int, n_pages: int, seed: int) -> torch.Tensor:
+    """int32 [n_slots, m] of distinct pages; page j of slot s is order[j * n_slots + s], so the
+    slots' pages interleave."""
+    order = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))[: n_slots * m]
+    return order.view(m, n_slots).t().contiguous().int()
+
+
+def _fill(lay: StepLayout, segments, table: torch.Tensor) -> None:
+    """Rows of segments [(slot, token ids, first position)], the rest pad rows; each segment's
+    last row sampled greedily into next_token[slot]."""
+    lay.slot_of.fill_(-1)
+    lay.positions.zero_()
+    lay.token_ids.zero_()
+    lay.sample_temperature.zero_()
+    row = 0
+    for i, (slot, ids, p0) in enumerate(segments):
+        n = len(ids)
+        lay.token_ids[row : row + n] = torch.tensor(ids)
+        lay.positions[row : row + n] = torch.arange(p0, p0 + n)
+        lay.slot_of[row : row + n] = slot
+        lay.seg_slot[i], lay.seg_row_start[i], lay.seg_n_rows[i] = slot, row, n
+        lay.sample_row[i], lay.sample_slot[i] = row + n - 1, slot
+        row += n
+    lay.n_tokens[0], lay.n_segments[0], lay.n_samples[0] = row, len(segments), len(segments)
+    lay.block_table.copy_(table)
+
+
+def test_static_step_matches_eager_through_a_shuffled_block_table(model):
+    n_slots, budget = 4, 16
+    gen = torch.Generator().manual_seed(3)
+    kv_eager = KVCache.for_model(model.config, N_PAGES, PS)
+    kv_eager.k.copy_(torch.randn(kv_eager.k.shape, generator=gen))  # stale junk in every page
+    kv_eager.v.copy_(torch.randn(kv_eager.v.shape, generator=gen))
+    kv_static = StaticStep.new_kv_cache(model, N_PAGES, PS)
+    kv_static.k.normal_(generator=gen)
+    kv_static.v.normal_(generator=gen)
+    kv_static.k[:, :-1], kv_static.v[:, :-1] = kv_eager.k, kv_eager.v
+    scratch_k = kv_static.k[:, -1].clone()
+    eager = EagerStep(model, kv_eager)
+    step = StaticStep(model, kv_static, n_slots, CTX, budget, attention="torch", fused=False)
+    lay = StepLayout.allocate(n_slots, budget, "cpu", M)
+    table = _shuffled_table(n_slots, M, N_PAGES, seed=2)
+    tokens = torch.randint(3, 250, (n_slots, CTX), generator=gen).tolist()
+    # per step: (slot, first position, n rows): chunks that start and end mid-page, decode rows
+    # of several slots, pad rows in every step
+    schedule = [
+        [(2, 0, 6), (0, 0, 3)],
+        [(2, 6, 7), (1, 0, 5), (0, 3, 1)],
+        [(0, 4, 1), (1, 5, 1), (2, 13, 1), (3, 0, 9)],
+        [(3, 9, 1), (1, 6, 1), (0, 5, 1), (2, 14, 1)],
+    ]
+    ctx = [0] * n_slots
+    for segs in schedule:
+        for slot, p0, n in segs:
+            ctx[slot] = p0 + n
+        step_table = table.clone()
+        for slot in range(n_slots):  # entries past a context are junk: the steps must not use them
+            step_table[slot, -(-ctx[slot] // PS) :] = -1 if slot % 2 else 10**6
+        _fill(lay, [(slot, tokens[slot][p0 : p0 + n], p0) for slot, p0, n in segs], step_table)
+        before = lay.next_token.clone()
+        logits_e = eager.run(budget, lay)
+        expected = lay.next_token.clone()
+        lay.next_token.copy_(before)
+        logits_s = step.run(budget, lay)
+        torch.testing.assert_close(logits_s[: len(segs)], logits_e, atol=1e-4, rtol=1e-4)
+        assert torch.equal(lay.next_token, expected)
+        # the same rows of the same pages written; pad rows wrote only the scratch page's row 0
+        torch.testing.assert_close(kv_static.k[:, :-1], kv_eager.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv_static.v[:, :-1], kv_eager.v, atol=1e-5, rtol=1e-5)
+        assert torch.equal(kv_static.k[:, -1, 1:], scratch_k[:, 1:])
 
 
 def _hand_layout(n_slots, budget):
-    lay = StepLayout.allocate(n_slots, budget, "cpu")
-    # bucket 8: decode rows for slots 1 and 3, then a 3-row chunk of slot 2 (positions 4-6; a
-    # zero cache before it), then pad rows; slot 0 is idle
+    lay = StepLayout.allocate(n_slots, budget, "cpu", M)
+    # bucket 8: decode rows for slots 1 and 3, then a 3-row chunk of slot 2 (positions 4-6, over
+    # a page boundary; junk cache before it), then pad rows; slot 0 is idle
     rows = [(5, 1, 0), (7, 3, 0), (9, 2, 4), (10, 2, 5), (11, 2, 6)]
     for r, (tok, slot, pos) in enumerate(rows):
         lay.token_ids[r], lay.slot_of[r], lay.positions[r] = tok, slot, pos
     lay.sample_row[:] = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
     lay.next_token[:] = torch.tensor([100, 101, 102, 103], dtype=torch.int32)
-    return lay
+    lay.block_table.copy_(_shuffled_table(n_slots, M, N_PAGES, seed=4))
+    return lay, rows
 
 
 def test_stale_sample_entries_never_write(model):
     n_slots, budget = 4, 16
-    kv = StaticStep.new_kv_cache(model, n_slots, 32)
-    step = StaticStep(model, kv, n_slots, 32, budget, attention="torch")
-    lay = _hand_layout(n_slots, budget)
+    kv = StaticStep.new_kv_cache(model, N_PAGES, PS)
+    step = StaticStep(model, kv, n_slots, CTX, budget, attention="torch")
+    lay, _ = _hand_layout(n_slots, budget)
     # entries 2, 3 are stale: they collide with live slot 1 and name slot 2; wild parameters
     lay.sample_slot[:] = torch.tensor([1, 3, 1, 2], dtype=torch.int32)
     lay.sample_temperature[:] = torch.tensor([0.0, 0.0, float("nan"), -1.0])
@@ -184,24 +271,25 @@ def test_stale_sample_entries_never_write(model):
     assert lay.next_token.tolist() == [100, 101, 102, 103]
 
 
-def test_pad_rows_touch_only_the_scratch_slot(model):
+def test_pad_rows_touch_only_the_scratch_page(model):
     n_slots, budget = 4, 16
-    kv = StaticStep.new_kv_cache(model, n_slots, 32)
+    kv = StaticStep.new_kv_cache(model, N_PAGES, PS)
     gen = torch.Generator().manual_seed(3)
     kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
     kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
     k0, v0 = kv.k.clone(), kv.v.clone()
-    step = StaticStep(model, kv, n_slots, 32, budget, attention="torch")
-    lay = _hand_layout(n_slots, budget)
+    step = StaticStep(model, kv, n_slots, CTX, budget, attention="torch")
+    lay, rows = _hand_layout(n_slots, budget)
     lay.n_samples[0] = 2
     step.run(16, lay)
-    written = torch.zeros(kv.k.shape[1:3], dtype=torch.bool)  # [slots, positions]
-    written[1, 0] = written[3, 0] = True
-    written[2, 4:7] = True
-    written[n_slots, 0] = True  # the scratch row the pad rows share
+    written = torch.zeros(kv.n_pages, PS, dtype=torch.bool)  # [pages, offsets]
+    for _, slot, pos in rows:
+        page = int(lay.block_table[slot, pos // PS])
+        assert not torch.equal(kv.k[:, page, pos % PS], k0[:, page, pos % PS])
+        written[page, pos % PS] = True
+    written[-1, 0] = True  # the scratch row the pad rows share
     assert torch.equal(kv.k[:, ~written], k0[:, ~written])
     assert torch.equal(kv.v[:, ~written], v0[:, ~written])
-    assert not torch.equal(kv.k[:, 1, 0], k0[:, 1, 0])
 
 
 # ---- the layout views ----------------------------------------------------------------------------
@@ -223,6 +311,8 @@ def test_layout_views_alias_the_scheduler_arrays():
     lay.next_token[2] = 77
     assert d.a["next_token"][2] == 77
     assert lay.token_ids.shape == (8,) and lay.sample_row.shape == (4,)
+    d.a["block_table"][5] = 9  # slot 1's second page
+    assert lay.block_table.shape == (4, cfg.pages_per_slot) and int(lay.block_table[1, 1]) == 9
 
 
 def test_layout_over_a_byte_buffer_aliases_the_scheduler_arrays():
@@ -240,19 +330,24 @@ def test_layout_over_a_byte_buffer_aliases_the_scheduler_arrays():
     assert lay.sample_temperature.dtype == torch.float32 and float(lay.sample_temperature[2]) == 0.5
     lay.next_token[1] = 9
     assert d.a["next_token"][1] == 9
+    d.a["block_table"][:] = np.arange(d.a["block_table"].size)[::-1]
+    assert lay.block_table.shape == (4, cfg.pages_per_slot) and int(lay.block_table[0, 0]) == 15
+    copy = StepLayout.allocate(4, 8, "cpu", cfg.pages_per_slot)  # host-scheduled mode's upload
+    copy.copy_from_arrays(d.a)
+    assert torch.equal(copy.block_table, lay.block_table)
 
 
-def test_rejects_a_cache_without_scratch_slot(model):
-    with pytest.raises(ValueError, match="n_slots \\+ 1"):
-        StaticStep(model, model.new_kv_cache(4, 32), 4, 32, 16, attention="torch")
-    step = StaticStep(model, StaticStep.new_kv_cache(model, 4, 32), 4, 32, 16, attention="torch")
+def test_rejects_a_bucket_over_the_budget_and_a_table_short_of_max_ctx(model):
+    step = StaticStep(model, StaticStep.new_kv_cache(model, N_PAGES, PS), 4, CTX, 16, attention="torch")
     with pytest.raises(ValueError, match="bucket"):
-        step.run(17, StepLayout.allocate(4, 16, "cpu"))
+        step.run(17, StepLayout.allocate(4, 16, "cpu", M))
+    with pytest.raises(ValueError, match=f"max_ctx {CTX}"):
+        step.run(16, StepLayout.allocate(4, 16, "cpu", M - 1))
 
 
 def test_eager_step_refuses_a_bucket_below_its_rows(model):
     eager = EagerStep(model, model.new_kv_cache(4, 32))
-    lay = StepLayout.allocate(4, 16, "cpu")
+    lay = StepLayout.allocate(4, 16, "cpu", 2)
     lay.n_tokens[0] = 5
     with pytest.raises(ValueError, match="bucket 4"):
         eager.run(4, lay)

@@ -44,12 +44,13 @@ def run_interpreted_checks() -> None:
         check_add_rms_norm(dtype, 2, 8192, False)
         for inter, strided in ((300, False), (300, True), (1500, False)):
             check_silu_mul(dtype, 6, inter, strided)
-        # heads, kv heads, head_dim, qkv / cache layout
-        check_rope_store_kv(dtype, 8, 2, 16, "contiguous")
-        check_rope_store_kv(dtype, 4, 4, 64, "transposed")
-        check_rope_store_kv(dtype, 6, 2, 48, "padded")  # half = 24: not a power of two
+        # heads, kv heads, head_dim, page size, qkv / cache layout
+        check_rope_store_kv(dtype, 8, 2, 16, 4, "contiguous")
+        check_rope_store_kv(dtype, 4, 4, 64, 16, "transposed")  # one page holds a slot's context
+        check_rope_store_kv(dtype, 6, 2, 48, 2, "padded")  # half = 24: not a power of two
     # fp32 activations into an fp16 cache: k rounded once from fp32, v cast
-    check_rope_store_kv(torch.float32, 8, 2, 16, "contiguous", cache_dtype=torch.float16)
+    check_rope_store_kv(torch.float32, 8, 2, 16, 8, "contiguous", cache_dtype=torch.float16)
+    check_rope_store_kv(torch.float32, 2, 1, 16, 1, "contiguous")  # a page per position
     check_counter_uniform()
     rounding = "truncating (2-ulp tolerance)" if BF16_TRUNCATES else "round to nearest even"
     print(f"interpreted checks passed in {time.perf_counter() - t0:.1f} s; bf16 casts {rounding}")
@@ -184,34 +185,68 @@ def check_silu_mul(dtype: torch.dtype, T: int, inter: int, strided: bool) -> Non
 
 # ---- rope_store_kv ---------------------------------------------------------------------------
 
-N_SLOTS, MAX_CTX = 5, 12  # slot 5 = scratch
-ROWS = [  # (slot, position): slot -1 = pad row
-    (0, 0),
-    (1, MAX_CTX - 1),  # the last position
-    (-1, 0),  # pad row: scratch slot, position 0
-    (2, 3),
-    (2, 4),
-    (2, 5),  # a prefill chunk
-    (-1, 7),  # pad row with a stale position: scratch slot, position 7 (as StaticStep)
-    (3, MAX_CTX + 4),  # clamped to the last position
-    (4, 9),
-]
+N_SLOTS, CTX = 5, 12  # a case's max_ctx is CTX rounded up to whole pages
 
 
-def _rope_reference(qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, H, KV, D):
-    """ops.apply_rope on the q / k views, k / v written at StaticStep's cache rows: returns q and
-    updated copies of the caches."""
-    T, S, C = qkv.shape[0], k_cache.shape[0], k_cache.shape[1]
-    pos = positions.long().clamp(0, min(cos_table.shape[0], C) - 1)
+def rope_rows(max_ctx: int) -> list[tuple[int, int]]:
+    """(slot, position): slot -1 = pad row."""
+    return [
+        (0, 0),
+        (1, max_ctx - 1),  # the last position
+        (-1, 0),  # pad row: scratch page, offset 0
+        (2, 3),
+        (2, 4),
+        (2, 5),  # a prefill chunk (across a page boundary at page sizes 2 and 4)
+        (-1, 7),  # pad row with a stale position: still the scratch page's offset 0
+        (3, max_ctx + 4),  # clamped to the last position
+        (4, 9),
+    ]
+
+
+def _paged_pool(
+    rows: list[tuple[int, int]], pages_per_slot: int, page_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, int, int]:
+    """A block table [N_SLOTS, pages_per_slot] over a pool of shuffled pages, the pool's size and
+    the scratch page (one no slot owns). Only the entries the rows write through are real pages
+    of their slot; every other entry is a random page of the pool, so a kernel reading one
+    writes a cell it must not."""
+    n_pages = N_SLOTS * pages_per_slot + 3
+    perm = torch.randperm(n_pages, generator=gen)
+    owned = perm[: N_SLOTS * pages_per_slot].view(N_SLOTS, pages_per_slot)
+    table = torch.randint(n_pages, (N_SLOTS, pages_per_slot), generator=gen)
+    max_ctx = pages_per_slot * page_size
+    for s, p in rows:
+        if s >= 0:
+            entry = min(max(p, 0), max_ctx - 1) // page_size
+            table[s, entry] = owned[s, entry]
+    return table.to(torch.int32), n_pages, int(perm[-1])
+
+
+def _rope_reference(
+    qkv, cos_table, sin_table, block_table, slot_of, positions, page_size, scratch_page, H, KV, D
+):
+    """ops.apply_rope on the q / k views, and the cell each row's k / v go to: returns q [T, H, D],
+    k and v [T, KV, D], and each row's page and offset [T]."""
+    T = qkv.shape[0]
+    max_ctx = block_table.shape[1] * page_size
+    pos = positions.long().clamp(0, min(cos_table.shape[0], max_ctx) - 1)
     cos, sin = cos_table.index_select(0, pos), sin_table.index_select(0, pos)
     q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
     q = ops.apply_rope(q.reshape(T, H, D), cos, sin)
     k = ops.apply_rope(k.reshape(T, KV, D), cos, sin)
-    write_slot = torch.where(slot_of >= 0, slot_of.long(), S - 1)
-    kc, vc = k_cache.clone(), v_cache.clone()
-    kc[write_slot, pos] = k.to(kc.dtype)
-    vc[write_slot, pos] = v.reshape(T, KV, D).to(vc.dtype)
-    return q, kc, vc
+    live = slot_of >= 0
+    page = torch.where(live, block_table[slot_of.clamp(min=0).long(), pos // page_size].long(), scratch_page)
+    offset = torch.where(live, pos % page_size, 0)
+    return q, k, v.reshape(T, KV, D), page, offset
+
+
+def _stored(
+    cache: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """A copy of cache with rows written at (page, offset), cast to the cache's dtype."""
+    out = cache.clone()
+    out[page, offset] = rows.to(cache.dtype)
+    return out
 
 
 def check_rope_store_kv(
@@ -219,18 +254,23 @@ def check_rope_store_kv(
     H: int,
     KV: int,
     D: int,
+    page_size: int,
     layout: str,
     cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """layout: "contiguous"; "transposed" (qkv column stride T, caches stored [S, KV, C, D]);
-    "padded" (qkv a column slice of a wider buffer, caches layer 1 of a [2, S, C, KV, D] pair)."""
+    """layout: "contiguous"; "transposed" (qkv column stride T, pages stored [P, KV, PS, D]);
+    "padded" (qkv a column slice of a wider buffer, pages layer 1 of a [2, P, PS, KV, D] pair)."""
     from ringleader.device.model.triton_fused import rope_store_kv
 
     cache_dtype = cache_dtype or dtype
-    gen = torch.Generator().manual_seed(H * 100 + D)
-    T, width, S = len(ROWS), (H + 2 * KV) * D, N_SLOTS + 1
-    slot_of = torch.tensor([s for s, _ in ROWS], dtype=torch.int32)
-    positions = torch.tensor([p for _, p in ROWS], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(H * 100 + D + page_size)
+    pages_per_slot = -(-CTX // page_size)
+    max_ctx = pages_per_slot * page_size
+    rows = rope_rows(max_ctx)
+    T, width = len(rows), (H + 2 * KV) * D
+    slot_of = torch.tensor([s for s, _ in rows], dtype=torch.int32)
+    positions = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    block_table, n_pages, scratch = _paged_pool(rows, pages_per_slot, page_size, gen)
     config = ModelConfig(
         vocab_size=8,
         hidden_size=H * D,
@@ -241,13 +281,13 @@ def check_rope_store_kv(
         head_dim=D,
     )
     # a table longer than the cache: the cache bounds the clamp
-    n_table = MAX_CTX + 4 if layout == "padded" else MAX_CTX
+    n_table = max_ctx + 4 if layout == "padded" else max_ctx
     cos_table, sin_table = ops.rope_tables(config, n_table, dtype, "cpu")
 
     def cache_init() -> torch.Tensor:
-        full = torch.randn(2, S, MAX_CTX, KV, D, generator=gen).to(cache_dtype)
+        full = torch.randn(2, n_pages, page_size, KV, D, generator=gen).to(cache_dtype)
         if layout == "transposed":
-            return full[0].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [S, C, KV, D] view
+            return full[0].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [P, PS, KV, D] view
         return full[1] if layout == "padded" else full[0].clone()
 
     if layout == "transposed":
@@ -258,39 +298,59 @@ def check_rope_store_kv(
         qkv = (torch.randn(T, width, generator=gen) * 2).to(dtype)
     k_cache, v_cache = cache_init(), cache_init()
     other_layer = k_cache._base.select(0, 0).clone() if layout == "padded" else None
-    want_q, want_k, want_v = _rope_reference(
-        qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, H, KV, D
-    )
+    paging = (block_table, slot_of, positions, page_size, scratch, H, KV, D)
+    want_q, want_k, v, page, offset = _rope_reference(qkv, cos_table, sin_table, *paging)
     # the fp32 result rounded once: what the kernel computes
-    once_q, once_k, _ = _rope_reference(
-        qkv.float(), cos_table.float(), sin_table.float(), slot_of, positions, k_cache, v_cache, H, KV, D
-    )
+    once_q, once_k, *_ = _rope_reference(qkv.float(), cos_table.float(), sin_table.float(), *paging)
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    q = rope_store_kv(qkv, cos_table, sin_table, slot_of, positions, k_cache, v_cache, N_SLOTS, H, KV, D)
+    q = rope_store_kv(
+        qkv, cos_table, sin_table, block_table, slot_of, positions, k_cache, v_cache, scratch, H, KV, D
+    )
     assert q.shape == (T, H, D) and q.dtype == dtype and k_cache.dtype == cache_dtype
 
-    # exactly the rows (write slot, clamped position) changed, in k and v alike
-    written = torch.zeros(S, MAX_CTX, dtype=torch.bool)
-    for s, p in ROWS:
-        written[s if s >= 0 else N_SLOTS, min(max(p, 0), MAX_CTX - 1)] = True
-    assert torch.equal(k_cache[~written], k_before[~written]), "k cache changed outside the written rows"
-    assert torch.equal(v_cache[~written], v_before[~written]), "v cache changed outside the written rows"
-    assert torch.equal(v_cache, want_v), "v is stored as is (cast to the cache dtype)"
+    # exactly the rows' cells (page, offset) changed, in k and v alike; pad rows' is the
+    # scratch page's first cell
+    written = torch.zeros(n_pages, page_size, dtype=torch.bool)
+    written[page, offset] = True
+    assert written[scratch].tolist() == [True] + [False] * (page_size - 1)
+    assert torch.equal(k_cache[~written], k_before[~written]), "k cache changed outside the written cells"
+    assert torch.equal(v_cache[~written], v_before[~written]), "v cache changed outside the written cells"
     if other_layer is not None:
         assert torch.equal(k_cache._base.select(0, 0), other_layer), "the other layer was written"
 
+    # real cells, one row each: v stored as is (cast), k rotated in fp32 and rounded once
+    real = written.clone()
+    real[scratch] = False
+    assert torch.equal(v_cache[real], _stored(v_before, page, offset, v)[real]), "v is stored as is"
+    _assert_rounded_alike(k_cache[real], _stored(k_before, page, offset, once_k)[real], f"{cache_dtype} k")
+    _assert_rounded_alike(q, once_q.to(dtype), f"{dtype} q")
+    torch_k = _stored(k_before, page, offset, want_k)[real]
     if dtype == torch.float32:
         torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-5)
     if cache_dtype == torch.float32:
-        torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-5)
-    # computed in fp32 and rounded once: the fp32 result rounded
-    _assert_rounded_alike(q, once_q.to(dtype), f"{dtype} q")
-    _assert_rounded_alike(k_cache[written], once_k[written], f"{cache_dtype} k")
+        torch.testing.assert_close(k_cache[real], torch_k, atol=1e-6, rtol=1e-5)
     if dtype != torch.float32:  # and close to torch's per-op rounding, within a few ulps of |x|
         atol = 24 * _EPS[dtype]  # 3 ulps at |qkv| ~ 8 (randn * 2); cos / sin <= 1
         torch.testing.assert_close(q, want_q, atol=atol, rtol=0)
-        torch.testing.assert_close(k_cache, want_k, atol=atol, rtol=0)
+        torch.testing.assert_close(k_cache[real], torch_k, atol=atol, rtol=0)
+    # the scratch cell holds one of the pad rows' k / v (which one lands there is left open)
+    pad_rows = torch.nonzero(slot_of < 0).flatten().tolist()
+    assert any(torch.equal(v_cache[scratch, 0], v[t].to(cache_dtype)) for t in pad_rows), "scratch v"
+    k_tol = dict(atol=24 * _EPS[cache_dtype], rtol=0)
+    scratch_k = k_cache[scratch, 0]
+    assert any(torch.allclose(scratch_k, once_k[t].to(cache_dtype), **k_tol) for t in pad_rows), "scratch k"
+
+    # a bucket of pad rows alone touches the scratch page's first cell and nothing else
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    no_slot = torch.full_like(slot_of, -1)
+    rope_store_kv(
+        qkv, cos_table, sin_table, block_table, no_slot, positions, k_cache, v_cache, scratch, H, KV, D
+    )
+    scratch_cell = torch.zeros(n_pages, page_size, dtype=torch.bool)
+    scratch_cell[scratch, 0] = True
+    assert torch.equal(k_cache[~scratch_cell], k_before[~scratch_cell]), "a pad row wrote a real page"
+    assert torch.equal(v_cache[~scratch_cell], v_before[~scratch_cell]), "a pad row wrote a real page"
 
 
 # ---- launches, on the meta device ---------------------------------------------------------------
@@ -302,7 +362,7 @@ def test_each_wrapper_is_one_launch_on_meta():
     from ringleader.device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
 
     meta = dict(device="meta", dtype=torch.bfloat16)
-    T, hidden, inter, H, KV, D, S, C = 7, 4096, 14336, 32, 8, 128, 9, 64
+    T, hidden, inter, H, KV, D, S, C, PS = 7, 4096, 14336, 32, 8, 128, 9, 64, 16
     x, delta, w = torch.empty(T, hidden, **meta), torch.empty(T, hidden, **meta), torch.empty(hidden, **meta)
     with LaunchRecorder() as rec:
         residual, normed = add_rms_norm(x, delta, w, 1e-5)
@@ -318,9 +378,13 @@ def test_each_wrapper_is_one_launch_on_meta():
     cos, sin = torch.empty(C, D, **meta), torch.empty(C, D, **meta)
     slot_of = torch.empty(T, device="meta", dtype=torch.int32)
     positions = torch.empty(T, device="meta", dtype=torch.int32)
-    k_cache, v_cache = torch.empty(2, S, C, KV, D, **meta).unbind(0)
+    block_table = torch.empty(S, C // PS, device="meta", dtype=torch.int32)
+    k_cache, v_cache = torch.empty(2, S * C // PS + 1, PS, KV, D, **meta).unbind(0)
+    scratch_page = k_cache.shape[0] - 1
     with LaunchRecorder() as rec:
-        q = rope_store_kv(qkv, cos, sin, slot_of, positions, k_cache, v_cache, S - 1, H, KV, D)
+        q = rope_store_kv(
+            qkv, cos, sin, block_table, slot_of, positions, k_cache, v_cache, scratch_page, H, KV, D
+        )
     assert dict(rec.counts) == {"_rope_store_kv_kernel": 1}
     assert q.shape == (T, H, D) and q.dtype == torch.bfloat16 and q.device.type == "meta"
 
@@ -341,9 +405,16 @@ def test_shape_errors():
     with pytest.raises(ValueError):
         silu_mul(torch.empty(3, 7, **meta))
     idx = torch.empty(3, device="meta", dtype=torch.int32)
-    cache = torch.empty(3, 8, 2, 16, **meta)
-    cos = torch.empty(8, 16, **meta)
+    table = torch.empty(2, 4, device="meta", dtype=torch.int32)
+    cache = torch.empty(9, 8, 2, 16, **meta)  # 9 pages of 8 positions
+    cos = torch.empty(32, 16, **meta)
+    qkv = torch.empty(3, 128, **meta)
     with pytest.raises(ValueError):  # 4 q + 2 * 2 kv heads of 16 columns is 128, not 120
-        rope_store_kv(torch.empty(3, 120, **meta), cos, cos, idx, idx, cache, cache, 2, 4, 2, 16)
-    with pytest.raises(ValueError):  # the scratch slot must be one of the cache's slots
-        rope_store_kv(torch.empty(3, 128, **meta), cos, cos, idx, idx, cache, cache, 3, 4, 2, 16)
+        rope_store_kv(torch.empty(3, 120, **meta), cos, cos, table, idx, idx, cache, cache, 8, 4, 2, 16)
+    with pytest.raises(ValueError):  # the scratch page must be one of the pool's pages
+        rope_store_kv(qkv, cos, cos, table, idx, idx, cache, cache, 9, 4, 2, 16)
+    with pytest.raises(ValueError):  # pages of 6 positions: the page size must be a power of two
+        odd = torch.empty(9, 6, 2, 16, **meta)
+        rope_store_kv(qkv, cos, cos, table, idx, idx, odd, odd, 8, 4, 2, 16)
+    with pytest.raises(ValueError):  # the block table is [n_slots, pages per slot]
+        rope_store_kv(qkv, cos, cos, table[0], idx, idx, cache, cache, 8, 4, 2, 16)

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 
+from ringleader.device.backends.kv_pool import KvPool
 from ringleader.device.engine_config import POLICIES as POLICY_NAMES
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import LlamaModel
@@ -123,9 +124,9 @@ class StepTimer:
         return out
 
 
-def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int) -> RingConfig:
+def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int, pool: KvPool) -> RingConfig:
     """The rings for `config` at `max_ctx` (the context the backend settled on: the model's
-    limit or the device's memory may cut the configured one)."""
+    limit or the device's memory may cut the configured one), over the KV pages of `pool`."""
     if config.policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
     n_slots, pending_cap = config.n_slots, config.pending_cap
@@ -142,6 +143,8 @@ def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int) -> Ri
         policy=POLICIES[config.policy],
         aging_steps=config.aging_steps,
         eos_ids=tuple(model.config.eos_token_ids[: layout.MAX_EOS_IDS]),
+        page_size=pool.page_size,
+        n_pages=pool.n_pages,
     )
 
 

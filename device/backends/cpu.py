@@ -19,8 +19,10 @@ import torch
 from ringleader.device.backends.common import StepTimer, model_info, ring_config_for
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
+from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import EagerStep, LlamaModel, StepLayout
+from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.sched.build import CpuScheduler
 from ringleader.ipc import layout
 from ringleader.ipc.backend import Backend, EngineDead
@@ -39,11 +41,21 @@ class CpuBackend(Doorbells, Backend):
         cfg = self.config = EngineConfig.of(config, **fields).resolved("cpu")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self._model = LlamaModel.from_spec(cfg.model, getattr(torch, cfg.dtype), "cpu", cfg.seed)
-        assert cfg.max_ctx is not None  # resolved("cpu") gives every config one
+        dtype = getattr(torch, cfg.dtype)
+        self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed)
+        assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
-        self._step = EagerStep(self._model, self._model.new_kv_cache(cfg.n_slots, max_ctx))
-        self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx))
+        self.kv_pool = plan_pool(
+            pool_bytes=cfg.kv_cache_memory,
+            bytes_per_token=KVCache.bytes_per_token(self._model.config, dtype),
+            page_size=cfg.page_size,
+            max_ctx=max_ctx,
+            n_slots=cfg.n_slots,
+        )
+        log.info("%s", self.kv_pool.describe())
+        kv = KVCache.for_model(self._model.config, self.kv_pool.n_pages, cfg.page_size, dtype, "cpu")
+        self._step = EagerStep(self._model, kv)
+        self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx, self.kv_pool))
         # zero-copy views of the scheduler's arrays, built once: the step reads and writes them in place
         self._layout = StepLayout.from_arrays(self._memory.arrays)
         self.rings = self._memory.rings
@@ -58,6 +70,7 @@ class CpuBackend(Doorbells, Backend):
             "token_budget": self._memory.config.token_budget,
             "policy": cfg.policy,
             "torch_threads": torch.get_num_threads(),
+            **self.kv_pool.as_description(),
         }
         self._scheduler = CpuScheduler()
         Doorbells.__init__(self)

@@ -6,7 +6,7 @@ UNVERIFIED until the bring-up (bench/gpu_bringup.py) has run on a GPU: written a
 (NVRTC) on machines without one.
 
 Construction does everything that can fail or synchronise: refuses settings that break a
-persistent kernel, sizes the KV cache from free memory, captures, checks, instantiates and
+persistent kernel, sizes the KV page pool from free memory, captures, checks, instantiates and
 uploads every graph (the launch graph too) and loads the scheduler module.  start() only
 launches; after it nothing allocates or frees device memory until stop().
 
@@ -101,13 +101,13 @@ class CudaBackend(Doorbells, Backend):
         self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed)
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
-        self._memory_plan = self._plan_memory(
-            n_slots, cfg.max_ctx, cfg.token_budget, dtype, cfg.gpu_memory_fraction
-        )
-        max_ctx = self._memory_plan.max_ctx
+        self._memory_plan = self._plan_memory(cfg, dtype)
+        self.kv_pool = pool = self._memory_plan.pool
+        max_ctx = pool.max_ctx
         self._model.prepare(max_ctx)
-        self._kv = StaticStep.new_kv_cache(self._model, n_slots, max_ctx)  # + a scratch slot for pad rows
-        ring_cfg = ring_config_for(self._model, cfg, max_ctx)
+        # the pool's pages and one more, the scratch page pad rows write into
+        self._kv = StaticStep.new_kv_cache(self._model, pool.n_pages, pool.page_size)
+        ring_cfg = ring_config_for(self._model, cfg, max_ctx, pool)
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
         self._scheduler_mode = scheduler
         self._trace_path = cfg.trace_path
@@ -133,7 +133,7 @@ class CudaBackend(Doorbells, Backend):
             raise MemoryError(
                 f"capturing the step graphs ran out of device memory after the KV "
                 f"cache took {self._memory_plan.kv_bytes / 2**30:.2f} GiB; lower "
-                f"--gpu-memory-fraction, --slots or --max-ctx ({exc})"
+                f"--kv-cache-memory, --gpu-memory-fraction or --slots ({exc})"
             ) from exc
         self._graphs.replay_each_once()
         torch.cuda.empty_cache()  # the warm-up's eager memory; safe: nothing persistent runs yet
@@ -148,7 +148,7 @@ class CudaBackend(Doorbells, Backend):
             "token_budget": ring_cfg.token_budget,
             "policy": cfg.policy,
             "buckets": list(ring_cfg.buckets),
-            "kv_cache_gib": round(self._memory_plan.kv_bytes / 2**30, 3),
+            **pool.as_description(),
             "gpu_memory_fraction": cfg.gpu_memory_fraction,
             "device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)"),
         }
@@ -163,28 +163,27 @@ class CudaBackend(Doorbells, Backend):
         self._released = False  # stop() has freed the device memory
 
     # ---- construction helpers --------------------------------------------------------------
-    def _plan_memory(self, n_slots, max_ctx, token_budget, dtype, fraction):
+    def _plan_memory(self, cfg: EngineConfig, dtype: torch.dtype):
         c = self._model.config
         free, total = torch.cuda.mem_get_info()
         plan = plan_model_kv_cache(
             c,
-            n_slots=n_slots,
-            max_ctx=max_ctx,
-            token_budget=token_budget,
+            n_slots=cfg.n_slots,
+            max_ctx=cfg.max_ctx,
+            token_budget=cfg.token_budget,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-            bytes_per_token=KVCache.bytes_needed(c, 1, 1, dtype),
+            bytes_per_token=KVCache.bytes_per_token(c, dtype),
+            page_size=cfg.page_size,
+            kv_cache_memory=cfg.kv_cache_memory,
             free_bytes=free,
             total_bytes=total,
-            fraction=fraction,
+            fraction=cfg.gpu_memory_fraction,
         )
         log.info(
-            "KV cache: %d slots x %d tokens = %.2f GiB (%.2f GiB left after weights and "
-            "workspace at fraction %.2f)",
-            n_slots,
-            plan.max_ctx,
-            plan.kv_bytes / 2**30,
+            "%s (%.2f GiB left after weights and workspace at --gpu-memory-fraction %.2f)",
+            plan.pool.describe(),
             plan.budget_bytes / 2**30,
-            fraction,
+            cfg.gpu_memory_fraction,
         )
         return plan
 

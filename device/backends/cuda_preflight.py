@@ -1,5 +1,5 @@
 """Checks made before the CUDA backend touches the GPU: settings that break a persistent kernel,
-and whether the asked KV cache fits in device memory.  Pure functions, testable anywhere."""
+and how many KV pages fit in device memory.  Pure functions, testable anywhere."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from ringleader.device.backends.kv_pool import KvPool, plan_pool
+
 GIB = 1 << 30
 MIB = 1 << 20
-CTX_GRANULE = 256  # an automatically sized context is a multiple of this many tokens
 FIXED_RESERVE = 512 * MIB  # cuBLAS workspaces, Triton, the CUDA context's own growth
 
 
@@ -61,14 +62,16 @@ def refuse_unsafe_environment(environ=None, *, allocator_backend: str | None = N
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The KV cache that fits: slots x context, and the arithmetic behind it (bytes)."""
+    """The KV page pool that fits, and the arithmetic behind it (bytes)."""
 
-    n_slots: int
-    max_ctx: int
-    kv_bytes: int
-    bytes_per_token: int
-    budget_bytes: int
+    pool: KvPool
+    kv_bytes: int  # the pool and the scratch page that pad rows write into
+    budget_bytes: int  # what --gpu-memory-fraction leaves for the KV cache
     workspace_bytes: int
+
+    @property
+    def max_ctx(self) -> int:
+        return self.pool.max_ctx
 
 
 def step_workspace_bytes(
@@ -95,44 +98,55 @@ def plan_kv_cache(
     max_ctx: int | None,
     model_max_ctx: int,
     bytes_per_token: int,
+    page_size: int,
+    kv_cache_memory: int | float | None,
     free_bytes: int,
     total_bytes: int,
     fraction: float,
     workspace_bytes: int,
 ) -> MemoryPlan:
-    """Sizes the cache from free device memory.  Of `fraction` of the device, what is already in
-    use (weights, other processes) and the step's workspace are taken first; the KV cache gets
-    the rest.  max_ctx None picks the longest context that fits (capped by the model's); a
-    given max_ctx that does not fit is an error that says what would."""
+    """Sizes the page pool from free device memory.  Of `fraction` of the device, what is already
+    in use (weights, other processes) and the step's workspace are taken first; the pool gets
+    the rest, or `kv_cache_memory` of it: bytes, or a fraction of the memory free after the
+    workspace.  One page more is the scratch page pad rows write into.  max_ctx None takes the
+    model's limit, cut to what the pool holds; a max_ctx that not even one request of can fit is
+    an error that says what would."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {fraction}")
     used = total_bytes - free_bytes
     budget = int(fraction * total_bytes) - used - workspace_bytes
-    rows = n_slots + 1  # + the scratch slot that pad rows write to
-    fits_ctx = max(0, budget) // (rows * bytes_per_token)
     where = (
         f"{_gib(max(0, budget))} is left for it: --gpu-memory-fraction {fraction} of "
         f"{_gib(total_bytes)}, less {_gib(used)} already in use (the weights and anything "
         f"else on the device) and about {_gib(workspace_bytes)} for the step's workspace"
     )
-    if max_ctx is None:
-        ctx = min(model_max_ctx, fits_ctx // CTX_GRANULE * CTX_GRANULE)
-        if ctx < CTX_GRANULE:
+    if isinstance(kv_cache_memory, float):
+        pool_bytes = int(kv_cache_memory * max(0, free_bytes - workspace_bytes))
+    elif kv_cache_memory is not None:
+        pool_bytes = kv_cache_memory
+        if pool_bytes > free_bytes - workspace_bytes:
             raise MemoryError(
-                f"no KV cache fits: {n_slots} slots need {_gib(rows * bytes_per_token * CTX_GRANULE)} "
-                f"for even {CTX_GRANULE} tokens each; {where}; lower --slots"
+                f"--kv-cache-memory {_gib(pool_bytes)} does not fit: {_gib(free_bytes)} of the "
+                f"device is free, less about {_gib(workspace_bytes)} for the step's workspace"
             )
-        max_ctx = ctx
-    need = rows * max_ctx * bytes_per_token
-    if need > budget:
-        slots_fit = max(0, budget // (max_ctx * bytes_per_token) - 1)
-        raise MemoryError(
-            f"the KV cache does not fit: {n_slots} slots x {max_ctx} tokens (+1 scratch slot) x "
-            f"{bytes_per_token / 1024:.1f} KiB per token = {_gib(need)}, and {where}. At "
-            f"--max-ctx {max_ctx} at most {slots_fit} slots fit; at --slots {n_slots} at most "
-            f"{fits_ctx} tokens per slot"
+    else:
+        pool_bytes = budget
+    page_bytes = page_size * bytes_per_token
+    pages = max(0, pool_bytes) // page_bytes - 1  # less the scratch page
+    ctx = min(max_ctx or model_max_ctx, model_max_ctx)
+    if max_ctx is None:
+        ctx = min(ctx, max(page_size, pages * page_size))  # one request may take the whole pool
+    try:
+        pool = plan_pool(
+            pool_bytes=max(0, pages) * page_bytes,
+            bytes_per_token=bytes_per_token,
+            page_size=page_size,
+            max_ctx=ctx,
+            n_slots=n_slots,
         )
-    return MemoryPlan(n_slots, max_ctx, need, bytes_per_token, budget, workspace_bytes)
+    except MemoryError as exc:
+        raise MemoryError(f"{exc}; on this device {where}") from None
+    return MemoryPlan(pool, (pool.n_pages + 1) * page_bytes, budget, workspace_bytes)
 
 
 def plan_model_kv_cache(
@@ -143,6 +157,8 @@ def plan_model_kv_cache(
     token_budget: int,
     dtype_bytes: int,
     bytes_per_token: int,
+    page_size: int,
+    kv_cache_memory: int | float | None,
     free_bytes: int,
     total_bytes: int,
     fraction: float,
@@ -163,6 +179,8 @@ def plan_model_kv_cache(
         max_ctx=max_ctx,
         model_max_ctx=config.max_position_embeddings,
         bytes_per_token=bytes_per_token,
+        page_size=page_size,
+        kv_cache_memory=kv_cache_memory,
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         fraction=fraction,

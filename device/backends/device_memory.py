@@ -13,10 +13,10 @@ from ringleader.ipc import layout
 from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
 PINNED = layout.HOST_RINGS
-# The step layout: ringleader.ipc.layout.ARRAYS from the header to the last sample field, contiguous in
+# The step layout: ringleader.ipc.layout.ARRAYS from the header to the block table, contiguous in
 # both memory plans, so the host-scheduled baseline uploads it in one copy.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
-LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step") : _NAMES.index("sample_counter") + 1])
+LAYOUT_RUN = tuple(_NAMES[_NAMES.index("step") : _NAMES.index("block_table") + 1])
 
 
 class DeviceMemory:

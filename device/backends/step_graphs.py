@@ -68,7 +68,7 @@ class StepGraphs:
 
     def replay_each_once(self) -> None:
         """Replays each graph once on the all-pad layout the warm-up left (no samples; pad rows
-        write the scratch slot): a first replay instantiates and uploads the graph, so neither
+        write the scratch page): a first replay instantiates and uploads the graph, so neither
         happens later, inside a measured run or beside a running kernel."""
         with torch.cuda.stream(self._stream):
             for b in self.buckets:

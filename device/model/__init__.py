@@ -1,4 +1,4 @@
-"""Llama-family model, KV cache, checkpoint loading and sampling."""
+"""Llama-family model, paged KV cache, checkpoint loading and sampling."""
 
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.eager_step import EagerStep

@@ -4,8 +4,9 @@
 the CPU build of the scheduler shares the kernel's source: one step, one layout, one sampler.
 What differs is what it may read on the host. It reads the layout's counts and segments (on the
 CPU zero-copy views of the scheduler's arrays), so shapes follow the step's content: exactly
-n_tokens rows with `EagerAttention` as the KV-cache side, exactly n_samples sample entries, no
-pad rows and no scratch slot. Not capturable; `StaticStep` is the form for CUDA graphs.
+n_tokens rows with `EagerAttention` as the KV-cache side (through the layout's block table),
+exactly n_samples sample entries, no pad rows and no scratch page. Not capturable; `StaticStep`
+is the form for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from ringleader.device.model.step_layout import StepLayout
 
 
 class EagerStep:
-    """The unified ragged step over `model` and its KV cache `kv` (n_slots slots, no scratch)."""
+    """The unified ragged step over `model` and its paged KV cache `kv` (the pages the layout's
+    block table names; no scratch page)."""
 
     def __init__(self, model: LlamaModel, kv: KVCache) -> None:
         self.model, self.kv = model, kv
-        model.prepare(kv.max_ctx)
 
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Mistral) with one unified ragged step.
 
 A step takes rows from many requests at once (decode rows and prefill chunks), writes each
-row's k/v into the per-slot KV cache and attends over that slot's cached prefix.
+row's k/v into the paged KV cache (the pages its slot's block-table row names) and attends over
+that slot's cached prefix.
 
 `LlamaModel.forward` is the trunk both steps share (embedding, the layers, final norm and
 lm_head on the sampled rows); each step passes in its own KV-cache side (`CacheAttention`):
@@ -135,7 +136,8 @@ class LlamaModel(nn.Module):
         return self.embed.weight.device
 
     def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        return KVCache.for_model(self.config, n_slots, max_ctx, dtype or self.dtype, self.device)
+        """A cache of n_slots slots of max_ctx positions each, with its fixed slot_table."""
+        return KVCache.for_slots(self.config, n_slots, max_ctx, dtype=dtype or self.dtype, device=self.device)
 
     def prepare(self, max_ctx: int) -> None:
         """Precomputes the RoPE cos/sin tables for positions [0, max_ctx) (once; step calls it
@@ -182,12 +184,20 @@ class LlamaModel(nn.Module):
         return self.step(batch, kv)[0]
 
     def step(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
-        """Runs all rows of `batch`, updating `kv`; returns fp32 logits [len(sample_rows), vocab]."""
+        """Runs all rows of `batch`, updating `kv` through batch.block_table (or, without one,
+        kv.slot_table); returns fp32 logits [len(sample_rows), vocab]."""
+        block_table = batch.block_table if batch.block_table is not None else kv.slot_table
+        if block_table is None:
+            raise ValueError(
+                "no block table: the batch carries none and the KV cache has no slot_table "
+                "(build it with KVCache.for_slots / LlamaModel.new_kv_cache)"
+            )
         plan = batch.get_plan()
-        self.prepare(kv.max_ctx)
+        self.prepare(block_table.shape[1] * kv.page_size)  # the longest context the table reaches
         cos = self._cos.index_select(0, batch.positions)
         sin = self._sin.index_select(0, batch.positions)
-        return self(batch.token_ids, EagerAttention(batch, plan, kv, cos, sin), batch.sample_rows)
+        cache = EagerAttention(batch, plan, kv, block_table, cos, sin)
+        return self(batch.token_ids, cache, batch.sample_rows)
 
 
 def generate_greedy(

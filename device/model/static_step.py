@@ -10,9 +10,13 @@ are computed for the first min(bucket, n_slots) sample entries (a step never sam
 entries than it has rows), and only the first n_samples of them (a device-side count) write
 next_token. It never reads the layout's segments, n_tokens or n_segments.
 
-Scratch slot: pad rows still produce k/v; they are written to slot n_slots (position 0), so
-the KV cache must have n_slots + 1 slots (`StaticStep.new_kv_cache`). Real slots are never
-touched by pad rows.
+Paging: the KV cache is a pool of pages; row t's k/v go to page block_table[slot_of[t],
+pos // PS] at offset pos % PS (layout.block_table, written by the scheduler), and attention
+reads each row's context through the same table.
+
+Scratch page: pad rows still produce k/v; they are written to the cache's last page (offset
+0), which the scheduler never hands out, so the cache has one page more than the scheduler's
+pool (`StaticStep.new_kv_cache`). Real pages are never touched by pad rows.
 
 Capture on CUDA (the capturing code's side):
   1. model.prepare(max_ctx) is called by StaticStep.__init__; build the StepLayout (device
@@ -43,24 +47,29 @@ from ringleader.device.model.triton_attention import ragged_attention_reference
 class StaticAttention:
     """CacheAttention for one static step in torch: fixed shapes, index tensors, no host syncs.
 
-    Row t's k/v go to flat cache row slot * max_ctx + position (pad rows to the scratch slot,
-    position 0) with index_copy_; `attend` has the signature of ragged_attention_reference.
+    Row t's k/v go to flat cache row page * PS + position % PS of the layer's pages viewed as
+    [P * PS, KV, D], page = block_table[slot, position // PS] (pad rows: the scratch page,
+    offset 0), with index_copy_; `attend` has the signature of ragged_attention_reference.
     """
 
-    def __init__(self, step: StaticStep, slot_of: torch.Tensor, positions: torch.Tensor) -> None:
-        self.step, self.kv, self.slot_of, self.positions = step, step.kv, slot_of, positions
+    def __init__(
+        self, step: StaticStep, block_table: torch.Tensor, slot_of: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        self.step, self.kv = step, step.kv
+        self.block_table, self.slot_of, self.positions = block_table, slot_of, positions
         self._prepare_rows()
 
     def _prepare_rows(self) -> None:
         """Once per step: each row's cache row and RoPE entries."""
-        step = self.step
+        step, PS = self.step, self.kv.page_size
         pos = self.positions.long().clamp(0, step.max_ctx - 1)
-        write_slot = torch.where(self.slot_of >= 0, self.slot_of.long(), step.scratch_slot)
-        self.cache_row = write_slot * step.kv.max_ctx + pos
+        live = self.slot_of >= 0
+        page = self.block_table[self.slot_of.long().clamp(min=0), pos // PS].long()
+        self.cache_row = torch.where(live, page * PS + pos % PS, step.scratch_page * PS)
         self.cos, self.sin = step._cos.index_select(0, pos), step._sin.index_select(0, pos)
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+        k_cache, v_cache = self.kv.layer(layer)
         KV, D = self.kv.num_kv_heads, self.kv.head_dim
         q, k, v = rope_split(qkv, self.cos, self.sin, KV, D)
         k_cache.view(-1, KV, D).index_copy_(0, self.cache_row, k.to(k_cache.dtype))
@@ -68,13 +77,14 @@ class StaticAttention:
         return q
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        return self.step._attend(q, k_cache, v_cache, self.slot_of, self.positions, self.step.scale)
+        k_cache, v_cache = self.kv.layer(layer)
+        step = self.step
+        return step._attend(q, k_cache, v_cache, self.block_table, self.slot_of, self.positions, step.scale)
 
 
 class FusedStaticAttention(StaticAttention):
     """StaticAttention whose RoPE and k/v store are one Triton launch per layer
-    (triton_fused.rope_store_kv reads the cos/sin tables and computes the cache rows itself)."""
+    (triton_fused.rope_store_kv reads the cos/sin tables and the block table itself)."""
 
     def _prepare_rows(self) -> None:
         pass  # the kernel does it per row
@@ -87,11 +97,12 @@ class FusedStaticAttention(StaticAttention):
             qkv,
             step._cos[: step.max_ctx],  # positions clamp to the step's max_ctx, as in torch
             step._sin[: step.max_ctx],
+            self.block_table,
             self.slot_of,
             self.positions,
             kv.k[layer],
             kv.v[layer],
-            step.scratch_slot,
+            step.scratch_page,
             step.n_heads,
             kv.num_kv_heads,
             kv.head_dim,
@@ -111,17 +122,11 @@ class StaticStep:
         attention: str | Callable[..., torch.Tensor] = "triton",
         fused: bool | None = None,
     ) -> None:
-        """attention: "triton", "torch" (the masked reference) or a function with the
+        """kv: the paged cache, its last page the scratch page (StaticStep.new_kv_cache).
+        attention: "triton", "torch" (the masked reference) or a function with the
         signature of ragged_attention_reference. fused: the pointwise work (RMSNorm + residual,
         RoPE + k/v store, SiLU * up) as the Triton kernels of triton_fused instead of torch
         ops; None: with attention="triton"."""
-        if kv.n_slots < n_slots + 1:
-            raise ValueError(
-                f"the KV cache needs n_slots + 1 = {n_slots + 1} slots (one scratch "
-                f"slot for pad rows), has {kv.n_slots}; use StaticStep.new_kv_cache"
-            )
-        if kv.max_ctx < max_ctx:
-            raise ValueError(f"KV cache max_ctx {kv.max_ctx} < {max_ctx}")
         self._attend: Callable[..., torch.Tensor]
         if attention == "triton":
             from ringleader.device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
@@ -150,7 +155,7 @@ class StaticStep:
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / (c.head_dim**0.5)  # SDPA's default, as the eager step uses
-        self.scratch_slot = n_slots
+        self.scratch_page = kv.n_pages - 1
         dev = model.device
         model.prepare(max_ctx)
         assert model._cos is not None and model._sin is not None  # prepare() made them
@@ -161,10 +166,10 @@ class StaticStep:
 
     @staticmethod
     def new_kv_cache(
-        model: LlamaModel, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None
+        model: LlamaModel, n_pages: int, page_size: int = 16, dtype: torch.dtype | None = None
     ) -> KVCache:
-        """A KV cache with the scratch slot (n_slots + 1 slots)."""
-        return model.new_kv_cache(n_slots + 1, max_ctx, dtype)
+        """A paged KV cache of the scheduler's n_pages pages plus the scratch page (the last)."""
+        return KVCache.for_model(model.config, n_pages + 1, page_size, dtype or model.dtype, model.device)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -175,7 +180,10 @@ class StaticStep:
         (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor)."""
         if not 0 < bucket <= self.token_budget:
             raise ValueError(f"bucket {bucket} not in [1, {self.token_budget}]")
-        cache = self._cache_side(self, layout.slot_of[:bucket], layout.positions[:bucket])
+        reach = layout.block_table.shape[1] * self.kv.page_size
+        if reach < self.max_ctx:  # a clamped position's page must be in the table
+            raise ValueError(f"the block table reaches {reach} positions < max_ctx {self.max_ctx}")
+        cache = self._cache_side(self, layout.block_table, layout.slot_of[:bucket], layout.positions[:bucket])
         # a step samples at most one entry per row: the bucket bounds the sampled entries
         m = min(bucket, self.n_slots)
         rows = layout.sample_row[:m].long().clamp(0, bucket - 1)  # stale entries may point anywhere

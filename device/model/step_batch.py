@@ -1,4 +1,5 @@
-"""The input of one unified ragged model step: decode rows and prefill chunks mixed."""
+"""The input of one unified ragged model step: decode rows and prefill chunks mixed, and the
+block table that maps their slots' positions to KV-cache pages."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ class StepPlan:
     """Host-side attention plan, derived from the segment arrays (no device syncs needed).
 
     Segments of one row ("decode-like", including a 1-token last prefill chunk) are attended
-    together as one padded batch; longer segments each run on their own.
+    together in padded batches, each padded to its longest context; longer segments each run
+    on their own. Decode rows form one batch unless padding would more than double the reads;
+    then they are grouped by context length in powers of two, so no row reads more than twice
+    its own context (mixed lengths at many slots: one long row no longer pads every short one).
     """
 
-    decode_rows: torch.Tensor | None  # [B] int64 row ids of 1-row segments; None = all rows
+    # (row ids [B] int64, or None = every row of the step in order; the longest context in it)
+    decode_groups: list[tuple[torch.Tensor | None, int]]
     n_decode: int
-    decode_max_ctx: int  # longest context (last position + 1) among the decode rows
     prefill: list[tuple[int, int, int, int]]  # (slot, row_start, n_rows, ctx_end) per segment
 
     @classmethod
@@ -39,19 +43,26 @@ class StepPlan:
         is_decode = seg_n_rows == 1
         dec_starts = np.asarray(seg_row_start)[is_decode]
         n_decode = int(dec_starts.shape[0])
-        decode_max_ctx = int(positions[dec_starts].max()) + 1 if n_decode else 0
-        all_rows_in_order = n_decode == n_rows_total and np.array_equal(dec_starts, np.arange(n_decode))
-        if n_decode == 0 or all_rows_in_order:
-            decode_rows = None  # nothing to gather: no decode rows, or every row in row order
-        else:
-            decode_rows = torch.from_numpy(dec_starts.astype(np.int64)).to(device)
+        groups: list[tuple[torch.Tensor | None, int]] = []
+        if n_decode:
+            ctx = positions[dec_starts].astype(np.int64) + 1
+            if n_decode * int(ctx.max()) <= 2 * int(ctx.sum()):  # padding at most doubles the reads
+                in_order = n_decode == n_rows_total and np.array_equal(dec_starts, np.arange(n_decode))
+                rows = None if in_order else torch.from_numpy(dec_starts.astype(np.int64)).to(device)
+                groups.append((rows, int(ctx.max())))
+            else:
+                level = np.ceil(np.log2(ctx)).astype(np.int64)
+                for lv in np.unique(level):
+                    members = level == lv
+                    rows = torch.from_numpy(dec_starts[members].astype(np.int64)).to(device)
+                    groups.append((rows, int(ctx[members].max())))
         prefill = []
         for s in np.flatnonzero(~is_decode):
             start, n = int(seg_row_start[s]), int(seg_n_rows[s])
             if n == 0:
                 continue
             prefill.append((int(seg_slot[s]), start, n, int(positions[start + n - 1]) + 1))
-        return cls(decode_rows, n_decode, decode_max_ctx, prefill)
+        return cls(groups, n_decode, prefill)
 
 
 @dataclass
@@ -62,6 +73,8 @@ class StepBatch:
     its KV slot. Segments are contiguous runs of rows of one slot whose positions are
     consecutive and end at the slot's current context end: seg_slot[S], seg_row_start[S],
     seg_n_rows[S]. sample_rows[N]: rows whose logits are wanted, in output order.
+    block_table [n_slots, M] (int64 or int32): the KV pages of each slot's positions (see
+    KVCache); None: the cache's own slot_table.
     """
 
     token_ids: torch.Tensor
@@ -71,6 +84,7 @@ class StepBatch:
     seg_row_start: torch.Tensor
     seg_n_rows: torch.Tensor
     sample_rows: torch.Tensor
+    block_table: torch.Tensor | None = None
     plan: StepPlan | None = None
 
     @property
@@ -100,9 +114,11 @@ class StepBatch:
         seg_row_start: np.ndarray,
         seg_n_rows: np.ndarray,
         sample_rows: np.ndarray,
+        block_table: np.ndarray | None = None,
         device: str | torch.device = "cpu",
     ) -> StepBatch:
-        """From the scheduler's numpy (int32) arrays, already sliced to real sizes.
+        """From the scheduler's numpy (int32) arrays, already sliced to real sizes (block_table:
+        the whole [n_slots, M] table).
 
         Cost: one small host->device copy per array plus an int64 widening; the plan is
         built from the numpy arrays, so no device->host sync happens.
@@ -120,6 +136,7 @@ class StepBatch:
             t(seg_row_start),
             t(seg_n_rows),
             t(sample_rows),
+            None if block_table is None else t(block_table),
             plan,
         )
 
@@ -140,6 +157,7 @@ class StepBatch:
             host(layout.seg_row_start[segs]),
             host(layout.seg_n_rows[segs]),
             host(layout.sample_row[:n_samples]),
+            host(layout.block_table),
             device=layout.token_ids.device,
         )
 
@@ -148,10 +166,11 @@ class StepBatch:
         cls,
         segments: list[tuple[int, list[int], int]],
         sample_rows: list[int] | None = None,
+        block_table: np.ndarray | torch.Tensor | None = None,
         device: str | torch.device = "cpu",
     ) -> StepBatch:
         """Convenience builder: segments = [(slot, token_ids, first_position), ...]. By default
-        the last row of every segment is sampled."""
+        the last row of every segment is sampled, and the pages are the cache's slot_table."""
         tok, pos, slot_of, seg_slot, seg_start, seg_n, last = [], [], [], [], [], [], []
         for slot, ids, p0 in segments:
             seg_slot.append(slot)
@@ -171,5 +190,6 @@ class StepBatch:
             arr(seg_start),
             arr(seg_n),
             arr(rows),
+            None if block_table is None else torch.as_tensor(block_table).cpu().numpy(),
             device=device,
         )

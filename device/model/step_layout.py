@@ -1,9 +1,10 @@
 """The step layout: the scheduler's arrays for one model step, as the tensors both steps read.
 
-The scheduler (ringleader.ipc.layout.ARRAYS) writes the rows, segments, sample entries and the
-header counts; a step reads them and writes next_token. `StaticStep` (the CUDA-graph step) reads
-only what it can read on the device: the rows, the sample entries and n_samples. `EagerStep`
-also reads the segments and the counts on the host, which on the CPU are zero-copy views.
+The scheduler (ringleader.ipc.layout.ARRAYS) writes the rows, segments, sample entries, the
+block table (each slot's KV pages) and the header counts; a step reads them and writes
+next_token. `StaticStep` (the CUDA-graph step) reads only what it can read on the device: the
+rows, the block table, the sample entries and n_samples. `EagerStep` also reads the segments
+and the counts on the host, which on the CPU are zero-copy views.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ _FIELDS = {
     "n_segments": (np.int32, "step.n_segments"),
     "n_samples": (np.int32, "step.n_samples"),
     "next_token": (np.int32, "next_token"),
+    "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
 }
-_ROW_FIELDS = ("token_ids", "positions", "slot_of")  # [token_budget]; the counts [1]; the rest [n_slots]
+# [token_budget]; the counts [1]; block_table [n_slots, pages_per_slot]; the rest [n_slots]
+_ROW_FIELDS = ("token_ids", "positions", "slot_of")
 
 
 # a count's int32 word in the step header (RlStepHeader, ringleader.ipc.layout.STEP)
@@ -48,7 +51,8 @@ _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().f
 
 def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every field as a view of the scheduler's arrays: `array(name, dtype)` views one whole array
-    as dtype; a count is a [1] view of its word in the step header."""
+    as dtype; a count is a [1] view of its word in the step header; the block table is viewed
+    as [n_slots, pages_per_slot]."""
     header = array("step", np.dtype(np.int32))
     views = {}
     for name, (dtype, src) in _FIELDS.items():
@@ -57,6 +61,8 @@ def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Te
             views[name] = header[word : word + 1]
         else:
             views[name] = array(src, np.dtype(dtype))
+    n_slots = views["seg_slot"].shape[0]
+    views["block_table"] = views["block_table"].view(n_slots, -1)
     return views
 
 
@@ -67,7 +73,8 @@ class StepLayout:
     token_ids, positions, slot_of: int32 [token_budget] (pad rows: slot_of = -1); seg_slot,
     seg_row_start, seg_n_rows: int32 [n_slots]; sample_*: [n_slots] (seed as int64); n_tokens,
     n_segments, n_samples: int32 [1], the header's counts; next_token: int32 [n_slots], written
-    by a step's run.
+    by a step's run; block_table: int32 [n_slots, pages_per_slot], slot s's position p is in
+    KV page block_table[s, p // page_size] (entries past a slot's context are arbitrary).
     """
 
     token_ids: torch.Tensor
@@ -87,6 +94,7 @@ class StepLayout:
     n_segments: torch.Tensor
     n_samples: torch.Tensor
     next_token: torch.Tensor
+    block_table: torch.Tensor
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> StepLayout:
@@ -105,16 +113,19 @@ class StepLayout:
         return cls(**_views(lambda name, dtype: tensor(name, getattr(torch, dtype.name))))
 
     @classmethod
-    def allocate(cls, n_slots: int, token_budget: int, device: Device) -> StepLayout:
-        """Zeroed tensors of the right sizes (pad rows have slot_of = -1)."""
+    def allocate(cls, n_slots: int, token_budget: int, device: Device, pages_per_slot: int) -> StepLayout:
+        """Zeroed tensors of the right sizes (pad rows have slot_of = -1; every block-table
+        entry names page 0)."""
 
-        def length(name: str) -> int:
+        def shape(name: str) -> tuple[int, ...]:
             if name in _ROW_FIELDS:
-                return token_budget
-            return 1 if _FIELDS[name][1].startswith("step.") else n_slots
+                return (token_budget,)
+            if name == "block_table":
+                return (n_slots, pages_per_slot)
+            return (1,) if _FIELDS[name][1].startswith("step.") else (n_slots,)
 
         out = {
-            name: torch.zeros(length(name), dtype=getattr(torch, np.dtype(dtype).name), device=device)
+            name: torch.zeros(shape(name), dtype=getattr(torch, np.dtype(dtype).name), device=device)
             for name, (dtype, _) in _FIELDS.items()
         }
         out["slot_of"].fill_(-1)

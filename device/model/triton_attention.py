@@ -1,10 +1,17 @@
-"""Ragged causal attention over a per-slot KV cache, as graph-capturable Triton launches.
+"""Ragged causal attention over a paged KV cache, as graph-capturable Triton launches.
+
+Paged cache: one layer's k/v_cache is a pool of pages [P, PS, KV, D] (P pages of PS token
+positions, PS a power of two) and the int32 block table [n_slots, M] maps slot s's position p
+to k_cache[block_table[s, p // PS], p % PS]. A row reaches at most max_ctx = M * PS positions;
+block-table entries past a row's context are never read (they may be unallocated garbage).
 
 Each of the T rows (a decode token or one row of a prefill chunk) attends over its own slot's
 cache positions [0, positions[row]] (its own k/v are already written there). A program handles
 one (row, kv head) and the q_per_kv query heads sharing that kv head together (GQA), walking
-the slot's cache in BLOCK_N blocks only up to the row's own context end with an online softmax
-in fp32, so the cost follows each row's real context and not max_ctx.
+the slot's context in BLOCK_N column blocks only up to the row's own context end with an
+online softmax in fp32, so the cost follows each row's real context and not max_ctx. Each
+block looks its columns' pages up in the slot's block-table row; BLOCK_N does not depend on
+PS, so a block may span several pages (PS < BLOCK_N) or a page several blocks.
 
 Split-K (flash-decoding): a few rows give only T * n_kv_heads programs, far fewer than the
 GPU's SMs, so a long decode would run on a handful of them. With n_splits > 1 the grid is
@@ -18,14 +25,14 @@ single launch with no scratch, and `choose_splits` picks n_splits from the bucke
 sizes.
 
 Everything a launch depends on is static: the grids come from T (the bucket size) and static
-sizes, loop bounds are read on the device, and pad rows (slot_of < 0) run zero iterations,
-read no cache and write zeros. So the launches can be captured once per bucket in a CUDA
-graph. Nothing syncs with the host; the first call for a dtype / head shape / n_splits
-compiles (do it before capturing). Every launch goes through `triton_launch.launch`, so a step
-walked on the meta device can count them.
+sizes, loop bounds and pages are read on the device, and pad rows (slot_of < 0) run zero
+iterations, read no cache nor block table and write zeros. So the launches can be captured
+once per bucket in a CUDA graph. Nothing syncs with the host; the first call for a dtype /
+head shape / page size / n_splits compiles (do it before capturing). Every launch goes through
+`triton_launch.launch`, so a step walked on the meta device can count them.
 
-`ragged_attention_reference` is the same function in plain torch (masked over max_ctx): the
-CPU path and the reference in tests.
+`ragged_attention_reference` is the same function in plain torch (each row's pages gathered
+and masked over max_ctx): the CPU path and the reference in tests.
 
 Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors.
 """
@@ -59,27 +66,36 @@ def ragged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     slot_of: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D]; k/v_cache [S, C, KV, D]; slot_of/positions [T] -> o [T, H, D] (q.dtype).
+    """q [T, H, D]; k/v_cache [P, PS, KV, D] pages; block_table [S, M]; slot_of/positions [T]
+    -> o [T, H, D] (q.dtype).
 
-    Static shapes only (a [T, C] mask), so it is capturable too, but it gathers T full-length
-    caches: meant for the CPU and for tests, not for speed.
+    Static shapes only (each row's M pages gathered, a [T, M * PS] mask), so it is capturable
+    too, but it gathers T full-length contexts: meant for the CPU and for tests, not for speed.
     """
     T, H, D = q.shape
-    C, KV = k_cache.shape[1], k_cache.shape[2]
+    PS, KV = k_cache.shape[1], k_cache.shape[2]
+    M = block_table.shape[1]
     G = H // KV
     live = slot_of >= 0
     slot = torch.where(live, slot_of, torch.zeros_like(slot_of)).long()
-    k = k_cache.index_select(0, slot).float()  # [T, C, KV, D]
-    v = v_cache.index_select(0, slot).float()
-    scores = torch.einsum("tkgd,tckd->tkgc", q.float().view(T, KV, G, D), k) * scale
-    cols = torch.arange(C, device=q.device)
-    allowed = (cols[None, :] <= positions.long()[:, None]) & live[:, None]  # [T, C]
+    pos = positions.long()
+    # entries past a row's last page may be garbage: never index with them, gather page 0 there
+    used = (torch.arange(M, device=q.device)[None, :] <= pos[:, None] // PS) & live[:, None]
+    pages = torch.where(used, block_table.index_select(0, slot).long(), 0)  # [T, M]
+    k = k_cache[pages].reshape(T, M * PS, KV, D).float()
+    v = v_cache[pages].reshape(T, M * PS, KV, D).float()
+    cols = torch.arange(M * PS, device=q.device)
+    allowed = (cols[None, :] <= pos[:, None]) & live[:, None]  # [T, M * PS]
     # pad rows get one finite column so softmax stays finite; their output is zeroed below
     allowed = allowed | (~live[:, None] & (cols[None, :] == 0))
+    # masked cells may hold anything (a page's stale tail, NaN): p = 0 must not meet them
+    v = v.masked_fill(~allowed[:, :, None, None], 0.0)
+    scores = torch.einsum("tkgd,tckd->tkgc", q.float().view(T, KV, G, D), k) * scale
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     out = torch.einsum("tkgc,tckd->tkgd", torch.softmax(scores, dim=-1), v).reshape(T, H, D)
     return torch.where(live[:, None, None], out, torch.zeros_like(out)).to(q.dtype)
@@ -92,8 +108,12 @@ if HAVE_TRITON:
         q,
         k_base,
         v_base,
+        bt_row,
+        stride_bt_m,
+        stride_kp,
         stride_kn,
         stride_kd,
+        stride_vp,
         stride_vn,
         stride_vd,
         lo,
@@ -103,10 +123,12 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """Online softmax of q [BLOCK_G, BLOCK_D] over cache columns [lo, hi): the unnormalised
-        acc, the running max m (log2 units; -inf for an empty span) and the sum l."""
+        """Online softmax of q [BLOCK_G, BLOCK_D] over context columns [lo, hi), column c read
+        from page bt_row[c // PAGE_SIZE] at offset c % PAGE_SIZE: the unnormalised acc, the
+        running max m (log2 units; -inf for an empty span) and the sum l."""
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         d_ok = offs_d < HEAD_DIM
@@ -116,8 +138,13 @@ if HAVE_TRITON:
         for start in range(lo, hi, BLOCK_N):
             cols = start + offs_n
             c_ok = cols < hi
+            # only the row's own pages: entries past its context may be garbage
+            page = tl.load(bt_row + (cols // PAGE_SIZE) * stride_bt_m, mask=c_ok, other=0).to(tl.int64)
+            in_page = (cols % PAGE_SIZE).to(tl.int64)
+            k_cols = page * stride_kp + in_page * stride_kn
+            v_cols = page * stride_vp + in_page * stride_vn
             kt = tl.load(  # [BLOCK_D, BLOCK_N]: k transposed by addressing
-                k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
+                k_base + k_cols[None, :] + offs_d[:, None] * stride_kd,
                 mask=d_ok[:, None] & c_ok[None, :],
                 other=0.0,
             )
@@ -129,7 +156,7 @@ if HAVE_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(
-                v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                v_base + v_cols[:, None] + offs_d[None, :] * stride_vd,
                 mask=c_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
@@ -143,28 +170,32 @@ if HAVE_TRITON:
         k_ptr,
         v_ptr,
         o_ptr,
+        bt_ptr,
         slot_ptr,
         pos_ptr,
         stride_qt,
         stride_qh,
         stride_qd,
-        stride_ks,
+        stride_kp,
         stride_kn,
         stride_kh,
         stride_kd,
-        stride_vs,
+        stride_vp,
         stride_vn,
         stride_vh,
         stride_vd,
         stride_ot,
         stride_oh,
         stride_od,
+        stride_bt_s,
+        stride_bt_m,
         stride_slot,
         stride_pos,
         max_ctx,
         scale_log2e,
         Q_PER_KV: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -176,7 +207,7 @@ if HAVE_TRITON:
         slot = tl.load(slot_ptr + row * stride_slot)
         pos = tl.load(pos_ptr + row * stride_pos)
         live = slot >= 0
-        # pad rows: an empty loop, so they read no cache at all
+        # pad rows: an empty loop, so they read no cache and no block table at all
         n_ctx = tl.where(live, tl.minimum(pos + 1, max_ctx), 0)
         slot64 = tl.where(live, slot, 0).to(tl.int64)
 
@@ -191,10 +222,14 @@ if HAVE_TRITON:
         )
         acc, m_i, l_i = _attend_span(
             q,
-            k_ptr + slot64 * stride_ks + kvh * stride_kh,
-            v_ptr + slot64 * stride_vs + kvh * stride_vh,
+            k_ptr + kvh * stride_kh,
+            v_ptr + kvh * stride_vh,
+            bt_ptr + slot64 * stride_bt_s,
+            stride_bt_m,
+            stride_kp,
             stride_kn,
             stride_kd,
+            stride_vp,
             stride_vn,
             stride_vd,
             0,
@@ -204,6 +239,7 @@ if HAVE_TRITON:
             BLOCK_D,
             BLOCK_N,
             HEAD_DIM,
+            PAGE_SIZE,
             DOT_PRECISION,
         )
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # pad rows: 0 / 1
@@ -221,16 +257,17 @@ if HAVE_TRITON:
         acc_ptr,
         m_ptr,
         l_ptr,
+        bt_ptr,
         slot_ptr,
         pos_ptr,
         stride_qt,
         stride_qh,
         stride_qd,
-        stride_ks,
+        stride_kp,
         stride_kn,
         stride_kh,
         stride_kd,
-        stride_vs,
+        stride_vp,
         stride_vn,
         stride_vh,
         stride_vd,
@@ -241,6 +278,8 @@ if HAVE_TRITON:
         stride_mt,
         stride_mh,
         stride_ms,
+        stride_bt_s,
+        stride_bt_m,
         stride_slot,
         stride_pos,
         max_ctx,
@@ -248,6 +287,7 @@ if HAVE_TRITON:
         scale_log2e,
         Q_PER_KV: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -280,10 +320,14 @@ if HAVE_TRITON:
         )
         acc, m_i, l_i = _attend_span(
             q,
-            k_ptr + slot64 * stride_ks + kvh * stride_kh,
-            v_ptr + slot64 * stride_vs + kvh * stride_vh,
+            k_ptr + kvh * stride_kh,
+            v_ptr + kvh * stride_vh,
+            bt_ptr + slot64 * stride_bt_s,
+            stride_bt_m,
+            stride_kp,
             stride_kn,
             stride_kd,
+            stride_vp,
             stride_vn,
             stride_vd,
             lo,
@@ -293,6 +337,7 @@ if HAVE_TRITON:
             BLOCK_D,
             BLOCK_N,
             HEAD_DIM,
+            PAGE_SIZE,
             DOT_PRECISION,
         )
         stats = row * stride_mt + heads * stride_mh + split * stride_ms
@@ -427,27 +472,35 @@ def ragged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     slot_of: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
     n_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ragged_attention_reference; slot_of/positions int32 (or int64) [T].
+    """Same contract as ragged_attention_reference; block_table, slot_of and positions int32
+    (or int64); the page size k_cache.shape[1] a power of two.
 
     n_splits: 1 = one launch over whole contexts; > 1 = split-K (split launch + combine
-    launch, fp32 scratch); None = choose_splits(T, max_ctx, n_kv_heads, the device's SMs).
+    launch, fp32 scratch); None = choose_splits(T, M * PS, n_kv_heads, the device's SMs).
     """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; use attention='torch'")
     T, H, D = q.shape
-    S, C, KV, Dk = k_cache.shape
-    if H % KV or Dk != D or v_cache.shape != k_cache.shape:
-        raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    _, PS, KV, Dk = k_cache.shape
+    if H % KV or Dk != D or v_cache.shape != k_cache.shape or block_table.dim() != 2:
+        raise ValueError(
+            f"shapes: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}, "
+            f"block table {tuple(block_table.shape)}"
+        )
+    if PS & (PS - 1):
+        raise ValueError(f"the page size must be a power of two, got {PS}")
+    max_ctx = block_table.shape[1] * PS
     o = torch.empty_like(q) if out is None else out
     cfg = launch_config(H // KV, D, q.dtype)
     if n_splits is None:
-        n_splits = choose_splits(T, C, KV, sm_count(q.device), block_n=cfg["BLOCK_N"])
+        n_splits = choose_splits(T, max_ctx, KV, sm_count(q.device), block_n=cfg["BLOCK_N"])
     if n_splits < 1:
         raise ValueError(f"n_splits must be >= 1, got {n_splits}")
     scale_log2e = float(scale) * LOG2E
@@ -459,18 +512,21 @@ def ragged_attention_triton(
             k_cache,
             v_cache,
             o,
+            block_table,
             slot_of,
             positions,
             *q.stride(),
             *k_cache.stride(),
             *v_cache.stride(),
             *o.stride(),
+            *block_table.stride(),
             slot_of.stride(0),
             positions.stride(0),
-            C,
+            max_ctx,
             scale_log2e,
             Q_PER_KV=H // KV,
             HEAD_DIM=D,
+            PAGE_SIZE=PS,
             **cfg,
         )
         return o
@@ -488,6 +544,7 @@ def ragged_attention_triton(
         part_acc,
         part_m,
         part_l,
+        block_table,
         slot_of,
         positions,
         *q.stride(),
@@ -495,13 +552,15 @@ def ragged_attention_triton(
         *v_cache.stride(),
         *part_acc.stride(),
         *part_m.stride(),
+        *block_table.stride(),
         slot_of.stride(0),
         positions.stride(0),
-        C,
+        max_ctx,
         n_splits,
         scale_log2e,
         Q_PER_KV=H // KV,
         HEAD_DIM=D,
+        PAGE_SIZE=PS,
         **cfg,
     )
     launch(

@@ -9,8 +9,9 @@ write ...). Fused here:
   add_rms_norm   residual = x + delta, normed = rms_norm(residual): the residual add of the
                  previous sub-block and the next norm in one pass over the row.
   rope_store_kv  RoPE on q and k straight from the QKV projection's output, rotated k and raw
-                 v stored into the layer's KV cache (pad rows into the scratch slot), rotated
-                 q returned: replaces the split, two apply_rope, the casts and two index_copy_.
+                 v stored into the layer's paged KV cache at the page the slot's block-table
+                 row names (pad rows into a scratch page), rotated q returned: replaces the
+                 split, two apply_rope, the casts and two index_copy_.
   silu_mul       silu(gate) * up of the gate_up projection's output.
 
 A layer is then 9 kernels: add_rms_norm, the QKV GEMM, rope_store_kv, attention, the O GEMM,
@@ -27,12 +28,12 @@ and rounds once, where torch in bf16/fp16 rounds each product and the sum: withi
 of the exact value, so not bit-identical to apply_rope (about a third of the elements differ,
 by up to ~1.5 ulps of the inputs' magnitude max(|x1|, |x2|)). fp32 matches torch to fp32 ulps.
 
-Everything is static: grids depend on shapes only, the cache row is computed on the device from
-slot_of / positions, nothing syncs with the host, so all three are capturable. Every launch goes
-through ringleader.device.model.triton_launch.launch, so under a LaunchRecorder the wrappers run on
-meta-device tensors and are counted instead of launched. The first call per dtype / shape
-compiles (do it before capturing). Under TRITON_INTERPRET=1 (set before triton is imported)
-the kernels run on CPU tensors.
+Everything is static: grids depend on shapes only, the cache page and offset are computed on the
+device from slot_of / positions and the block table, nothing syncs with the host, so all three
+are capturable. Every launch goes through ringleader.device.model.triton_launch.launch, so under
+a LaunchRecorder the wrappers run on meta-device tensors and are counted instead of launched.
+The first call per dtype / shape / page size compiles (do it before capturing). Under
+TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ if HAVE_TRITON:
         qkv_ptr,
         cos_ptr,
         sin_ptr,
+        bt_ptr,
         slot_ptr,
         pos_ptr,
         q_ptr,
@@ -103,31 +105,33 @@ if HAVE_TRITON:
         stride_cd,
         stride_st,
         stride_sd,
+        stride_bt_s,
+        stride_bt_m,
         stride_slot,
         stride_pos,
         stride_qt,
         stride_qh,
-        stride_ks,
+        stride_kp,
         stride_kn,
         stride_kh,
         stride_kd,
-        stride_vs,
+        stride_vp,
         stride_vn,
         stride_vh,
         stride_vd,
         max_pos,
-        scratch_slot,
+        scratch_page,
         N_HEADS: tl.constexpr,
         N_KV: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # [0, N_HEADS): a q head; [N_HEADS, N_HEADS + N_KV): a kv head
         slot = tl.load(slot_ptr + row * stride_slot).to(tl.int64)
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr + row * stride_pos).to(tl.int64), 0), max_pos)
-        # pad rows (slot_of < 0) write to the scratch slot, never to a real one
-        wslot = tl.where(slot >= 0, slot, scratch_slot)
+        live = slot >= 0
 
         offs = tl.arange(0, BLOCK_HALF)
         ok = offs < HALF
@@ -149,15 +153,19 @@ if HAVE_TRITON:
             tl.store(q_base + offs, o1.to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(q_base + offs + HALF, o2.to(q_ptr.dtype.element_ty), mask=ok)
         else:
+            # pad rows (slot_of < 0) write the scratch page at offset 0 and read no block table
+            bt_entry = bt_ptr + tl.where(live, slot, 0) * stride_bt_s + (pos // PAGE_SIZE) * stride_bt_m
+            page = tl.where(live, tl.load(bt_entry, mask=live, other=0).to(tl.int64), scratch_page)
+            in_page = tl.where(live, pos % PAGE_SIZE, 0)
             kvh = head - N_HEADS
-            k_base = k_ptr + wslot * stride_ks + pos * stride_kn + kvh * stride_kh
+            k_base = k_ptr + page * stride_kp + in_page * stride_kn + kvh * stride_kh
             tl.store(k_base + offs * stride_kd, o1.to(k_ptr.dtype.element_ty), mask=ok)
             tl.store(k_base + (offs + HALF) * stride_kd, o2.to(k_ptr.dtype.element_ty), mask=ok)
             # v of this kv head: N_KV heads further right, past all of k
             v_src = x_base + (N_KV * 2 * HALF) * stride_xc
             v1 = tl.load(v_src + offs * stride_xc, mask=ok, other=0.0)
             v2 = tl.load(v_src + (offs + HALF) * stride_xc, mask=ok, other=0.0)
-            v_base = v_ptr + wslot * stride_vs + pos * stride_vn + kvh * stride_vh
+            v_base = v_ptr + page * stride_vp + in_page * stride_vn + kvh * stride_vh
             tl.store(v_base + offs * stride_vd, v1.to(v_ptr.dtype.element_ty), mask=ok)
             tl.store(v_base + (offs + HALF) * stride_vd, v2.to(v_ptr.dtype.element_ty), mask=ok)
 
@@ -237,35 +245,41 @@ def rope_store_kv(
     qkv: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
+    block_table: torch.Tensor,
     slot_of: torch.Tensor,
     positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    scratch_slot: int,
+    scratch_page: int,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """RoPE on q and k of qkv [T, (H + 2 * KV) * D] (q | k | v columns), k and v into the cache,
-    returns rotated q [T, H, D] (a new tensor in qkv's dtype).
+    """RoPE on q and k of qkv [T, (H + 2 * KV) * D] (q | k | v columns), k and v into the paged
+    cache, returns rotated q [T, H, D] (a new tensor in qkv's dtype).
 
-    cos/sin_table [P, D] (ops.rope_tables, half-split convention of ops.apply_rope); slot_of,
-    positions int32 [T]; k/v_cache one layer's [S, C, KV, D], any strides. Row t uses
-    pos = clamp(positions[t], 0, min(P, C) - 1) for its cos/sin row and cache position, and writes
-    slot slot_of[t], or scratch_slot when slot_of[t] < 0 (pad rows), as StaticStep's cache_row
-    (pass cos_table[:max_ctx] to clamp at the step's max_ctx). k is rotated in fp32 and rounded
-    once to the cache's dtype, v is cast to it. Grid (T, H + KV): one program per row and head.
+    cos/sin_table [R, D] (ops.rope_tables, half-split convention of ops.apply_rope); block_table
+    int32 (or int64) [S, M]; slot_of, positions int32 [T]; k/v_cache one layer's pages
+    [P, PS, KV, D] (PS a power of two), any strides. Row t uses
+    pos = clamp(positions[t], 0, min(R, M * PS) - 1) for its cos/sin row and writes page
+    block_table[slot_of[t], pos // PS] at offset pos % PS; pad rows (slot_of[t] < 0) write page
+    scratch_page at offset 0 and read no block table (pass cos_table[:max_ctx] to clamp at the
+    step's max_ctx). k is rotated in fp32 and rounded once to the cache's dtype, v is cast to
+    it. Grid (T, H + KV): one program per row and head.
     """
     _need_triton()
     H, KV, D = n_heads, n_kv_heads, head_dim
     T = qkv.shape[0]
     if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (H + 2 * KV) * D or H % KV:
         raise ValueError(f"qkv {tuple(qkv.shape)} vs heads {H}, kv heads {KV}, head_dim {D}")
-    S, C = k_cache.shape[0], k_cache.shape[1]
-    if tuple(k_cache.shape[2:]) != (KV, D) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs ({KV}, {D})")
-    if cos_table.shape[1] != D or sin_table.shape != cos_table.shape or not 0 <= scratch_slot < S:
-        raise ValueError(f"cos/sin {tuple(cos_table.shape)}, scratch slot {scratch_slot} of {S}")
+    P, PS = k_cache.shape[0], k_cache.shape[1]
+    if tuple(k_cache.shape[2:]) != (KV, D) or v_cache.shape != k_cache.shape or PS & (PS - 1):
+        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs (pow2, {KV}, {D})")
+    if cos_table.shape[1] != D or sin_table.shape != cos_table.shape or not 0 <= scratch_page < P:
+        raise ValueError(f"cos/sin {tuple(cos_table.shape)}, scratch page {scratch_page} of {P}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block table {tuple(block_table.shape)}: want [n_slots, pages per slot]")
+    max_ctx = block_table.shape[1] * PS
     q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
     launch(
         _rope_store_kv_kernel,
@@ -273,6 +287,7 @@ def rope_store_kv(
         qkv,
         cos_table,
         sin_table,
+        block_table,
         slot_of,
         positions,
         q,
@@ -281,18 +296,20 @@ def rope_store_kv(
         *qkv.stride(),
         *cos_table.stride(),
         *sin_table.stride(),
+        *block_table.stride(),
         slot_of.stride(0),
         positions.stride(0),
         q.stride(0),
         q.stride(1),
         *k_cache.stride(),
         *v_cache.stride(),
-        min(cos_table.shape[0], C) - 1,
-        scratch_slot,
+        min(cos_table.shape[0], max_ctx) - 1,
+        scratch_page,
         N_HEADS=H,
         N_KV=KV,
         HALF=D // 2,
         BLOCK_HALF=_next_pow2(D // 2),
+        PAGE_SIZE=PS,
         num_warps=1 if D <= 128 else 2,  # a head is D elements: one warp holds it
     )
     return q

@@ -37,6 +37,8 @@ RL_FN void rl_mirror_counters(const RlContext& c, uint64_t now) {
   rl_host_write(&ctl->pending, (uint64_t)st.n_pending);
   rl_host_write(&ctl->active_slots, (uint64_t)st.n_active);
   rl_host_write(&ctl->last_step_tokens, (uint64_t)st.last_step_tokens);
+  rl_host_write(&ctl->preemptions, st.preemptions);
+  rl_host_write(&ctl->kv_pages_free, (uint64_t)st.n_free_pages);
   st.mirrored_ns = now;
   st.mirrored_step = st.step;
   st.mirrored_finished = st.finished;
@@ -81,4 +83,92 @@ RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint3
 RL_FN uint32_t rl_clamp_us(uint64_t ns) {
   uint64_t us = ns / 1000u;
   return us > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)us;
+}
+
+// ---- KV pages ----------------------------------------------------------------------------
+// The pool is n_pages pages; free_pages[0, n_free_pages) is a stack of the free ones.  A batch
+// of allocations takes the stack's top [n_free_pages - taken, n_free_pages), each slot its own
+// range found by a scan, and a batch of releases pushes above the top the same way, so the
+// block moves pages without atomics.  Only the scheduler touches pages, free_pages and
+// block_table (the step reads block_table), always between two steps or beside one that cannot
+// read the pages concerned.
+
+RL_FN uint32_t rl_pages_for(const RlConfig& cfg, uint32_t n_tokens) {
+  return (n_tokens + cfg.page_size - 1) / cfg.page_size;
+}
+
+// Slot s's row of slot_tokens (max_ctx token ids).
+RL_FN int32_t* rl_slot_tokens(const RlContext& c, uint32_t s) {
+  return c.slot_tokens + (size_t)s * c.cfg->max_ctx;
+}
+
+// Whether slot s runs in steps (and so holds pages).
+RL_FN bool rl_slot_runs(const RlSlot& sl) {
+  return sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_DECODE;
+}
+
+// Appends free_pages[from, from + n) to slot s's block table.
+RL_FN void rl_take_pages(const RlContext& c, RlSlot& sl, uint32_t s, uint32_t n, uint32_t from) {
+  int32_t* table = c.block_table + (size_t)s * c.cfg->pages_per_slot;
+  for (uint32_t j = 0; j < n; ++j) {
+    uint32_t page = c.free_pages[from + j];
+    c.pages[page].ref_count = 1;
+    table[sl.n_pages + j] = (int32_t)page;
+  }
+  sl.n_pages += n;
+}
+
+// Pushes every page of slot s to free_pages[at, at + sl.n_pages); the slot holds none after.
+RL_FN void rl_give_back_pages(const RlContext& c, RlSlot& sl, uint32_t s, uint32_t at) {
+  const int32_t* table = c.block_table + (size_t)s * c.cfg->pages_per_slot;
+  for (uint32_t j = 0; j < sl.n_pages; ++j) {
+    uint32_t page = (uint32_t)table[j];
+    c.pages[page].ref_count = 0;
+    c.free_pages[at + j] = page;
+  }
+  sl.n_pages = 0;
+}
+
+// Pages admission may hand out: the free ones less a 1% watermark while any are in use, so a
+// new request does not take the pages running ones are about to grow into (and get preempted
+// at once); an empty pool gives all, so one request of max_ctx always fits alone.
+RL_FN uint32_t rl_pages_admittable(const RlConfig& cfg, const RlSchedState& st) {
+  uint32_t reserve = st.n_free_pages < cfg.n_pages ? cfg.n_pages / 100u : 0u;
+  return st.n_free_pages > reserve ? st.n_free_pages - reserve : 0u;
+}
+
+// Whether decoding slot `sl` lacks the page of its next row: position prompt_len + n_generated
+// - 1, where `ahead` (0 or 1) counts the token a step in flight will still add.  A multiply,
+// not rl_pages_for's divide: this runs per slot per step.
+RL_FN bool rl_needs_page(const RlConfig& cfg, const RlSlot& sl, uint32_t ahead) {
+  return sl.state == RL_SLOT_DECODE &&
+         sl.prompt_len + sl.n_generated + ahead > sl.n_pages * cfg.page_size;
+}
+
+// Marks in work_a (then exclusive-scans) the decoding slots that lack their next row's page;
+// returns how many.  ahead: 1 for slots sampled in the step in flight (see rl_needs_page).
+RL_FN uint32_t rl_count_page_needs(const RlContext& c, RlShared* sh, uint32_t ahead) {
+  const RlConfig& cfg = *c.cfg;
+  RL_FOR(s, cfg.n_slots) {
+    const RlSlot& sl = c.slots[s];
+    c.work_a[s] = rl_needs_page(cfg, sl, ahead & sl.sampled) ? 1u : 0u;
+  }
+  RL_SYNC();
+  return rl_exclusive_scan(c.work_a, cfg.n_slots, sh);
+}
+
+// Gives each slot rl_count_page_needs marked its page: the `wanted` (<= n_free_pages) off the
+// top of the free list, each slot at its scanned offset.
+RL_FN void rl_take_needed_pages(const RlContext& c, RlShared* sh, uint32_t wanted, uint32_t ahead) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  if (wanted == 0) return;
+  const uint32_t from = st.n_free_pages - wanted;
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    if (rl_needs_page(cfg, sl, ahead & sl.sampled)) rl_take_pages(c, sl, s, 1, from + c.work_a[s]);
+  }
+  RL_SYNC();
+  if (RL_LEADER) st.n_free_pages = from;
+  RL_SYNC();
 }

@@ -2,13 +2,14 @@
 // all the GPU waits for; device memory only.
 #pragma once
 
-// Critical 1: the last step's samples become slot progress and the events to write later.
+// Critical 1: the last step's samples become slot progress and the events to write later
+// (the overlapped phase also copies each token into slot_tokens as it writes its event).
 RL_FN void rl_consume_samples(const RlContext& c) {
   const RlConfig& cfg = *c.cfg;
   RL_FOR(s, cfg.n_slots) {
     RlSlot& sl = c.slots[s];
     if (sl.state == RL_SLOT_ABORTED) {  // its DONE is out; the step that still used it is over
-      sl.state = RL_SLOT_FREE;
+      sl.state = RL_SLOT_FREE;          // (its pages go back in the overlapped phase)
       sl.sampled = 0;
     } else if (sl.state != RL_SLOT_FREE && sl.sampled) {
       int32_t tok = c.next_token[s];
@@ -26,8 +27,63 @@ RL_FN void rl_consume_samples(const RlContext& c) {
   RL_SYNC();
 }
 
-// Critical 2: lays out one step under the token budget.  Returns the number of token rows.
+// Leader only, and only when decode is out of pages: preempts the youngest running request
+// (admission order) until the `wanted` new pages fit, each victim giving back all its pages and
+// waiting as PREEMPTED to recompute its prompt and the tokens it already produced (those
+// streamed are not sent again: the recompute's last row samples the next one).  A serial scan
+// per victim; victims are rare and few.
+RL_FN void rl_preempt_youngest(const RlContext& c, uint32_t wanted) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  while (wanted > st.n_free_pages) {
+    uint32_t victim = cfg.n_slots, youngest_age = 0xFFFFFFFFu;
+    for (uint32_t s = 0; s < cfg.n_slots; ++s) {
+      const RlSlot& sl = c.slots[s];
+      uint32_t age = st.admit_seq - sl.admit_seq;  // wraps safely: admissions, not steps
+      if (rl_slot_runs(sl) && age < youngest_age) {
+        victim = s;
+        youngest_age = age;
+      }
+    }
+    if (victim == cfg.n_slots) return;  // unreachable: a needy slot runs, and is a victim itself
+    RlSlot& sl = c.slots[victim];
+    if (rl_needs_page(cfg, sl, 0)) wanted -= 1;
+    // its newest token's event (which copies it into slot_tokens) is not written yet
+    if (sl.n_generated)
+      rl_slot_tokens(c, victim)[sl.prompt_len + sl.n_generated - 1] = sl.last_token;
+    uint32_t n = sl.n_pages;
+    rl_give_back_pages(c, sl, victim, st.n_free_pages);
+    st.n_free_pages += n;
+    sl.state = RL_SLOT_PREEMPTED;
+    sl.fill_len = sl.prompt_len + sl.n_generated;
+    sl.n_prefilled = 0;
+    st.preemptions += 1;
+  }
+}
+
+// Critical 2a, only when the overlapped phase could not hand every decoding slot the page its
+// next row needs (rl_grow_pages_ahead): the youngest requests are preempted until they fit.
+// Otherwise the critical phase moves no page at all.
+RL_FN void rl_grow_pages_short(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  if (!st.pages_short) return;
+  uint32_t wanted = rl_count_page_needs(c, sh, 0);
+  if (wanted > st.n_free_pages) {
+    if (RL_LEADER) rl_preempt_youngest(c, wanted);
+    RL_SYNC();
+    wanted = rl_count_page_needs(c, sh, 0);
+  }
+  rl_take_needed_pages(c, sh, wanted, 0);
+  if (RL_LEADER) st.pages_short = 0;
+  RL_SYNC();
+}
+
+// Critical 2: lays out one step under the token budget, every row's page in its slot's block
+// table (prefill pages came at admission, decode pages with rl_grow_pages_ahead).  Returns the
+// number of token rows.
 RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
+  rl_grow_pages_short(c, sh);
   const RlConfig& cfg = *c.cfg;
   const RlSchedState& st = *c.sched;
   const uint32_t n_queued = st.n_queued;
@@ -37,9 +93,9 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   RL_FOR(s, cfg.n_slots) dec_rank[s] = c.slots[s].state == RL_SLOT_DECODE ? 1u : 0u;
   RL_FOR(q, n_queued) {
     const RlSlot& sl = c.slots[c.prefill_queue[q]];
-    bool live = sl.state == RL_SLOT_PREFILL;  // an aborted one waits for compaction
+    bool live = sl.state == RL_SLOT_PREFILL;  // an aborted or preempted one waits for compaction
     pre_rank[q] = live ? 1u : 0u;
-    before[q] = live ? sl.prompt_len - sl.n_prefilled : 0u;
+    before[q] = live ? sl.fill_len - sl.n_prefilled : 0u;
   }
   RL_SYNC();
   uint32_t n_decode = rl_exclusive_scan(dec_rank, cfg.n_slots, sh);
@@ -61,7 +117,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     uint32_t s = c.prefill_queue[q];
     const RlSlot& sl = c.slots[s];
     if (sl.state != RL_SLOT_PREFILL || before[q] >= budget) continue;
-    uint32_t want = sl.prompt_len - sl.n_prefilled;
+    uint32_t want = sl.fill_len - sl.n_prefilled;
     uint32_t seg = n_decode + pre_rank[q];
     c.seg_slot[seg] = (int32_t)s;
     c.seg_row_start[seg] = (int32_t)(n_decode + before[q]);
@@ -74,7 +130,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   RL_FOR(g, n_seg) {
     const RlSlot& sl = c.slots[c.seg_slot[g]];
     bool last_chunk =
-        sl.state == RL_SLOT_DECODE || sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.prompt_len;
+        sl.state == RL_SLOT_DECODE || sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.fill_len;
     sample_flag[g] = last_chunk ? 1u : 0u;
   }
   RL_SYNC();
@@ -97,7 +153,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
       c.positions[row] = (int32_t)(sl.prompt_len + sl.n_generated - 1);
     } else {
       uint32_t p = sl.n_prefilled + k;
-      c.token_ids[row] = c.prompt_copy[(sl.prompt_off + p) & (cfg.arena_size - 1)];
+      c.token_ids[row] = rl_slot_tokens(c, s)[p];
       c.positions[row] = (int32_t)p;
     }
     c.slot_of[row] = (int32_t)s;
@@ -108,7 +164,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     uint32_t s = (uint32_t)c.seg_slot[g];
     RlSlot& sl = c.slots[s];
     uint32_t n = (uint32_t)c.seg_n_rows[g];
-    bool samples = sl.state == RL_SLOT_DECODE || sl.n_prefilled + n == sl.prompt_len;
+    bool samples = sl.state == RL_SLOT_DECODE || sl.n_prefilled + n == sl.fill_len;
     if (samples) {
       uint32_t q = sample_flag[g];
       c.sample_row[q] = c.seg_row_start[g] + (int32_t)n - 1;
@@ -122,7 +178,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     }
     if (sl.state == RL_SLOT_PREFILL) {
       sl.n_prefilled += n;
-      if (sl.n_prefilled == sl.prompt_len) sl.state = RL_SLOT_DECODE;
+      if (sl.n_prefilled == sl.fill_len) sl.state = RL_SLOT_DECODE;
     }
   }
   // Pad rows up to the bucket so a captured graph of that size can run the step.

@@ -55,7 +55,7 @@ RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
       }
       RL_FOR(s, cfg.n_slots) {
         RlSlot& sl = c.slots[s];
-        if ((sl.state != RL_SLOT_PREFILL && sl.state != RL_SLOT_DECODE) ||
+        if ((!rl_slot_runs(sl) && sl.state != RL_SLOT_PREEMPTED) ||
             !rl_sorted_contains(sorted, m, sl.handle))
           continue;
         if (sl.ev_token) {  // an aborted request gets no further tokens
@@ -174,6 +174,8 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     if (sl.ev_token) {
       rl_put_event(c, pos++, sl.handle, RL_EV_TOKEN, 0, sl.last_token, sl.n_generated - 1, now);
       sl.ev_token = 0;
+      uint32_t at = sl.prompt_len + sl.n_generated - 1;  // kept for a recompute after preemption
+      if (at < cfg.max_ctx) rl_slot_tokens(c, s)[at] = sl.last_token;
     }
     if (sl.finish != RL_FINISH_NONE) {
       rl_put_event(c, pos, sl.handle, RL_EV_DONE, sl.finish, -1, sl.n_generated, now, sl.queued_us);
@@ -199,6 +201,47 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   }
   RL_SYNC();
   return true;
+}
+
+// Overlapped 4b: slots that ended (their DONE just written) or were freed after an abort give
+// their KV pages back, before admission hands pages out.  No step reads them: the step in flight
+// was built after they stopped running (a slot aborted in this very phase is still ABORTED and
+// keeps its pages until the next one).
+RL_FN void rl_release_pages(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  uint32_t* at = c.work_a;  // per slot: the pages it gives back, then where they go
+  RL_FOR(s, cfg.n_slots) {
+    const RlSlot& sl = c.slots[s];
+    bool done = sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING;
+    at[s] = done ? sl.n_pages : 0u;
+  }
+  RL_SYNC();
+  uint32_t n_released = rl_exclusive_scan(at, cfg.n_slots, sh);
+  if (n_released == 0) return;
+  const uint32_t top = st.n_free_pages;
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    if ((sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING) && sl.n_pages)
+      rl_give_back_pages(c, sl, s, top + at[s]);
+  }
+  RL_SYNC();
+  if (RL_LEADER) st.n_free_pages = top + n_released;
+  RL_SYNC();
+}
+
+// Overlapped 4c: each decoding slot gets, one step ahead, the page its next row will write
+// (its row in the step after the one in flight, which adds one more token), so the critical
+// phase moves no page; running requests come before admission.  When too few are free it takes
+// none and leaves the shortage to the critical phase, which may preempt (this phase cannot: the
+// step in flight reads every running slot's pages).
+RL_FN void rl_grow_pages_ahead(const RlContext& c, RlShared* sh) {
+  RlSchedState& st = *c.sched;
+  uint32_t wanted = rl_count_page_needs(c, sh, 1);
+  bool fits = wanted <= st.n_free_pages;
+  rl_take_needed_pages(c, sh, fits ? wanted : 0u, 1);
+  if (RL_LEADER) st.pages_short = fits ? 0u : 1u;
+  RL_SYNC();
 }
 
 // Effective priority with aging: one level per aging_steps waited, so nothing starves.  As an
@@ -256,13 +299,65 @@ RL_FN void rl_compact_prefill_queue(const RlContext& c, RlShared* sh) {
   RL_SYNC();
 }
 
+// Overlapped 5a: requests preempted for pages come back first, oldest admission first, each
+// once the pages for all it has to recompute fit.  Returns whether none is left waiting (new
+// requests are admitted only then: a preempted request is never overtaken).
+RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
+  const RlConfig& cfg = *c.cfg;
+  RlSchedState& st = *c.sched;
+  uint32_t* rank = c.work_a;  // per slot: its rank among preempted slots
+  RL_FOR(s, cfg.n_slots) rank[s] = c.slots[s].state == RL_SLOT_PREEMPTED ? 1u : 0u;
+  RL_SYNC();
+  uint32_t n_preempted = rl_exclusive_scan(rank, cfg.n_slots, sh);
+  if (n_preempted == 0) return true;
+  uint32_t* key = c.work_c;  // per slot: oldest admission sorts first
+  RL_FOR(s, cfg.n_slots) {
+    const RlSlot& sl = c.slots[s];
+    key[s] = ~(st.admit_seq - sl.admit_seq);
+    if (sl.state == RL_SLOT_PREEMPTED) c.work_b[rank[s]] = s;
+  }
+  RL_SYNC();
+  uint32_t* order = rl_radix_sort(key, c.work_b, c.work_d, c.work_a, n_preempted, sh);
+  uint32_t* at = c.work_a;  // per candidate: its pages, then where they start
+  RL_FOR(k, n_preempted) at[k] = rl_pages_for(cfg, c.slots[order[k]].fill_len);
+  RL_SYNC();
+  rl_exclusive_scan(at, n_preempted, sh);
+  const uint32_t avail = rl_pages_admittable(cfg, st);
+  uint32_t my_fit = 0;
+  RL_FOR(k, n_preempted) my_fit += at[k] + rl_pages_for(cfg, c.slots[order[k]].fill_len) <= avail;
+  const uint32_t n_resume = rl_block_sum(my_fit, sh);  // a prefix: the running sums only grow
+  if (n_resume == 0) return false;
+  const RlSlot& last = c.slots[order[n_resume - 1]];
+  const uint32_t taken = at[n_resume - 1] + rl_pages_for(cfg, last.fill_len);
+  const uint32_t from = st.n_free_pages - taken, n_queued = st.n_queued;
+  RL_FOR(k, n_resume) {
+    uint32_t s = order[k];
+    RlSlot& sl = c.slots[s];
+    rl_take_pages(c, sl, s, rl_pages_for(cfg, sl.fill_len), from + at[k]);
+    sl.state = RL_SLOT_PREFILL;
+    c.prefill_queue[n_queued + k] = s;
+  }
+  RL_SYNC();
+  if (RL_LEADER) {
+    st.n_free_pages = from;
+    st.n_queued = n_queued + n_resume;
+  }
+  RL_SYNC();
+  return n_resume == n_preempted;
+}
+
 // Overlapped 5: moves pending requests into free slots (FIFO, or priority with aging; or static
-// batching, the baseline that admits only into an empty batch), copies their prompts into
-// device memory and queues them for prefill in admission order.
+// batching, the baseline that admits only into an empty batch) as far as the KV pages of their
+// prompts fit, gives them those pages, copies their prompts into device memory and queues them
+// for prefill in admission order.
 RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
   rl_compact_prefill_queue(c, sh);
+  if (!rl_resume_preempted(c, sh)) {
+    if (st.has_cancelled) rl_compact_pending(c, sh);
+    return;
+  }
   uint32_t n_pending = st.n_pending;
   uint32_t my_free = 0;
   RL_FOR(s, cfg.n_slots) my_free += c.slots[s].state == RL_SLOT_FREE;
@@ -289,6 +384,22 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     RL_SYNC();
     order = rl_radix_sort(key, order, c.work_c, c.work_d, n_live, sh);
   }
+  // Memory: the first n_admit in order are admitted as far as their prompts' pages fit.
+  uint32_t* at = order == c.work_b ? c.work_c : c.work_b;  // per admitted: where its pages start
+  RL_FOR(k, n_admit) at[k] = rl_pages_for(cfg, c.pending[order[k]].prompt_len);
+  RL_SYNC();
+  rl_exclusive_scan(at, n_admit, sh);
+  const uint32_t avail = rl_pages_admittable(cfg, st);
+  uint32_t my_fit = 0;
+  RL_FOR(k, n_admit) my_fit += at[k] + rl_pages_for(cfg, c.pending[order[k]].prompt_len) <= avail;
+  n_admit = rl_block_sum(my_fit, sh);  // a prefix: the running sums only grow
+  if (n_admit == 0) {
+    if (st.has_cancelled) rl_compact_pending(c, sh);
+    return;
+  }
+  const uint32_t taken =
+      at[n_admit - 1] + rl_pages_for(cfg, c.pending[order[n_admit - 1]].prompt_len);
+  const uint32_t from = st.n_free_pages - taken;
   uint32_t* free_rank = c.work_a;  // per slot: its rank among free slots
   uint32_t* slot_for = c.work_d;   // the k-th free slot
   RL_FOR(s, cfg.n_slots) free_rank[s] = c.slots[s].state == RL_SLOT_FREE ? 1u : 0u;
@@ -298,7 +409,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     if (c.slots[s].state == RL_SLOT_FREE && free_rank[s] < n_admit) slot_for[free_rank[s]] = s;
   RL_SYNC();
   uint64_t admit_now = rl_now_ns();
-  const uint32_t n_queued = st.n_queued;
+  const uint32_t n_queued = st.n_queued, admit_seq = st.admit_seq;
   RL_FOR(k, n_admit) {
     RlSqEntry& e = c.pending[order[k]];
     uint32_t s = slot_for[k];
@@ -306,6 +417,9 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.handle = e.handle;
     sl.prompt_off = e.prompt_off;
     sl.prompt_len = e.prompt_len;
+    sl.fill_len = e.prompt_len;
+    sl.admit_seq = admit_seq + k;
+    rl_take_pages(c, sl, s, rl_pages_for(cfg, e.prompt_len), from + at[k]);
     sl.n_prefilled = 0;
     sl.n_generated = 0;
     sl.max_tokens = e.max_tokens;
@@ -326,20 +440,21 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     e.op = RL_OP_NONE;  // admitted: removed by the compaction below
   }
   RL_SYNC();
-  // Prompts into device memory, one request at a time, its tokens spread over the block.  The
-  // host wrote them before publishing sq_tail, which an earlier drain acquired.
+  // Prompts into the slots' token rows in device memory, one request at a time, its tokens
+  // spread over the block.  The host wrote them before publishing sq_tail, which an earlier
+  // drain acquired.
   for (uint32_t k = 0; k < n_admit; ++k) {
     const RlSlot& sl = c.slots[slot_for[k]];
+    int32_t* tokens = rl_slot_tokens(c, slot_for[k]);
     uint32_t off = sl.prompt_off, len = sl.prompt_len;
-    RL_FOR(t, len) {
-      uint32_t p = (off + t) & (cfg.arena_size - 1);
-      c.prompt_copy[p] = rl_host_read(&c.arena[p]);
-    }
+    RL_FOR(t, len) tokens[t] = rl_host_read(&c.arena[(off + t) & (cfg.arena_size - 1)]);
   }
   RL_SYNC();
   if (RL_LEADER) {
     st.n_queued = n_queued + n_admit;
     st.admitted += n_admit;
+    st.admit_seq = admit_seq + n_admit;
+    st.n_free_pages = from;
   }
   rl_compact_pending(c, sh);
 }
@@ -363,6 +478,8 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   rl_apply_aborts(c, sh);
   rl_drain_sq(c, sh);
   if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
+  rl_release_pages(c, sh);
+  rl_grow_pages_ahead(c, sh);
   rl_admit(c, sh);
   uint32_t my_active = 0;
   RL_FOR(s, cfg.n_slots) my_active += c.slots[s].state != RL_SLOT_FREE;

@@ -11,11 +11,16 @@
 //      overlapped phase will write; aborted slots are freed
 //   2. build the next step from the slots already admitted: one row per decoding slot first,
 //      then prefill chunks in admission order while the token budget lasts; write the layout
+//      (every row's KV page is already in its slot's block table; only when 4 found too few
+//      free pages does this phase allocate, preempting the youngest requests)
 // The caller then hands the turn to compute, and runs sched_overlapped() while that step runs:
 //   3. read the stop request once; apply the abort ring; drain the SQ into the pending queue
-//   4. write the TOKEN/DONE events decided in 1 and for cancelled pending requests; publish
-//   5. admit pending requests into the free slots, copying their prompts into device memory,
-//      for the step after next
+//   4. write the TOKEN/DONE events decided in 1 and for cancelled pending requests; publish;
+//      slots that ended or were freed give their KV pages back; each decoding slot takes the
+//      page its next row needs, one step ahead
+//   5. resume preempted requests, then admit pending requests into free slots, as far as the
+//      KV pages of their prompts fit, copying their prompts into device memory, for the step
+//      after next
 //   6. mirror the counters to the host control block when due
 // The price: a request admitted in 5 runs one step later than if admission sat on the critical
 // path (one step of TTFT under load; none when the scheduler was idle, since an idle pass runs
@@ -60,7 +65,10 @@ RL_FN uint32_t sched_init(const RlContext& c) {
            cfg.work_len < cfg.pending_cap || cfg.n_buckets > RL_MAX_BUCKETS ||
            cfg.n_eos > RL_MAX_EOS_IDS || cfg.trace_len == 0 ||
            (cfg.trace_len & (cfg.trace_len - 1)) || cfg.aq_size == 0 ||
-           (cfg.aq_size & (cfg.aq_size - 1)))
+           (cfg.aq_size & (cfg.aq_size - 1)) || cfg.page_size == 0 ||
+           (cfg.page_size & (cfg.page_size - 1)) ||
+           cfg.pages_per_slot != (cfg.max_ctx + cfg.page_size - 1) / cfg.page_size ||
+           cfg.n_pages < cfg.pages_per_slot)  // one request of max_ctx must fit alone
     err = RL_ERR_BAD_CONFIG;
   if (RL_LEADER) {
     c.ctl->error_code = err;
@@ -72,8 +80,14 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     c.slots[s].sampled = 0;
     c.slots[s].ev_token = 0;
     c.slots[s].finish = RL_FINISH_NONE;
+    c.slots[s].n_pages = 0;
   }
   RL_FOR(p, cfg.sq_size) c.sq_cancel[p] = 0;
+  RL_FOR(p, cfg.n_pages) {  // every page free; the lowest ids on top, handed out first
+    c.pages[p].ref_count = 0;
+    c.pages[p].key = 0;
+    c.free_pages[p] = cfg.n_pages - 1 - p;
+  }
   if (RL_LEADER) {
     RlSchedState& st = *c.sched;
     st = RlSchedState();
@@ -85,7 +99,9 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     st.mirrored_ns = st.started_ns;
     st.stop_grace_ns = c.ctl->stop_grace_ns;
     st.run_budget_ns = c.ctl->run_budget_ns;
+    st.n_free_pages = cfg.n_pages;
     c.ctl->exit_reason = RL_EXIT_NONE;
+    c.ctl->kv_pages_free = cfg.n_pages;
   }
   RL_SYNC();
   return err;

@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, NamedTuple
 
-from ringleader.device.engine_config import DEVICES, LAUNCHES, POLICIES, SCHEDULERS, EngineConfig
+from ringleader.device.engine_config import (
+    CPU_KV_CACHE_BYTES,
+    DEVICES,
+    LAUNCHES,
+    POLICIES,
+    SCHEDULERS,
+    EngineConfig,
+)
 from ringleader.hostctl.serving.config import ServerConfig
 
 
@@ -45,13 +52,25 @@ ENGINE_FLAGS: dict[str, Flag] = {
         {"choices": POLICIES},
         "admission: fifo, priority with aging, or static batching (a baseline)",
     ),
-    "n_slots": Flag("--slots", {"type": int}, "batch slots (max concurrent sequences)"),
+    "n_slots": Flag(
+        "--slots",
+        {"type": int},
+        "batch slots (max concurrent sequences; a slot holds KV pages only for its tokens)",
+    ),
     "max_ctx": Flag(
         "--max-ctx",
         {"type": int},
-        "tokens of KV cache per slot (default: %s on cpu; on cuda the longest that fits "
-        "--gpu-memory-fraction, up to the model's limit)" % EngineConfig().resolved("cpu").max_ctx,
+        "the longest context of one request, prompt and output (default: %s on cpu; on cuda "
+        "the model's limit, cut to what the KV pages hold)" % EngineConfig().resolved("cpu").max_ctx,
     ),
+    "kv_cache_memory": Flag(
+        "--kv-cache-memory",
+        {"metavar": "BYTES|FRACTION"},
+        "memory for the KV page pool: bytes (512MiB, 2GB, 1073741824), or on cuda a fraction "
+        "(0, 1] of the memory free after the weights and the step's workspace (default: %s on "
+        "cpu; on cuda what --gpu-memory-fraction leaves)" % "%dMiB" % (CPU_KV_CACHE_BYTES >> 20),
+    ),
+    "page_size": Flag("--page-size", {"type": int}, "token positions per KV page (a power of two)"),
     "gpu_memory_fraction": Flag(
         "--gpu-memory-fraction",
         {"type": float},

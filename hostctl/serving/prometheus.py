@@ -222,6 +222,18 @@ class ServerCollector:
         out.counter("steps", "Model steps the scheduler built.", s.steps)
         out.counter("step_tokens", "Rows (tokens) computed by those steps.", s.step_tokens)
         out.counter("cq_stalls", "Times the device waited for room in the completion queue.", s.cq_stalls)
+        # the KV page pool, as vllm names it (routers such as llm-d read kv_cache_usage_perc)
+        out.gauge(
+            "kv_cache_usage_perc",
+            "Share of the KV cache's pages held by requests (0 to 1).",
+            s.kv_cache_usage,
+        )
+        out.gauge("kv_cache_pages", "KV pages in the pool.", s.kv_pages)
+        out.counter(
+            "num_preemptions",
+            "Requests preempted when decode ran out of KV pages (each recomputes later).",
+            s.preemptions,
+        )
 
         # what runs, and whether it lives
         d = s.description

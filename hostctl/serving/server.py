@@ -468,6 +468,7 @@ class Server:
         """The figures the Prometheus exporter exports, read now; safe from any thread."""
         counters, latencies = self.metrics.snapshot_with_histograms()
         ctl = self.backend.rings.control[0]
+        pages = self.backend.rings.counters()
         in_sq_ring = (int(ctl["sq_tail"]) - int(ctl["sq_head"])) & 0xFFFFFFFF
         try:
             steps = self.backend.step_histograms()
@@ -494,6 +495,9 @@ class Server:
             steps=int(ctl["steps"]),
             step_tokens=int(ctl["step_tokens"]),
             cq_stalls=int(ctl["cq_stalls"]),
+            kv_cache_usage=float(pages["kv_cache_usage_perc"]),
+            kv_pages=int(pages["kv_pages_total"]),
+            preemptions=int(pages["preemptions"]),
             engine_dead=self.router.dead_reason,
         )
 

@@ -37,4 +37,7 @@ class ServerSnapshot:
     steps: int
     step_tokens: int
     cq_stalls: int
+    kv_cache_usage: float  # share of the KV pages requests hold, 0..1 (mirrored with the counters)
+    kv_pages: int  # the pool
+    preemptions: int  # requests that gave their pages back to recompute later
     engine_dead: str | None  # why the engine was declared dead; None while it lives

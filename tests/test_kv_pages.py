@@ -1,0 +1,206 @@
+"""The KV pages the scheduler allocates (the real CPU build over real rings): random admit /
+grow / finish / abort / preempt sequences keep the pool whole, no page is in two live
+sequences, every row the step lays out has its page, and every request still gets each of its
+tokens once and exactly one DONE."""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
+from tests.sched_driver import Driver, token_for
+
+S = layout.SlotState
+
+
+def paged_config(**kw) -> RingConfig:
+    base = dict(
+        n_slots=6,
+        max_ctx=64,
+        token_budget=12,
+        sq_size=8,
+        cq_size=128,
+        arena_size=512,
+        pending_cap=16,
+        page_size=4,
+        n_pages=20,  # 16 pages hold one request of max_ctx: the rest is all the sharing there is
+    )
+    base.update(kw)
+    return RingConfig(**base)
+
+
+def pages_of(d: Driver, slot: int) -> list[int]:
+    n = int(d.a["slots"][slot]["n_pages"])
+    m = d.cfg.pages_per_slot
+    return [int(p) for p in d.a["block_table"][slot * m : slot * m + n]]
+
+
+def check_pool(d: Driver) -> None:
+    """free + used = pool, no page twice, ref counts agree, and only slots that may still be
+    read by a step (running, or aborted with its step in flight) hold pages."""
+    n_free = int(d.a["sched"][0]["n_free_pages"])
+    free = [int(p) for p in d.a["free_pages"][:n_free]]
+    used = []
+    for s, sl in enumerate(d.a["slots"]):
+        held = pages_of(d, s)
+        if int(sl["state"]) in (S.FREE, S.ENDING, S.PREEMPTED):
+            assert not held, f"slot {s} in state {S(int(sl['state'])).name} still holds pages {held}"
+        if int(sl["state"]) == S.PREFILL:
+            need = -(-int(sl["fill_len"]) // d.cfg.page_size)
+            assert len(held) == need, f"prefilling slot {s} holds {len(held)} pages, needs {need}"
+        used += held
+    assert len(set(used)) == len(used), f"a page is in two live sequences: {sorted(used)}"
+    assert len(set(free)) == len(free), "a page is on the free list twice"
+    assert not set(free) & set(used), "a page is both free and in use"
+    assert sorted(free + used) == list(range(d.cfg.n_pages)), "pages leaked"
+    refs = d.a["pages"]["ref_count"]
+    assert (refs[used] == 1).all() and (refs[free] == 0).all()
+    assert int(d.a["ctl"][0]["kv_pages_free"]) <= d.cfg.n_pages
+
+
+def check_rows_have_pages(d: Driver, step: dict) -> None:
+    """Every row of the step the scheduler just built writes into a page its slot holds."""
+    for slot, pos in zip(step["slot_of"], step["positions"]):
+        held = pages_of(d, int(slot))
+        assert int(pos) // d.cfg.page_size < len(held), f"slot {slot} position {pos} has no page"
+
+
+def check_streams(d: Driver) -> None:
+    for rec in d.records.values():
+        n = len(rec.tokens)
+        assert rec.indices == list(range(n)), f"handle {rec.handle}: indices {rec.indices}"
+        assert rec.tokens == [token_for(rec.handle, i) for i in range(n)]
+        assert len(rec.done) == 1, f"handle {rec.handle}: DONEs {rec.done}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_sequences_keep_the_pool_whole_and_every_stream_exact(data):
+    n_slots = data.draw(st.integers(1, 6), label="n_slots")
+    n_pages = data.draw(st.integers(16, 40), label="n_pages")
+    policy = data.draw(st.sampled_from([layout.Policy.FIFO, layout.Policy.PRIORITY]), label="policy")
+    d = Driver(paged_config(n_slots=n_slots, n_pages=n_pages, token_budget=max(n_slots, 12), policy=policy))
+    ops = data.draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("submit"), st.integers(1, 50), st.integers(1, 40), st.integers(0, 3)),
+                st.tuples(st.just("abort"), st.integers(0, 30)),
+                st.tuples(st.just("step"), st.integers(1, 6)),
+            ),
+            min_size=1,
+            max_size=40,
+        ),
+        label="ops",
+    )
+    for op in ops:
+        if op[0] == "submit":
+            d.submit(np.arange(op[1], dtype=np.int32) % 97 + 3, op[2], priority=op[3])
+        elif op[0] == "abort" and d.records:
+            handles = sorted(d.records)
+            d.abort(handles[op[1] % len(handles)])
+        else:
+            for _ in range(op[1]):
+                before = len(d.steps)
+                d.step()
+                if len(d.steps) > before:
+                    check_rows_have_pages(d, d.steps[-1])
+                check_pool(d)
+    for _ in range(20_000):
+        before = len(d.steps)
+        idle = d.step() == layout.StepStatus.IDLE
+        if len(d.steps) > before:
+            check_rows_have_pages(d, d.steps[-1])
+        check_pool(d)
+        if idle and d.rings.completions.pending() == 0 and all(r.done for r in d.records.values()):
+            break
+    check_streams(d)
+    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages, "pages not all back when idle"
+
+
+def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_streamed():
+    # two requests of 20 prompt tokens and 40 new ones: each ends at 60 positions = 15 pages of
+    # 4, and the pool has 20, so the younger is preempted once the older needs its pages
+    d = Driver(paged_config(n_slots=2, token_budget=64))
+    old = d.submit(np.arange(20, dtype=np.int32) + 3, 40)
+    d.step()
+    young = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
+    preempted_at = None
+    for _ in range(2_000):
+        d.step()
+        check_pool(d)
+        slots = d.a["slots"]
+        states = {int(sl["handle"]): int(sl["state"]) for sl in slots}
+        if preempted_at is None and states.get(young) == S.PREEMPTED:
+            preempted_at = len(d.records[young].tokens)
+            assert states[old] == S.DECODE, "the older request keeps running"
+        if all(r.done for r in d.records.values()):
+            break
+    assert preempted_at is not None and 0 < preempted_at < 40, "the younger request was never preempted"
+    assert int(d.a["ctl"][0]["preemptions"]) >= 1
+    check_streams(d)
+    assert len(d.records[old].tokens) == len(d.records[young].tokens) == 40
+    # the recompute fed the prompt and every token generated before the preemption, in one chunk
+    young_rec = d.records[young]
+    want = list(young_rec.prompt) + young_rec.tokens[:preempted_at]
+    chunks = [
+        step["tokens"][start : start + n].tolist()
+        for step in d.steps
+        for _, start, n in step["seg"]
+        if step["positions"][start] == 0
+    ]
+    assert want in chunks, "no recompute of the prompt and the tokens already streamed"
+
+
+def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
+    rng = np.random.default_rng(7)
+    d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16))
+    for _ in range(300):
+        if rng.random() < 0.4:
+            d.submit(np.arange(int(rng.integers(1, 40)), dtype=np.int32) % 89 + 3, int(rng.integers(1, 30)))
+        if rng.random() < 0.05 and d.records:
+            d.abort(int(rng.choice(sorted(d.records))))
+        before = len(d.steps)
+        d.step()
+        if len(d.steps) > before:
+            check_rows_have_pages(d, d.steps[-1])
+        check_pool(d)
+    d.run_until_idle()
+    check_pool(d)
+    check_streams(d)
+    assert int(d.a["ctl"][0]["preemptions"]) > 0, "the pool was never tight enough to preempt"
+    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages
+
+
+def test_a_prompt_waits_until_its_pages_fit():
+    # 16 pages of 4 hold one 60-token prompt (15 pages); a second must wait for the first to end
+    d = Driver(paged_config(n_slots=4, n_pages=16, token_budget=64))
+    first = d.submit(np.arange(60, dtype=np.int32) + 3, 3)
+    second = d.submit(np.arange(60, dtype=np.int32) + 3, 3)
+    d.step()
+    d.step()
+    states = {int(sl["handle"]): int(sl["state"]) for sl in d.a["slots"]}
+    assert first in states and second not in states, "admitted without pages for its prompt"
+    assert int(d.a["sched"][0]["n_pending"]) == 1
+    d.run_until_idle()
+    check_streams(d)
+    assert int(d.a["ctl"][0]["preemptions"]) == 0
+
+
+def test_an_aborted_preempted_request_gets_one_done_and_no_pages_leak():
+    d = Driver(paged_config(n_slots=2, token_budget=64))
+    d.submit(np.arange(20, dtype=np.int32) + 3, 40)
+    d.step()
+    young = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
+    for _ in range(2_000):
+        d.step()
+        if any(int(sl["state"]) == S.PREEMPTED for sl in d.a["slots"]):
+            break
+    else:
+        raise AssertionError("nothing was preempted")
+    d.abort(young)
+    d.run_until_idle()
+    check_pool(d)
+    check_streams(d)
+    assert d.records[young].done == [layout.Finish.ABORT]
+    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages
