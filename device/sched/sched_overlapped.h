@@ -299,6 +299,22 @@ RL_FN void rl_compact_prefill_queue(const RlContext& c, RlShared* sh) {
   RL_SYNC();
 }
 
+// at[0, n) holds each candidate's page cost, in admission order; turns it into where each one's
+// pages start (an exclusive scan) and returns how many candidates, from the first, fit in the
+// pages admission may hand out (a prefix: the running sums only grow), with the pages they
+// take in *taken.  Candidate k's running sum is where k + 1 starts, so no cost is read twice.
+RL_FN uint32_t rl_fitting_prefix(const RlContext& c, RlShared* sh, uint32_t* at, uint32_t n,
+                                 uint32_t* taken) {
+  RL_SYNC();
+  const uint32_t total = rl_exclusive_scan(at, n, sh);
+  const uint32_t avail = rl_pages_admittable(*c.cfg, *c.sched);
+  uint32_t my_fit = 0;
+  RL_FOR(k, n) my_fit += (k + 1 < n ? at[k + 1] : total) <= avail;
+  const uint32_t n_fit = rl_block_sum(my_fit, sh);
+  *taken = n_fit < n ? at[n_fit] : total;
+  return n_fit;
+}
+
 // Overlapped 5a: requests preempted for pages come back first, oldest admission first, each
 // once the pages for all it has to recompute fit.  Returns whether none is left waiting (new
 // requests are admitted only then: a preempted request is never overtaken).
@@ -320,15 +336,9 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
   uint32_t* order = rl_radix_sort(key, c.work_b, c.work_d, c.work_a, n_preempted, sh);
   uint32_t* at = c.work_a;  // per candidate: its pages, then where they start
   RL_FOR(k, n_preempted) at[k] = rl_pages_for(cfg, c.slots[order[k]].fill_len);
-  RL_SYNC();
-  rl_exclusive_scan(at, n_preempted, sh);
-  const uint32_t avail = rl_pages_admittable(cfg, st);
-  uint32_t my_fit = 0;
-  RL_FOR(k, n_preempted) my_fit += at[k] + rl_pages_for(cfg, c.slots[order[k]].fill_len) <= avail;
-  const uint32_t n_resume = rl_block_sum(my_fit, sh);  // a prefix: the running sums only grow
+  uint32_t taken;
+  const uint32_t n_resume = rl_fitting_prefix(c, sh, at, n_preempted, &taken);
   if (n_resume == 0) return false;
-  const RlSlot& last = c.slots[order[n_resume - 1]];
-  const uint32_t taken = at[n_resume - 1] + rl_pages_for(cfg, last.fill_len);
   const uint32_t from = st.n_free_pages - taken, n_queued = st.n_queued;
   RL_FOR(k, n_resume) {
     uint32_t s = order[k];
@@ -387,18 +397,12 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   // Memory: the first n_admit in order are admitted as far as their prompts' pages fit.
   uint32_t* at = order == c.work_b ? c.work_c : c.work_b;  // per admitted: where its pages start
   RL_FOR(k, n_admit) at[k] = rl_pages_for(cfg, c.pending[order[k]].prompt_len);
-  RL_SYNC();
-  rl_exclusive_scan(at, n_admit, sh);
-  const uint32_t avail = rl_pages_admittable(cfg, st);
-  uint32_t my_fit = 0;
-  RL_FOR(k, n_admit) my_fit += at[k] + rl_pages_for(cfg, c.pending[order[k]].prompt_len) <= avail;
-  n_admit = rl_block_sum(my_fit, sh);  // a prefix: the running sums only grow
+  uint32_t taken;
+  n_admit = rl_fitting_prefix(c, sh, at, n_admit, &taken);
   if (n_admit == 0) {
     if (st.has_cancelled) rl_compact_pending(c, sh);
     return;
   }
-  const uint32_t taken =
-      at[n_admit - 1] + rl_pages_for(cfg, c.pending[order[n_admit - 1]].prompt_len);
   const uint32_t from = st.n_free_pages - taken;
   uint32_t* free_rank = c.work_a;  // per slot: its rank among free slots
   uint32_t* slot_for = c.work_d;   // the k-th free slot
