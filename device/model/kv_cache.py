@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from ringleader.device.model.config import ModelConfig
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeroed storage. On the CPU it comes from calloc (numpy), whose fresh pages the OS maps
+    only when first written: resident memory follows the tokens cached, not the pool's size
+    (torch.zeros would write every byte at start)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVCache:
@@ -35,8 +48,8 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, n_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.slot_table: torch.Tensor | None = None  # set by for_slots
 
     @classmethod
