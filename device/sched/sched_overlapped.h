@@ -213,17 +213,15 @@ RL_FN void rl_release_pages(const RlContext& c, RlShared* sh) {
   uint32_t* at = c.work_a;  // per slot: the pages it gives back, then where they go
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
-    bool done = sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING;
-    at[s] = done ? sl.n_pages : 0u;
+    at[s] = sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING ? sl.n_pages : 0u;
   }
   RL_SYNC();
   uint32_t n_released = rl_exclusive_scan(at, cfg.n_slots, sh);
   if (n_released == 0) return;
   const uint32_t top = st.n_free_pages;
-  RL_FOR(s, cfg.n_slots) {
-    RlSlot& sl = c.slots[s];
-    if ((sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING) && sl.n_pages)
-      rl_give_back_pages(c, sl, s, top + at[s]);
+  RL_FOR(s, cfg.n_slots) {  // its count is where the next slot's pages go, less where its own do
+    uint32_t gives = (s + 1 < cfg.n_slots ? at[s + 1] : n_released) - at[s];
+    if (gives) rl_give_back_pages(c, c.slots[s], s, top + at[s]);
   }
   RL_SYNC();
   if (RL_LEADER) st.n_free_pages = top + n_released;

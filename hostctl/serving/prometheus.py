@@ -128,7 +128,7 @@ class ServerCollector:
         )
         out.gauge(
             "batch_slots",
-            "Batch slots on the device (each holds one request and its KV cache).",
+            "Batch slots on the device (each holds one request; its KV cache is in pages from the pool).",
             s.batch_slots,
         )
         out.gauge("num_requests_in_flight", "Accepted requests whose done has not been sent.", s.in_flight)
