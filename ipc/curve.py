@@ -33,7 +33,6 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 log = logging.getLogger("ringleader.curve")
@@ -224,40 +223,93 @@ def generate_keypair(directory: str | os.PathLike, name: str) -> tuple[str, str]
 # ---- sockets --------------------------------------------------------------------------------
 
 
-class CurveAuthenticator:
-    """The running ZAP handler of one server socket (a pyzmq ThreadAuthenticator).
-    stop() is idempotent; call it after closing the server socket and before terminating the
-    context (an authenticator left running keeps ctx.term() waiting)."""
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27): one handler per context
+_ZAP_VERSION = b"1.0"
+_ZAP_POLL_MS = 100  # how often the handler looks at its stop flag: stop() takes at most this long
 
-    def __init__(
-        self, auth: ThreadAuthenticator, curve: ServerCurve, public_key: bytes, authorized: dict[bytes, str]
-    ):
-        self._auth: ThreadAuthenticator | None = auth
-        self._lock = threading.Lock()
+
+class CurveAuthenticator:
+    """The ZAP handler of one server socket: a thread answering libzmq's handshake questions from
+    the authorized-keys set.  Ours rather than pyzmq's ThreadAuthenticator, whose asyncio loop could
+    miss its TERMINATE and leave stop() (and so the server's shutdown and ctx.term()) waiting
+    forever; this one polls with a timeout and stop() is bounded.  stop() is idempotent; call it
+    after closing the server socket and before terminating the context."""
+
+    def __init__(self, ctx: zmq.Context, curve: ServerCurve, public_key: bytes, authorized: dict[bytes, str]):
         self.curve = curve
         self.public_key = public_key
-        self.authorized = authorized
+        self.authorized = authorized  # replaced whole by reload(): the handler reads one snapshot
+        self.refused = 0  # handshakes answered 400, for logs and tests
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        sock = ctx.socket(zmq.REP)
+        sock.linger = 0
+        try:
+            sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            sock.close()
+            if exc.errno == zmq.EADDRINUSE:
+                raise CurveError(
+                    "this zmq.Context already runs a ZAP handler (another CURVE server "
+                    "or authenticator); give each CURVE server its own zmq.Context()"
+                ) from None
+            raise
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._serve, args=(sock,), name="ringleader-zap", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if sock.poll(_ZAP_POLL_MS):
+                    sock.send_multipart(self._answer(sock.recv_multipart()))
+        except zmq.ZMQError as exc:  # the context was terminated under us: nothing left to guard
+            if exc.errno != zmq.ETERM:
+                log.error("ZAP handler stopped: %s", exc)
+        finally:
+            sock.close()
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request: 200 for an authorized CURVE key on our domain, else 400."""
+        if len(request) < 6 or request[0] != _ZAP_VERSION:
+            request_id = request[1] if len(request) > 1 else b""
+            return [_ZAP_VERSION, request_id, b"500", b"malformed ZAP request", b"", b""]
+        _, request_id, domain, address, _identity, mechanism, *credentials = request
+        key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else None
+        if domain == ZAP_DOMAIN.encode() and key is not None and key in self.authorized:
+            return [_ZAP_VERSION, request_id, b"200", b"OK", key, b""]
+        self.refused += 1
+        log.debug(  # debug: a refused DEALER retries every 100 ms
+            "refused a %s handshake from %s: %s",
+            mechanism.decode(errors="replace"),
+            address.decode(errors="replace"),
+            "key not in the authorized-keys directory" if key is not None else "not a CURVE client",
+        )
+        return [_ZAP_VERSION, request_id, b"400", b"key not authorized", b"", b""]
 
     def reload(self) -> int:
         """Re-read the authorized-keys directory (raises CurveError, keeping the old set, if it is
         now invalid); returns the number of keys accepted from now on."""
         authorized = load_authorized_keys(self.curve.authorized_keys_dir)
         with self._lock:
-            if self._auth is None:
+            if self._thread is None:
                 raise RuntimeError("the authenticator is stopped")
-            self._auth.configure_curve(domain=ZAP_DOMAIN, location=self.curve.authorized_keys_dir)
             self.authorized = authorized
         return len(authorized)
 
     @property
     def running(self) -> bool:
-        return self._auth is not None and self._auth.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         with self._lock:
-            auth, self._auth = self._auth, None
-        if auth is not None:
-            auth.stop()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout=10 * _ZAP_POLL_MS / 1000)
+            if thread.is_alive():  # never seen; say so rather than hang the shutdown here
+                log.error("the ZAP handler did not stop within %d ms", 10 * _ZAP_POLL_MS)
 
     def __enter__(self) -> CurveAuthenticator:
         return self
@@ -281,22 +333,7 @@ def secure_server_socket(ctx: zmq.Context, sock: zmq.Socket, curve: ServerCurve)
         raise ValueError("the socket must belong to the context the ZAP handler runs on")
     public, secret = curve.load()
     authorized = load_authorized_keys(curve.authorized_keys_dir)
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("ringleader.auth"))
-    auth.configure_curve(domain=ZAP_DOMAIN, location=curve.authorized_keys_dir)
-    try:
-        auth.start()
-    except zmq.ZMQError as exc:
-        auth.stop()
-        if exc.errno == zmq.EADDRINUSE:
-            raise CurveError(
-                "this zmq.Context already runs a ZAP handler (another CURVE server "
-                "or authenticator); give each CURVE server its own zmq.Context()"
-            ) from None
-        raise
-    except BaseException:
-        auth.stop()
-        raise
-    handle = CurveAuthenticator(auth, curve, public, authorized)
+    handle = CurveAuthenticator(ctx, curve, public, authorized)
     try:
         sock.zap_domain = ZAP_DOMAIN.encode()
         try:
