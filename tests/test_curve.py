@@ -86,6 +86,15 @@ def dealer(ctx, address, client_curve=None, monitor=False):
     return sock, mon
 
 
+def send_if_queued(sock, frame: bytes) -> None:
+    """Send from a peer the server refuses: once its handshake has failed the DEALER has no pipe
+    to queue into, and a blocking send would wait forever (EAGAIN here instead)."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 # ---- keys -----------------------------------------------------------------------------------
 
 
@@ -161,10 +170,7 @@ def test_unauthenticated_peers_get_nothing_through(keys, router, client_ctx):
     wrong_server = C.ClientCurve(C.generate_keypair(keys.tmp / "fake", "fake")[0], keys.alice.secret_key_file)
     spoof, _ = dealer(client_ctx, router.address, wrong_server)
     for s in (plain, mallory, spoof):
-        try:  # a DEALER whose handshake already failed has no pipe to queue into: EAGAIN
-            s.send(b"let me in", zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        send_if_queued(s, b"let me in")
     assert router.recv(1.0) is None
     # each refused peer is told its handshake failed (the DEALER retries, nothing is delivered)
     for mon in (plain_mon, mallory_mon):
@@ -183,7 +189,7 @@ def test_unauthenticated_peers_get_nothing_through(keys, router, client_ctx):
 
 def test_reload_picks_up_a_newly_authorized_key(keys, router, client_ctx):
     mallory, _ = dealer(client_ctx, router.address, keys.mallory)
-    mallory.send(b"first")
+    send_if_queued(mallory, b"first")
     assert router.recv(0.5) is None
     mallory_pub = keys.mallory.secret_key_file[: -len("_secret")]
     (keys.authorized / "mallory.key").write_bytes(Path(mallory_pub).read_bytes())
@@ -219,7 +225,7 @@ def test_without_a_running_handler_the_server_refuses_everyone(keys, router, cli
     router.auth.stop()  # idempotent
     assert not router.auth.running
     alice, _ = dealer(client_ctx, router.address, keys.alice)
-    alice.send(b"hello")
+    send_if_queued(alice, b"hello")
     assert router.recv(1.0) is None  # fail closed: ZAP_ENFORCE_DOMAIN, not "no handler, allow"
 
 
