@@ -10,6 +10,12 @@ endpoint at `--http`), for every load point (each `--concurrency`, then each
 processes, one run: a few warm-up requests, the server's stats, the measured requests, the
 stats again. The `gateway` variant runs each point twice against one server: over ZeroMQ
 (`native`) and through its HTTP gateway (`gateway`), and reports the difference.
+
+`--shared-prefix-len N` puts one of `--prefix-groups G` shared prefixes before every prompt, and
+runs each server variant (default: device on CUDA, host on a CPU) twice, as two servers started
+one after the other: `<variant>/prefix-on` (serve --prefix-caching) and `<variant>/prefix-off`
+(serve --no-prefix-caching), with a table of the two (TTFT, throughput, the server's prefix-cache
+hit rate, and the ratios).
 """
 
 from __future__ import annotations
@@ -149,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-dist", choices=LENGTH_DISTS, default="fixed")
     g.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in L*(1 +- ratio)")
     g.add_argument("--seed", type=int, default=0, help="workload seed (lengths, prompts, arrivals)")
+    g.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="put a shared prefix of N random tokens before every prompt (the prompt-length options "
+        "then make the suffix); with servers started here, run each variant twice, serve "
+        "--prefix-caching and --no-prefix-caching, and compare them (default 0: no prefix)",
+    )
+    g.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=None,
+        metavar="G",
+        help="with --shared-prefix-len: G distinct prefixes, request i uses prefix i %% G (default 1)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (no EOS stop)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")

@@ -12,6 +12,8 @@ from ringleader.device.engine_config import EngineConfig
 from ringleader.hostctl.serving.config import ServerConfig
 
 DEFAULT_COMPARE = "device,host,static"
+# with --shared-prefix-len and no --compare: the server's default placement only (its two arms)
+DEFAULT_PREFIX_COMPARE = {"cuda": "device", "cpu": "host"}
 ENGINE_DEFAULTS = EngineConfig()  # what a server started without the option uses: its engine
 SERVER_DEFAULTS = ServerConfig()  # and its server
 # the server's default --max-ctx on a CPU; the workload keeps to it on CUDA too, where the
@@ -71,6 +73,7 @@ def check_options(args) -> list[str]:
         out.append("--cpu-interference must be >= 0")
     if args.warmup < 0:
         out.append("--warmup must be >= 0")
+    out += _prefix_problems(args)
     if args.connect and args.compare:
         out.append("--connect benchmarks one running server; --compare starts servers (choose one)")
     if args.http and (args.connect or args.compare):
@@ -86,4 +89,33 @@ def check_options(args) -> list[str]:
         base_url(args.http)  # raises ValueError on a URL that is not http(s)
     if args.compare is not None:
         S.plan_variants(args.compare, "cuda")  # raises on unknown names
+    return out
+
+
+def prefix_groups(args) -> int:
+    """--prefix-groups, 1 when not given."""
+    return 1 if args.prefix_groups is None else args.prefix_groups
+
+
+def _prefix_problems(args) -> list[str]:
+    """What is wrong with --shared-prefix-len and --prefix-groups."""
+    out = []
+    if args.shared_prefix_len < 0:
+        out.append("--shared-prefix-len must be >= 0")
+    if args.prefix_groups is not None and args.prefix_groups < 1:
+        out.append("--prefix-groups must be >= 1")
+    if args.prefix_groups is not None and args.shared_prefix_len <= 0:
+        out.append("--prefix-groups goes with --shared-prefix-len")
+    if args.shared_prefix_len > 0:
+        max_ctx = args.max_ctx or DEFAULT_MAX_CTX
+        if args.shared_prefix_len > max_ctx - 2:
+            out.append(
+                f"--shared-prefix-len {args.shared_prefix_len} leaves no room in a context of {max_ctx} "
+                "(--max-ctx) for a prompt token and an output token after the prefix"
+            )
+        if "gateway" in (args.compare or []):
+            out.append(
+                "--shared-prefix-len does not go with --compare gateway (its native and gateway passes "
+                "would share one server's cache)"
+            )
     return out

@@ -8,7 +8,13 @@ from pathlib import Path
 
 from ringleader.bench.report import loadgen_warnings, run_label, write_json
 from ringleader.bench.report_markdown import markdown_summary
-from ringleader.bench.report_tables import format_degradation, format_overhead, format_ratios, format_table
+from ringleader.bench.report_tables import (
+    format_degradation,
+    format_overhead,
+    format_prefix_caching,
+    format_ratios,
+    format_table,
+)
 
 
 class Console:
@@ -37,8 +43,8 @@ def say_run(say: Console, entry: dict) -> None:
 
 
 def say_results(say: Console, doc: dict) -> None:
-    """The final tables (even with --quiet): every run, the ratios, overhead and degradation
-    there are, and the load generator's warnings."""
+    """The final tables (even with --quiet): every run, the ratios, overhead, prefix caching on /
+    off and degradation there are, and the load generator's warnings."""
     runs = doc["runs"]
     say()
     say(format_table(runs), always=True)
@@ -48,6 +54,9 @@ def say_results(say: Console, doc: dict) -> None:
     overhead = format_overhead(doc["gateway_overhead"])
     if overhead:
         say(overhead, always=True)
+    prefix = format_prefix_caching(doc.get("prefix_caching") or [])
+    if prefix:
+        say(prefix, always=True)
     deg = format_degradation(doc["degradation"])
     if deg:
         say(deg, always=True)

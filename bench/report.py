@@ -5,11 +5,13 @@ bench/report_tables.py, summary.md in bench/report_markdown.py.
 JSON layout (schema "ringleader-bench/1"):
     {"schema", "created", "command", "settings": {...every option...}, "environment": {git
      commit, python/torch versions, CPU, GPU}, "model", "device", "notes": [...],
-     "runs": [run, ...], "degradation": [...], "ratios_vs_hf": [...], "gateway_overhead": [...]}
+     "runs": [run, ...], "degradation": [...], "ratios_vs_hf": [...], "gateway_overhead": [...],
+     "prefix_caching": [...]}
 Each run holds at least: scheduler, device, model, concurrency (null in the open loop),
 request_rate (null in the closed loop), completed, failed, output_tokens_per_s, ttft_ms,
 tpot_ms, itl_ms, e2e_ms (each {mean, p50, p90, p99}) and cpu_s_per_1k_tokens; see
-make_run_entry for the rest.
+make_run_entry for the rest (among them variant, prefix_caching, the server's
+prefix_cache_queries / _hits / _hit_rate over the run, and expected_prefix_hit_rate[_cold]).
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ from pathlib import Path
 
 from ringleader.bench.loadgen import Load, RunResult
 from ringleader.bench.metrics import latency_samples, run_metrics
-from ringleader.bench.report_comparisons import degradation, gateway_overhead, ratios_vs_hf
-from ringleader.bench.servers import cpu_deltas, device_deltas
+from ringleader.bench.report_comparisons import (
+    degradation,
+    gateway_overhead,
+    prefix_caching_comparison,
+    ratios_vs_hf,
+)
+from ringleader.bench.servers import cpu_deltas, device_deltas, prefix_cache_deltas
 
 SCHEMA = "ringleader-bench/1"
 LOADGEN_WARN_FRACTION = 0.8  # of one core over the run's wall time
@@ -44,10 +51,18 @@ def make_run_entry(
     burstiness: float | None,
     busy: dict | None = None,
     backend: dict | None = None,
+    variant: str | None = None,
+    prefix_caching: bool | None = None,
+    expected_prefix_hit_rate: dict | None = None,
 ) -> dict:
+    """One run's entry. `variant`: the --compare variant it measured (None for --connect and
+    --http); `prefix_caching`: on/off for an arm of the prefix-caching comparison, else None;
+    `expected_prefix_hit_rate`: {steady, cold} of its shared-prefix workload (None without)."""
     m = run_metrics(result.records)
     cpu = cpu_deltas(result.stats_before, result.stats_after)
     dev = device_deltas(result.stats_before, result.stats_after)
+    prefix = prefix_cache_deltas(result.stats_before, result.stats_after)
+    expected = expected_prefix_hit_rate or {}
     frac = (
         (result.loadgen_cpu_s / result.wall_s)
         if result.loadgen_cpu_s is not None and result.wall_s > 0
@@ -55,6 +70,8 @@ def make_run_entry(
     )
     entry = {
         "scheduler": scheduler,
+        "variant": variant,
+        "prefix_caching": prefix_caching,
         "device": device,
         "model": model,
         "backend": backend or result.stats_after.get("backend"),
@@ -79,6 +96,9 @@ def make_run_entry(
         "send_lag_ms": result.send_lag_ms or None,
         "warmup_failed": result.warmup_failed,
         "busy_cpu_s": (busy or {}).get("busy_cpu_s"),
+        **prefix,
+        "expected_prefix_hit_rate": expected.get("steady"),
+        "expected_prefix_hit_rate_cold": expected.get("cold"),
         "_samples": latency_samples(result.records),  # for the CDF plots; not written to JSON
     }
     return entry
@@ -186,6 +206,7 @@ def build_document(
         "degradation": degradation(runs),
         "ratios_vs_hf": ratios_vs_hf(runs),
         "gateway_overhead": gateway_overhead(runs),
+        "prefix_caching": prefix_caching_comparison(runs),
     }
 
 

@@ -1,6 +1,6 @@
 """Comparisons between the runs of one benchmark document: each run under CPU interference
-against the same run without it, each ringleader run against transformers' (hf), and the HTTP
-gateway against ZeroMQ on the same server."""
+against the same run without it, each ringleader run against transformers' (hf), the HTTP
+gateway against ZeroMQ on the same server, and prefix caching on against off."""
 
 from __future__ import annotations
 
@@ -137,6 +137,46 @@ def gateway_overhead(runs: list[dict]) -> list[dict]:
                     _per_1k(b.get("loadgen_cpu_s"), b.get("output_tokens")),
                 ],
                 "server_cpu_s_per_1k_tokens": [r.get("cpu_s_per_1k_tokens"), b.get("cpu_s_per_1k_tokens")],
+            }
+        )
+    return out
+
+
+def prefix_caching_comparison(runs: list[dict]) -> list[dict]:
+    """Each variant's prefix-on run against its prefix-off run at the same load and busy level
+    (--shared-prefix-len; the runs' `prefix_caching` says which arm): [on, off] of TTFT p50 and
+    p90 (ms), output tok/s, requests/s and the server's prefix-cache hit rate; the ratios TTFT
+    off / on (above 1: caching cut TTFT) and throughput on / off (above 1: caching raised it);
+    and the workload's expected hit rates. Empty without both arms."""
+    off = {(r.get("variant"), *_point(r)): r for r in runs if r.get("prefix_caching") is False}
+    out = []
+    for on in runs:
+        if on.get("prefix_caching") is not True:
+            continue
+        b = off.get((on.get("variant"), *_point(on)))
+        if b is None:
+            continue
+        out.append(
+            {
+                "variant": on.get("variant"),
+                "on": on["scheduler"],
+                "off": b["scheduler"],
+                "concurrency": on["concurrency"],
+                "request_rate": on["request_rate"],
+                "cpu_interference": on.get("cpu_interference") or 0,
+                "ttft_ms_p50": [on["ttft_ms"]["p50"], b["ttft_ms"]["p50"]],
+                "ttft_ms_p90": [on["ttft_ms"]["p90"], b["ttft_ms"]["p90"]],
+                "output_tokens_per_s": [on["output_tokens_per_s"], b["output_tokens_per_s"]],
+                "request_throughput": [on["request_throughput"], b["request_throughput"]],
+                "prefix_cache_hit_rate": [on.get("prefix_cache_hit_rate"), b.get("prefix_cache_hit_rate")],
+                "expected_prefix_hit_rate": on.get("expected_prefix_hit_rate"),
+                "expected_prefix_hit_rate_cold": on.get("expected_prefix_hit_rate_cold"),
+                "ttft_ms_p50_ratio_off_on": _ratio(b["ttft_ms"]["p50"], on["ttft_ms"]["p50"]),
+                "ttft_ms_p90_ratio_off_on": _ratio(b["ttft_ms"]["p90"], on["ttft_ms"]["p90"]),
+                "output_tokens_per_s_ratio_on_off": _ratio(
+                    on["output_tokens_per_s"], b["output_tokens_per_s"]
+                ),
+                "request_throughput_ratio_on_off": _ratio(on["request_throughput"], b["request_throughput"]),
             }
         )
     return out

@@ -9,9 +9,11 @@ from ringleader.bench.report import load_label
 from ringleader.bench.report_comparisons import RATIO_BASE
 from ringleader.bench.report_tables import (
     OVERHEAD_HEAD,
+    PREFIX_HEAD,
     RATIO_HEAD,
     cell,
     overhead_cells,
+    prefix_cells,
     ratio_cells,
     table_rows,
 )
@@ -25,6 +27,18 @@ def _requests_text(requests) -> str:
     if isinstance(requests, list):
         return "/".join(str(n) for n in requests) + " requests (one count per load point)"
     return f"{requests} requests"
+
+
+def _prefix_text(s: dict) -> str:
+    """The workload line's shared prefixes, if any."""
+    n = s.get("shared_prefix_len") or 0
+    if n <= 0:
+        return ""
+    groups = s.get("prefix_groups") or 1
+    return (
+        f"; a shared prefix of {n} tokens before each prompt, {groups} group(s), request i in group "
+        "i % G, fresh prefixes for every run"
+    )
 
 
 def _md_table(head, rows) -> list[str]:
@@ -49,7 +63,7 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
         f"- workload: {_requests_text(s.get('requests'))} per run, input {s.get('input_len')}, "
         f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
-        f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests",
+        f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests" + _prefix_text(s),
         "",
     ]
     head, rows = table_rows(doc["runs"])
@@ -83,6 +97,23 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
             "run-to-run spread (run the command twice to see it) are noise.",
             "",
             *_md_table(OVERHEAD_HEAD, [overhead_cells(d) for d in overhead]),
+        ]
+        out.append("")
+    prefix = doc.get("prefix_caching") or []
+    if prefix:
+        out += [
+            "## prefix caching on / off",
+            "",
+            "Each variant run twice on the same shared-prefix workload, one server each, one after the "
+            "other: `serve --prefix-caching` (on) and `serve --no-prefix-caching` (off). TTFT off / on "
+            "and throughput on / off above 1 favour caching. Hit rate: the server's `prefix_cache_hits` "
+            "/ `prefix_cache_queries` (prompt tokens found / looked up) over the run, - when its stats "
+            "lack them. Expected: prefix tokens / prompt tokens once each group's prefix was seen, and "
+            "(cold) with each group's first request a full miss; a cache that matches whole KV pages "
+            "finds the prefix rounded down to a page, and requests of a group sent before its first "
+            "was prefilled may miss too.",
+            "",
+            *_md_table(PREFIX_HEAD, [prefix_cells(d) for d in prefix]),
         ]
         out.append("")
     deg = doc.get("degradation") or []

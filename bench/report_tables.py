@@ -1,6 +1,6 @@
 """A benchmark document's tables as the console shows them: every run, the degradation under CPU
-interference, the ratios to hf and the gateway's overhead (bench/report_markdown.py reuses their
-rows and cells)."""
+interference, the ratios to hf, the gateway's overhead and prefix caching on / off
+(bench/report_markdown.py reuses their rows and cells)."""
 
 from __future__ import annotations
 
@@ -175,6 +175,67 @@ def format_overhead(rows: list[dict]) -> str:
     ]
     lines += [
         "  " + "  ".join(c.rjust(w) if i >= 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
+    return "\n".join(lines)
+
+
+PREFIX_HEAD = [
+    "variant",
+    "load",
+    "TTFT p50 ms (on / off)",
+    "TTFT p90 ms (on / off)",
+    "out tok/s (on / off)",
+    "req/s (on / off)",
+    "hit rate (on / off)",
+    "expected",
+    "TTFT p50 off/on",
+    "tok/s on/off",
+    "req/s on/off",
+]
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def prefix_cells(d: dict) -> list[str]:
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    pair = lambda key, fmt: " / ".join(cell(v, fmt) for v in d[key])  # noqa: E731
+    expected = _pct(d.get("expected_prefix_hit_rate"))
+    if d.get("expected_prefix_hit_rate_cold") is not None:
+        expected += f" ({_pct(d['expected_prefix_hit_rate_cold'])} cold)"
+    return [
+        str(d["variant"]),
+        load_label(d) + busy,
+        pair("ttft_ms_p50", "{:.1f}"),
+        pair("ttft_ms_p90", "{:.1f}"),
+        pair("output_tokens_per_s", "{:.0f}"),
+        pair("request_throughput", "{:.2f}"),
+        " / ".join(_pct(v) for v in d["prefix_cache_hit_rate"]),
+        expected,
+        f"x{cell(d['ttft_ms_p50_ratio_off_on'], '{:.2f}')}",
+        f"x{cell(d['output_tokens_per_s_ratio_on_off'], '{:.2f}')}",
+        f"x{cell(d['request_throughput_ratio_on_off'], '{:.2f}')}",
+    ]
+
+
+PREFIX_TEXT = (
+    "prefix caching on / off (serve --prefix-caching / --no-prefix-caching, the same shared-prefix "
+    "workload): TTFT off/on and throughput on/off above 1 favour caching; hit rate = the server's "
+    "prefix-cache hits / queries over the run (- when it does not report them); expected = prefix / "
+    "prompt tokens once each group's prefix was seen (cold: each group's first request a miss)"
+)
+
+
+def format_prefix_caching(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cells = [prefix_cells(d) for d in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(PREFIX_HEAD)]
+    lines = [PREFIX_TEXT, "  " + "  ".join(h.ljust(w) for h, w in zip(PREFIX_HEAD, widths))]
+    lines += [
+        "  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         for row in cells
     ]
     return "\n".join(lines)

@@ -1,25 +1,43 @@
 """The load test of `ringleader bench`: start each target (a `ringleader serve` process, or
 transformers in this process), measure every load point at every busy level against it, stop it;
-then the results document, its tables and its files."""
+then the results document, its tables and its files.
+
+With --shared-prefix-len each server variant becomes its two arms, prefix caching on and off
+(servers.prefix_arms), run one after the other like any two targets; and every pass (a load point
+at a busy level) sends its requests behind shared prefixes of its own (SharedPrefix), the same
+prompts to every target, so no pass finds another pass's prefixes in the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ringleader.bench import servers as S
 from ringleader.bench.interference import CpuInterference
 from ringleader.bench.load_plan import LoadPlan, plan_loads
 from ringleader.bench.loadgen import SendOptions, measure
-from ringleader.bench.options import DEFAULT_COMPARE, DEFAULT_MAX_CTX, ENGINE_DEFAULTS, name_list
+from ringleader.bench.options import (
+    DEFAULT_COMPARE,
+    DEFAULT_MAX_CTX,
+    DEFAULT_PREFIX_COMPARE,
+    ENGINE_DEFAULTS,
+    name_list,
+    prefix_groups,
+)
 from ringleader.bench.output import Console, say_results, say_run, write_outputs
 from ringleader.bench.report import build_document, make_run_entry
 from ringleader.bench.targets import TargetPlan, plan_targets, target_notes, token_count_notes
-from ringleader.bench.workloads import prompt_id_range_for
+from ringleader.bench.workloads import (
+    PREFIX_GROUPING,
+    add_shared_prefixes,
+    expected_prefix_hit_rate,
+    prompt_id_range_for,
+)
 
 
 @dataclass
@@ -33,6 +51,43 @@ class Endpoint:
     http_model: str | None = None
 
 
+@dataclass
+class SharedPrefix:
+    """--shared-prefix-len and --prefix-groups: the requests of each pass (a load point at a busy
+    level, numbered in the order run_target runs them) behind prefixes of their own (the pass
+    number is their salt), the same lists for every target."""
+
+    length: int
+    groups: int
+    seed: int
+    id_range: tuple[int, int]
+    max_ctx: int
+    _made: dict = field(default_factory=dict)
+
+    def specs(self, specs: list, salt: int) -> list:
+        if salt not in self._made:
+            self._made[salt] = add_shared_prefixes(
+                specs,
+                self.length,
+                self.groups,
+                seed=self.seed,
+                id_range=self.id_range,
+                max_context=self.max_ctx,
+                salt=salt,
+            )
+        return self._made[salt]
+
+    def expected(self, specs: list) -> dict:
+        """{steady, cold}: the hit rates a prefix cache can reach on these (prefixed) requests."""
+        return expected_prefix_hit_rate(specs, self.length, self.groups)
+
+
+def shared_prefix(args, max_ctx: int, id_range: tuple[int, int]) -> SharedPrefix | None:
+    if args.shared_prefix_len <= 0:
+        return None
+    return SharedPrefix(args.shared_prefix_len, prefix_groups(args), args.seed, id_range, max_ctx)
+
+
 def run_bench(args, command: list[str], say: Console) -> int:
     """Every target at every load point, the tables, the files under --out. Returns 0, 1 when a
     run failed or completed fewer requests than it sent, or 2 when nothing could run."""
@@ -43,18 +98,28 @@ def run_bench(args, command: list[str], say: Console) -> int:
         print(f"ringleader bench: cannot read the vocabulary of {args.model}: {exc}", file=sys.stderr)
         return 2
     load_plan = plan_loads(args, max_ctx, id_range)
+    prefix = shared_prefix(args, max_ctx, id_range)
+    self_hosted = not args.connect and not args.http
     requested = args.compare or name_list(DEFAULT_COMPARE)
+    if prefix is not None and self_hosted and not args.compare:  # the default placement's two arms
+        requested = [DEFAULT_PREFIX_COMPARE[S.resolve_device(args.device)]]
     target_plan = plan_targets(args, requested, say)
     if target_plan is None:
         return 2
+    planned = target_plan.names  # the variants, before they become arms
+    if prefix is not None and self_hosted:
+        arms = S.prefix_arms([v for _, v in target_plan.targets if v is not None])
+        target_plan = dataclasses.replace(target_plan, targets=[(v.name, v) for v in arms])
     notes = target_plan.skipped + target_notes(args, target_plan, id_range)
-    _say_plan(args, target_plan, load_plan, id_range, say)
+    if prefix is not None:
+        notes.append(_prefix_note(prefix, self_hosted))
+    _say_plan(args, target_plan, load_plan, id_range, say, prefix)
 
     runs: list[dict] = []
     t_start = time.perf_counter()
     loadavg_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for name, variant in target_plan.targets:
-        runs += run_target(args, name, variant, target_plan.device, target_plan.model, load_plan, say)
+        runs += run_target(args, name, variant, target_plan.device, target_plan.model, load_plan, say, prefix)
     notes += token_count_notes(runs)
     device, model = target_plan.device, target_plan.model
     if args.connect and runs:
@@ -69,7 +134,9 @@ def run_bench(args, command: list[str], say: Console) -> int:
         max_context=max_ctx,
         prompt_id_range=list(id_range),
         variants=target_plan.names,
-        skipped=[] if args.connect or args.http else [n for n in requested if n not in target_plan.names],
+        skipped=[] if args.connect or args.http else [n for n in requested if n not in planned],
+        prefix_groups=prefix_groups(args) if prefix is not None else None,
+        prefix_grouping=PREFIX_GROUPING if prefix is not None else None,
         elapsed_s=time.perf_counter() - t_start,
         host_loadavg_at_start=loadavg_start,
     )
@@ -83,7 +150,12 @@ def run_bench(args, command: list[str], say: Console) -> int:
 
 
 def _say_plan(
-    args, target_plan: TargetPlan, load_plan: LoadPlan, id_range: tuple[int, int], say: Console
+    args,
+    target_plan: TargetPlan,
+    load_plan: LoadPlan,
+    id_range: tuple[int, int],
+    say: Console,
+    prefix: SharedPrefix | None = None,
 ) -> None:
     say(
         f"ringleader bench: model {target_plan.model}, device {target_plan.device}, variants {', '.join(target_plan.names)}; "
@@ -91,11 +163,50 @@ def _say_plan(
         f"prompt ids in [{id_range[0]}, {id_range[1]})"
         + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else "")
     )
+    if prefix is None:
+        return
+    n_busy = len(load_plan.busy_levels)
+    rates = [
+        prefix.expected(prefix.specs(specs, i * n_busy)) for i, (_, specs) in enumerate(load_plan.points)
+    ]
+    say(
+        f"shared prefixes: {prefix.groups} group(s) of {prefix.length} tokens, {PREFIX_GROUPING}, "
+        f"fresh ones for every load point and busy level; expected prefix-cache hit rate "
+        f"{_pct(rates[0]['steady'])} once each group's prefix was seen, "
+        f"{'/'.join(_pct(r['cold']) for r in rates)} over each run with each group's first request a miss",
+        always=True,
+    )
 
 
-def run_target(args, name, variant, device, model, load_plan: LoadPlan, say: Console) -> list[dict]:
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _prefix_note(prefix: SharedPrefix, self_hosted: bool) -> str:
+    text = (
+        f"shared prefixes: {prefix.groups} random prefix(es) of {prefix.length} tokens ({PREFIX_GROUPING}), "
+        "each followed by the request's own suffix as --input-len and --length-dist make it (cut "
+        "first when prefix + suffix + output exceed the context); every load point and busy level "
+        "gets prefixes of its own, the same for every target, and the warm-up requests have none, so "
+        "each run starts with none of its prefixes cached. expected_prefix_hit_rate = prefix / prompt "
+        "tokens (once each group's prefix was seen), _cold = with each group's first request a miss; "
+        "prefix_cache_hit_rate = the server's prefix_cache_hits / prefix_cache_queries over the run "
+        "(null when its stats lack them)"
+    )
+    if self_hosted:
+        return text + (
+            "; each server variant ran twice, one server after the other (bench runs its targets in "
+            "turn, not interleaved): <variant>/prefix-on with serve --prefix-caching, "
+            "<variant>/prefix-off with serve --no-prefix-caching"
+        )
+    return text + "; one running server, whose prefix caching bench cannot switch: no on / off comparison"
+
+
+def run_target(
+    args, name, variant, device, model, load_plan: LoadPlan, say: Console, prefix: SharedPrefix | None = None
+) -> list[dict]:
     """Every run of one target: start it (variant None: --http or --connect, already running),
-    measure each load point at each busy level, stop it."""
+    measure each load point at each busy level (behind its shared prefixes, with `prefix`), stop it."""
     runs = []
     server = runner = None
     http_url = http_model = address = None
@@ -110,15 +221,21 @@ def run_target(args, name, variant, device, model, load_plan: LoadPlan, say: Con
             gateway = variant.kind == "gateway"
             serve_args = _server_options(args, device).args() + list(variant.server_args)
             server = S.ServerProcess(serve_args, http=gateway)
-            address, http_url, http_model = _start_server(server, name, gateway, say)
+            address, http_url, http_model = _start_server(server, name, gateway, say, variant)
         endpoint = Endpoint(runner, address, http_url, http_model)
         passes = _passes(name, variant, endpoint)
-        for load, specs in load_plan.points:
+        salt = 0
+        for load, point_specs in load_plan.points:
             for busy in load_plan.busy_levels:
+                specs = point_specs if prefix is None else prefix.specs(point_specs, salt)
+                expected = None if prefix is None else prefix.expected(specs)
+                salt += 1
                 for label, how in passes:
                     with CpuInterference(busy) as spinners:
                         result = _measure_pass(args, how, endpoint, specs, load, load_plan)
-                    entry = _run_entry(args, label, how, device, model, load, result, spinners.describe())
+                    entry = _run_entry(
+                        args, label, how, device, model, load, result, spinners.describe(), variant, expected
+                    )
                     runs.append(entry)
                     say_run(say, entry)
     finally:
@@ -186,11 +303,20 @@ def _server_options(args, device) -> S.ServerOptions:
     )
 
 
-def _start_server(server: S.ServerProcess, name, gateway: bool, say: Console):
+def _start_server(server: S.ServerProcess, name, gateway: bool, say: Console, variant=None):
     """Starts `server`; returns its address, and with a gateway the gateway's URL and the first
     model it lists (else None, None)."""
     t0 = time.perf_counter()
-    address = server.start()
+    try:
+        address = server.start()
+    except S.ServerError as exc:
+        text = str(exc)
+        if variant is not None and variant.prefix_caching is not None and "unrecognized arguments" in text:
+            raise S.ServerError(
+                "this `ringleader serve` may not take --prefix-caching / --no-prefix-caching, which "
+                f"--shared-prefix-len needs to compare the two: {text}"
+            ) from exc
+        raise
     launch = (server.stats().get("backend") or {}).get("launch")
     say(
         f"[{name}] server up at {address}"
@@ -244,8 +370,11 @@ def _measure_pass(args, how, endpoint: Endpoint, specs, load, load_plan: LoadPla
     return measure(endpoint.address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
 
 
-def _run_entry(args, label, how, device, model, load, result, busy: dict) -> dict:
-    """One run's entry of the results, named by its label (or --label, or the server's stats)."""
+def _run_entry(
+    args, label, how, device, model, load, result, busy: dict, variant=None, expected: dict | None = None
+) -> dict:
+    """One run's entry of the results, named by its label (or --label, or the server's stats);
+    `variant` None for --connect and --http; `expected`: its shared prefixes' hit rates."""
     after = result.stats_after
     entry = make_run_entry(
         scheduler=label or args.label or _label_from(after),
@@ -256,6 +385,9 @@ def _run_entry(args, label, how, device, model, load, result, busy: dict) -> dic
         burstiness=args.burstiness,
         busy=busy,
         backend=after.get("backend"),
+        variant=variant.variant if variant is not None else None,
+        prefix_caching=variant.prefix_caching if variant is not None else None,
+        expected_prefix_hit_rate=expected,
     )
     if how == "http":
         entry["transport"] = "http"

@@ -334,10 +334,10 @@ class Harness:
         for k, kind in enumerate(self.kinds):
             while kind.target is None or self.live_by_kind[k] < kind.target:
                 n = int(self.rng.integers(kind.prompt_len[0], kind.prompt_len[1] + 1))
-                if sq.free_entries() < 1 or not self.rings.arena.can_allocate(n):
+                if sq.free_entries() < 1 or not self.rings.can_write_prompt(n):
                     break
                 start = self.next_handle % (len(self.pool) - n)
-                off = self.rings.arena.allocate(self.pool[start : start + n])
+                off = self.rings.write_prompt(self.pool[start : start + n])
                 max_tokens = int(self.rng.integers(kind.max_tokens[0], kind.max_tokens[1] + 1))
                 pos = push_generate(sq, self.next_handle, off, n, max_tokens)
                 self.live[self.next_handle] = Request(k, off, pos, max_tokens)

@@ -14,6 +14,10 @@ Variants (`--compare`):
           it, back to back: `native` over ZeroMQ (bench/loadgen.py), then `gateway` over HTTP
           (bench/http_loadgen.py), and the report shows what the gateway adds.
 
+With `--shared-prefix-len` every server variant runs as two arms (prefix_arms), one server each,
+started one after the other: `<name>/prefix-on` with `serve --prefix-caching` and
+`<name>/prefix-off` with `serve --no-prefix-caching` (hf runs once: it has no prefix cache).
+
 A server is `python -m ringleader.hostctl.cli serve ... --bind tcp://127.0.0.1:<free port>` (`--model` as
 given: a preset, a checkpoint directory or a .gguf file), ready when it answers `ping` (and,
 with an HTTP gateway, when GET /health answers 200). It is stopped with SIGTERM (then SIGKILL) in a finally block, and an atexit hook
@@ -46,11 +50,23 @@ STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 
 
+# `ringleader serve`'s flags for the arms of the prefix-caching comparison, and their names
+PREFIX_CACHING_FLAGS = {True: ("--prefix-caching",), False: ("--no-prefix-caching",)}
+PREFIX_ARM_NAMES = {True: "prefix-on", False: "prefix-off"}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
     kind: str  # "server", "hf" or "gateway" (a server with its HTTP gateway: native and gateway runs)
     server_args: tuple[str, ...] = ()
+    prefix_caching: bool | None = None  # an arm of the prefix-caching comparison: on or off
+    base: str | None = None  # the --compare variant this is an arm of (None: not an arm)
+
+    @property
+    def variant(self) -> str:
+        """The --compare variant it runs (its own name, or the one it is an arm of)."""
+        return self.base or self.name
 
 
 @dataclass
@@ -110,6 +126,27 @@ def plan_variants(names: list[str], device: str) -> tuple[list[Variant], list[st
         elif name == "gateway":
             variants.append(Variant("gateway", "gateway", ("--policy", "fifo")))
     return variants, notes
+
+
+def prefix_arms(variants: list[Variant]) -> list[Variant]:
+    """Each server variant as its two arms, prefix caching on then off, back to back (the
+    variants run one after another; the arms of one variant next to each other); hf as it is."""
+    out = []
+    for v in variants:
+        if v.kind != "server":
+            out.append(v)
+            continue
+        for on in (True, False):
+            out.append(
+                Variant(
+                    f"{v.name}/{PREFIX_ARM_NAMES[on]}",
+                    v.kind,
+                    v.server_args + PREFIX_CACHING_FLAGS[on],
+                    prefix_caching=on,
+                    base=v.name,
+                )
+            )
+    return out
 
 
 def free_port() -> int:
@@ -316,6 +353,31 @@ def device_deltas(before: dict, after: dict) -> dict:
         if da.get(key) is not None:
             out[key] = float(da[key])
     return out
+
+
+PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
+
+
+def prefix_cache_deltas(before: dict, after: dict) -> dict:
+    """The server's prefix-cache counters over a run (prompt tokens looked up, prompt tokens found
+    and not prefilled) and hits / queries; each None when a `stats` reply lacks it (a server
+    without prefix caching, an HTTP endpoint, hf) or the run looked nothing up. A counter is read
+    from the top of the reply, else from its `device` part."""
+    out: dict = {}
+    for key in PREFIX_COUNTERS:
+        b, a = _counter(before, key), _counter(after, key)
+        out[key] = a - b if a is not None and b is not None else None
+    queries, hits = out["prefix_cache_queries"], out["prefix_cache_hits"]
+    out["prefix_cache_hit_rate"] = hits / queries if hits is not None and queries else None
+    return out
+
+
+def _counter(stats: dict, key: str) -> int | float | None:
+    for where in (stats, stats.get("device") or {}):
+        v = where.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
 
 
 def _num(x) -> float:

@@ -16,6 +16,19 @@ vocabulary (a .gguf file, a checkpoint directory with a tokenizer) its longest r
 ids, i.e. between special tokens and below the vocabulary size (`prompt_id_range_for(spec)`), so a
 prompt never holds BOS/EOS/chat-control tokens and never an id the embedding lacks.
 
+Shared prefixes (`--shared-prefix-len N --prefix-groups G`, WorkloadConfig.shared_prefix_len and
+prefix_groups): G distinct prefixes of N random tokens, drawn from their own stream (a fourth
+child of the seed's SeedSequence, and within it a `prefix_salt`, so each run of a benchmark can
+get fresh ones); request i's prompt is the prefix of group i % G (round robin, so every group is
+seen within the first G requests) followed by its own suffix, which is the prompt the options above
+make without prefixes (the same lengths and tokens). The groups' first tokens are all different
+(when the id range has G ids), so no two groups share a cached token; a suffix that repeats an
+earlier one of its group has its last token redrawn until it does not (while that can succeed).
+With max_context, the suffix gives way first (down to 1 token), then the output; the prefix is
+never cut. A prefix cache that has seen a group's prefix can skip N of its N + suffix tokens:
+expected_prefix_hit_rate gives that rate, and the one over the run with each group's first
+request a full miss.
+
 Arrivals for the open loop (`--request-rate R --burstiness B`): gaps between consecutive
 requests are Gamma(shape=B, scale=1/(R*B)), whose mean is 1/R for every B. B = 1 is a Poisson
 process; B < 1 is burstier, B > 1 more regular. R = inf sends every request at time 0.
@@ -39,6 +52,8 @@ LONGTAIL_CAP = 8.0  # longtail lengths are clipped to this many times the mean
 FIRST_PROMPT_ID = 3
 LAST_PROMPT_ID = 256
 PRESET_PROMPT_IDS = (FIRST_PROMPT_ID, LAST_PROMPT_ID)
+PREFIX_STREAM = 3  # the seed's child streams: 0 lengths, 1 prompt tokens, 2 arrivals, 3 shared prefixes
+PREFIX_GROUPING = "round robin: request i uses group i % G"
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,9 @@ class WorkloadConfig:
     seed: int = 0
     max_context: int | None = None  # prompt + output are trimmed to fit (the server's limit)
     prompt_id_range: tuple[int, int] = PRESET_PROMPT_IDS  # prompt tokens are drawn from [lo, hi)
+    shared_prefix_len: int = 0  # > 0: each prompt is its group's prefix of this many tokens + its own
+    prefix_groups: int = 1  # distinct shared prefixes; request i uses group i % prefix_groups
+    prefix_salt: int = 0  # another salt, other prefixes (same seed, same suffixes)
 
     def describe(self) -> dict:
         return {
@@ -70,6 +88,9 @@ class WorkloadConfig:
             "seed": self.seed,
             "max_context": self.max_context,
             "prompt_id_range": list(self.prompt_id_range),
+            "shared_prefix_len": self.shared_prefix_len,
+            "prefix_groups": self.prefix_groups,
+            "prefix_salt": self.prefix_salt,
         }
 
 
@@ -98,7 +119,8 @@ def sample_lengths(
 
 
 def make_requests(cfg: WorkloadConfig) -> list[RequestSpec]:
-    """The workload's requests, reproducible from cfg.seed."""
+    """The workload's requests, reproducible from cfg.seed (and cfg.prefix_salt): with
+    shared_prefix_len, add_shared_prefixes over the requests made without it."""
     root = np.random.SeedSequence(cfg.seed)
     len_seq, tok_seq = root.spawn(2)
     len_rng = np.random.default_rng(len_seq)
@@ -114,7 +136,98 @@ def make_requests(cfg: WorkloadConfig) -> list[RequestSpec]:
             n_in, n_out = fit_context(n_in, n_out, cfg.max_context)
         prompt = tok_rng.integers(lo, hi, size=n_in).tolist()
         specs.append(RequestSpec(prompt_ids=prompt, max_tokens=n_out))
+    if cfg.shared_prefix_len > 0:
+        specs = add_shared_prefixes(
+            specs,
+            cfg.shared_prefix_len,
+            cfg.prefix_groups,
+            seed=cfg.seed,
+            id_range=cfg.prompt_id_range,
+            max_context=cfg.max_context,
+            salt=cfg.prefix_salt,
+        )
     return specs
+
+
+def shared_prefixes(
+    length: int, groups: int, seed: int = 0, id_range: tuple[int, int] = PRESET_PROMPT_IDS, salt: int = 0
+) -> list[list[int]]:
+    """`groups` prefixes of `length` token ids in [lo, hi), from the seed's prefix stream and
+    `salt`; their first tokens differ whenever the range has `groups` ids."""
+    if length < 1 or groups < 1:
+        raise ValueError(f"shared prefixes need length >= 1 and groups >= 1, got {length}, {groups}")
+    return _draw_prefixes(_prefix_rng(seed, salt), length, groups, id_range)
+
+
+def _prefix_rng(seed: int, salt: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(PREFIX_STREAM, salt)))
+
+
+def _draw_prefixes(
+    rng: np.random.Generator, length: int, groups: int, id_range: tuple[int, int]
+) -> list[list[int]]:
+    lo, hi = id_range
+    if not 0 <= lo < hi:
+        raise ValueError(f"prompt id range must be 0 <= lo < hi, got {id_range}")
+    firsts = rng.choice(np.arange(lo, hi), size=groups, replace=groups > hi - lo)
+    rest = rng.integers(lo, hi, size=(groups, length - 1))
+    return [[int(f), *row] for f, row in zip(firsts.tolist(), rest.tolist())]
+
+
+def add_shared_prefixes(
+    specs: list[RequestSpec],
+    length: int,
+    groups: int,
+    *,
+    seed: int = 0,
+    id_range: tuple[int, int] = PRESET_PROMPT_IDS,
+    max_context: int | None = None,
+    salt: int = 0,
+) -> list[RequestSpec]:
+    """The requests with the prefix of group i % groups before prompt i (see module doc): the
+    prompt becomes the suffix, cut to fit max_context with the prefix; a suffix equal to an
+    earlier one of its group gets its last token redrawn."""
+    if length < 1 or groups < 1:
+        raise ValueError(f"shared prefixes need length >= 1 and groups >= 1, got {length}, {groups}")
+    rng = _prefix_rng(seed, salt)  # the prefixes, then the redraws of repeated suffixes
+    prefixes = _draw_prefixes(rng, length, groups, id_range)
+    room = None
+    if max_context is not None:
+        room = max_context - length
+        if room < 2:
+            raise ValueError(
+                f"a shared prefix of {length} tokens leaves no room for a prompt token and an output "
+                f"token in a context of {max_context}"
+            )
+    lo, hi = id_range
+    seen: list[set[tuple[int, ...]]] = [set() for _ in range(groups)]
+    out = []
+    for i, spec in enumerate(specs):
+        suffix, n_out = list(spec.prompt_ids), spec.max_tokens
+        if room is not None:
+            n_in, n_out = fit_context(len(suffix), n_out, room)
+            suffix = suffix[:n_in]
+        group = i % groups
+        for _ in range(4 * (hi - lo)):
+            if tuple(suffix) not in seen[group]:
+                break
+            suffix[-1] = int(rng.integers(lo, hi))
+        seen[group].add(tuple(suffix))
+        out.append(RequestSpec(prompt_ids=prefixes[group] + suffix, max_tokens=n_out))
+    return out
+
+
+def expected_prefix_hit_rate(specs: list[RequestSpec], length: int, groups: int) -> dict:
+    """The share of prompt tokens a prefix cache can skip in these requests (made by
+    add_shared_prefixes): `steady` once every group's prefix was seen (length / mean prompt
+    length), `cold` over the run with each group's first request a full miss. Token-exact: a
+    cache that matches whole KV pages skips less (the prefix rounded down to a page). None for
+    no requests or no shared prefix."""
+    total = sum(len(s.prompt_ids) for s in specs)
+    if not specs or length < 1 or total == 0:
+        return {"steady": None, "cold": None}
+    seen = min(len(specs), max(1, groups))
+    return {"steady": len(specs) * length / total, "cold": (len(specs) - seen) * length / total}
 
 
 def ordinary_id_range(vocab_size: int, special_ids) -> tuple[int, int]:

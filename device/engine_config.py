@@ -30,6 +30,8 @@ class EngineConfig:
     # of the memory free once the weights and the step's workspace are in (None: per device)
     kv_cache_memory: int | float | str | None = None
     page_size: int = 16  # token positions per KV page
+    # share the KV of full prompt pages between requests with the same prefix (the device's prefix cache)
+    prefix_caching: bool = True
     token_budget: int = 256  # max token rows per step (raised to n_slots if below)
     aging_steps: int = 64  # priority policy: a waiting request gains one level per this many steps
     gpu_memory_fraction: float = 0.9  # CUDA: share of device memory for weights, KV cache, workspace

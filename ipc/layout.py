@@ -32,13 +32,16 @@ the SQ is parked in the device-private sq_cancel (per SQ position) and applied w
 drained, one whose request already finished is ignored.  The host may publish an abort before or
 after the GENERATE it names.
 The KV pages are the scheduler's alone (device memory, no host access): it pops pages off
-free_pages and writes them into a slot's block_table at admission (the whole prompt) and as
-decode reaches a new page (critical phase), and pushes them back when the slot ends, is aborted
-or is preempted (critical phase, once no step in flight can read them); the model step only
-reads block_table.
+free_pages and writes them into a slot's block_table at admission (the whole prompt, less the
+pages the prefix cache already holds) and as decode reaches a new page, and drops its references
+when the slot ends, is aborted or is preempted (once no step in flight can read them); the model
+step only reads block_table.
 The prompt arena has no shared index: the host allocates and reclaims it (a request's tokens are
 free once its first TOKEN or its DONE event has been read: the device reads a prompt once, when
-it admits the request into a slot, copying it into device memory, before either event).
+it admits the request into a slot, copying it into device memory, before either event).  With
+prefix caching on, the prompt is followed in the arena by the prefix-cache key of each of its
+full pages (ipc/prefix_keys.py: two int32 words per key, low first), written with the prompt: a
+property of the request the host computes once; the device matches, counts and evicts.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from enum import Enum, IntEnum, IntFlag
 import numpy as np
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 
 MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
 MAX_EOS_IDS = 4
@@ -137,6 +140,11 @@ CONFIG = Struct("RlConfig", (
     # the paged KV cache: n_pages pages of page_size token positions; a slot's block table has
     # pages_per_slot entries (ceil(max_ctx / page_size))
     _f("page_size", "u32"), _f("pages_per_slot", "u32"), _f("n_pages", "u32"),
+    # the prefix cache (0: off): full pages keyed by ipc/prefix_keys.py under the secret key
+    # (prefix_k0, prefix_k1); prefix_table (open addressing) and lru (a ring) have table_size and
+    # lru_size entries, each a power of two >= 4 * n_pages
+    _f("prefix_caching", "u32"), _f("table_size", "u32"), _f("lru_size", "u32"),
+    _f("prefix_k0", "u64"), _f("prefix_k1", "u64"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -159,8 +167,10 @@ CONTROL = Struct("RlControl", (
     _f("last_step_tokens", "u64"),
     _f("aborts", "u64"),  # requests ended by an abort (each also counts in finished)
     _f("preemptions", "u64"),  # decode ran out of KV pages: a request gave its pages back to recompute later
-    _f("kv_pages_free", "u64"),
-    _f("_ctr_pad", "u64", 3),
+    _f("kv_pages_free", "u64"),  # free pages, counting cached pages no request holds (evictable)
+    _f("kv_pages_cached", "u64"),  # of those, the ones that hold a cached prefix
+    # prompt tokens of admitted requests, and of those the ones whose KV the prefix cache held
+    _f("prefix_cache_queries", "u64"), _f("prefix_cache_hits", "u64"),
 ), align=64)
 
 # Submission queue entry (host -> device): a GENERATE; the device reuses `op` for its pending state.
@@ -187,7 +197,9 @@ CQ_EVENT = Struct("RlCqEvent", (
 # phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
 # fill_len: the tokens its prefill feeds (the prompt; after a preemption the prompt and every
 # token generated so far, recomputed); n_pages: the block-table entries it holds; admit_seq:
-# its admission's sequence number (the youngest is preempted first).
+# its admission's sequence number (the youngest is preempted first).  Prefix cache: slot_keys
+# holds the keys of its first n_keyed full pages; its first n_cached pages were matched or
+# offered to the cache; kv_done: its positions whose KV steps already completed have written.
 SLOT = Struct("RlSlot", (
     _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),
@@ -195,12 +207,17 @@ SLOT = Struct("RlSlot", (
     _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
     _f("ev_token", "u32"), _f("finish", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("queued_us", "u32"), _f("fill_len", "u32"), _f("n_pages", "u32"), _f("admit_seq", "u32"),
+    _f("n_keyed", "u32"), _f("n_cached", "u32"), _f("kv_done", "u32"), _f("_pad", "u32"),
 ))
 
-# Device-private: one KV page's record.  ref_count is 1 while a slot's block table holds it and
-# 0 on the free list; key is the prefix-cache hash of its tokens (0: none; prefix caching will
-# share pages by key, with ref_count counting their readers).
-PAGE = Struct("RlPage", (_f("ref_count", "u32"), _f("_reserved", "u32"), _f("key", "u64")))
+# Device-private: one KV page's record.  ref_count: the block tables that hold it.  A full page
+# whose KV is written may be cached: its key (ipc/prefix_keys.py) sits in prefix_table at
+# table_pos (else RL_NO_POS).  An unheld page is on the free stack if uncached, else in the lru
+# ring at lru_pos (RL_NO_POS while held): free + held + cached-unheld = n_pages.
+PAGE = Struct("RlPage", (
+    _f("ref_count", "u32"), _f("table_pos", "u32"), _f("key", "u64"), _f("lru_pos", "u32"),
+    _f("_pad", "u32"),
+))
 
 # Device-private scheduler bookkeeping.  The counters live here, in device memory, and are
 # mirrored to the host control block with plain stores (every RL_MIRROR_STEPS steps, after
@@ -225,6 +242,10 @@ SCHED = Struct("RlSchedState", (
     # phase does, preempting if it must
     _f("pages_short", "u32"), _f("_pad", "u32"),
     _f("preemptions", "u64"),
+    # the prefix cache: lru ring indices (free-running; head is the least recently released),
+    # its live entries (cached pages no slot holds), and prefix_table cells marked gone
+    _f("lru_head", "u32"), _f("lru_tail", "u32"), _f("n_cached_free", "u32"), _f("n_gone", "u32"),
+    _f("prefix_queries", "u64"), _f("prefix_hits", "u64"),
 ))
 
 # The step the scheduler built, read by the model step.
@@ -256,6 +277,7 @@ ARRAYS = (
     # scheduler work space for scans, sorts and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
     ("work_c", "uint32_t", "work_len"), ("work_d", "uint32_t", "work_len"),
+    ("work_e", "uint32_t", "work_len"), ("work_f", "uint32_t", "work_len"),
     ("pending_tmp", "RlSqEntry", "pending_cap"),
     # slots in PREFILL, in admission order (the order prefill chunks are given out)
     ("prefill_queue", "uint32_t", "n_slots"),
@@ -265,6 +287,11 @@ ARRAYS = (
     ("slot_tokens", "int32_t", "slot_tokens_len"),
     # the KV pages: their records, and the free list (a stack of page ids, n_free_pages deep)
     ("pages", "RlPage", "n_pages"), ("free_pages", "uint32_t", "n_pages"),
+    # the prefix cache: key -> page (open addressing, linear probing; RL_CELL_EMPTY/RL_CELL_GONE
+    # or a page id), cached pages no slot holds in release order (RL_CELL_GONE once revived),
+    # and per slot the keys of its full pages (pages_per_slot each)
+    ("prefix_table", "uint32_t", "table_size"), ("lru", "uint32_t", "lru_size"),
+    ("slot_keys", "uint64_t", "block_table_len"),
     # per SQ position: the handle of an abort that arrived before that entry was drained (0: none)
     ("sq_cancel", "uint32_t", "sq_size"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend

@@ -16,6 +16,7 @@ thread, CompletionQueue by the completion thread.  PromptArena is shared by both
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import numpy as np
 
 from ringleader.ipc import layout
 from ringleader.ipc.atomics import AtomicU32
+from ringleader.ipc.prefix_keys import mix64, page_keys
 from ringleader.ipc.sampling_params import SamplingParams
 
 ALIGN = 128
@@ -53,6 +55,10 @@ class RingConfig:
     page_size: int = 16  # token positions per KV page
     # KV pages in the pool; 0: n_slots * pages_per_slot, every slot's longest context at once
     n_pages: int = 0
+    # share the KV of full prompt pages between requests with the same prefix (ipc/prefix_keys.py)
+    prefix_caching: bool = True
+    # the secret the page keys are made under; 0: drawn at random (per process, as it should be)
+    prefix_seed: int = 0
 
     def __post_init__(self):
         if self.aq_size == 0:  # frozen: resolve "auto" once, so every reader sees the real size
@@ -62,6 +68,8 @@ class RingConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.n_pages == 0:
             object.__setattr__(self, "n_pages", self.n_slots * self.pages_per_slot)
+        if self.prefix_seed == 0:
+            object.__setattr__(self, "prefix_seed", secrets.randbits(64) | 1)
         if self.n_pages < self.pages_per_slot:
             raise ValueError(
                 f"{self.n_pages} KV pages of {self.page_size} tokens cannot hold one request of "
@@ -89,6 +97,23 @@ class RingConfig:
     def pages_per_slot(self) -> int:
         return -(-self.max_ctx // self.page_size)
 
+    @property
+    def prefix_table_size(self) -> int:
+        """prefix_table and lru entries: a power of two >= 4 * n_pages, so the table stays at most
+        three quarters full of live and gone cells and the ring never laps itself."""
+        return 1 << (4 * self.n_pages - 1).bit_length()
+
+    @property
+    def prefix_secret(self) -> tuple[int, int]:
+        """(k0, k1): the SipHash key of the page keys, derived from prefix_seed."""
+        return mix64(self.prefix_seed), mix64(self.prefix_seed ^ 0x9E3779B97F4A7C15)
+
+    def prompt_keys(self, tokens: np.ndarray) -> np.ndarray:
+        """The prefix-cache keys of a prompt's full pages (none when caching is off)."""
+        if not self.prefix_caching:
+            return np.zeros(0, np.uint64)
+        return page_keys(tokens, self.page_size, *self.prefix_secret)
+
     def lengths(self) -> dict[str, int]:
         return layout.array_lengths(
             {
@@ -97,6 +122,8 @@ class RingConfig:
                 "trace_words": self.trace_len * layout.TRACE_FIELDS,
                 "block_table_len": self.n_slots * self.pages_per_slot,
                 "slot_tokens_len": self.n_slots * self.max_ctx,
+                "table_size": self.prefix_table_size,
+                "lru_size": self.prefix_table_size,
             }
         )
 
@@ -164,6 +191,9 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
     c["eos_ids"][: len(cfg.eos_ids)] = cfg.eos_ids
     c["n_buckets"] = len(cfg.buckets)
     c["buckets"][: len(cfg.buckets)] = cfg.buckets
+    c["prefix_caching"] = int(cfg.prefix_caching)
+    c["table_size"] = c["lru_size"] = cfg.prefix_table_size
+    c["prefix_k0"], c["prefix_k1"] = cfg.prefix_secret
     c["layout_fingerprint"] = layout.fingerprint()
 
 
@@ -337,6 +367,22 @@ class HostRings:
     def request_shutdown(self) -> None:
         self._shutdown.store_release(1)
 
+    def arena_words(self, prompt_len: int) -> int:
+        """Arena words a prompt takes: its tokens, then two per full page's prefix-cache key."""
+        return prompt_len + (2 * (prompt_len // self.config.page_size) if self.config.prefix_caching else 0)
+
+    def can_write_prompt(self, prompt_len: int) -> bool:
+        return self.arena.can_allocate(self.arena_words(prompt_len))
+
+    def write_prompt(self, prompt: np.ndarray) -> int | None:
+        """Puts a prompt in the arena, followed by its pages' prefix-cache keys; returns the
+        offset (the SQ entry's prompt_off), or None when it does not fit."""
+        prompt = np.asarray(prompt, dtype=np.int32)
+        keys = self.config.prompt_keys(prompt)
+        if len(keys):
+            prompt = np.concatenate([prompt, keys.view(np.int32)])  # little-endian: low word first
+        return self.arena.allocate(prompt)
+
     def counters(self) -> dict:
         c = self.control[0]
         names = (
@@ -353,6 +399,9 @@ class HostRings:
             "aborts",
             "preemptions",
             "kv_pages_free",
+            "kv_pages_cached",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
             "heartbeat_ns",
             "error_code",
             "state",

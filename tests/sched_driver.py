@@ -53,9 +53,9 @@ class Driver:
     ) -> int | None:
         """sampling: SamplingParams fields (temperature, top_k, seed, ...); flags: layout.SqFlag."""
         prompt = np.asarray(prompt, dtype=np.int32)
-        if self.rings.submissions.free_entries() < 1 or not self.rings.arena.can_allocate(len(prompt)):
+        if self.rings.submissions.free_entries() < 1 or not self.rings.can_write_prompt(len(prompt)):
             return None
-        off = self.rings.arena.allocate(prompt)
+        off = self.rings.write_prompt(prompt)
         handle = self._next
         self._next += 1
         params = SamplingParams(

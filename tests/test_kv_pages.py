@@ -4,6 +4,7 @@ sequences, every row the step lays out has its page, and every request still get
 tokens once and exactly one DONE."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,34 +37,79 @@ def pages_of(d: Driver, slot: int) -> list[int]:
     return [int(p) for p in d.a["block_table"][slot * m : slot * m + n]]
 
 
+NO_POS = 0xFFFFFFFF
+CELL_GONE = 0xFFFFFFFE
+
+
+def lru_pages(d: Driver) -> list[int]:
+    """The live entries of the prefix cache's lru ring, least recently used first."""
+    st = d.a["sched"][0]
+    head, tail, size = int(st["lru_head"]), int(st["lru_tail"]), len(d.a["lru"])
+    ring = [int(d.a["lru"][i % size]) for i in range(head, head + ((tail - head) & 0xFFFFFFFF))]
+    return [p for p in ring if p != CELL_GONE]
+
+
 def check_pool(d: Driver) -> None:
-    """free + used = pool, no page twice, ref counts agree, and only slots that may still be
-    read by a step (running, or aborted with its step in flight) hold pages."""
+    """free + held + cached-unheld = pool, each page in exactly one; ref counts are the block
+    tables holding a page; the table and the lru ring agree with the page records; only slots
+    that may still be read by a step (running, or aborted with its step in flight) hold pages;
+    slots sharing a page share its tokens (a hit was right)."""
+    pages, ps = d.a["pages"], d.cfg.page_size
     n_free = int(d.a["sched"][0]["n_free_pages"])
     free = [int(p) for p in d.a["free_pages"][:n_free]]
-    used = []
+    held: dict[int, list[tuple[int, int]]] = {}  # page -> (slot, index) of every holder
     for s, sl in enumerate(d.a["slots"]):
-        held = pages_of(d, s)
+        mine = pages_of(d, s)
         if int(sl["state"]) in (S.FREE, S.ENDING, S.PREEMPTED):
-            assert not held, f"slot {s} in state {S(int(sl['state'])).name} still holds pages {held}"
+            assert not mine, f"slot {s} in state {S(int(sl['state'])).name} still holds pages {mine}"
         if int(sl["state"]) == S.PREFILL:
-            need = -(-int(sl["fill_len"]) // d.cfg.page_size)
-            assert len(held) == need, f"prefilling slot {s} holds {len(held)} pages, needs {need}"
-        used += held
-    assert len(set(used)) == len(used), f"a page is in two live sequences: {sorted(used)}"
+            need = -(-int(sl["fill_len"]) // ps)
+            assert len(mine) == need, f"prefilling slot {s} holds {len(mine)} pages, needs {need}"
+        assert len(set(mine)) == len(mine), f"slot {s} holds a page twice: {mine}"
+        for j, p in enumerate(mine):
+            held.setdefault(p, []).append((s, j))
+    cached_free = lru_pages(d)
     assert len(set(free)) == len(free), "a page is on the free list twice"
-    assert not set(free) & set(used), "a page is both free and in use"
-    assert sorted(free + used) == list(range(d.cfg.n_pages)), "pages leaked"
-    refs = d.a["pages"]["ref_count"]
-    assert (refs[used] == 1).all() and (refs[free] == 0).all()
-    assert int(d.a["ctl"][0]["kv_pages_free"]) <= d.cfg.n_pages
+    assert len(set(cached_free)) == len(cached_free), "a page is in the lru ring twice"
+    assert not set(free) & set(held) and not set(cached_free) & set(held), "an unheld page is held"
+    assert not set(free) & set(cached_free), "a page is both free and cached-unheld"
+    assert sorted(free + cached_free + list(held)) == list(range(d.cfg.n_pages)), "pages leaked"
+    assert int(d.a["sched"][0]["n_cached_free"]) == len(cached_free)
+    for p, holders in held.items():
+        assert int(pages[p]["ref_count"]) == len(holders), f"page {p}: refs vs holders {holders}"
+        if len(holders) > 1 or int(pages[p]["table_pos"]) != NO_POS:
+            (s0, j0), m = holders[0], d.cfg.max_ctx
+            want = d.a["slot_tokens"][s0 * m + j0 * ps : s0 * m + (j0 + 1) * ps]
+            for s, j in holders:
+                assert j == j0, f"page {p} at different depths {holders}"
+                got = d.a["slot_tokens"][s * m + j * ps : s * m + (j + 1) * ps]
+                assert (got == want).all(), f"page {p} shared by slots with other tokens"
+                assert j < int(d.a["slots"][s]["n_cached"]), f"slot {s} shares page {p} it has not cached"
+    assert all(int(pages[p]["ref_count"]) == 0 for p in free + cached_free)
+    assert all(int(pages[p]["table_pos"]) == NO_POS for p in free), "a free page is still cached"
+    for p in cached_free:
+        pos = int(pages[p]["table_pos"])
+        assert pos != NO_POS and int(d.a["prefix_table"][pos]) == p, f"lru page {p} is not in the table"
+        assert d.a["lru"][int(pages[p]["lru_pos"]) % len(d.a["lru"])] == p
+    for pos, cell in enumerate(d.a["prefix_table"]):
+        if int(cell) < NO_POS - 1:
+            assert int(pages[int(cell)]["table_pos"]) == pos, f"table cell {pos} names page {cell}"
+    ctl = d.a["ctl"][0]
+    assert int(ctl["kv_pages_free"]) <= d.cfg.n_pages
+    assert int(ctl["prefix_cache_hits"]) <= int(ctl["prefix_cache_queries"])
 
 
 def check_rows_have_pages(d: Driver, step: dict) -> None:
-    """Every row of the step the scheduler just built writes into a page its slot holds."""
+    """Every row of the step the scheduler just built writes into a page its slot holds alone
+    and the prefix cache does not hold: no cached page changes under a reader."""
     for slot, pos in zip(step["slot_of"], step["positions"]):
         held = pages_of(d, int(slot))
-        assert int(pos) // d.cfg.page_size < len(held), f"slot {slot} position {pos} has no page"
+        j = int(pos) // d.cfg.page_size
+        assert j < len(held), f"slot {slot} position {pos} has no page"
+        page = d.a["pages"][held[j]]
+        assert int(page["ref_count"]) == 1 and int(page["table_pos"]) == NO_POS, (
+            f"slot {slot} writes position {pos} into shared or cached page {held[j]}"
+        )
 
 
 def check_streams(d: Driver) -> None:
@@ -115,13 +161,15 @@ def test_random_sequences_keep_the_pool_whole_and_every_stream_exact(data):
         if idle and d.rings.completions.pending() == 0 and all(r.done for r in d.records.values()):
             break
     check_streams(d)
-    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages, "pages not all back when idle"
+    st_ = d.a["sched"][0]
+    assert int(st_["n_free_pages"]) + int(st_["n_cached_free"]) == d.cfg.n_pages, "pages not all back"
 
 
-def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_streamed():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_streamed(prefix_caching):
     # two requests of 20 prompt tokens and 40 new ones: each ends at 60 positions = 15 pages of
     # 4, and the pool has 20, so the younger is preempted once the older needs its pages
-    d = Driver(paged_config(n_slots=2, token_budget=64))
+    d = Driver(paged_config(n_slots=2, token_budget=64, prefix_caching=prefix_caching))
     old = d.submit(np.arange(20, dtype=np.int32) + 3, 40)
     d.step()
     young = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
@@ -140,16 +188,23 @@ def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_str
     assert int(d.a["ctl"][0]["preemptions"]) >= 1
     check_streams(d)
     assert len(d.records[old].tokens) == len(d.records[young].tokens) == 40
-    # the recompute fed the prompt and every token generated before the preemption, in one chunk
+    # the recompute fed the prompt and every token generated before the preemption, in one
+    # chunk; with prefix caching, from the first of its pages no longer cached (a page boundary)
     young_rec = d.records[young]
     want = list(young_rec.prompt) + young_rec.tokens[:preempted_at]
-    chunks = [
-        step["tokens"][start : start + n].tolist()
-        for step in d.steps
-        for _, start, n in step["seg"]
-        if step["positions"][start] == 0
-    ]
-    assert want in chunks, "no recompute of the prompt and the tokens already streamed"
+    young_slot = next(s for s, sl in enumerate(d.a["slots"]) if int(sl["handle"]) == young)
+    chunks = {
+        int(step["positions"][start]): step["tokens"][start : start + n].tolist()
+        for step in d.steps[1:]
+        for slot, start, n in step["seg"]
+        if slot == young_slot and start + n <= len(step["tokens"]) and n > 1
+    }
+    resumed_from = [p for p, toks in chunks.items() if toks == want[p:] and p % d.cfg.page_size == 0]
+    assert resumed_from, "no recompute of the prompt and the tokens already streamed"
+    if prefix_caching:
+        assert max(resumed_from) > 0, "the recompute found none of its own pages cached"
+    else:
+        assert 0 in resumed_from
 
 
 def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
@@ -169,14 +224,15 @@ def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
     check_pool(d)
     check_streams(d)
     assert int(d.a["ctl"][0]["preemptions"]) > 0, "the pool was never tight enough to preempt"
-    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages
+    st_ = d.a["sched"][0]
+    assert int(st_["n_free_pages"]) + int(st_["n_cached_free"]) == d.cfg.n_pages
 
 
 def test_a_prompt_waits_until_its_pages_fit():
     # 16 pages of 4 hold one 60-token prompt (15 pages); a second must wait for the first to end
     d = Driver(paged_config(n_slots=4, n_pages=16, token_budget=64))
     first = d.submit(np.arange(60, dtype=np.int32) + 3, 3)
-    second = d.submit(np.arange(60, dtype=np.int32) + 3, 3)
+    second = d.submit(np.arange(60, dtype=np.int32) + 100, 3)  # no prefix to share
     d.step()
     d.step()
     states = {int(sl["handle"]): int(sl["state"]) for sl in d.a["slots"]}
@@ -203,4 +259,5 @@ def test_an_aborted_preempted_request_gets_one_done_and_no_pages_leak():
     check_pool(d)
     check_streams(d)
     assert d.records[young].done == [layout.Finish.ABORT]
-    assert int(d.a["sched"][0]["n_free_pages"]) == d.cfg.n_pages
+    st_ = d.a["sched"][0]
+    assert int(st_["n_free_pages"]) + int(st_["n_cached_free"]) == d.cfg.n_pages

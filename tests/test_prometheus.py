@@ -136,6 +136,9 @@ def test_known_requests_move_every_counter_and_histogram_by_exactly_their_share(
     assert delta(P + "steps_total") > 0
     assert delta(P + "scheduler_step_seconds_count", phase="overlapped") == delta(P + "steps_total")
     assert delta(P + "tokens_per_step_sum") == delta(P + "step_tokens_total") >= sum(prompts)
+    # the prefix cache looked every admitted prompt up; none fills a page of 16 tokens to share
+    assert delta(P + "prefix_cache_queries_total") == sum(prompts)
+    assert delta(P + "prefix_cache_hits_total") == 0
     assert not after.has(P + "step_bubble_seconds_count")  # no bubble on the CPU backend
     # nothing left in flight, the engine lives, and what runs is described
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_in_flight", "engine_dead"):

@@ -148,6 +148,51 @@ def test_greedy_matches_transformers_when_a_tiny_kv_pool_forces_preemption(gguf_
         assert have == want, f"prompt {prompt[:8]}...: first divergence at {_first_diff(want, have)}"
 
 
+SYSTEM = (
+    "You are a careful assistant for a small bakery. You answer questions about bread, cakes and "
+    "opening hours politely, in at most two sentences, and you never invent prices."
+)
+QUESTIONS = ["What is sourdough?", "Do you sell rye bread?", "When do you open?", "Is a croissant bread?"]
+
+
+def _chat_turns(client: Client, tokenizer, n: int) -> list[list[int]]:
+    """Four chats sharing one system prompt, all in flight at once, then each chat's second turn
+    (its history resent with the answer) at once: every stream's tokens, in order."""
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    streams = [client.generate(prompt_ids=tokenizer.encode_chat(m), max_tokens=n) for m in chats]
+    first = [s.wait() and s.token_ids for s in streams]
+    for m, answer in zip(chats, first):
+        m += [
+            {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+            {"role": "user", "content": "And why?"},
+        ]
+    streams = [client.generate(prompt_ids=tokenizer.encode_chat(m), max_tokens=n) for m in chats]
+    return first + [s.wait() and s.token_ids for s in streams]
+
+
+def test_prefix_caching_on_and_off_give_the_same_greedy_tokens(server, gguf_path, tokenizer):
+    """A shared system prompt and multi-turn chats under concurrency: with the prefix cache on,
+    prompts skip the prefill of what earlier requests computed, and every stream is token for
+    token what the same server computes with the cache off."""
+    with Client(server.address, timeout=300) as client:
+        before = client.stats()["device"]
+        cached = _chat_turns(client, tokenizer, 24)
+        after = client.stats()["device"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    assert hits > queries // 3, (
+        f"the shared system prompt and the resent turns hit {hits} of {queries} tokens"
+    )
+    with (
+        running_server(str(gguf_path), n_slots=8, max_ctx=512, token_budget=16, prefix_caching=False) as bg,
+        Client(bg.address, timeout=300) as client,
+    ):
+        uncached = _chat_turns(client, tokenizer, 24)
+        assert client.stats()["device"]["prefix_cache_hits"] == 0
+    for i, (want, have) in enumerate(zip(uncached, cached)):
+        assert have == want, f"stream {i}: first divergence at {_first_diff(want, have)}"
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -145,6 +145,7 @@ def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int, pool:
         eos_ids=tuple(model.config.eos_token_ids[: layout.MAX_EOS_IDS]),
         page_size=pool.page_size,
         n_pages=pool.n_pages,
+        prefix_caching=config.prefix_caching,
     )
 
 

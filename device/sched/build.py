@@ -26,6 +26,7 @@ KERNEL_NAME = "rl_scheduler_persistent"
 SCHEDULER_SOURCES = (
     "primitives.h",
     "sched_common.h",
+    "sched_prefix.h",
     "sched_critical.h",
     "sched_overlapped.h",
     "sched_step.h",
@@ -58,6 +59,8 @@ class CpuScheduler:
         for name in ("rl_sched_init", "rl_sched_step", "rl_sched_critical"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
             getattr(lib, name).restype = ctypes.c_uint32
+        lib.rl_prefix_page_key.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p]
+        lib.rl_prefix_page_key.restype = ctypes.c_uint64
         lib.rl_sched_overlapped.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         lib.rl_sched_overlapped.restype = ctypes.c_uint32
         lib.rl_host_access_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
@@ -101,6 +104,11 @@ class CpuScheduler:
 
     def step_signal(self, context_address: int) -> None:
         self._lib.rl_step_signal(context_address)
+
+    def page_key(self, config_address: int, parent: int, tokens_address: int) -> int:
+        """rl_page_key: the key of the page_size int32 tokens at tokens_address under the
+        RlConfig at config_address, whose parent page's key is `parent`."""
+        return self._lib.rl_prefix_page_key(config_address, parent, tokens_address)
 
     def host_accesses(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * len(HOST_ACCESS_KINDS))()

@@ -10,6 +10,12 @@ uint32_t rl_sched_init(const RlContext* ctx) {
   return sched_init(*ctx);
 }
 
+// The prefix cache's key of one full page (sched_prefix.h), to prove it equal to the host's
+// (ipc/prefix_keys.py).
+uint64_t rl_prefix_page_key(const RlConfig* cfg, uint64_t parent, const int32_t* tokens) {
+  return rl_page_key(*cfg, parent, tokens);
+}
+
 // Both phases, serially (the CPU backend and the tests).
 uint32_t rl_sched_step(const RlContext* ctx) {
   RlShared sh;

@@ -73,6 +73,14 @@ RL_FN void rl_pause_expecting() {
 RL_FN void rl_pause_idle() {
   __nanosleep(1024);
 }
+// Device-memory atomics for the few words threads of the block may hit at once (a KV page's
+// reference count, a prefix-table cell); both return the old value.
+RL_FN uint32_t rl_atomic_add(uint32_t* p, uint32_t v) {
+  return atomicAdd(p, v);
+}
+RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
+  return atomicCAS(p, expected, desired);
+}
 
 #else  // CPU form
 #include <string.h>
@@ -144,6 +152,17 @@ RL_FN void rl_pause_expecting() {
 RL_FN void rl_pause_idle() {
   struct timespec ts = {0, 1000};
   nanosleep(&ts, 0);
+}
+// One thread is the whole block here: plain accesses.
+RL_FN uint32_t rl_atomic_add(uint32_t* p, uint32_t v) {
+  uint32_t old = *p;
+  *p = old + v;
+  return old;
+}
+RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
+  uint32_t old = *p;
+  if (old == expected) *p = desired;
+  return old;
 }
 #endif
 

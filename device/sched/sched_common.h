@@ -38,7 +38,10 @@ RL_FN void rl_mirror_counters(const RlContext& c, uint64_t now) {
   rl_host_write(&ctl->active_slots, (uint64_t)st.n_active);
   rl_host_write(&ctl->last_step_tokens, (uint64_t)st.last_step_tokens);
   rl_host_write(&ctl->preemptions, st.preemptions);
-  rl_host_write(&ctl->kv_pages_free, (uint64_t)st.n_free_pages);
+  rl_host_write(&ctl->kv_pages_free, (uint64_t)(st.n_free_pages + st.n_cached_free));
+  rl_host_write(&ctl->kv_pages_cached, (uint64_t)st.n_cached_free);
+  rl_host_write(&ctl->prefix_cache_queries, st.prefix_queries);
+  rl_host_write(&ctl->prefix_cache_hits, st.prefix_hits);
   st.mirrored_ns = now;
   st.mirrored_step = st.step;
   st.mirrored_finished = st.finished;
@@ -86,10 +89,11 @@ RL_FN uint32_t rl_clamp_us(uint64_t ns) {
 }
 
 // ---- KV pages ----------------------------------------------------------------------------
-// The pool is n_pages pages; free_pages[0, n_free_pages) is a stack of the free ones.  A batch
-// of allocations takes the stack's top [n_free_pages - taken, n_free_pages), each slot its own
-// range found by a scan, and a batch of releases pushes above the top the same way, so the
-// block moves pages without atomics.  Only the scheduler touches pages, free_pages and
+// The pool is n_pages pages; free_pages[0, n_free_pages) is a stack of the free ones (uncached:
+// the prefix cache's unheld pages wait in its lru ring, sched_prefix.h, and are evicted onto
+// the stack when it runs short).  A batch of allocations takes the stack's top
+// [n_free_pages - taken, n_free_pages), each slot its own range found by a scan, and a batch of
+// releases pushes above the top the same way.  Only the scheduler touches pages, free_pages and
 // block_table (the step reads block_table), always between two steps or beside one that cannot
 // read the pages concerned.
 
@@ -118,23 +122,18 @@ RL_FN void rl_take_pages(const RlContext& c, RlSlot& sl, uint32_t s, uint32_t n,
   sl.n_pages += n;
 }
 
-// Pushes every page of slot s to free_pages[at, at + sl.n_pages); the slot holds none after.
-RL_FN void rl_give_back_pages(const RlContext& c, RlSlot& sl, uint32_t s, uint32_t at) {
-  const int32_t* table = c.block_table + (size_t)s * c.cfg->pages_per_slot;
-  for (uint32_t j = 0; j < sl.n_pages; ++j) {
-    uint32_t page = (uint32_t)table[j];
-    c.pages[page].ref_count = 0;
-    c.free_pages[at + j] = page;
-  }
-  sl.n_pages = 0;
+// Pages that can be had: the free ones and the cached ones no slot holds (evicted on demand).
+RL_FN uint32_t rl_pages_unheld(const RlSchedState& st) {
+  return st.n_free_pages + st.n_cached_free;
 }
 
-// Pages admission may hand out: the free ones less a 1% watermark while any are in use, so a
+// Pages admission may hand out: the unheld ones less a 1% watermark while any are held, so a
 // new request does not take the pages running ones are about to grow into (and get preempted
 // at once); an empty pool gives all, so one request of max_ctx always fits alone.
 RL_FN uint32_t rl_pages_admittable(const RlConfig& cfg, const RlSchedState& st) {
-  uint32_t reserve = st.n_free_pages < cfg.n_pages ? cfg.n_pages / 100u : 0u;
-  return st.n_free_pages > reserve ? st.n_free_pages - reserve : 0u;
+  uint32_t unheld = rl_pages_unheld(st);
+  uint32_t reserve = unheld < cfg.n_pages ? cfg.n_pages / 100u : 0u;
+  return unheld > reserve ? unheld - reserve : 0u;
 }
 
 // Whether decoding slot `sl` lacks the page of its next row: position prompt_len + n_generated

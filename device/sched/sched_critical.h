@@ -21,6 +21,7 @@ RL_FN void rl_consume_samples(const RlContext& c) {
       if (why != RL_FINISH_NONE) {
         sl.finish = why;
         sl.state = RL_SLOT_ENDING;
+        sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // all but its last token's KV is written
       }
     }
   }
@@ -28,14 +29,15 @@ RL_FN void rl_consume_samples(const RlContext& c) {
 }
 
 // Leader only, and only when decode is out of pages: preempts the youngest running request
-// (admission order) until the `wanted` new pages fit, each victim giving back all its pages and
-// waiting as PREEMPTED to recompute its prompt and the tokens it already produced (those
-// streamed are not sent again: the recompute's last row samples the next one).  A serial scan
-// per victim; victims are rare and few.
+// (admission order) until the `wanted` new pages fit, each victim letting go of all its pages
+// (its cached ones stay cached: its recompute may find them) and waiting as PREEMPTED to
+// recompute its prompt and the tokens it already produced (those streamed are not sent again:
+// the recompute's last row samples the next one).  A serial scan per victim; victims are rare
+// and few.
 RL_FN void rl_preempt_youngest(const RlContext& c, uint32_t wanted) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
-  while (wanted > st.n_free_pages) {
+  while (wanted > rl_pages_unheld(st)) {
     uint32_t victim = cfg.n_slots, youngest_age = 0xFFFFFFFFu;
     for (uint32_t s = 0; s < cfg.n_slots; ++s) {
       const RlSlot& sl = c.slots[s];
@@ -51,9 +53,7 @@ RL_FN void rl_preempt_youngest(const RlContext& c, uint32_t wanted) {
     // its newest token's event (which copies it into slot_tokens) is not written yet
     if (sl.n_generated)
       rl_slot_tokens(c, victim)[sl.prompt_len + sl.n_generated - 1] = sl.last_token;
-    uint32_t n = sl.n_pages;
-    rl_give_back_pages(c, sl, victim, st.n_free_pages);
-    st.n_free_pages += n;
+    rl_release_slot_serial(c, sl, victim);
     sl.state = RL_SLOT_PREEMPTED;
     sl.fill_len = sl.prompt_len + sl.n_generated;
     sl.n_prefilled = 0;
@@ -69,11 +69,12 @@ RL_FN void rl_grow_pages_short(const RlContext& c, RlShared* sh) {
   RlSchedState& st = *c.sched;
   if (!st.pages_short) return;
   uint32_t wanted = rl_count_page_needs(c, sh, 0);
-  if (wanted > st.n_free_pages) {
+  if (wanted > rl_pages_unheld(st)) {
     if (RL_LEADER) rl_preempt_youngest(c, wanted);
     RL_SYNC();
     wanted = rl_count_page_needs(c, sh, 0);
   }
+  rl_evict_for(c, sh, wanted);
   rl_take_needed_pages(c, sh, wanted, 0);
   if (RL_LEADER) st.pages_short = 0;
   RL_SYNC();
@@ -90,7 +91,14 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   uint32_t* dec_rank = c.work_a;  // per slot: rank among decoding slots
   uint32_t* pre_rank = c.work_b;  // per prefill_queue entry: rank among those still prefilling
   uint32_t* before = c.work_c;    // per prefill_queue entry: prompt tokens wanted by earlier ones
-  RL_FOR(s, cfg.n_slots) dec_rank[s] = c.slots[s].state == RL_SLOT_DECODE ? 1u : 0u;
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    dec_rank[s] = sl.state == RL_SLOT_DECODE ? 1u : 0u;
+    // every step laid out so far has completed: their rows' KV is written (the prefix cache
+    // takes full pages up to here)
+    if (sl.state == RL_SLOT_DECODE) sl.kv_done = sl.prompt_len + sl.n_generated - 1;
+    if (sl.state == RL_SLOT_PREFILL) sl.kv_done = sl.n_prefilled;
+  }
   RL_FOR(q, n_queued) {
     const RlSlot& sl = c.slots[c.prefill_queue[q]];
     bool live = sl.state == RL_SLOT_PREFILL;  // an aborted or preempted one waits for compaction

@@ -203,28 +203,42 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   return true;
 }
 
-// Overlapped 4b: slots that ended (their DONE just written) or were freed after an abort give
-// their KV pages back, before admission hands pages out.  No step reads them: the step in flight
-// was built after they stopped running (a slot aborted in this very phase is still ABORTED and
-// keeps its pages until the next one).
+// Overlapped 4b: slots that ended (their DONE just written) or were freed after an abort let go
+// of their KV pages, before admission hands pages out: a page no other slot holds goes onto the
+// free stack, or into the prefix cache's lru ring if it is cached.  No step reads them: the step
+// in flight was built after they stopped running (a slot aborted in this very phase is still
+// ABORTED and keeps its pages until the next one).
 RL_FN void rl_release_pages(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
-  uint32_t* at = c.work_a;  // per slot: the pages it gives back, then where they go
+  uint32_t* to_free = c.work_a;  // per slot: the pages it puts on the free stack, then where
+  uint32_t* to_lru = c.work_b;   // per slot: the cached pages it puts in the lru ring, then where
+  uint32_t my_releasing = 0;
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
-    at[s] = sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING ? sl.n_pages : 0u;
+    uint32_t n_free = 0, n_lru = 0;
+    if ((sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING) && sl.n_pages) {
+      rl_unref_pages(c, sl, s, n_free, n_lru);
+      my_releasing += 1;
+    }
+    to_free[s] = n_free;
+    to_lru[s] = n_lru;
+  }
+  if (rl_block_sum(my_releasing, sh) == 0) return;  // its barrier: every reference is dropped
+  const uint32_t n_to_free = rl_exclusive_scan(to_free, cfg.n_slots, sh);
+  const uint32_t n_to_lru = rl_exclusive_scan(to_lru, cfg.n_slots, sh);
+  const uint32_t top = st.n_free_pages, lru_tail = st.lru_tail;
+  RL_FOR(s, cfg.n_slots) {
+    RlSlot& sl = c.slots[s];
+    if ((sl.state == RL_SLOT_FREE || sl.state == RL_SLOT_ENDING) && sl.n_pages)
+      rl_push_unheld(c, sl, s, top + to_free[s], lru_tail + to_lru[s]);
   }
   RL_SYNC();
-  uint32_t n_released = rl_exclusive_scan(at, cfg.n_slots, sh);
-  if (n_released == 0) return;
-  const uint32_t top = st.n_free_pages;
-  RL_FOR(s, cfg.n_slots) {  // its count is where the next slot's pages go, less where its own do
-    uint32_t gives = (s + 1 < cfg.n_slots ? at[s + 1] : n_released) - at[s];
-    if (gives) rl_give_back_pages(c, c.slots[s], s, top + at[s]);
+  if (RL_LEADER) {
+    st.n_free_pages = top + n_to_free;
+    st.lru_tail = lru_tail + n_to_lru;
+    st.n_cached_free += n_to_lru;
   }
-  RL_SYNC();
-  if (RL_LEADER) st.n_free_pages = top + n_released;
   RL_SYNC();
 }
 
@@ -236,7 +250,8 @@ RL_FN void rl_release_pages(const RlContext& c, RlShared* sh) {
 RL_FN void rl_grow_pages_ahead(const RlContext& c, RlShared* sh) {
   RlSchedState& st = *c.sched;
   uint32_t wanted = rl_count_page_needs(c, sh, 1);
-  bool fits = wanted <= st.n_free_pages;
+  bool fits = wanted <= rl_pages_unheld(st);
+  if (fits) rl_evict_for(c, sh, wanted);
   rl_take_needed_pages(c, sh, fits ? wanted : 0u, 1);
   if (RL_LEADER) st.pages_short = fits ? 0u : 1u;
   RL_SYNC();
@@ -332,16 +347,29 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
   }
   RL_SYNC();
   uint32_t* order = rl_radix_sort(key, c.work_b, c.work_d, c.work_a, n_preempted, sh);
-  uint32_t* at = c.work_a;  // per candidate: its pages, then where they start
-  RL_FOR(k, n_preempted) at[k] = rl_pages_for(cfg, c.slots[order[k]].fill_len);
+  uint32_t* at = c.work_a;       // per candidate: the pages it would take, then its fresh ones
+  uint32_t* matched = c.work_e;  // per candidate: its pages the prefix cache holds
+  RL_FOR(k, n_preempted) {
+    const RlSlot& sl = c.slots[order[k]];
+    at[k] = rl_pages_for(cfg, sl.fill_len);
+    uint32_t cap = cfg.prefix_caching ? (sl.fill_len - 1) / cfg.page_size : 0u;
+    matched[k] = cap < sl.n_keyed ? cap : sl.n_keyed;  // its own pages, if still cached
+  }
+  RL_SYNC();
+  if (cfg.prefix_caching) rl_lookup_prefixes(c, sh, order, n_preempted, matched, at);
   uint32_t taken;
   const uint32_t n_resume = rl_fitting_prefix(c, sh, at, n_preempted, &taken);
   if (n_resume == 0) return false;
-  const uint32_t from = st.n_free_pages - taken, n_queued = st.n_queued;
+  RL_FOR(k, n_resume) at[k] = rl_pages_for(cfg, c.slots[order[k]].fill_len) - matched[k];
+  const uint32_t from = rl_claim_pages(c, sh, order, n_resume, matched, at);
+  const uint32_t n_queued = st.n_queued;
   RL_FOR(k, n_resume) {
     uint32_t s = order[k];
     RlSlot& sl = c.slots[s];
-    rl_take_pages(c, sl, s, rl_pages_for(cfg, sl.fill_len), from + at[k]);
+    sl.n_pages = matched[k];
+    rl_take_pages(c, sl, s, rl_pages_for(cfg, sl.fill_len) - matched[k], from + at[k]);
+    sl.n_prefilled = sl.kv_done = matched[k] * cfg.page_size;
+    sl.n_cached = matched[k];
     sl.state = RL_SLOT_PREFILL;
     c.prefill_queue[n_queued + k] = s;
   }
@@ -392,16 +420,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     RL_SYNC();
     order = rl_radix_sort(key, order, c.work_c, c.work_d, n_live, sh);
   }
-  // Memory: the first n_admit in order are admitted as far as their prompts' pages fit.
-  uint32_t* at = order == c.work_b ? c.work_c : c.work_b;  // per admitted: where its pages start
-  RL_FOR(k, n_admit) at[k] = rl_pages_for(cfg, c.pending[order[k]].prompt_len);
-  uint32_t taken;
-  n_admit = rl_fitting_prefix(c, sh, at, n_admit, &taken);
-  if (n_admit == 0) {
-    if (st.has_cancelled) rl_compact_pending(c, sh);
-    return;
-  }
-  const uint32_t from = st.n_free_pages - taken;
+  // Slots: the k-th candidate goes to the k-th free slot.
   uint32_t* free_rank = c.work_a;  // per slot: its rank among free slots
   uint32_t* slot_for = c.work_d;   // the k-th free slot
   RL_FOR(s, cfg.n_slots) free_rank[s] = c.slots[s].state == RL_SLOT_FREE ? 1u : 0u;
@@ -409,9 +428,44 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   rl_exclusive_scan(free_rank, cfg.n_slots, sh);
   RL_FOR(s, cfg.n_slots)
     if (c.slots[s].state == RL_SLOT_FREE && free_rank[s] < n_admit) slot_for[free_rank[s]] = s;
+  // Memory: the first n_admit in order are admitted as far as their prompts' pages fit, less
+  // the pages the prefix cache holds for them.
+  uint32_t* at = order == c.work_b ? c.work_c : c.work_b;  // per candidate: pages, then fresh ones
+  uint32_t* matched = c.work_e;  // per candidate: the pages of its prefix found cached
+  RL_FOR(k, n_admit) {
+    const RlSqEntry& e = c.pending[order[k]];
+    at[k] = rl_pages_for(cfg, e.prompt_len);
+    matched[k] = cfg.prefix_caching && e.prompt_len ? (e.prompt_len - 1) / cfg.page_size : 0u;
+  }
   RL_SYNC();
+  if (cfg.prefix_caching) {
+    // the prompt's page keys, which the host wrote after it in the arena, into the slot's row
+    uint32_t* start = c.work_f;
+    RL_FOR(k, n_admit) start[k] = c.pending[order[k]].prompt_len / cfg.page_size;
+    RL_SYNC();
+    const uint32_t n_keys = rl_exclusive_scan(start, n_admit, sh);
+    RL_FOR(i, n_keys) {
+      uint32_t k = rl_owner_of(start, n_admit, i), j = i - start[k];
+      const RlSqEntry& e = c.pending[order[k]];
+      uint32_t w = e.prompt_off + e.prompt_len + 2u * j;
+      uint64_t lo = (uint32_t)rl_host_read(&c.arena[w & (cfg.arena_size - 1u)]);
+      uint64_t hi = (uint32_t)rl_host_read(&c.arena[(w + 1u) & (cfg.arena_size - 1u)]);
+      c.slot_keys[(size_t)slot_for[k] * cfg.pages_per_slot + j] = lo | (hi << 32);
+    }
+    RL_SYNC();
+    rl_lookup_prefixes(c, sh, slot_for, n_admit, matched, at);
+  }
+  uint32_t taken;
+  n_admit = rl_fitting_prefix(c, sh, at, n_admit, &taken);
+  if (n_admit == 0) {
+    if (st.has_cancelled) rl_compact_pending(c, sh);
+    return;
+  }
+  RL_FOR(k, n_admit) at[k] = rl_pages_for(cfg, c.pending[order[k]].prompt_len) - matched[k];
+  const uint32_t from = rl_claim_pages(c, sh, slot_for, n_admit, matched, at);
   uint64_t admit_now = rl_now_ns();
   const uint32_t n_queued = st.n_queued, admit_seq = st.admit_seq;
+  uint32_t my_queries = 0, my_hits = 0;
   RL_FOR(k, n_admit) {
     RlSqEntry& e = c.pending[order[k]];
     uint32_t s = slot_for[k];
@@ -421,8 +475,13 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.prompt_len = e.prompt_len;
     sl.fill_len = e.prompt_len;
     sl.admit_seq = admit_seq + k;
-    rl_take_pages(c, sl, s, rl_pages_for(cfg, e.prompt_len), from + at[k]);
-    sl.n_prefilled = 0;
+    sl.n_pages = matched[k];  // the matched pages are in its block table already
+    rl_take_pages(c, sl, s, rl_pages_for(cfg, e.prompt_len) - matched[k], from + at[k]);
+    sl.n_prefilled = sl.kv_done = matched[k] * cfg.page_size;  // a hit's prefill is skipped
+    sl.n_keyed = cfg.prefix_caching ? e.prompt_len / cfg.page_size : 0u;
+    sl.n_cached = matched[k];
+    my_queries += e.prompt_len;
+    my_hits += matched[k] * cfg.page_size;
     sl.n_generated = 0;
     sl.max_tokens = e.max_tokens;
     sl.flags = e.flags;
@@ -441,7 +500,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     c.prefill_queue[n_queued + k] = s;
     e.op = RL_OP_NONE;  // admitted: removed by the compaction below
   }
-  RL_SYNC();
+  const uint32_t queries = rl_block_sum(my_queries, sh), hits = rl_block_sum(my_hits, sh);
   // Prompts into the slots' token rows in device memory, one request at a time, its tokens
   // spread over the block.  The host wrote them before publishing sq_tail, which an earlier
   // drain acquired.
@@ -457,6 +516,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     st.admitted += n_admit;
     st.admit_seq = admit_seq + n_admit;
     st.n_free_pages = from;
+    st.prefix_queries += queries;
+    st.prefix_hits += hits;
   }
   rl_compact_pending(c, sh);
 }
@@ -479,8 +540,10 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   if (sh->u[RL_SH_STOP] != RL_EXIT_NONE) return RL_STEP_SHUTDOWN;
   rl_apply_aborts(c, sh);
   rl_drain_sq(c, sh);
+  rl_cache_written_pages(c, sh);  // before emit frees ending slots: their pages are cached too
   if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
   rl_release_pages(c, sh);
+  rl_compact_lru_when_due(c, sh);
   rl_grow_pages_ahead(c, sh);
   rl_admit(c, sh);
   uint32_t my_active = 0;

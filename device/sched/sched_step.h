@@ -27,7 +27,8 @@
 // critical again at once).  In exchange nothing between two steps waits on PCIe.
 //
 // The source is split by phase: sched_common.h (shared helpers), sched_critical.h,
-// sched_overlapped.h, and this file (the serial form and init).
+// sched_overlapped.h, and this file (the serial form and init); sched_prefix.h is the prefix
+// cache over the KV pages (keys, table, lru ring, matching), which 2, 4 and 5 call.
 #pragma once
 
 // The serial form of one scheduler iteration, for a caller that runs the model step after it
@@ -68,7 +69,9 @@ RL_FN uint32_t sched_init(const RlContext& c) {
            (cfg.aq_size & (cfg.aq_size - 1)) || cfg.page_size == 0 ||
            (cfg.page_size & (cfg.page_size - 1)) ||
            cfg.pages_per_slot != (cfg.max_ctx + cfg.page_size - 1) / cfg.page_size ||
-           cfg.n_pages < cfg.pages_per_slot)  // one request of max_ctx must fit alone
+           cfg.n_pages < cfg.pages_per_slot ||  // one request of max_ctx must fit alone
+           (cfg.table_size & (cfg.table_size - 1)) || cfg.table_size / 4 < cfg.n_pages ||
+           (cfg.lru_size & (cfg.lru_size - 1)) || cfg.lru_size / 4 < cfg.n_pages)
     err = RL_ERR_BAD_CONFIG;
   if (RL_LEADER) {
     c.ctl->error_code = err;
@@ -83,11 +86,14 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     c.slots[s].n_pages = 0;
   }
   RL_FOR(p, cfg.sq_size) c.sq_cancel[p] = 0;
-  RL_FOR(p, cfg.n_pages) {  // every page free; the lowest ids on top, handed out first
+  RL_FOR(p, cfg.n_pages) {  // every page free and uncached; the lowest ids on top, handed out first
     c.pages[p].ref_count = 0;
+    c.pages[p].table_pos = RL_NO_POS;
+    c.pages[p].lru_pos = RL_NO_POS;
     c.pages[p].key = 0;
     c.free_pages[p] = cfg.n_pages - 1 - p;
   }
+  RL_FOR(i, cfg.table_size) c.prefix_table[i] = RL_CELL_EMPTY;
   if (RL_LEADER) {
     RlSchedState& st = *c.sched;
     st = RlSchedState();

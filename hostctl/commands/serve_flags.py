@@ -71,6 +71,13 @@ ENGINE_FLAGS: dict[str, Flag] = {
         "cpu; on cuda what --gpu-memory-fraction leaves)" % "%dMiB" % (CPU_KV_CACHE_BYTES >> 20),
     ),
     "page_size": Flag("--page-size", {"type": int}, "token positions per KV page (a power of two)"),
+    "prefix_caching": Flag(
+        "--prefix-caching",
+        {"action": argparse.BooleanOptionalAction},
+        "keep the KV of full prompt pages after a request ends, so later requests whose prompts "
+        "start with the same tokens (a system prompt, a conversation resent) skip their prefill "
+        "(default: on)",
+    ),
     "gpu_memory_fraction": Flag(
         "--gpu-memory-fraction",
         {"type": float},
@@ -149,7 +156,7 @@ SERVER_FLAGS: dict[str, Flag] = {
 
 def _add_options(p: argparse.ArgumentParser, flags: dict[str, Flag], defaults: object) -> None:
     for name, (flag, options, help) in flags.items():
-        if "choices" not in options:
+        if "choices" not in options and "action" not in options:
             options = {"metavar": flag[2:].upper().replace("-", "_"), **options}
         p.add_argument(flag, dest=name, default=getattr(defaults, name), help=help, **options)
 
@@ -177,6 +184,9 @@ def serve_flags(**fields: object) -> list[str]:
     server's default)."""
     out: list[str] = []
     for name, value in fields.items():
-        if value is not None:
-            out += [(ENGINE_FLAGS.get(name) or SERVER_FLAGS[name]).flag, str(value)]
+        flag = (ENGINE_FLAGS.get(name) or SERVER_FLAGS[name]).flag
+        if isinstance(value, bool):  # a --x/--no-x switch
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
     return out

@@ -159,10 +159,10 @@ class Admission:
         self._queues[client] = heap
 
     def _write_generate(self, req: InFlight) -> bool:
-        sq, arena = self._rings.submissions, self._rings.arena
-        if sq.free_entries() < 1 or not arena.can_allocate(req.prompt_len):
+        sq = self._rings.submissions
+        if sq.free_entries() < 1 or not self._rings.can_write_prompt(req.prompt_len):
             return False
-        offset = arena.allocate(np.asarray(req.prompt_ids, dtype=np.int32))
+        offset = self._rings.write_prompt(np.asarray(req.prompt_ids, dtype=np.int32))
         if offset is None:
             return False
         pos = sq.push(

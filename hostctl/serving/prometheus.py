@@ -234,6 +234,17 @@ class ServerCollector:
             "Requests preempted when decode ran out of KV pages (each recomputes later).",
             s.preemptions,
         )
+        # in tokens, as vllm counts them: hits / queries is the prefix cache's hit rate
+        out.counter(
+            "prefix_cache_queries",
+            "Prompt tokens of admitted requests looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        out.counter(
+            "prefix_cache_hits",
+            "Prompt tokens whose KV the prefix cache held (their prefill skipped).",
+            s.prefix_cache_hits,
+        )
 
         # what runs, and whether it lives
         d = s.description

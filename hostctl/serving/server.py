@@ -498,6 +498,8 @@ class Server:
             kv_cache_usage=float(pages["kv_cache_usage_perc"]),
             kv_pages=int(pages["kv_pages_total"]),
             preemptions=int(pages["preemptions"]),
+            prefix_cache_queries=int(pages["prefix_cache_queries"]),
+            prefix_cache_hits=int(pages["prefix_cache_hits"]),
             engine_dead=self.router.dead_reason,
         )
 

@@ -40,4 +40,6 @@ class ServerSnapshot:
     kv_cache_usage: float  # share of the KV pages requests hold, 0..1 (mirrored with the counters)
     kv_pages: int  # the pool
     preemptions: int  # requests that gave their pages back to recompute later
+    prefix_cache_queries: int  # prompt tokens of admitted requests
+    prefix_cache_hits: int  # of those, the ones whose KV the prefix cache held (prefill skipped)
     engine_dead: str | None  # why the engine was declared dead; None while it lives
