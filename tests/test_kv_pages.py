@@ -207,12 +207,12 @@ def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_str
         assert 0 in resumed_from
 
 
-def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
-    rng = np.random.default_rng(7)
-    d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16))
-    for _ in range(300):
+def random_run(d: Driver, rng: np.random.Generator, make_prompt, n_steps: int = 300) -> None:
+    """Random submits (make_prompt(rng) each), aborts and steps, every step checked; then runs
+    idle: the pool whole, every stream exact, and some request preempted."""
+    for _ in range(n_steps):
         if rng.random() < 0.4:
-            d.submit(np.arange(int(rng.integers(1, 40)), dtype=np.int32) % 89 + 3, int(rng.integers(1, 30)))
+            d.submit(make_prompt(rng), int(rng.integers(1, 30)))
         if rng.random() < 0.05 and d.records:
             d.abort(int(rng.choice(sorted(d.records))))
         before = len(d.steps)
@@ -226,6 +226,11 @@ def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
     assert int(d.a["ctl"][0]["preemptions"]) > 0, "the pool was never tight enough to preempt"
     st_ = d.a["sched"][0]
     assert int(st_["n_free_pages"]) + int(st_["n_cached_free"]) == d.cfg.n_pages
+
+
+def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
+    d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16))
+    random_run(d, np.random.default_rng(7), lambda rng: np.arange(int(rng.integers(1, 40))) % 89 + 3)
 
 
 def test_a_prompt_waits_until_its_pages_fit():

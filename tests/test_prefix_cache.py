@@ -13,7 +13,7 @@ from ringleader.ipc import layout
 from ringleader.ipc.prefix_keys import page_keys
 from ringleader.ipc.rings import RingConfig, write_config
 from tests.sched_driver import Driver
-from tests.test_kv_pages import check_pool, check_rows_have_pages, check_streams, paged_config
+from tests.test_kv_pages import check_pool, check_streams, paged_config, random_run
 
 
 def counters(d: Driver) -> tuple[int, int]:
@@ -121,27 +121,14 @@ def test_eviction_takes_the_least_recently_used_page_first_and_a_prefix_tail_bef
 
 
 def test_random_traffic_with_shared_prefixes_keeps_the_pool_whole_and_streams_exact():
-    rng = np.random.default_rng(11)
     d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16))
+    rng = np.random.default_rng(11)
     bases = [rng.integers(3, 500, size=60).astype(np.int32) for _ in range(3)]
-    for _ in range(400):
-        if rng.random() < 0.4:
-            base = bases[int(rng.integers(0, 3))]
-            n = int(rng.integers(1, 40))
-            tail = rng.integers(3, 500, size=int(rng.integers(0, 4))).astype(np.int32)
-            d.submit(np.concatenate([base[:n], tail])[:48], int(rng.integers(1, 30)))
-        if rng.random() < 0.05 and d.records:
-            d.abort(int(rng.choice(sorted(d.records))))
-        before = len(d.steps)
-        d.step()
-        if len(d.steps) > before:
-            check_rows_have_pages(d, d.steps[-1])
-        check_pool(d)
-    d.run_until_idle()
-    check_pool(d)
-    check_streams(d)
+
+    def prompt(rng):  # a prefix of one of three sequences, then up to 3 tokens of its own
+        base, n = bases[int(rng.integers(0, 3))], int(rng.integers(1, 40))
+        return np.concatenate([base[:n], rng.integers(3, 500, size=int(rng.integers(0, 4)))])[:48]
+
+    random_run(d, rng, prompt, n_steps=400)
     queries, hits = counters(d)
     assert hits > queries // 10, f"shared prefixes hit too little: {hits} of {queries}"
-    assert int(d.a["ctl"][0]["preemptions"]) > 0, "the pool was never tight enough to preempt"
-    st = d.a["sched"][0]
-    assert int(st["n_free_pages"]) + int(st["n_cached_free"]) == d.cfg.n_pages
