@@ -69,6 +69,7 @@ class CpuBackend(Doorbells, Backend):
             "max_ctx": max_ctx,
             "token_budget": self._memory.config.token_budget,
             "policy": cfg.policy,
+            "prefix_caching": cfg.prefix_caching,
             "torch_threads": torch.get_num_threads(),
             **self.kv_pool.as_description(),
         }

@@ -147,6 +147,7 @@ class CudaBackend(Doorbells, Backend):
             "max_ctx": max_ctx,
             "token_budget": ring_cfg.token_budget,
             "policy": cfg.policy,
+            "prefix_caching": cfg.prefix_caching,
             "buckets": list(ring_cfg.buckets),
             **pool.as_description(),
             "gpu_memory_fraction": cfg.gpu_memory_fraction,
