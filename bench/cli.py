@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="with --shared-prefix-len: G distinct prefixes, request i uses prefix i %% G (default 1)",
     )
+    g.add_argument(
+        "--prefix-off-first",
+        action="store_true",
+        help="with --shared-prefix-len: run each variant's prefix-off arm before its prefix-on arm "
+        "(the arms run in turn; swapping them between two runs shows the order's own drift)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (no EOS stop)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")

@@ -108,7 +108,9 @@ def run_bench(args, command: list[str], say: Console) -> int:
         return 2
     planned = target_plan.names  # the variants, before they become arms
     if prefix is not None and self_hosted:
-        arms = S.prefix_arms([v for _, v in target_plan.targets if v is not None])
+        arms = S.prefix_arms(
+            [v for _, v in target_plan.targets if v is not None], off_first=args.prefix_off_first
+        )
         target_plan = dataclasses.replace(target_plan, targets=[(v.name, v) for v in arms])
     notes = target_plan.skipped + target_notes(args, target_plan, id_range)
     if prefix is not None:

@@ -329,15 +329,25 @@ class Harness:
         self.live_by_kind[r.kind] -= 1
         self.finished += 1
 
+    def _can_write_prompt(self, n: int) -> bool:
+        if hasattr(self.rings, "can_write_prompt"):  # --before runs this file on older trees too
+            return self.rings.can_write_prompt(n)
+        return self.rings.arena.can_allocate(n)
+
+    def _write_prompt(self, tokens: np.ndarray) -> int:
+        if hasattr(self.rings, "write_prompt"):  # the prompt and its prefix-cache keys
+            return self.rings.write_prompt(tokens)
+        return self.rings.arena.allocate(tokens)
+
     def top_up(self) -> None:
         sq = self.rings.submissions
         for k, kind in enumerate(self.kinds):
             while kind.target is None or self.live_by_kind[k] < kind.target:
                 n = int(self.rng.integers(kind.prompt_len[0], kind.prompt_len[1] + 1))
-                if sq.free_entries() < 1 or not self.rings.can_write_prompt(n):
+                if sq.free_entries() < 1 or not self._can_write_prompt(n):
                     break
                 start = self.next_handle % (len(self.pool) - n)
-                off = self.rings.write_prompt(self.pool[start : start + n])
+                off = self._write_prompt(self.pool[start : start + n])
                 max_tokens = int(self.rng.integers(kind.max_tokens[0], kind.max_tokens[1] + 1))
                 pos = push_generate(sq, self.next_handle, off, n, max_tokens)
                 self.live[self.next_handle] = Request(k, off, pos, max_tokens)

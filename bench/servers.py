@@ -128,15 +128,16 @@ def plan_variants(names: list[str], device: str) -> tuple[list[Variant], list[st
     return variants, notes
 
 
-def prefix_arms(variants: list[Variant]) -> list[Variant]:
-    """Each server variant as its two arms, prefix caching on then off, back to back (the
-    variants run one after another; the arms of one variant next to each other); hf as it is."""
+def prefix_arms(variants: list[Variant], off_first: bool = False) -> list[Variant]:
+    """Each server variant as its two arms, prefix caching on then off (or off then on), back to
+    back (the variants run one after another; the arms of one variant next to each other); hf as
+    it is."""
     out = []
     for v in variants:
         if v.kind != "server":
             out.append(v)
             continue
-        for on in (True, False):
+        for on in (False, True) if off_first else (True, False):
             out.append(
                 Variant(
                     f"{v.name}/{PREFIX_ARM_NAMES[on]}",

@@ -143,6 +143,9 @@ def test_prefix_arms():
         ("static", False),
         ("hf", None),
     ]
+    # --prefix-off-first swaps each variant's arms, nothing else
+    swapped = [v.name for v in S.prefix_arms(variants, off_first=True)]
+    assert swapped == ["host/prefix-off", "host/prefix-on", "static/prefix-off", "static/prefix-on", "hf"]
 
 
 # ---------------------------------------------------------------- counters and the report
