@@ -107,8 +107,15 @@ LONG = 1 << 20  # max_tokens of requests that should outlive the run
 VOCAB = 1000
 
 
+# RINGLEADER_SCHED_MICRO_PREFIX_CACHING=0 measures with the prefix cache off (on: the default);
+# an environment variable, since --before runs this file on trees that have no such field
+_PREFIX = os.environ.get("RINGLEADER_SCHED_MICRO_PREFIX_CACHING")
+
+
 def ring_config(n_slots: int) -> RingConfig:
+    extra = {} if _PREFIX is None else {"prefix_caching": _PREFIX != "0"}
     return RingConfig(
+        **extra,
         n_slots=n_slots,
         # long enough that no request of a run of up to ~30k steps ends by context; no longer,
         # since each slot's token row and block table are sized by it (and the page pool, at
