@@ -103,21 +103,28 @@ def ratio_cells(d: dict) -> list[str]:
 RATIO_HEAD = ["scheduler", "load", "out tok/s (it / hf)", "tok/s ratio", "TTFT p50 ratio", "TPOT p50 ratio"]
 
 
-def format_ratios(rows: list[dict]) -> str:
-    if not rows:
+def titled_table(text: str, head: list[str], cells: list[list[str]], left: int) -> str:
+    """A console table under its one-line explanation: the first `left` columns flush left, the
+    rest right, each as wide as its widest cell; "" without rows."""
+    if not cells:
         return ""
-    cells = [ratio_cells(d) for d in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(RATIO_HEAD)]
-    lines = [
-        "ringleader / hf (transformers continuous batching) at the same load: tok/s above 1 and "
-        "TTFT/TPOT below 1 favour ringleader",
-        "  " + "  ".join(h.ljust(w) for h, w in zip(RATIO_HEAD, widths)),
-    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    lines = [text, "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += [
-        "  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        "  " + "  ".join(c.rjust(w) if i >= left else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         for row in cells
     ]
     return "\n".join(lines)
+
+
+RATIO_TEXT = (
+    "ringleader / hf (transformers continuous batching) at the same load: tok/s above 1 and "
+    "TTFT/TPOT below 1 favour ringleader"
+)
+
+
+def format_ratios(rows: list[dict]) -> str:
+    return titled_table(RATIO_TEXT, RATIO_HEAD, [ratio_cells(d) for d in rows], left=2)
 
 
 def _signed(x, fmt="{:+.2f}") -> str:
@@ -165,19 +172,7 @@ OVERHEAD_TEXT = (
 
 
 def format_overhead(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    cells = [overhead_cells(d) for d in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(OVERHEAD_HEAD)]
-    lines = [
-        OVERHEAD_TEXT,
-        "  " + "  ".join(h.ljust(w) for h, w in zip(OVERHEAD_HEAD, widths)),
-    ]
-    lines += [
-        "  " + "  ".join(c.rjust(w) if i >= 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in cells
-    ]
-    return "\n".join(lines)
+    return titled_table(OVERHEAD_TEXT, OVERHEAD_HEAD, [overhead_cells(d) for d in rows], left=1)
 
 
 PREFIX_HEAD = [
@@ -229,13 +224,4 @@ PREFIX_TEXT = (
 
 
 def format_prefix_caching(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    cells = [prefix_cells(d) for d in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(PREFIX_HEAD)]
-    lines = [PREFIX_TEXT, "  " + "  ".join(h.ljust(w) for h, w in zip(PREFIX_HEAD, widths))]
-    lines += [
-        "  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in cells
-    ]
-    return "\n".join(lines)
+    return titled_table(PREFIX_TEXT, PREFIX_HEAD, [prefix_cells(d) for d in rows], left=2)

@@ -88,6 +88,20 @@ RL_FN uint32_t rl_clamp_us(uint64_t ns) {
   return us > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)us;
 }
 
+// The last k < n with start[k] <= i (start: ascending, e.g. an exclusive scan): the segment
+// or candidate whose flattened item i is.
+RL_FN uint32_t rl_owner_of(const uint32_t* start, uint32_t n, uint32_t i) {
+  uint32_t lo = 0, hi = n;
+  while (hi - lo > 1) {
+    uint32_t mid = (lo + hi) / 2;
+    if (start[mid] <= i)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // ---- KV pages ----------------------------------------------------------------------------
 // The pool is n_pages pages; free_pages[0, n_free_pages) is a stack of the free ones (uncached:
 // the prefix cache's unheld pages wait in its lru ring, sched_prefix.h, and are evicted onto

@@ -144,15 +144,9 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   RL_SYNC();
   uint32_t n_samples = rl_exclusive_scan(sample_flag, n_seg, sh);
   // Rows: token, position and slot, found per row by a binary search over segment starts.
+  const uint32_t* seg_start = (const uint32_t*)c.seg_row_start;  // never negative
   RL_FOR(row, n_rows) {
-    uint32_t lo = 0, hi = n_seg;
-    while (hi - lo > 1) {
-      uint32_t mid = (lo + hi) / 2;
-      if ((uint32_t)c.seg_row_start[mid] <= row)
-        lo = mid;
-      else
-        hi = mid;
-    }
+    uint32_t lo = rl_owner_of(seg_start, n_seg, row);
     uint32_t s = (uint32_t)c.seg_slot[lo];
     const RlSlot& sl = c.slots[s];
     uint32_t k = row - (uint32_t)c.seg_row_start[lo];

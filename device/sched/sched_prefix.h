@@ -286,19 +286,6 @@ RL_FN void rl_cache_written_pages(const RlContext& c, RlShared* sh) {
 
 // ---- matching at admission -------------------------------------------------------------------
 
-// The last k < n with start[k] <= i (start: an exclusive scan): whose flattened item i is.
-RL_FN uint32_t rl_owner_of(const uint32_t* start, uint32_t n, uint32_t i) {
-  uint32_t lo = 0, hi = n;
-  while (hi - lo > 1) {
-    uint32_t mid = (lo + hi) / 2;
-    if (start[mid] <= i)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 // Candidates k < n, bound for slot slot_of[k] whose slot_keys row holds their keys, look up
 // their first cap[k] pages (every (candidate, page) pair at once); the pages found go into the
 // slot's block table; cap[k] becomes the count matched (the leading pages found, never the
