@@ -13,14 +13,21 @@ from typing import Any
 
 import msgpack
 
-from ringleader.ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
-from ringleader.ipc.sampling_params import clipped_repr as _show
+from ringleader.ipc.sampling_params import (
+    WIRE_FIELDS,
+    SamplingError,
+    SamplingParams,
+    clipped_repr,
+    sampling_from_wire,
+)
 
 PROTOCOL_VERSION = 1
 # 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat);
 # 1.3 made generate.max_tokens optional (the rest of the context), added abort.finish_reason
-# ("stop": the client stopped it on purpose) and bounded temperature to float32
-PROTOCOL_REVISION = 3
+# ("stop": the client stopped it on purpose) and bounded temperature to float32; 1.4 added min_p,
+# presence_penalty, frequency_penalty and repetition_penalty, top_k -1 (off, as vLLM writes it),
+# and refuses a generate field the server does not know rather than ignore it
+PROTOCOL_REVISION = 4
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -59,7 +66,6 @@ ERROR_CODES = frozenset(
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
-UINT64_MAX = (1 << 64) - 1
 # Containers (maps + arrays) allowed in one frame: bounds the Python objects a 1 MiB frame can expand to.
 MAX_CONTAINERS_PER_FRAME = 10_000
 
@@ -76,14 +82,11 @@ class Limits:
     max_tokens_cap: int = 4096
     # a generate without max_tokens runs to the end of the context, at most this many tokens (None: no cap)
     default_max_tokens: int | None = None
-    max_stop_ids: int = 8  # a device ring entry holds 8 stop ids
     max_id_len: int = 256  # characters, for str ids
     max_prompt_chars: int = 512 * 1024  # also bounds the characters of all chat messages together
     max_messages: int = 1024
     min_priority: int = -1000
     max_priority: int = 1000
-    min_seed: int = 0
-    max_seed: int = UINT64_MAX
     max_timeout_ms: int = 24 * 3600 * 1000
 
 
@@ -178,7 +181,7 @@ def _unpack(frame: bytes) -> Any:
     # OverflowError, TypeError, RecursionError from the pure-Python fallback, ...
     except Exception as exc:
         raise FrameError(
-            f"frame is not valid msgpack: {type(exc).__name__}: {_show(str(exc), 120)}"
+            f"frame is not valid msgpack: {type(exc).__name__}: {clipped_repr(str(exc), 120)}"
         ) from None
 
 
@@ -193,39 +196,31 @@ def _check_id(obj: dict, op: str, limits: Limits) -> RequestId:
         return rid
     if _is_int(rid):
         if not INT64_MIN <= rid <= INT64_MAX:
-            raise FrameError(f"{op}: 'id' int must fit in int64, got {_show(rid)}")
+            raise FrameError(f"{op}: 'id' int must fit in int64, got {clipped_repr(rid)}")
         return rid
     raise FrameError(f"{op}: 'id' must be a str or an int, got {type(rid).__name__}")
 
 
-def _int_field(obj: dict, rid: RequestId, name: str, default: Any, lo: int, hi: int) -> int:
-    value = obj.get(name, default)
-    if value is None and default is None:
-        raise BadRequest(rid, name, f"required (an int in [{lo}, {hi}])")
+def _int_field(value: Any, rid: RequestId, name: str, lo: int, hi: int) -> int:
     if not _is_int(value) or not lo <= value <= hi:
-        raise BadRequest(rid, name, f"must be an int in [{lo}, {hi}], got {_show(value)}")
+        raise BadRequest(rid, name, f"must be an int in [{lo}, {hi}], got {clipped_repr(value)}")
     return value
 
 
-def _float_field(obj: dict, rid: RequestId, name: str, default: float) -> float:
-    """A float sampling field, judged by its one range (ringleader.ipc.sampling_params.FLOAT_RANGES)."""
-    try:
-        return check_float_field(name, obj.get(name, default))
-    except ValueError as exc:
-        raise BadRequest(rid, name, str(exc)) from None
-
-
-def _token_list(
-    value: Any, rid: RequestId, name: str, min_len: int, max_len: int, limits: Limits
-) -> list[int]:
+def _prompt_ids(value: Any, rid: RequestId, limits: Limits) -> list[int]:
+    name = "prompt_ids"
+    # at most max_context - 1 ids, so a request without max_tokens has room for one token
+    max_len = max(1, limits.max_context - 1)
     if not isinstance(value, list):
         raise BadRequest(rid, name, f"must be an array of ints, got {type(value).__name__}")
-    if not min_len <= len(value) <= max_len:
-        raise BadRequest(rid, name, f"must hold {min_len}..{max_len} token ids, got {len(value)}")
+    if not 1 <= len(value) <= max_len:
+        raise BadRequest(rid, name, f"must hold 1..{max_len} token ids, got {len(value)}")
     vocab = limits.vocab_size
     for index, token in enumerate(value):
         if not _is_int(token) or not 0 <= token < vocab:
-            raise BadRequest(rid, name, f"element {index} must be an int in [0, {vocab}), got {_show(token)}")
+            raise BadRequest(
+                rid, name, f"element {index} must be an int in [0, {vocab}), got {clipped_repr(token)}"
+            )
     return value
 
 
@@ -271,11 +266,40 @@ def resolve_max_tokens(
     return min(room, limits.max_tokens_cap, limits.default_max_tokens or room)
 
 
+# every field of generate: its own, then the sampling fields (their declaration's)
+GENERATE_FIELDS = ("op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms") + WIRE_FIELDS
+_KNOWN_GENERATE_FIELDS = frozenset(GENERATE_FIELDS)
+
+
+def _refuse_unknown_fields(obj: dict, rid: RequestId) -> None:
+    """1.4: a generate field this server does not know is refused, never dropped (a sampling
+    setting it cannot honour must not pass unnoticed); nil counts as absent."""
+    for key, value in obj.items():
+        if key not in _KNOWN_GENERATE_FIELDS and value is not None:
+            name = key if isinstance(key, str) and len(key) <= 64 else clipped_repr(key)
+            raise BadRequest(
+                rid,
+                name,
+                f"unknown field; this server (protocol {PROTOCOL_VERSION}.{PROTOCOL_REVISION}) knows: "
+                + ", ".join(GENERATE_FIELDS),
+            )
+
+
+def _sampling(obj: dict, rid: RequestId, limits: Limits) -> SamplingParams:
+    """The sampling fields, judged by their declaration (ringleader.ipc.sampling_params) and
+    against the model and the server's cap."""
+    try:
+        sampling = sampling_from_wire(obj)
+        sampling.check_for_model(limits.vocab_size, limits.max_tokens_cap)
+    except SamplingError as err:
+        raise BadRequest(rid, err.field, err.reason) from None
+    return sampling
+
+
 def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     rid = _check_id(obj, OP_GENERATE, limits)
-    max_tokens = obj.get("max_tokens")  # absent or nil: the rest of the context (1.3)
-    if max_tokens is not None:
-        max_tokens = _int_field(obj, rid, "max_tokens", None, 1, limits.max_tokens_cap)
+    _refuse_unknown_fields(obj, rid)
+    sampling = _sampling(obj, rid, limits)
 
     prompt = obj.get("prompt")
     prompt_ids = obj.get("prompt_ids")
@@ -305,45 +329,14 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
                 rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}"
             )
     else:
-        # at most max_context - 1 ids, so a request without max_tokens has room for one token
-        prompt_ids = _token_list(prompt_ids, rid, "prompt_ids", 1, max(1, limits.max_context - 1), limits)
-        if max_tokens is not None:
-            check_context(len(prompt_ids), max_tokens, limits, request_id=rid, field="prompt_ids")
+        prompt_ids = _prompt_ids(prompt_ids, rid, limits)
+        if sampling.max_tokens is not None:
+            check_context(len(prompt_ids), sampling.max_tokens, limits, request_id=rid, field="prompt_ids")
 
-    temperature = _float_field(obj, rid, "temperature", 0.0)
-    top_p = _float_field(obj, rid, "top_p", 1.0)
-    top_k = _int_field(obj, rid, "top_k", 0, 0, min(limits.vocab_size, MAX_TOP_K))
-
-    seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not limits.min_seed <= seed <= limits.max_seed):
-        raise BadRequest(
-            rid,
-            "seed",
-            f"must be null or an int in [{limits.min_seed}, {limits.max_seed}], got {_show(seed)}",
-        )
-
-    stop_token_ids = _token_list(
-        obj.get("stop_token_ids", []), rid, "stop_token_ids", 0, limits.max_stop_ids, limits
-    )
-
-    ignore_eos = obj.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest(rid, "ignore_eos", f"must be a bool, got {_show(ignore_eos)}")
-
-    priority = _int_field(obj, rid, "priority", 0, limits.min_priority, limits.max_priority)
+    priority = _int_field(obj.get("priority", 0), rid, "priority", limits.min_priority, limits.max_priority)
     timeout_ms = obj.get("timeout_ms")
     if timeout_ms is not None:
-        timeout_ms = _int_field(obj, rid, "timeout_ms", None, 1, limits.max_timeout_ms)
-
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=ignore_eos,
-    )
+        timeout_ms = _int_field(timeout_ms, rid, "timeout_ms", 1, limits.max_timeout_ms)
     return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages)
 
 
@@ -355,27 +348,29 @@ def _messages(value: Any, rid: RequestId, limits: Limits) -> list[dict[str, str]
     template, on the server, judges their order."""
     if not isinstance(value, list) or not 1 <= len(value) <= limits.max_messages:
         raise BadRequest(
-            rid, "messages", f"must be an array of 1..{limits.max_messages} maps, got {_show(value)}"
+            rid, "messages", f"must be an array of 1..{limits.max_messages} maps, got {clipped_repr(value)}"
         )
     out: list[dict[str, str]] = []
     chars = 0
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise BadRequest(rid, where, f"must be a map with role and content, got {_show(m)}")
+            raise BadRequest(rid, where, f"must be a map with role and content, got {clipped_repr(m)}")
         unknown = sorted(str(k) for k in m if k not in ("role", "content", "name"))
         if unknown:
             raise BadRequest(rid, where, f"unknown field {unknown[0]!r} (allowed: role, content, name)")
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
-            raise BadRequest(rid, f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {_show(role)}")
+            raise BadRequest(
+                rid, f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {clipped_repr(role)}"
+            )
         if not isinstance(content, str):
-            raise BadRequest(rid, f"{where}.content", f"must be a str, got {_show(content)}")
+            raise BadRequest(rid, f"{where}.content", f"must be a str, got {clipped_repr(content)}")
         turn = {"role": role, "content": content}
         if "name" in m:
             if not isinstance(m["name"], str) or not 1 <= len(m["name"]) <= 256:
                 raise BadRequest(
-                    rid, f"{where}.name", f"must be a str of 1..256 characters, got {_show(m['name'])}"
+                    rid, f"{where}.name", f"must be a str of 1..256 characters, got {clipped_repr(m['name'])}"
                 )
             turn["name"] = m["name"]
         chars += len(content)
@@ -396,8 +391,8 @@ def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
         return AbortRequest(rid)
     if not isinstance(reason, str) or reason not in ABORT_FINISH_REASONS:
         raise FrameError(
-            f'abort: finish_reason: must be "abort" or "stop", got {_show(reason)} '
-            f"(the abort of id {_show(rid)} was not applied)"
+            f'abort: finish_reason: must be "abort" or "stop", got {clipped_repr(reason)} '
+            f"(the abort of id {clipped_repr(rid)} was not applied)"
         )
     return AbortRequest(rid, reason)
 
@@ -418,7 +413,7 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
         raise FrameError(f"frame must be a msgpack map, got {type(obj).__name__}")
     op = obj.get("op")
     if not isinstance(op, str):
-        raise FrameError(f"missing or invalid 'op' (must be a str), got {_show(op)}")
+        raise FrameError(f"missing or invalid 'op' (must be a str), got {clipped_repr(op)}")
     if op == OP_GENERATE:
         return _decode_generate(obj, limits)
     if op == OP_ABORT:
@@ -427,7 +422,7 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
         return StatsRequest()
     if op == OP_PING:
         return PingRequest()
-    raise FrameError(f"unknown op {_show(op)}")
+    raise FrameError(f"unknown op {clipped_repr(op)}")
 
 
 # ---------------------------------------------------------------- encoding

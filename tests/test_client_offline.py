@@ -185,7 +185,7 @@ def test_abort_mid_stream(server):
 
 def test_bad_request_comes_back_as_done(server):
     with Client(server.address, timeout=5) as client:
-        done = client.complete(prompt_ids=[1], max_tokens=-3).done
+        done = client.complete(prompt_ids=[1], max_tokens=300).done  # over the server's cap, 256
         assert done.finish_reason == "error" and not done.ok
         assert done.error_code == "bad_request"
         assert done.error_message.startswith("max_tokens:")
@@ -316,7 +316,7 @@ def test_async_abort_bad_request_and_ids(server):
             assert done == Done("abort", 2, 1)
             with pytest.raises(ValueError, match="^top_p: "):  # refused before it is sent
                 await client.generate(prompt_ids=[1], max_tokens=4, top_p=0)
-            bad = await client.complete(prompt_ids=[1], max_tokens=-3)
+            bad = await client.complete(prompt_ids=[1], max_tokens=300)
             assert bad.done.error_code == "bad_request" and bad.done.error_message.startswith("max_tokens:")
 
     run(main())

@@ -44,7 +44,7 @@ def test_frames_that_are_not_requests_get_an_error(peer, frame, needle):
         ({"max_tokens": "8"}, "max_tokens"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),  # -1 is off (1.4)
         ({"seed": -5}, "seed"),
         ({"stop_token_ids": [1] * 9}, "stop_token_ids"),
         ({"prompt_ids": [1, 10**6]}, "prompt_ids"),

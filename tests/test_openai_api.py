@@ -30,7 +30,7 @@ def test_defaults_follow_openai():
 
 
 def test_float_fields_take_the_protocols_range():
-    # one range for both paths (ringleader.ipc.sampling_params.FLOAT_RANGES): vLLM's, not OpenAI's 0..2
+    # one range for both paths (the declaration, ringleader.ipc.sampling_params): vLLM's, not OpenAI's 0..2
     assert completion(temperature=3).sampling.temperature == 3.0
     assert completion(temperature=FLOAT32_MAX).sampling.temperature == FLOAT32_MAX
     for value in (1e308, 10**400, -1, 3.5e38, float("nan"), float("inf")):
@@ -61,11 +61,50 @@ def test_fields_are_translated():
     )
     assert r.prompt is None and r.prompt_ids == [5, 6, 7]
     s = r.sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (9, 0.0, 0.5, 0, 3)
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (9, 0.0, 0.5, -1, 3)
     assert s.stop_token_ids == (4,) and s.ignore_eos
     assert r.stop == ("x", "yz") and r.include_usage and r.return_token_ids and r.priority == 2
     assert completion(prompt=["one"]).prompt == "one"  # a batch of one
     assert chat(max_completion_tokens=7).sampling.max_tokens == 7
+
+
+def test_penalties_and_min_p_are_honoured():
+    s = chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert s.penalized
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"user": "x"}, {"metadata": {"a": "b"}}, {"store": False}, {"service_tier": "auto"}, {"mirostat": None}],
+    ids=repr,
+)
+def test_no_op_fields_are_accepted(body):
+    assert chat(**body).sampling == chat().sampling
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("mirostat", 2),
+        ("min_tokens", 4),
+        ("typical_p", 0.9),
+        ("repeat_penalty", 1.1),  # llama-server's name of repetition_penalty
+        ("length_penalty", 1.0),
+        ("use_beam_search", False),
+        ("bad_words", ["x"]),
+        ("allowed_token_ids", [1]),
+        ("guided_json", {}),
+        ("best_of", 1),  # a completions field, not chat's
+        ("prompt", "hi"),
+    ],
+)
+def test_unknown_chat_fields_are_refused_naming_them(name, value):
+    with pytest.raises(APIError) as info:
+        chat(**{name: value})
+    err = info.value
+    assert err.status == 400 and err.param == name
+    assert err.message.startswith(f"{name}: unknown field (vllm serve ignores it")
 
 
 @pytest.mark.parametrize(
@@ -75,7 +114,13 @@ def test_fields_are_translated():
         ({"best_of": 3}, "best_of"),
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"n": True}, "n"),
+        ({"store": True}, "store"),
+        ({"user": 5}, "user"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),

@@ -8,7 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringleader.ipc import protocol as P
-from ringleader.ipc.sampling_params import FLOAT32_MAX, MAX_TOP_K, SamplingParams
+from ringleader.ipc.sampling_params import (
+    FIELDS,
+    FLOAT32_MAX,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    SamplingParams,
+)
 
 LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 
@@ -168,9 +174,13 @@ def valid_generates(draw):
             max_tokens=max_tokens,
             temperature=draw(st.floats(min_value=0.0, max_value=FLOAT32_MAX)),
             top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
-            top_k=draw(st.integers(0, MAX_TOP_K)),
+            top_k=draw(st.integers(-1, MAX_TOP_K)),
+            min_p=draw(st.floats(min_value=0.0, max_value=1.0)),
+            presence_penalty=draw(st.floats(min_value=-2.0, max_value=2.0)),
+            frequency_penalty=draw(st.floats(min_value=-2.0, max_value=2.0)),
+            repetition_penalty=draw(st.floats(min_value=0.0, max_value=FLOAT32_MAX, exclude_min=True)),
             seed=draw(st.none() | st.integers(0, 2**64 - 1)),
-            stop_token_ids=tuple(draw(st.lists(token, max_size=LIMITS.max_stop_ids))),
+            stop_token_ids=tuple(draw(st.lists(token, max_size=MAX_STOP_TOKEN_IDS))),
             ignore_eos=draw(st.booleans()),
         ),
         priority=draw(st.integers(LIMITS.min_priority, LIMITS.max_priority)),
@@ -211,9 +221,29 @@ def test_stats_and_ping_decode():
     assert decode({"op": "ping", "future_field": [1, {"x": 2}]}) == P.PingRequest()
 
 
-def test_defaults_filled_and_extra_fields_ignored():
-    req = decode(gen(some_future_field={"nested": [1, 2]}, another=None))
-    assert req == P.GenerateRequest("r1", None, [1, 2, 3], SamplingParams(8, 0.0, 1.0, 0, None, (), False), 0)
+def test_defaults_filled_and_nil_unknown_fields_ignored():
+    req = decode(gen(another=None))
+    assert req == P.GenerateRequest("r1", None, [1, 2, 3], SamplingParams(max_tokens=8), 0)
+
+
+@pytest.mark.parametrize("name", [spec.name for spec in FIELDS])
+def test_a_nil_sampling_field_means_its_default(name):
+    assert decode(gen(**{name: None, "max_tokens": None})).sampling == SamplingParams()
+
+
+def test_an_unknown_generate_field_is_refused_naming_it():
+    # 1.4: a field the server does not know (a sampling setting of a later revision, a typo) is
+    # refused rather than dropped, so nothing a client asked for is silently left undone
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(some_future_field={"nested": [1, 2]}))
+    assert info.value.field == "some_future_field" and info.value.id == "r1"
+    assert info.value.message.startswith(
+        "some_future_field: unknown field; this server (protocol 1.4) knows: op, id,"
+    )
+    assert "min_p" in info.value.message and "timeout_ms" in info.value.message
+    with pytest.raises(P.BadRequest) as info:
+        decode(gen(**{"x" * 500: 1}))
+    assert len(info.value.field) < 70
 
 
 def test_string_prompt_and_int_for_float_fields():
@@ -237,12 +267,16 @@ def test_bytes_like_frames_accepted():
 
 INVALID_FIELDS = [
     ("max_tokens", [0, -3, 1025, True, 1.0, "8", [8]]),
-    ("temperature", [-0.1, float("nan"), float("inf"), 1e308, 3.5e38, -0.0 - 1e-300, "0", True, None]),
-    ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), float("-inf"), 1e308, True, None]),
-    ("top_k", [-1, MAX_TOP_K + 1, 32001, 1.0, True, None]),
+    ("temperature", [-0.1, float("nan"), float("inf"), 1e308, 3.5e38, -0.0 - 1e-300, "0", True]),
+    ("top_p", [0, 0.0, -0.5, 1.0001, float("nan"), float("-inf"), 1e308, True]),
+    ("top_k", [-2, MAX_TOP_K + 1, 32001, 1.0, True]),
+    ("min_p", [-0.1, 1.01, float("nan"), float("inf"), "0.1", True]),
+    ("presence_penalty", [-2.01, 2.01, float("nan"), float("-inf"), [0.5], False]),
+    ("frequency_penalty", [-3, 3, float("nan"), 1e308, {"a": 1}, True]),
+    ("repetition_penalty", [0, -1.0, float("nan"), float("inf"), 1e308, "1.2", True]),
     ("seed", [-1, 1.5, "1", True]),
-    ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, None, {"a": 1}]),
-    ("ignore_eos", [0, 1, "true", None]),
+    ("stop_token_ids", [[1] * 9, [-1], [32000], [True], [1.0], "1", 5, {"a": 1}]),
+    ("ignore_eos", [0, 1, "true"]),
     ("priority", [1001, -1001, 0.5, True, None]),
     ("timeout_ms", [0, -5, 24 * 3600 * 1000 + 1, 1.5, True, "100"]),
     ("prompt_ids", [[], [-1], [32000], [1, True], [1.5], "abc", {"a": 1}, [1] * 4096]),
@@ -263,7 +297,12 @@ def test_invalid_field_is_named(name, value):
 
 
 def test_max_tokens_message_format():
-    with pytest.raises(P.BadRequest, match=r"^max_tokens: must be an int in \[1, 1024\], got -3$"):
+    # the server's cap where the declaration's range allows more
+    with pytest.raises(P.BadRequest, match=r"^max_tokens: must be an int in \[1, 1024\], got 1025$"):
+        decode(gen(max_tokens=1025))
+    with pytest.raises(
+        P.BadRequest, match=r"^max_tokens: must be null or an int in \[1, 4294967295\], got -3$"
+    ):
         decode(gen(max_tokens=-3))
 
 
@@ -544,9 +583,9 @@ def test_float_checks_are_exact_at_bounds():
 
 def test_reject_msg():
     with pytest.raises(P.BadRequest) as bad:
-        decode(gen(top_k=-1))
+        decode(gen(top_k=-2))
     assert P.reject_msg(bad.value) == P.done_msg(
-        "r1", "error", 0, 0, "bad_request", f"top_k: must be an int in [0, {MAX_TOP_K}], got -1"
+        "r1", "error", 0, 0, "bad_request", f"top_k: must be an int in [-1, {MAX_TOP_K}], got -2"
     )
     with pytest.raises(P.FrameError) as frame_error:
         decode({"op": "nope"})

@@ -1,29 +1,17 @@
 """`ringleader generate`: stream one completion from a running server, or with --chat and no
 prompt, a conversation on stdin (one user turn per line).  The sampling options are one per
-SamplingParams field, named after it, with the field's default."""
+sampling field, named, explained, defaulted and judged by its declaration
+(ringleader.ipc.sampling_params)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ringleader.hostctl.commands.client_options import add_client_options, client_from_args
-from ringleader.ipc.sampling_params import WIRE_FIELDS as SAMPLING_FIELDS
-from ringleader.ipc.sampling_params import SamplingParams
-
-SAMPLING_HELP = {
-    "max_tokens": "most tokens to generate (default: the rest of the model's context, at most the "
-    "server's --default-max-tokens)",
-    "temperature": "0 picks the most likely token (greedy); higher samples more freely",
-    "top_p": "sample from the smallest set of tokens whose probability adds up to this; 1 is off",
-    "top_k": "sample from this many of the most likely tokens; 0 is off",
-    "seed": "the same seed and settings give the same tokens, under any load (default: the server draws one)",
-    "stop_token_ids": "comma-separated token ids that end the answer, besides the model's end token "
-    "(default: none)",
-    "ignore_eos": "go on past the model's end token, up to --max-tokens",
-}
+from ringleader.ipc.sampling_params import FIELDS, SamplingError, SamplingField, SamplingParams
 
 
 def int_list(text: str) -> list[int]:
@@ -60,31 +48,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    """One option per SamplingParams field, named after it, with the field's default."""
-    special: dict[str, dict[str, Any]] = {
-        "max_tokens": dict(type=int),
-        "seed": dict(type=int),
-        "stop_token_ids": dict(type=int_list, default=()),
-        "ignore_eos": dict(action="store_true"),
-    }
-    for f in dataclasses.fields(SamplingParams):
-        options = {"default": f.default, "type": type(f.default), **special.get(f.name, {})}
-        if options.get("action"):
-            options.pop("type")
-        p.add_argument("--" + f.name.replace("_", "-"), help=SAMPLING_HELP[f.name], **options)
+    """One option per sampling field (--top-p for top_p), with its declaration's help and
+    default; a value the declaration refuses is a usage error naming the option (exit code 2)."""
+    for spec in FIELDS:
+        option = "--" + spec.name.replace("_", "-")
+        if spec.kind == "bool":
+            p.add_argument(option, action="store_true", default=spec.default, help=spec.help)
+        else:
+            metavar = "ID[,ID...]" if spec.kind == "token_ids" else None
+            p.add_argument(option, type=_checked(spec), default=spec.default, metavar=metavar, help=spec.help)
+
+
+# how an option's text becomes the value its declaration judges, by the field's kind, and what
+# the text must look like
+_PARSE_AS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "float": (float, "a number"),
+    "int": (int, "an integer"),
+    "optional_int": (int, "an integer"),
+    "token_ids": (int_list, "comma-separated token ids"),
+}
+
+
+def _checked(spec: SamplingField) -> Callable[[str], Any]:
+    """An argparse type: the option's text parsed by its kind, then judged by the declaration
+    (argparse turns ArgumentTypeError into a usage error naming the option)."""
+    parse, looks_like = _PARSE_AS[spec.kind]
+
+    def value_of(text: str) -> Any:
+        try:
+            return spec.check(parse(text))
+        except SamplingError as err:
+            raise argparse.ArgumentTypeError(err.reason) from None
+        except ValueError:  # not a number at all
+            raise argparse.ArgumentTypeError(f"expected {looks_like}, got {text!r}") from None
+
+    return value_of
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    fields = {name: getattr(args, name) for name in SAMPLING_FIELDS}
-    return SamplingParams(**{**fields, "stop_token_ids": tuple(fields["stop_token_ids"])})
+    """The options' values, each judged already by its type."""
+    return SamplingParams(**{spec.name: getattr(args, spec.name) for spec in FIELDS})
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sampling_from_args(args)  # a value no server takes fails here, in one line
-    except ValueError as exc:
-        print(f"ringleader generate: {exc}", file=sys.stderr)
-        return 2
     if args.chat:
         if args.prompt_ids is not None:
             print("--chat takes text (a user turn), not --prompt-ids", file=sys.stderr)

@@ -1,10 +1,13 @@
 """The OpenAI HTTP API's side of the gateway, without I/O: a JSON body in, a typed request out
 (or an APIError naming the field), and the bytes of every response and SSE chunk.
 
-What is accepted is what ringleader can honour: `n`, `best_of`, `echo`, `logprobs`, penalties,
+What is accepted is what ringleader can honour: `n`, `best_of`, `echo`, `logprobs`,
 `logit_bias`, `suffix`, tools and non-text content are refused with a 400 naming the field
-rather than silently ignored.  Extensions, as vLLM names them: `top_k`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids` (each choice carries the ids of its tokens), `priority`.
+rather than silently ignored, and so is any body field the gateway does not know (vllm serve
+ignores those, so a sampling knob it lacks would pass unnoticed).  The sampling fields, their
+OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_params); vLLM's
+extensions among them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.
+The gateway's own: `return_token_ids` (each choice carries the ids of its tokens), `priority`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringleader.ipc import protocol as P
-from ringleader.ipc.sampling_params import MAX_TOP_K, SamplingParams, check_float_field
+from ringleader.ipc.sampling_params import (
+    OPENAI_FIELDS,
+    SamplingError,
+    SamplingParams,
+    clipped_repr,
+    sampling_from_openai,
+)
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# the body fields each endpoint takes besides the sampling fields (OPENAI_FIELDS): those the
+# gateway honours, or refuses unless their value asks for nothing, and OpenAI's no-ops (_no_op_fields)
+_HANDLED = (
+    "model",
+    "stream",
+    "stream_options",
+    "stop",
+    "n",
+    "logprobs",
+    "logit_bias",
+    "return_token_ids",
+    "priority",
+)
+_NO_OPS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+CHAT_FIELDS = OPENAI_FIELDS.union(
+    _HANDLED, _NO_OPS, ("messages", "top_logprobs", "tools", "tool_choice", "response_format")
+)
+COMPLETIONS_FIELDS = OPENAI_FIELDS.union(_HANDLED, _NO_OPS, ("prompt", "best_of", "echo", "suffix"))
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 SSE_DONE = b"data: [DONE]\n\n"
@@ -33,7 +59,7 @@ STATUS_OF_CODE: dict[str, tuple[int, str]] = {
     P.ERR_TIMEOUT: (504, "timeout"),
 }
 # the server's field names where the OpenAI request used another
-PARAM_OF_FIELD = {"prompt_ids": "prompt", "stop_token_ids": "stop_token_ids"}
+PARAM_OF_FIELD = {"prompt_ids": "prompt"}
 
 
 class APIError(Exception):
@@ -85,7 +111,7 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -100,23 +126,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _sampling_float(body: dict, name: str, default: float) -> float:
-    """temperature, top_p: judged by the protocol's one range of each (FLOAT_RANGES)."""
-    v = body.get(name)
-    if v is None:
-        return default
-    try:
-        return check_float_field(name, v)
-    except ValueError as exc:  # its message names the field already
-        raise APIError(400, str(exc), param=name) from None
-
-
 def _int(body: dict, name: str, default: Any, lo: int, hi: int) -> Any:
     v = body.get(name)
     if v is None:
         return default
     if not _is_int(v) or not lo <= v <= hi:
-        raise bad(name, f"must be an integer in [{lo}, {hi}], got {P._show(v)}")
+        raise bad(name, f"must be an integer in [{lo}, {hi}], got {clipped_repr(v)}")
     return v
 
 
@@ -125,13 +140,43 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(name, f"must be true or false, got {P._show(v)}")
+        raise bad(name, f"must be true or false, got {clipped_repr(v)}")
     return v
 
 
 def _refuse_unless_default(body: dict, name: str, allowed: tuple[Any, ...], why: str) -> None:
-    if name in body and body[name] not in allowed:
-        raise bad(name, f"{why}; got {P._show(body[name])}")
+    value = body.get(name)
+    # a bool matches only a bool: `n: true` is not n = 1
+    if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+        raise bad(name, f"{why}; got {clipped_repr(value)}")
+
+
+def _refuse_unknown_fields(body: dict, chat: bool) -> None:
+    """A body field the gateway does not know is refused, not ignored as vllm serve does: a
+    sampling knob it lacks (mirostat, typical_p, min_tokens...) would pass unnoticed."""
+    known = CHAT_FIELDS if chat else COMPLETIONS_FIELDS
+    for name, value in body.items():
+        if value is not None and name not in known:
+            shown = name if len(name) <= 64 else clipped_repr(name)
+            raise bad(
+                shown,
+                "unknown field (vllm serve ignores it; ringleader refuses what it cannot honour). "
+                f"This endpoint takes: {', '.join(sorted(known))}",
+            )
+
+
+def _no_op_fields(body: dict) -> None:
+    """OpenAI's fields that change nothing here, accepted while their value asks for nothing
+    more (user, metadata: labels; store: no completion is stored; no tools are called)."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", f"must be a string, got {clipped_repr(user)}")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad("metadata", f"must be an object, got {clipped_repr(metadata)}")
+    _refuse_unless_default(body, "store", (None, False), "completions are not stored")
+    _refuse_unless_default(body, "service_tier", (None, "auto", "default"), "only the default tier is served")
+    _bool(body, "parallel_tool_calls")
 
 
 def _token_ids(value: Any) -> list[int] | None:
@@ -156,7 +201,7 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
         return None, ids
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad("prompt", f"batches are not supported: send one prompt per request (got {len(p)})")
-    raise bad("prompt", f"must be a string or a non-empty array of token ids, got {P._show(p)}")
+    raise bad("prompt", f"must be a string or a non-empty array of token ids, got {clipped_repr(p)}")
 
 
 def _content(value: Any, where: str) -> str:
@@ -178,7 +223,7 @@ def _content(value: Any, where: str) -> str:
         return "".join(texts)
     if value is None:
         return ""
-    raise bad(f"{where}.content", f"must be a string or an array of text parts, got {P._show(value)}")
+    raise bad(f"{where}.content", f"must be a string or an array of text parts, got {clipped_repr(value)}")
 
 
 def _messages(body: dict) -> list[dict[str, str]]:
@@ -189,12 +234,14 @@ def _messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad(where, f"must be an object, got {P._show(m)}")
+            raise bad(where, f"must be an object, got {clipped_repr(m)}")
         role = m.get("role")
         if role == "developer":
             role = "system"  # OpenAI's newer name for the system turn
         if role not in ("system", "user", "assistant"):
-            raise bad(f"{where}.role", f"must be system, developer, user or assistant, got {P._show(role)}")
+            raise bad(
+                f"{where}.role", f"must be system, developer, user or assistant, got {clipped_repr(role)}"
+            )
         if m.get("tool_calls"):
             raise bad(f"{where}.tool_calls", "tools are not supported")
         out.append({"role": role, "content": _content(m.get("content"), where)})
@@ -207,22 +254,13 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     stops = [s] if isinstance(s, str) else s
     if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise bad("stop", f"must be a string or an array of strings, got {P._show(s)}")
+        raise bad("stop", f"must be a string or an array of strings, got {clipped_repr(s)}")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     for x in stops:
         if not 1 <= len(x) <= MAX_STOP_STRING_CHARS:
             raise bad("stop", f"each string must have 1..{MAX_STOP_STRING_CHARS} characters")
     return tuple(dict.fromkeys(stops))
-
-
-def _stop_token_ids(body: dict) -> tuple[int, ...]:
-    v = body.get("stop_token_ids")
-    if v is None or v == []:
-        return ()
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise bad("stop_token_ids", f"must be an array of token ids, got {P._show(v)}")
-    return tuple(v)
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -232,7 +270,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     if not stream:
         raise bad("stream_options", "is only allowed with stream: true")
     if not isinstance(opts, dict):
-        raise bad("stream_options", f"must be an object, got {P._show(opts)}")
+        raise bad("stream_options", f"must be an object, got {clipped_repr(opts)}")
     return _bool(opts, "include_usage")
 
 
@@ -240,12 +278,11 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     """The checked request of /v1/completions (chat False) or /v1/chat/completions (chat True)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _refuse_unknown_fields(body, chat)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad("model", f"must be a string, got {P._show(model)}")
+        raise bad("model", f"must be a string, got {clipped_repr(model)}")
     _refuse_unless_default(body, "n", (None, 1), "only n = 1 is supported")
-    _refuse_unless_default(body, "frequency_penalty", (None, 0, 0.0), "penalties are not supported")
-    _refuse_unless_default(body, "presence_penalty", (None, 0, 0.0), "penalties are not supported")
     _refuse_unless_default(body, "logit_bias", (None, {}), "logit_bias is not supported")
     if chat:
         _refuse_unless_default(body, "logprobs", (None, False), "logprobs are not supported")
@@ -254,39 +291,27 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         _refuse_unless_default(body, "tool_choice", (None, "none"), "tools are not supported")
         rf = body.get("response_format")
         if rf is not None and rf != {"type": "text"}:
-            raise bad("response_format", f"only {{'type': 'text'}} is supported, got {P._show(rf)}")
+            raise bad("response_format", f"only {{'type': 'text'}} is supported, got {clipped_repr(rf)}")
     else:
         _refuse_unless_default(body, "best_of", (None, 1), "only best_of = 1 is supported")
         _refuse_unless_default(body, "echo", (None, False), "echo is not supported")
         _refuse_unless_default(body, "logprobs", (None,), "logprobs are not supported")
         _refuse_unless_default(body, "suffix", (None, ""), "suffix is not supported")
+    _no_op_fields(body)
     stream = _bool(body, "stream")
     req = GenerationRequest(chat=chat, model=model, stream=stream)
     if chat:
         req.messages = _messages(body)
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     else:
         req.prompt, req.prompt_ids = _prompt(body)
-        name = "max_tokens"
-    # chat without max_tokens: None, the rest of the context (only the server knows the prompt's
-    # length), as vllm serve does; the server's --default-max-tokens caps it
-    max_tokens = _int(body, name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 1, P.INT64_MAX)
-    top_k = _int(body, "top_k", 0, -1, MAX_TOP_K)
-    req.sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_sampling_float(body, "temperature", 1.0),
-        top_p=_sampling_float(body, "top_p", 1.0),
-        top_k=max(top_k, 0),  # -1: off, as vLLM writes it
-        seed=_int(body, "seed", None, 0, P.UINT64_MAX),
-        stop_token_ids=_stop_token_ids(body),
-        ignore_eos=_bool(body, "ignore_eos"),
-    )
+    try:
+        req.sampling = sampling_from_openai(body, "chat" if chat else "completions")
+    except SamplingError as err:
+        raise APIError(400, str(err), param=err.field) from None
     req.stop = _stop(body)
     req.include_usage = _stream_options(body, stream)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.priority = _int(body, "priority", 0, -1000, 1000)
-    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
-        raise bad("user", "must be a string")
     return req
 
 

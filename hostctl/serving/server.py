@@ -457,6 +457,7 @@ class Server:
             model=self.backend.model.name,
             model_info=self._model_info(),
             engine_dead=self.router.dead_reason,  # None while the engine lives
+            protocol=f"{protocol.PROTOCOL_VERSION}.{protocol.PROTOCOL_REVISION}",
             backend=dict(self.backend.description),
             device=self.backend.stats(),
         )

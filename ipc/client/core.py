@@ -70,11 +70,11 @@ def check_request_id(request_id: Any) -> None:
 
 
 def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
-    """generate()'s `sampling=` or its SamplingParams keyword fields -> one SamplingParams.
-
-    The keywords are judged here, and SamplingParams judges its float fields (ValueError); the
-    rest of the values the server judges.  Without max_tokens the request runs to the end of the
-    context (at most the server's --default-max-tokens)."""
+    """generate()'s `sampling=` or its sampling fields as keywords (WIRE_FIELDS) -> one
+    SamplingParams, which judges every value against its declaration (SamplingError, a ValueError
+    naming the field); what depends on the model and the server (the vocabulary, the max_tokens
+    cap) the server judges.  Without max_tokens the request runs to the end of the context (at
+    most the server's --default-max-tokens)."""
     unknown = [name for name in fields if name not in WIRE_FIELDS]
     if unknown:
         raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
@@ -86,10 +86,7 @@ def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any])
                 f"generate() takes sampling= or sampling fields, not both (got sampling= and {', '.join(fields)})"
             )
         return sampling
-    values = dict(fields)
-    if "stop_token_ids" in values and not isinstance(values["stop_token_ids"], tuple):
-        values["stop_token_ids"] = tuple(values["stop_token_ids"])
-    return SamplingParams(**values)
+    return SamplingParams(**fields)
 
 
 def event_from_reply(obj: dict) -> TokenChunk | Done | None:
