@@ -207,7 +207,7 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
             margin = top2[:, 0] - top2[:, 1]
             noise = (logits_g[:ns] - logits_e[:ns]).abs().amax(dim=-1)
             firm = margin > 2 * noise
-            greedy = torch.from_numpy(d.a["sample_temperature"][:ns]).to(device) == 0
+            greedy = torch.from_numpy(d.a["sample_params"]["temperature"][:ns].copy()).to(device) == 0
             slots = torch.from_numpy(d.a["sample_slot"][:ns].astype(np.int64)).to(device)
             differ = lay_g.next_token[slots] != lay_e.next_token[slots]
             decided += int((firm & greedy).sum())

@@ -86,7 +86,7 @@ def _timed(fn, device: torch.device, repeats: int) -> list[float]:
 def decode_layout(rows: int, ctx: int, vocab: int, pages_per_slot: int, device: torch.device) -> StepLayout:
     """`rows` decode rows, one per slot, at position ctx - 1, each sampled greedily; slot s owns
     pages [s * pages_per_slot, (s + 1) * pages_per_slot)."""
-    layout = StepLayout.allocate(rows, rows, device, pages_per_slot)
+    layout = StepLayout.allocate(rows, rows, device, pages_per_slot, vocab)
     pages = torch.arange(rows * pages_per_slot, dtype=torch.int32, device=device)
     layout.block_table.copy_(pages.view(rows, pages_per_slot))
     ids = torch.arange(rows, dtype=torch.int32, device=device)

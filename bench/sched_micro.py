@@ -289,10 +289,7 @@ class Harness:
                 for name in (
                     "sample_row",
                     "sample_slot",
-                    "sample_temperature",
-                    "sample_top_p",
-                    "sample_top_k",
-                    "sample_seed",
+                    "sample_params",
                     "sample_counter",
                 )
             ),

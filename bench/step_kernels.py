@@ -75,7 +75,8 @@ def count_step(
     kv = StaticStep.new_kv_cache(model, n_slots * pages_per_slot, PAGE_SIZE)
     budget = max(bucket, n_slots)
     step = StaticStep(model, kv, n_slots, max_ctx, budget, attention=attention, fused=fused)
-    layout = StepLayout.allocate(n_slots, budget, "meta", pages_per_slot)
+    # as the backends keep them: the token counts the penalties read
+    layout = StepLayout.allocate(n_slots, budget, "meta", pages_per_slot, config.vocab_size)
 
     aten, triton = KernelCounter(), LaunchRecorder()
     per_layer: list[Counter[str]] = []

@@ -169,7 +169,9 @@ def walk_step(
     step = StaticStep(
         model, kv, shape.n_slots, shape.max_ctx, shape.token_budget, attention=EngineConfig().attention
     )
-    layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta", pages_per_slot)
+    layout = StepLayout.allocate(
+        shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size
+    )
     with (
         triton_attention.planning_for_sms(sm_count),
         LaunchRecorder(on_launch) as recorder,

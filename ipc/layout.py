@@ -52,10 +52,14 @@ from enum import Enum, IntEnum, IntFlag
 
 import numpy as np
 
-MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 6
+from ringleader.ipc.sampling_params import MAX_STOP_TOKEN_IDS, RING_FIELDS
 
-MAX_STOP_IDS = 8  # stop_token_ids carried in one SQ entry
+MAGIC = 0x52474E52  # "RNGR" little-endian
+LAYOUT_VERSION = 7
+
+MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
+# token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
+PROMPT_MARK = 1 << 24
 MAX_EOS_IDS = 4
 MAX_BUCKETS = 16
 
@@ -73,8 +77,23 @@ _SCALARS = {
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # a key of _SCALARS
+    kind: str | Struct  # a key of _SCALARS, or a nested struct
     count: int = 1  # > 1 makes a fixed array
+
+    @property
+    def item_size(self) -> int:
+        return self.kind.size if isinstance(self.kind, Struct) else np.dtype(_SCALARS[self.kind][1]).itemsize
+
+    @property
+    def item_align(self) -> int:
+        return self.kind.align if isinstance(self.kind, Struct) else self.item_size
+
+    def numpy_base(self) -> np.dtype:
+        return self.kind.numpy_dtype() if isinstance(self.kind, Struct) else np.dtype(_SCALARS[self.kind][1])
+
+    @property
+    def c_type(self) -> str:
+        return self.kind.name if isinstance(self.kind, Struct) else _SCALARS[self.kind][0]
 
 
 @dataclass(frozen=True)
@@ -88,22 +107,22 @@ class Struct:
     def offsets(self) -> list[tuple[Field, int]]:
         out, off = [], 0
         for f in self.fields:
-            size = np.dtype(_SCALARS[f.kind][1]).itemsize
-            off = (off + size - 1) // size * size
+            align = f.item_align
+            off = (off + align - 1) // align * align
             out.append((f, off))
-            off += size * f.count
+            off += f.item_size * f.count
         return out
 
     @property
     def size(self) -> int:
         f, off = self.offsets()[-1]
-        end = off + np.dtype(_SCALARS[f.kind][1]).itemsize * f.count
+        end = off + f.item_size * f.count
         return (end + self.align - 1) // self.align * self.align
 
     def numpy_dtype(self) -> np.dtype:
         names, formats, offs = [], [], []
         for f, off in self.offsets():
-            base = _SCALARS[f.kind][1]
+            base = f.numpy_base()
             names.append(f.name)
             formats.append((base, (f.count,)) if f.count > 1 else base)
             offs.append(off)
@@ -113,7 +132,7 @@ class Struct:
         lines = [f"struct alignas({self.align}) {self.name} {{"]
         for f, _ in self.offsets():
             arr = f"[{f.count}]" if f.count > 1 else ""
-            lines.append(f"  {_SCALARS[f.kind][0]} {f.name}{arr};")
+            lines.append(f"  {f.c_type} {f.name}{arr};")
         lines.append("};")
         lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name} size");')
         for f, off in self.offsets():
@@ -121,8 +140,15 @@ class Struct:
         return "\n".join(lines)
 
 
-def _f(name: str, kind: str, count: int = 1) -> Field:
+def _f(name: str, kind: str | Struct, count: int = 1) -> Field:
     return Field(name, kind, count)
+
+
+# One request's sampling settings as the sampler reads them: the fields of
+# ringleader.ipc.sampling_params.SamplingParams that have a ring scalar, in declaration order.  The
+# SQ entry and the slot hold one each and the step's sample_params array one per sample entry, so
+# the scheduler copies the struct whole and never names a field.
+SAMPLING = Struct("RlSampling", tuple(Field(name, kind) for name, kind in RING_FIELDS))
 
 
 # The tables below keep their hand layout (fields grouped by cache line or by meaning).
@@ -145,6 +171,8 @@ CONFIG = Struct("RlConfig", (
     # lru_size entries, each a power of two >= 4 * n_pages
     _f("prefix_caching", "u32"), _f("table_size", "u32"), _f("lru_size", "u32"),
     _f("prefix_k0", "u64"), _f("prefix_k1", "u64"),
+    # the model's vocabulary: the width of a slot's token_counts row (0: no counts kept)
+    _f("vocab_size", "u32"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -174,11 +202,13 @@ CONTROL = Struct("RlControl", (
 ), align=64)
 
 # Submission queue entry (host -> device): a GENERATE; the device reuses `op` for its pending state.
+# The fields the scheduler acts on (max_tokens, flags, stop_ids) have their own places; the
+# sampler's are the RlSampling `sampling`.
 SQ_ENTRY = Struct("RlSqEntry", (
     _f("op", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
-    _f("max_tokens", "u32"), _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"),
-    _f("top_k", "i32"), _f("priority", "i32"), _f("seed", "u64"),
+    _f("max_tokens", "u32"), _f("flags", "u32"), _f("priority", "i32"),
     _f("n_stop", "u32"), _f("arrival", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
+    _f("sampling", SAMPLING),
     _f("drained_ns", "u64"),  # device clock when the scheduler took it from the SQ (device-set)
 ))
 
@@ -203,11 +233,11 @@ CQ_EVENT = Struct("RlCqEvent", (
 SLOT = Struct("RlSlot", (
     _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),
-    _f("flags", "u32"), _f("temperature", "f32"), _f("top_p", "f32"), _f("top_k", "i32"),
-    _f("last_token", "i32"), _f("seed", "u64"), _f("n_stop", "u32"), _f("sampled", "u32"),
+    _f("flags", "u32"), _f("last_token", "i32"), _f("n_stop", "u32"), _f("sampled", "u32"),
     _f("ev_token", "u32"), _f("finish", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("queued_us", "u32"), _f("fill_len", "u32"), _f("n_pages", "u32"), _f("admit_seq", "u32"),
-    _f("n_keyed", "u32"), _f("n_cached", "u32"), _f("kv_done", "u32"), _f("_pad", "u32"),
+    _f("n_keyed", "u32"), _f("n_cached", "u32"), _f("kv_done", "u32"),
+    _f("sampling", SAMPLING),
 ))
 
 # Device-private: one KV page's record.  ref_count: the block tables that hold it.  A full page
@@ -254,7 +284,7 @@ STEP = Struct("RlStepHeader", (
     _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
-STRUCTS = (CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
+STRUCTS = (SAMPLING, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
 
 # Pointer table handed to sched_step: names, element type, and length in terms of the config.
 ARRAYS = (
@@ -268,9 +298,7 @@ ARRAYS = (
     ("seg_slot", "int32_t", "n_slots"), ("seg_row_start", "int32_t", "n_slots"),
     ("seg_n_rows", "int32_t", "n_slots"),
     ("sample_row", "int32_t", "n_slots"), ("sample_slot", "int32_t", "n_slots"),
-    ("sample_temperature", "float", "n_slots"), ("sample_top_p", "float", "n_slots"),
-    ("sample_top_k", "int32_t", "n_slots"), ("sample_seed", "uint64_t", "n_slots"),
-    ("sample_counter", "int32_t", "n_slots"),
+    ("sample_params", "RlSampling", "n_slots"), ("sample_counter", "int32_t", "n_slots"),
     # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
     ("block_table", "int32_t", "block_table_len"),
     ("next_token", "int32_t", "n_slots"),
@@ -285,6 +313,11 @@ ARRAYS = (
     # token generated (copied as its event is written); prefill rows, and a preempted request's
     # recompute, read them here, so the critical phase lays out rows without reading host memory
     ("slot_tokens", "int32_t", "slot_tokens_len"),
+    # per slot, vocab_size words, kept for a request with a penalty (RL_FLAG_PENALIZED) only: its
+    # output's count of each token, plus RL_PROMPT_MARK where the token is in its prompt; reset
+    # and marked at admission, counted as each sample is consumed (critical phase), read by the
+    # step's sampler
+    ("token_counts", "int32_t", "token_counts_len"),
     # the KV pages: their records, and the free list (a stack of page ids, n_free_pages deep)
     ("pages", "RlPage", "n_pages"), ("free_pages", "uint32_t", "n_pages"),
     # the prefix cache: key -> page (open addressing, linear probing; RL_CELL_EMPTY/RL_CELL_GONE
@@ -319,6 +352,7 @@ class Op(IntEnum):
 
 class SqFlag(IntFlag):
     IGNORE_EOS = 1
+    PENALIZED = 2  # keep its token counts (SamplingParams.penalized)
 
 
 class EventKind(IntEnum):
@@ -475,6 +509,7 @@ def _header_body() -> str:
         f"#define RL_MAX_STOP_IDS {MAX_STOP_IDS}",
         f"#define RL_MAX_EOS_IDS {MAX_EOS_IDS}",
         f"#define RL_MAX_BUCKETS {MAX_BUCKETS}",
+        f"#define RL_PROMPT_MARK {PROMPT_MARK}",
     ]
     parts += c_defines()
     parts += [s.c_text() for s in STRUCTS]

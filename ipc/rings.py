@@ -59,6 +59,9 @@ class RingConfig:
     prefix_caching: bool = True
     # the secret the page keys are made under; 0: drawn at random (per process, as it should be)
     prefix_seed: int = 0
+    # the model's vocabulary, the width of each slot's token counts (the penalties' input); 0:
+    # none kept, and a request with a penalty is refused (the protocol decoder checks)
+    vocab_size: int = 0
 
     def __post_init__(self):
         if self.aq_size == 0:  # frozen: resolve "auto" once, so every reader sees the real size
@@ -86,6 +89,8 @@ class RingConfig:
             raise ValueError(f"buckets: ascending, at most {layout.MAX_BUCKETS}")
         if not _pow2(self.trace_len):
             raise ValueError(f"trace_len must be a power of two, got {self.trace_len}")
+        if self.vocab_size and self.max_ctx >= layout.PROMPT_MARK:
+            raise ValueError(f"max_ctx must be below {layout.PROMPT_MARK} where token counts are kept")
         if self.cq_size < 2 * self.n_slots + self.pending_cap:
             raise ValueError("cq_size must hold one step's events: >= 2*n_slots + pending_cap")
 
@@ -122,6 +127,7 @@ class RingConfig:
                 "trace_words": self.trace_len * layout.TRACE_FIELDS,
                 "block_table_len": self.n_slots * self.pages_per_slot,
                 "slot_tokens_len": self.n_slots * self.max_ctx,
+                "token_counts_len": self.n_slots * self.vocab_size,
                 "table_size": self.prefix_table_size,
                 "lru_size": self.prefix_table_size,
             }
@@ -184,6 +190,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
         "page_size",
         "pages_per_slot",
         "n_pages",
+        "vocab_size",
     ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
@@ -243,9 +250,13 @@ class SubmissionQueue(_RingProducer):
         e["op"], e["handle"] = layout.Op.GENERATE, handle
         e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
         e["max_tokens"] = sampling.max_tokens
-        e["flags"] = layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0
-        e["temperature"], e["top_p"], e["top_k"] = sampling.temperature, sampling.top_p, sampling.top_k
-        e["priority"], e["seed"] = priority, sampling.seed or 0
+        e["flags"] = (layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0) | (
+            layout.SqFlag.PENALIZED if sampling.penalized else 0
+        )
+        ring = e["sampling"]
+        for name, value in sampling.ring_values().items():
+            ring[name] = value
+        e["priority"] = priority
         e["n_stop"], e["arrival"] = len(stop_ids), 0
         e["stop_ids"][:] = -1
         e["stop_ids"][: len(stop_ids)] = stop_ids

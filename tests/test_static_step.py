@@ -178,7 +178,7 @@ def _fill(lay: StepLayout, segments, table: torch.Tensor) -> None:
     lay.slot_of.fill_(-1)
     lay.positions.zero_()
     lay.token_ids.zero_()
-    lay.sample_temperature.zero_()
+    lay.params["temperature"].zero_()
     row = 0
     for i, (slot, ids, p0) in enumerate(segments):
         n = len(ids)
@@ -257,7 +257,9 @@ def test_stale_sample_entries_never_write(model):
     lay, _ = _hand_layout(n_slots, budget)
     # entries 2, 3 are stale: they collide with live slot 1 and name slot 2; wild parameters
     lay.sample_slot[:] = torch.tensor([1, 3, 1, 2], dtype=torch.int32)
-    lay.sample_temperature[:] = torch.tensor([0.0, 0.0, float("nan"), -1.0])
+    lay.params["temperature"][:] = torch.tensor([0.0, 0.0, float("nan"), -1.0])
+    lay.params["repetition_penalty"][:] = torch.tensor([1.0, 1.0, 0.0, float("inf")])
+    lay.params["min_p"][:] = torch.tensor([0.0, 0.0, float("nan"), 5.0])
     lay.sample_row[3] = 1000  # out of range: must be clamped, not read
     lay.n_samples[0] = 2
     logits = step.run(8, lay)
@@ -304,10 +306,10 @@ def test_layout_views_alias_the_scheduler_arrays():
     header = d.a["step"][0]
     header["n_tokens"], header["n_segments"], header["n_samples"] = 7, 2, 3
     d.a["seg_n_rows"][1] = 6
-    d.a["sample_seed"][1] = np.uint64(2**63 + 5)
+    d.a["sample_params"][1]["seed"] = np.uint64(2**63 + 5)
     assert lay.read_counts() == (7, 2, 3) and lay.n_samples.shape == (1,)
     assert int(lay.seg_n_rows[1]) == 6 and lay.seg_slot.shape == (4,)
-    assert int(lay.sample_seed[1]) == -(2**63) + 5
+    assert int(lay.params["seed"][1]) == -(2**63) + 5
     lay.next_token[2] = 77
     assert d.a["next_token"][2] == 77
     assert lay.token_ids.shape == (8,) and lay.sample_row.shape == (4,)
@@ -325,9 +327,11 @@ def test_layout_over_a_byte_buffer_aliases_the_scheduler_arrays():
     lay = StepLayout.over_buffer(lambda name, dtype: torch.from_numpy(d.a[name].view(np.uint8)).view(dtype))
     header = d.a["step"][0]
     header["n_tokens"], header["bucket"], header["n_segments"], header["n_samples"] = 7, 8, 2, 3
-    d.a["sample_temperature"][2] = 0.5
+    d.a["sample_params"][2]["temperature"] = 0.5
+    d.a["sample_params"][3]["top_k"] = -1
     assert lay.read_counts() == (7, 2, 3)
-    assert lay.sample_temperature.dtype == torch.float32 and float(lay.sample_temperature[2]) == 0.5
+    assert lay.params["temperature"].dtype == torch.float32 and float(lay.params["temperature"][2]) == 0.5
+    assert lay.params["top_k"].tolist() == [0, 0, 0, -1]
     lay.next_token[1] = 9
     assert d.a["next_token"][1] == 9
     d.a["block_table"][:] = np.arange(d.a["block_table"].size)[::-1]

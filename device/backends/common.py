@@ -146,6 +146,7 @@ def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int, pool:
         page_size=pool.page_size,
         n_pages=pool.n_pages,
         prefix_caching=config.prefix_caching,
+        vocab_size=model.config.vocab_size,
     )
 
 

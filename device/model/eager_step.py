@@ -15,7 +15,7 @@ import torch
 
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
-from ringleader.device.model.sampling import sample
+from ringleader.device.model.sampling import any_penalty, sample
 from ringleader.device.model.step_batch import StepBatch
 from ringleader.device.model.step_layout import StepLayout
 
@@ -38,6 +38,13 @@ class EagerStep:
         batch = StepBatch.from_layout(layout, n_tokens, n_segments, n_samples)
         logits = self.model.step(batch, self.kv)
         if n_samples:
-            tokens = sample(logits, layout.sampling(n_samples))
+            params = layout.sampling(n_samples, counts=False)
+            if any_penalty(params):  # a host read of host memory here: gather counts only then
+                tokens = sample(logits, layout.sampling(n_samples))
+            elif bool((params.temperature <= 0).all()):
+                # all greedy, nothing penalized: the argmax sample() would take, without its draw
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens = sample(logits, params)
             layout.next_token.index_copy_(0, layout.sample_slot[:n_samples].long(), tokens.to(torch.int32))
         return logits

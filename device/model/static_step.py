@@ -39,7 +39,7 @@ from ringleader.device.model.decoder_layer import PointwiseKernels
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.ops import rope_split
-from ringleader.device.model.sampling import counter_uniform, sample
+from ringleader.device.model.sampling import apply_penalties, counter_uniform, sample
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_attention import ragged_attention_reference
 
@@ -143,13 +143,14 @@ class StaticStep:
         self.fused = attention == "triton" if fused is None else fused
         if self.fused:
             from ringleader.device.model import triton_fused
-            from ringleader.device.model.triton_sampling import counter_uniform_triton
+            from ringleader.device.model.triton_sampling import apply_penalties_triton, counter_uniform_triton
 
             self._kernels: PointwiseKernels = triton_fused
             self._cache_side: type[StaticAttention] = FusedStaticAttention
-            self._uniform = counter_uniform_triton
+            self._uniform, self._penalize = counter_uniform_triton, apply_penalties_triton
         else:
-            self._kernels, self._cache_side, self._uniform = ops, StaticAttention, counter_uniform
+            self._kernels, self._cache_side = ops, StaticAttention
+            self._uniform, self._penalize = counter_uniform, apply_penalties
         c = model.config
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
@@ -177,7 +178,8 @@ class StaticStep:
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, bucket) of `layout`, writes next_token[sample_slot[i]] for the first
         n_samples sample entries; returns their fp32 logits [min(bucket, n_slots), vocab]
-        (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor)."""
+        (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor; with
+        the fused kernels a penalized entry's row holds its logits penalized)."""
         if not 0 < bucket <= self.token_budget:
             raise ValueError(f"bucket {bucket} not in [1, {self.token_budget}]")
         reach = layout.block_table.shape[1] * self.kv.page_size
@@ -193,10 +195,10 @@ class StaticStep:
 
     def _sample_into(self, logits: torch.Tensor, layout: StepLayout, m: int) -> None:
         valid = self._entry_ids[:m] < layout.n_samples  # [m], n_samples read on the device
+        # stale entries sample greedily with nothing applied (no NaN from stale parameters)
+        # and land in the sink
         params = layout.sampling(m)
-        # stale entries sample greedily (no NaN from stale parameters) and land in the sink
-        params.temperature = torch.where(valid, params.temperature, 0.0)
-        tokens = sample(logits, params, uniform=self._uniform)
+        tokens = sample(logits, params, uniform=self._uniform, valid=valid, penalize=self._penalize)
         slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
         target = torch.where(valid, slot, self.n_slots)
         sink = self._token_sink

@@ -17,6 +17,7 @@ import torch
 
 from ringleader.device.model.sampling import SamplingTensors
 from ringleader.ipc import layout
+from ringleader.ipc.sampling_params import FIELD
 
 Device = str | torch.device
 
@@ -30,29 +31,45 @@ _FIELDS = {
     "seg_n_rows": (np.int32, "seg_n_rows"),
     "sample_row": (np.int32, "sample_row"),
     "sample_slot": (np.int32, "sample_slot"),
-    "sample_temperature": (np.float32, "sample_temperature"),
-    "sample_top_p": (np.float32, "sample_top_p"),
-    "sample_top_k": (np.int32, "sample_top_k"),
-    "sample_seed": (np.int64, "sample_seed"),  # uint64 seeds, same bits
+    "sample_params": (np.int32, "sample_params"),  # RlSampling [n_slots], its words
     "sample_counter": (np.int32, "sample_counter"),
     "n_tokens": (np.int32, "step.n_tokens"),  # RlStepHeader fields (uint32), shape [1]
     "n_segments": (np.int32, "step.n_segments"),
     "n_samples": (np.int32, "step.n_samples"),
     "next_token": (np.int32, "next_token"),
     "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
+    "token_counts": (np.int32, "token_counts"),  # flat [n_slots * vocab_size] in the arrays
 }
-# [token_budget]; the counts [1]; block_table [n_slots, pages_per_slot]; the rest [n_slots]
+# [token_budget]; the counts [1]; block_table, token_counts [n_slots, ...]; the rest [n_slots]
 _ROW_FIELDS = ("token_ids", "positions", "slot_of")
-
+# the scheduler arrays a step reads or writes (host-scheduled mode uploads them: LAYOUT_RUN)
+SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
 
 # a count's int32 word in the step header (RlStepHeader, ringleader.ipc.layout.STEP)
 _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().fields.items()}
+# per RlSampling field: (torch dtype, its word in the struct, in words of that dtype)
+_SAMPLING = layout.SAMPLING
+_VIEW_DTYPES = {"float32": torch.float32, "int32": torch.int32, "uint64": torch.int64}  # u64: the same bits
+_PARAM_WORDS = {
+    f.name: (_VIEW_DTYPES[f.numpy_base().name], off // f.item_size) for f, off in _SAMPLING.offsets()
+}
+
+
+def sampling_views(words: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One strided tensor [n] per RlSampling field over `words`, the int32 words of an RlSampling
+    array of n entries (the scheduler's sample_params)."""
+    out = {}
+    for name, (dtype, word) in _PARAM_WORDS.items():
+        typed = words.view(dtype)
+        stride = _SAMPLING.size // typed.element_size()
+        out[name] = typed[word::stride]
+    return out
 
 
 def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every field as a view of the scheduler's arrays: `array(name, dtype)` views one whole array
-    as dtype; a count is a [1] view of its word in the step header; the block table is viewed
-    as [n_slots, pages_per_slot]."""
+    as dtype; a count is a [1] view of its word in the step header; the block table and the
+    token counts are viewed as [n_slots, -1]."""
     header = array("step", np.dtype(np.int32))
     views = {}
     for name, (dtype, src) in _FIELDS.items():
@@ -62,7 +79,8 @@ def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Te
         else:
             views[name] = array(src, np.dtype(dtype))
     n_slots = views["seg_slot"].shape[0]
-    views["block_table"] = views["block_table"].view(n_slots, -1)
+    for name in ("block_table", "token_counts"):
+        views[name] = views[name].view(n_slots, views[name].numel() // n_slots)
     return views
 
 
@@ -71,10 +89,13 @@ class StepLayout:
     """Tensors mirroring the scheduler's step arrays (ringleader.ipc.layout.ARRAYS).
 
     token_ids, positions, slot_of: int32 [token_budget] (pad rows: slot_of = -1); seg_slot,
-    seg_row_start, seg_n_rows: int32 [n_slots]; sample_*: [n_slots] (seed as int64); n_tokens,
-    n_segments, n_samples: int32 [1], the header's counts; next_token: int32 [n_slots], written
-    by a step's run; block_table: int32 [n_slots, pages_per_slot], slot s's position p is in
-    KV page block_table[s, p // page_size] (entries past a slot's context are arbitrary).
+    seg_row_start, seg_n_rows: int32 [n_slots]; sample_row, sample_slot, sample_counter: int32
+    [n_slots]; sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
+    views one field each); n_tokens, n_segments, n_samples: int32 [1], the header's counts;
+    next_token: int32 [n_slots], written by a step's run; block_table: int32 [n_slots,
+    pages_per_slot], slot s's position p is in KV page block_table[s, p // page_size] (entries
+    past a slot's context are arbitrary); token_counts: int32 [n_slots, vocab_size] (vocab_size
+    0: none kept), a penalized slot's counts.
     """
 
     token_ids: torch.Tensor
@@ -85,16 +106,17 @@ class StepLayout:
     seg_n_rows: torch.Tensor
     sample_row: torch.Tensor
     sample_slot: torch.Tensor
-    sample_temperature: torch.Tensor
-    sample_top_p: torch.Tensor
-    sample_top_k: torch.Tensor
-    sample_seed: torch.Tensor
+    sample_params: torch.Tensor
     sample_counter: torch.Tensor
     n_tokens: torch.Tensor
     n_segments: torch.Tensor
     n_samples: torch.Tensor
     next_token: torch.Tensor
     block_table: torch.Tensor
+    token_counts: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.params = sampling_views(self.sample_params)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], device: Device = "cpu") -> StepLayout:
@@ -113,15 +135,21 @@ class StepLayout:
         return cls(**_views(lambda name, dtype: tensor(name, getattr(torch, dtype.name))))
 
     @classmethod
-    def allocate(cls, n_slots: int, token_budget: int, device: Device, pages_per_slot: int) -> StepLayout:
+    def allocate(
+        cls, n_slots: int, token_budget: int, device: Device, pages_per_slot: int, vocab_size: int = 0
+    ) -> StepLayout:
         """Zeroed tensors of the right sizes (pad rows have slot_of = -1; every block-table
-        entry names page 0)."""
+        entry names page 0; every sample entry holds the declared defaults)."""
 
         def shape(name: str) -> tuple[int, ...]:
             if name in _ROW_FIELDS:
                 return (token_budget,)
             if name == "block_table":
                 return (n_slots, pages_per_slot)
+            if name == "token_counts":
+                return (n_slots, vocab_size)
+            if name == "sample_params":
+                return (n_slots * _SAMPLING.size // 4,)
             return (1,) if _FIELDS[name][1].startswith("step.") else (n_slots,)
 
         out = {
@@ -129,7 +157,10 @@ class StepLayout:
             for name, (dtype, _) in _FIELDS.items()
         }
         out["slot_of"].fill_(-1)
-        return cls(**out)
+        made = cls(**out)
+        for name, view in made.params.items():
+            view.fill_(FIELD[name].default or 0)
+        return made
 
     def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
         """Uploads the scheduler's host arrays into these tensors (host-scheduled mode);
@@ -139,14 +170,16 @@ class StepLayout:
             if f.name != "next_token":
                 getattr(self, f.name).copy_(getattr(source, f.name), non_blocking=non_blocking)
 
-    def sampling(self, m: int) -> SamplingTensors:
-        """The sampling settings of sample entries [0, m), as views."""
+    def sampling(self, m: int, counts: bool = True) -> SamplingTensors:
+        """The sampling settings of sample entries [0, m), as views; with `counts` (and counts
+        kept: vocab_size > 0) the token-count table and each entry's slot in it."""
+        keep = counts and self.token_counts.shape[1] > 0
+        params = {name: view[:m] for name, view in self.params.items()}
         return SamplingTensors(
-            self.sample_temperature[:m],
-            self.sample_top_k[:m],
-            self.sample_top_p[:m],
-            self.sample_seed[:m],
             self.sample_counter[:m],
+            self.token_counts if keep else None,
+            self.sample_slot[:m] if keep else None,
+            **params,
         )
 
     def read_counts(self) -> tuple[int, int, int]:

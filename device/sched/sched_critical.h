@@ -17,6 +17,9 @@ RL_FN void rl_consume_samples(const RlContext& c) {
       sl.n_generated += 1;
       sl.last_token = tok;
       sl.ev_token = 1;
+      // a penalized request's output counts, before the next step's sampler reads them
+      if ((sl.flags & RL_FLAG_PENALIZED) && (uint32_t)tok < cfg.vocab_size)
+        c.token_counts[(size_t)s * cfg.vocab_size + (uint32_t)tok] += 1;
       uint32_t why = rl_finish_reason(cfg, sl, tok);
       if (why != RL_FINISH_NONE) {
         sl.finish = why;
@@ -171,10 +174,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
       uint32_t q = sample_flag[g];
       c.sample_row[q] = c.seg_row_start[g] + (int32_t)n - 1;
       c.sample_slot[q] = (int32_t)s;
-      c.sample_temperature[q] = sl.temperature;
-      c.sample_top_p[q] = sl.top_p;
-      c.sample_top_k[q] = sl.top_k;
-      c.sample_seed[q] = sl.seed;
+      c.sample_params[q] = sl.sampling;
       c.sample_counter[q] = (int32_t)sl.n_generated;
       sl.sampled = 1;
     }

@@ -382,6 +382,28 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
   return n_resume == n_preempted;
 }
 
+// A penalized request's token counts (the sampler's penalties read them): its slot's row zeroed,
+// then RL_PROMPT_MARK on each token of its prompt (threads that mark one token twice store the
+// same word).  Work only for requests with a penalty; the rows of others are left stale, which
+// their neutral penalties ignore.
+RL_FN void rl_reset_token_counts(const RlContext& c, const uint32_t* slot_for, uint32_t n_admit) {
+  const RlConfig& cfg = *c.cfg;
+  if (cfg.vocab_size == 0) return;
+  for (uint32_t k = 0; k < n_admit; ++k) {
+    const RlSlot& sl = c.slots[slot_for[k]];
+    if (!(sl.flags & RL_FLAG_PENALIZED)) continue;
+    int32_t* row = c.token_counts + (size_t)slot_for[k] * cfg.vocab_size;
+    RL_FOR(v, cfg.vocab_size) row[v] = 0;
+    RL_SYNC();
+    const int32_t* tokens = rl_slot_tokens(c, slot_for[k]);
+    RL_FOR(t, sl.prompt_len) {
+      uint32_t tok = (uint32_t)tokens[t];
+      if (tok < cfg.vocab_size) row[tok] = RL_PROMPT_MARK;
+    }
+    RL_SYNC();
+  }
+}
+
 // Overlapped 5: moves pending requests into free slots (FIFO, or priority with aging; or static
 // batching, the baseline that admits only into an empty batch) as far as the KV pages of their
 // prompts fit, gives them those pages, copies their prompts into device memory and queues them
@@ -485,11 +507,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.n_generated = 0;
     sl.max_tokens = e.max_tokens;
     sl.flags = e.flags;
-    sl.temperature = e.temperature;
-    sl.top_p = e.top_p;
-    sl.top_k = e.top_k;
+    sl.sampling = e.sampling;
     sl.last_token = -1;
-    sl.seed = e.seed;
     sl.n_stop = e.n_stop < RL_MAX_STOP_IDS ? e.n_stop : RL_MAX_STOP_IDS;
     for (uint32_t q = 0; q < RL_MAX_STOP_IDS; ++q) sl.stop_ids[q] = e.stop_ids[q];
     sl.sampled = 0;
@@ -511,6 +530,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     RL_FOR(t, len) tokens[t] = rl_host_read(&c.arena[(off + t) & (cfg.arena_size - 1)]);
   }
   RL_SYNC();
+  rl_reset_token_counts(c, slot_for, n_admit);
   if (RL_LEADER) {
     st.n_queued = n_queued + n_admit;
     st.admitted += n_admit;
