@@ -55,6 +55,10 @@ def _params(n: int, vocab: int, seed: int = 0):
     return logits, temperature, top_k, top_p, torch.arange(n) * 7 + 1, torch.arange(n)
 
 
+def _tensors(temperature, top_k, top_p, seed, counter) -> SamplingTensors:
+    return SamplingTensors(counter, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -73,7 +77,7 @@ def run(slot_counts=(32, 256), buckets=(1, 8, 32), vocab: int = 128256, repeats:
         for bucket in buckets:
             m = min(bucket, n_slots)
             sliced = tuple(t[:m] for t in all_slots)
-            after = _median_ms(lambda s=sliced: sample(s[0], SamplingTensors(*s[1:])), repeats)
+            after = _median_ms(lambda s=sliced: sample(s[0], _tensors(*s[1:])), repeats)
             rows.append(
                 {
                     "n_slots": n_slots,

@@ -188,6 +188,79 @@ def test_float_fields_fit_float32_with_the_protocols_range(server, gateway):
     assert hot.usage.completion_tokens >= 1
 
 
+def test_new_sampling_fields_are_served_and_unknown_ones_refused(gateway):
+    """Protocol 1.4 through the official client: min_p (vLLM's, in extra_body) and the penalties
+    are honoured; a knob of another server is a 400 naming it, not silently dropped."""
+    client = api(gateway)
+    penalized = client.completions.create(
+        model="tiny",
+        prompt=PROMPT_IDS,
+        max_tokens=6,
+        temperature=0.8,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        extra_body={"min_p": 0.1, "repetition_penalty": 1.3, "top_k": -1, "ignore_eos": True},
+        user="someone",
+    )
+    assert penalized.usage.completion_tokens == 6
+    for name, value in (("mirostat", 2), ("min_tokens", 3), ("min_p", 1.5)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=2, extra_body={name: value})
+        assert info.value.status_code == 400 and info.value.body["param"] == name
+    # Python's JSON parser takes NaN, which the official client never sends: still a 400
+    body = b'{"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "presence_penalty": NaN}'
+    status, reply = http(gateway, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(reply)["error"]["param"] == "presence_penalty"
+
+
+# each new field through the official client, as its users write it: OpenAI's own parameters as
+# keywords, vLLM's extensions in extra_body
+NEW_FIELDS = {
+    "min_p": ({}, {"min_p": 0.2}),
+    "presence_penalty": ({"presence_penalty": 1.5}, {}),
+    "frequency_penalty": ({"frequency_penalty": -1.0}, {}),
+    "repetition_penalty": ({}, {"repetition_penalty": 1.5}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_FIELDS))
+def test_each_new_field_through_the_official_client_equals_the_native_client(server, gateway, name):
+    """Honoured, not only accepted: a seeded request with the field gives the native client's
+    tokens for the same settings, streamed and not, and differs from the same seed without it."""
+    keywords, extra = NEW_FIELDS[name]
+    settings = {**keywords, **extra}
+    want, _, _ = native(
+        server, prompt_ids=PROMPT_IDS, max_tokens=10, temperature=1.2, seed=5, ignore_eos=True, **settings
+    )
+    without, _, _ = native(
+        server, prompt_ids=PROMPT_IDS, max_tokens=10, temperature=1.2, seed=5, ignore_eos=True
+    )
+    assert want != without, f"{name} must change the seeded tokens to be a real test"
+    client = api(gateway)
+    body = dict(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=1.2, seed=5, **keywords)
+    extra_body = {**extra, "ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**body, extra_body=extra_body)
+    assert whole.choices[0].model_extra["token_ids"] == want
+    chunks = list(client.completions.create(**body, extra_body=extra_body, stream=True))
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == want
+
+
+def test_stop_token_ids_through_the_official_client(server, gateway):
+    free, _, _ = native(server, prompt_ids=PROMPT_IDS, max_tokens=12, ignore_eos=True)
+    stop = free[5]
+    client = api(gateway)
+    extra = {"stop_token_ids": [stop], "return_token_ids": True}
+    for stream in (False, True):
+        r = client.completions.create(
+            model="tiny", prompt=PROMPT_IDS, max_tokens=12, temperature=0, extra_body=extra, stream=stream
+        )
+        chunks = list(r) if stream else [r]
+        ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+        assert ids == free[: free.index(stop) + 1]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_models_and_health(gateway):
     models = api(gateway).models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].model_extra["max_model_len"] == 512
@@ -335,6 +408,28 @@ def test_chat_on_the_real_model_matches_the_native_client(smollm2_stack):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_chat_with_every_new_field_through_the_official_client(smollm2_stack):
+    """Chat, streamed and not, with min_p and the three penalties at once: the native client's
+    tokens for the same seeded settings."""
+    srv, gw = smollm2_stack
+    messages = [{"role": "user", "content": "List five fruits, one per line."}]
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.6)
+    extra = {"min_p": 0.1, "repetition_penalty": 1.3}
+    want, text, _ = native(
+        srv, messages=messages, max_tokens=20, temperature=0.9, seed=11, **penalties, **extra
+    )
+    plain, _, _ = native(srv, messages=messages, max_tokens=20, temperature=0.9, seed=11)
+    assert want != plain
+    client = api(gw)
+    body = dict(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=20, temperature=0.9, seed=11
+    )
+    r = client.chat.completions.create(**body, **penalties, extra_body={**extra, "return_token_ids": True})
+    assert r.choices[0].message.content == text and r.choices[0].model_extra["token_ids"] == want
+    chunks = list(client.chat.completions.create(**body, **penalties, extra_body=extra, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(smollm2_stack):

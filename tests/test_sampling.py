@@ -27,7 +27,8 @@ def _logits(n, v, seed=0, scale=3.0):
 def test_greedy_is_argmax():
     logits = _logits(8, 50)
     for t in (0.0, -1.0):
-        out = sample(logits, SamplingTensors(*_params(8, temperature=t)))
+        temp, top_k, top_p, seed, counter = _params(8, temperature=t)
+        out = sample(logits, SamplingTensors(counter, temperature=temp, top_k=top_k, top_p=top_p, seed=seed))
         assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(-1))
 
 
@@ -38,17 +39,23 @@ def test_seeded_draw_independent_of_batch_composition():
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.95, 1.0])
     seed = torch.tensor([11, -5, 3, 2**40 + 7, 99, 11])
     counter = torch.tensor([0, 3, 1, 17, 2**33, 1])
-    batched = sample(logits, SamplingTensors(temp, top_k, top_p, seed, counter))
+    batched = sample(logits, SamplingTensors(counter, temperature=temp, top_k=top_k, top_p=top_p, seed=seed))
     for i in range(6):
         row = slice(i, i + 1)
         alone = sample(
-            logits[row], SamplingTensors(temp[row], top_k[row], top_p[row], seed[row], counter[row])
+            logits[row],
+            SamplingTensors(
+                counter[row], temperature=temp[row], top_k=top_k[row], top_p=top_p[row], seed=seed[row]
+            ),
         )
         assert alone.item() == batched[i].item()
     # permuting the batch permutes the result
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
     shuffled = sample(
-        logits[perm], SamplingTensors(temp[perm], top_k[perm], top_p[perm], seed[perm], counter[perm])
+        logits[perm],
+        SamplingTensors(
+            counter[perm], temperature=temp[perm], top_k=top_k[perm], top_p=top_p[perm], seed=seed[perm]
+        ),
     )
     assert torch.equal(shuffled, batched[perm])
 
@@ -56,13 +63,16 @@ def test_seeded_draw_independent_of_batch_composition():
 def test_counters_and_seeds_change_draws():
     logits = torch.zeros(64, 1000)  # uniform distribution: draws are just the RNG
     t, k, p, s, _ = _params(64)
-    by_counter = sample(logits, SamplingTensors(t, k, p, s, torch.arange(64)))
+    by_counter = sample(logits, SamplingTensors(torch.arange(64), temperature=t, top_k=k, top_p=p, seed=s))
     assert len(set(by_counter.tolist())) > 55
     by_seed = sample(
-        logits, SamplingTensors(t, k, p, torch.arange(64) * 7919, torch.zeros(64, dtype=torch.int64))
+        logits,
+        SamplingTensors(
+            torch.zeros(64, dtype=torch.int64), temperature=t, top_k=k, top_p=p, seed=torch.arange(64) * 7919
+        ),
     )
     assert len(set(by_seed.tolist())) > 55
-    again = sample(logits, SamplingTensors(t, k, p, s, torch.arange(64)))
+    again = sample(logits, SamplingTensors(torch.arange(64), temperature=t, top_k=k, top_p=p, seed=s))
     assert torch.equal(again, by_counter)
 
 
@@ -72,17 +82,38 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     t, _, p, _, _ = _params(32, temperature=1.5)
     seeds, ctrs = torch.arange(32), torch.arange(32) * 3
     assert torch.equal(
-        sample(logits, SamplingTensors(t, torch.ones(32, dtype=torch.int64), p, seeds, ctrs)), want
-    )
-    assert torch.equal(
         sample(
             logits,
-            SamplingTensors(t, torch.zeros(32, dtype=torch.int64), torch.full((32,), 1e-6), seeds, ctrs),
+            SamplingTensors(
+                ctrs, temperature=t, top_k=torch.ones(32, dtype=torch.int64), top_p=p, seed=seeds
+            ),
         ),
         want,
     )
     assert torch.equal(
-        sample(logits, SamplingTensors(t, torch.zeros(32, dtype=torch.int64), torch.zeros(32), seeds, ctrs)),
+        sample(
+            logits,
+            SamplingTensors(
+                ctrs,
+                temperature=t,
+                top_k=torch.zeros(32, dtype=torch.int64),
+                top_p=torch.full((32,), 1e-6),
+                seed=seeds,
+            ),
+        ),
+        want,
+    )
+    assert torch.equal(
+        sample(
+            logits,
+            SamplingTensors(
+                ctrs,
+                temperature=t,
+                top_k=torch.zeros(32, dtype=torch.int64),
+                top_p=torch.zeros(32),
+                seed=seeds,
+            ),
+        ),
         want,
     )
 
@@ -91,11 +122,21 @@ def test_top_k_and_top_p_restrict_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
     t, _, _, s, _ = _params(2000, temperature=2.0, seed=5)
     ctr = torch.arange(2000)
-    out = sample(logits, SamplingTensors(t, torch.full((2000,), 3), torch.ones(2000), s, ctr))
+    out = sample(
+        logits,
+        SamplingTensors(ctr, temperature=t, top_k=torch.full((2000,), 3), top_p=torch.ones(2000), seed=s),
+    )
     assert set(out.tolist()) == {0, 1, 2}
     # probs at T=2: .39 .24 .14 .09 .05 .03 -> top_p 0.7 keeps {0, 1, 2} (mass before 2 is .63)
     out = sample(
-        logits, SamplingTensors(t, torch.zeros(2000, dtype=torch.int64), torch.full((2000,), 0.7), s, ctr)
+        logits,
+        SamplingTensors(
+            ctr,
+            temperature=t,
+            top_k=torch.zeros(2000, dtype=torch.int64),
+            top_p=torch.full((2000,), 0.7),
+            seed=s,
+        ),
     )
     assert set(out.tolist()) == {0, 1, 2}
 
@@ -106,7 +147,10 @@ def test_empirical_distribution_matches_softmax():
     temp = 0.9
     probs = torch.softmax(base[0] / temp, -1)
     t, k, p, _, _ = _params(n, temperature=temp)
-    out = sample(base.repeat(n, 1), SamplingTensors(t, k, p, torch.full((n,), 1234), torch.arange(n)))
+    out = sample(
+        base.repeat(n, 1),
+        SamplingTensors(torch.arange(n), temperature=t, top_k=k, top_p=p, seed=torch.full((n,), 1234)),
+    )
     counts = torch.bincount(out, minlength=v).double()
     expected = probs.double() * n
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
@@ -134,7 +178,7 @@ def test_candidates_match_a_full_sort_when_the_kept_set_fits():
     top_p = torch.tensor([1.0, 0.9, 0.5, 0.97])[torch.arange(n) % 4]
     top_p = torch.where(top_k == 0, torch.full_like(top_p, 0.6), top_p)  # k off: p binds
     seed, ctr = torch.arange(n) * 31 + 7, torch.arange(n)
-    got = sample(logits, SamplingTensors(temp, top_k, top_p, seed, ctr))
+    got = sample(logits, SamplingTensors(ctr, temperature=temp, top_k=top_k, top_p=top_p, seed=seed))
     want = sorted_reference(logits, temp, top_k, top_p, seed, ctr)
     # rounding of the cumulative sums may move a draw that lands on a boundary: allow 1 in 100
     assert (got == want).float().mean() >= 0.99, (got != want).sum()
@@ -146,7 +190,10 @@ def test_unrestricted_rows_reach_the_whole_vocabulary():
     logits = torch.zeros(1, v)
     logits[0, :8] = 3.0  # a head of 8 likely tokens; the rest is the tail
     t, k, p, _, _ = _params(n)
-    out = sample(logits.repeat(n, 1), SamplingTensors(t, k, p, torch.full((n,), 77), torch.arange(n)))
+    out = sample(
+        logits.repeat(n, 1),
+        SamplingTensors(torch.arange(n), temperature=t, top_k=k, top_p=p, seed=torch.full((n,), 77)),
+    )
     tail_share = (out >= 8).float().mean().item()
     want = (v - 8) / (v - 8 + 8 * torch.e**3)
     assert abs(tail_share - want) < 0.02, (tail_share, want)
@@ -159,5 +206,10 @@ def test_flat_top_p_nucleus_is_cut_at_the_candidates():
     v, n = 4 * MAX_TOP_K, 3000
     logits = torch.linspace(0.0, -0.01, v)[None, :].repeat(n, 1)  # nearly flat, descending
     t, k, _, _, _ = _params(n)
-    out = sample(logits, SamplingTensors(t, k, torch.full((n,), 0.95), torch.full((n,), 5), torch.arange(n)))
+    out = sample(
+        logits,
+        SamplingTensors(
+            torch.arange(n), temperature=t, top_k=k, top_p=torch.full((n,), 0.95), seed=torch.full((n,), 5)
+        ),
+    )
     assert int(out.max()) < MAX_TOP_K and len(set(out.tolist())) > 500

@@ -52,6 +52,7 @@ def run_interpreted_checks() -> None:
     check_rope_store_kv(torch.float32, 8, 2, 16, 8, "contiguous", cache_dtype=torch.float16)
     check_rope_store_kv(torch.float32, 2, 1, 16, 1, "contiguous")  # a page per position
     check_counter_uniform()
+    check_penalties()
     rounding = "truncating (2-ulp tolerance)" if BF16_TRUNCATES else "round to nearest even"
     print(f"interpreted checks passed in {time.perf_counter() - t0:.1f} s; bf16 casts {rounding}")
 
@@ -70,6 +71,48 @@ def check_counter_uniform() -> None:
         torch.randint(-(2**62), 2**62, (3000,), generator=gen, dtype=torch.int64),
     ):
         assert torch.equal(counter_uniform_triton(seed, counter), counter_uniform(seed, counter))
+
+
+def check_penalties() -> None:
+    """The penalties as one Triton launch: bit for bit sampling.apply_penalties, reading the count
+    table through each row's slot (stale slots clamped into it), the penalties as strided views of
+    the step layout's sample entries; a row without a penalty is left as it was, whatever its
+    counts hold."""
+    from ringleader.device.model.sampling import SamplingTensors, apply_penalties
+    from ringleader.device.model.step_layout import StepLayout
+    from ringleader.device.model.triton_sampling import apply_penalties_triton
+    from ringleader.ipc.layout import PROMPT_MARK
+
+    gen = torch.Generator().manual_seed(4)
+    n_slots, vocab, m = 6, 2500, 5  # vocab: two and a half blocks
+    lay = StepLayout.allocate(n_slots, 8, "cpu", 2, vocab)
+    counts = torch.randint(0, 4, (n_slots, vocab), generator=gen, dtype=torch.int32)
+    counts += PROMPT_MARK * (torch.rand(n_slots, vocab, generator=gen) < 0.2).int()
+    lay.token_counts.copy_(counts)
+    lay.sample_slot[:m] = torch.tensor([3, 0, 99, -4, 5], dtype=torch.int32)  # 99, -4: stale
+    penalties = {
+        "repetition_penalty": [1.3, 1.0, 0.7, 1.0, 2.5],
+        "frequency_penalty": [0.0, 0.0, 1.5, -2.0, 0.25],
+        "presence_penalty": [0.0, 0.0, -0.5, 1.0, 2.0],
+    }
+    for name, values in penalties.items():
+        lay.params[name][:m] = torch.tensor(values)
+    params = lay.sampling(m)
+    assert params.repetition_penalty.stride(0) > 1  # views of the entries, as the step passes them
+    logits = torch.randn(m, vocab, generator=gen) * 4
+    logits[:, :7] = torch.tensor([0.0, -0.0, 3.0, -3.0, 1e-30, -1e-30, 50.0])
+    want = apply_penalties(logits, params)
+    got = apply_penalties_triton(logits.clone(), params)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got[1], logits[1]) and not torch.equal(got[0], logits[0])
+    # rows as the counts' own rows (no slots), and a wide logits tensor sliced to its first rows
+    plain = SamplingTensors(
+        torch.zeros(3, dtype=torch.int32),
+        counts[:3],
+        **{k: torch.tensor(v[:3]) for k, v in penalties.items()},
+    )
+    wide = torch.randn(4, vocab + 40, generator=gen)[:3, :vocab]
+    assert torch.equal(apply_penalties_triton(wide.clone(), plain), apply_penalties(wide, plain))
 
 
 def _interpreter_rounds_bf16_to_nearest() -> bool:

@@ -3,26 +3,41 @@
 Each row draws from a uniform that is a hash of (seed, counter), counter being the index of
 the token within its request. So a seeded request samples the same tokens whatever else is in
 the batch, and no torch RNG state is touched. Everything is static-shape tensor math (no
-.item(), no boolean indexing, no host syncs), so it can run inside a CUDA graph.
+.item(), no boolean indexing, no host syncs), so it can run inside a CUDA graph, and row-wise:
+a row's token never depends on the other rows.
+
+Order, as vLLM applies the request's settings: the penalties (repetition, then frequency and
+presence; `apply_penalties`) on the raw logits, then greedy rows (temperature <= 0) take the
+argmax; the others divide by the temperature, drop the tokens below min_p x the top token's
+probability, keep the top_k most likely of the rest, then the smallest prefix of those whose
+mass (renormalised over what min_p and top_k kept) reaches top_p, and draw from what remains.
 
 Draw method: inverse CDF with one hash per row (Gumbel-max would need one per vocab entry).
-Nothing sorts the vocabulary. Rows that restrict the draw (top_k > 0 or top_p < 1) draw from the
-K = min(vocab, MAX_TOP_K) most likely tokens (`torch.topk`, in descending order): exact
+Nothing sorts the vocabulary. Rows that restrict the draw by rank (top_k > 0 or top_p < 1) draw
+from the K = min(vocab, MAX_TOP_K) most likely tokens (`torch.topk`, in descending order): exact
 whenever the kept set lies among them, which top_k <= MAX_TOP_K (the protocol's bound) always
-does, and top_p does whenever those K tokens hold at least top_p of the mass; otherwise (a very
-flat distribution) the nucleus is cut at those K, and a top_k above MAX_TOP_K acts as
-MAX_TOP_K. Rows that restrict nothing draw from the whole vocabulary in vocabulary order:
-exact, no candidates involved.
+does, and top_p does whenever those K tokens hold at least top_p of the (min_p-kept) mass;
+otherwise (a very flat distribution) the nucleus is cut at those K, and a top_k above MAX_TOP_K
+acts as MAX_TOP_K. Rows that restrict nothing by rank (min_p alone, or nothing) draw from the
+whole vocabulary in vocabulary order: exact, no candidates involved. min_p is one mask of the
+whole vocabulary (p_i / p_max >= min_p, computed as exp(scaled_i - max)), read by both draws, so
+it keeps exactly the same tokens in either; min_p 0 masks nothing and leaves every other
+computation, hence every draw, bit for bit what it is without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from ringleader.ipc.sampling_params import MAX_TOP_K
+from ringleader.ipc.layout import PROMPT_MARK
+from ringleader.ipc.sampling_params import FIELD, MAX_TOP_K, RING_FIELDS
+
+RING_NAMES = tuple(name for name, _ in RING_FIELDS)
+# the fields whose non-default value asks for the token counts (the declaration's penalty=True)
+PENALTY_NAMES = tuple(name for name in RING_NAMES if FIELD[name].penalty)
+_DTYPES = {"f32": torch.float32, "i32": torch.int32, "u64": torch.int64}  # u64: the same bits
 
 _MASK32 = 0xFFFFFFFF
 
@@ -61,54 +76,143 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-@dataclass
 class SamplingTensors:
-    """Per-row sampling settings [N] of one sample() call: each row's SamplingParams as tensors,
-    plus its RNG counter. Any device and integer/float width; sample() converts."""
+    """Per-row sampling settings [N] of one sample() call: a tensor per RlSampling field of the
+    declaration (ringleader.ipc.sampling_params.RING_FIELDS: temperature, top_p, top_k, min_p,
+    the penalties, seed), read as attributes; `counter`, the index of the token within its
+    request (the RNG's); `token_counts`, the token counts the penalties read (ipc/layout.py's
+    token_counts rows: output count, plus PROMPT_MARK on prompt tokens): a table [S, V] whose
+    row `slot[i]` is row i's (slot None: row i's is row i), or None where no row can have a
+    penalty.  Any device and integer/float width; sample() converts.  A field not given holds
+    its declared default (so it does nothing)."""
 
-    temperature: torch.Tensor  # <= 0: greedy
-    top_k: torch.Tensor  # 0: no limit
-    top_p: torch.Tensor  # >= 1.0: no limit
-    seed: torch.Tensor  # int64 (a uint64 seed's bits)
-    counter: torch.Tensor  # the index of the token within its request
+    def __init__(
+        self,
+        counter: torch.Tensor,
+        token_counts: torch.Tensor | None = None,
+        slot: torch.Tensor | None = None,
+        **values: torch.Tensor,
+    ):
+        unknown = sorted(set(values) - set(RING_NAMES))
+        if unknown:
+            raise TypeError(
+                f"SamplingTensors: unknown field {unknown[0]!r} (fields: {', '.join(RING_NAMES)})"
+            )
+        self.counter, self.token_counts, self.slot = counter, token_counts, slot
+        self.values = {
+            name: values[name]
+            if name in values
+            else torch.full_like(counter, FIELD[name].default or 0, dtype=_DTYPES[kind])
+            for name, kind in RING_FIELDS
+        }
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **values: torch.Tensor) -> SamplingTensors:
+        """These settings with some fields' tensors replaced."""
+        return SamplingTensors(self.counter, self.token_counts, self.slot, **{**self.values, **values})
+
+    def row_counts(self) -> torch.Tensor:
+        """Each row's token counts [N, V] (a gather when they come as a table and slots)."""
+        counts = self.token_counts
+        assert counts is not None
+        if self.slot is None:
+            return counts
+        return counts.index_select(0, self.slot.to(counts.device).long().clamp(0, counts.shape[0] - 1))
+
+
+def any_penalty(params: SamplingTensors) -> bool:
+    """Whether some row has a penalty field (the declaration's penalty=True) off its default.
+    Reads the values on the host: for the eager step, whose tensors are host memory."""
+    return any(bool((getattr(params, name) != FIELD[name].default).any()) for name in PENALTY_NAMES)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """fp32 logits [N, V] with each row's penalties applied (vLLM's definitions), from its
+    token_counts row; the logits as they are when params.token_counts is None.
+
+    repetition_penalty r, on every token of the prompt or the output: a positive logit / r, any
+    other * r. Then frequency_penalty f and presence_penalty p, on the output's tokens:
+    logit -= f * count, logit -= p * (count > 0). Neutral values (r 1, f 0, p 0) return the
+    logits exactly, whatever the row's counts hold (x * 1, x / 1 and x - 0 * c are x).
+    """
+    logits = logits.float()
+    if params.token_counts is None:
+        return logits
+    dev = logits.device
+    counts = params.row_counts().to(dev)
+    repetition = params.repetition_penalty.to(dev, torch.float32)[:, None]
+    frequency = params.frequency_penalty.to(dev, torch.float32)[:, None]
+    presence = params.presence_penalty.to(dev, torch.float32)[:, None]
+    # a count below PROMPT_MARK is exact in fp32, so f * count is vLLM's product
+    output_count = (counts & (PROMPT_MARK - 1)).float()
+    in_prompt_or_output = counts != 0
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(in_prompt_or_output, repeated, logits)
+    return logits - frequency * output_count - presence * (output_count > 0).float()
 
 
 def sample(
     logits: torch.Tensor,
     params: SamplingTensors,
     uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
+    valid: torch.Tensor | None = None,
+    penalize: Callable[[torch.Tensor, SamplingTensors], torch.Tensor] = apply_penalties,
 ) -> torch.Tensor:
     """Sampled token ids [N] (int64) from fp32 logits [N, V], row i under params' row i.
 
-    Per row: temperature <= 0 -> argmax. Otherwise logits / temperature, keep the top_k
-    largest (0 = no limit), then the smallest prefix whose probability reaches top_p
-    (>= 1.0 = no limit; the top token is always kept), renormalise and draw with the uniform
+    Per row: the penalties (apply_penalties) first; temperature <= 0 -> argmax of those.
+    Otherwise logits / temperature; drop the tokens whose probability is below min_p x the top
+    token's (0 = no limit); keep the top_k largest of the rest (0 or -1 = no limit); then the
+    smallest prefix whose probability, renormalised over what is kept so far, reaches top_p
+    (>= 1.0 = no limit; the top token is always kept); renormalise and draw with the uniform
     counter_uniform(seed, counter) (`uniform`: the same function, e.g. its one-launch Triton
-    form). See the module docstring for the candidate bound.
+    form). `valid` (bool [N], optional): rows where it is False take the argmax, whatever their
+    parameters hold (a stale row's garbage stays in its row: every step is row-wise, and no
+    index it makes leaves its bounds). `penalize`: apply_penalties, or its one-launch Triton
+    form, which may penalize `logits` in place. See the module docstring for the candidate
+    bound.
     """
     N, V = logits.shape
     dev = logits.device
-    logits = logits.float()
+    logits = penalize(logits, params)
     temperature = params.temperature.to(dev, torch.float32)
     top_p = params.top_p.to(dev, torch.float32)[:, None]
     top_k = params.top_k.to(dev, torch.int64)[:, None]
+    # the declaration bounds min_p to [0, 1]: the top token (relative 1) always stays
+    min_p = params.min_p.to(dev, torch.float32)[:, None]
     greedy = temperature <= 0
+    if valid is not None:
+        greedy = greedy | ~valid.to(dev)
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    target = uniform(params.seed.to(dev), params.counter.to(dev))[:, None]  # in (0, 1)
+    # contiguous: the step layout's fields are strided views, and a kernel form of `uniform`
+    # (triton_sampling) reads its inputs as dense arrays; a uint64 seed as its int64 bits
+    seed = params.seed.to(dev, torch.int64).contiguous()
+    counter = params.counter.to(dev).contiguous()
+    target = uniform(seed, counter)[:, None]  # in (0, 1)
 
-    # the whole distribution, unnormalised, in vocabulary order: the unrestricted rows' draw,
-    # and its total is the mass top_p measures against when top_k is off
+    # the whole distribution, unnormalised (p_i / p_max), in vocabulary order, less what min_p
+    # drops: the unrestricted rows' draw, and its total is the mass top_p measures against
+    # when top_k is off
     row_max = scaled.amax(-1, keepdim=True)
-    cum_all = torch.exp(scaled - row_max).cumsum(dim=-1)
+    relative = torch.exp(scaled - row_max)
+    below_min_p = relative < min_p
+    cum_all = relative.masked_fill(below_min_p, 0.0).cumsum(dim=-1)
     from_vocab = (cum_all < target * cum_all[:, -1:]).sum(dim=-1).clamp_(max=V - 1)
 
     # the K most likely tokens, in descending order: the support of every restricted draw
     K = min(V, MAX_TOP_K)
     cand_vals, cand_idx = torch.topk(scaled, K, dim=-1)
     rank = torch.arange(K, device=dev)[None, :]
-    in_top_k = (top_k <= 0) | (rank < top_k)
-    cand_vals = cand_vals.masked_fill(~in_top_k, float("-inf"))
-    # top_p measures mass over the top-k set, or over the whole vocabulary when top_k is off
+    # the vocabulary's own min_p verdict, so both draws keep the same tokens to the last ulp
+    kept = ~below_min_p.gather(1, cand_idx) & ((top_k <= 0) | (rank < top_k))
+    cand_vals = cand_vals.masked_fill(~kept, float("-inf"))
+    # top_p measures mass over the kept candidates, or over the whole min_p-kept vocabulary
+    # when top_k is off
     log_total = torch.where(top_k > 0, cand_vals.logsumexp(-1, keepdim=True), row_max + cum_all[:, -1:].log())
     probs = torch.exp(cand_vals - log_total)
     cum = probs.cumsum(dim=-1)
