@@ -115,10 +115,10 @@ class SamplingField:
         """The default of a native request (api None) or an OpenAI one ("chat", "completions")."""
         return self.api_defaults.get(api, self.default) if api else self.default
 
-    def check(self, value: Any, shown_as: str | None = None) -> Any:
+    def check(self, value: Any) -> Any:
         """`value` in its canonical form (a float for "float", a tuple for "token_ids") if it is
-        valid, else SamplingError naming `shown_as` (default: the field's name)."""
-        name = shown_as or self.name
+        valid, else SamplingError naming the field."""
+        name = self.name
         allowed = self.allowed
         if self.kind == "float":
             assert isinstance(allowed, FloatRange)
@@ -296,13 +296,15 @@ def sampling_from_openai(body: Mapping[str, Any], api: str) -> SamplingParams:
     field.  top_k -1 means off, as vLLM writes it."""
     if api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {api!r}")
-    values = {}
+    values, shown = {}, {}
     for spec in FIELDS:
         given = [name for name in spec.openai_names if body.get(name) is not None]
-        values[spec.name] = (
-            spec.check(body[given[0]], shown_as=given[0]) if given else spec.default_for(api)
-        )
-    return SamplingParams(**values)
+        values[spec.name] = body[given[0]] if given else spec.default_for(api)
+        shown[spec.name] = given[0] if given else spec.name
+    try:
+        return SamplingParams(**values)
+    except SamplingError as err:  # judged once, by SamplingParams; named as the body named it
+        raise SamplingError(shown[err.field], err.reason) from None
 
 
 def _shown_default(value: Any) -> str:

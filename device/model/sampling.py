@@ -37,7 +37,8 @@ from ringleader.ipc.sampling_params import FIELD, MAX_TOP_K, RING_FIELDS
 RING_NAMES = tuple(name for name, _ in RING_FIELDS)
 # the fields whose non-default value asks for the token counts (the declaration's penalty=True)
 PENALTY_NAMES = tuple(name for name in RING_NAMES if FIELD[name].penalty)
-_DTYPES = {"f32": torch.float32, "i32": torch.int32, "u64": torch.int64}  # u64: the same bits
+# a ring scalar's torch dtype (u64 as int64: the same bits; torch's uint64 lacks most ops)
+RING_DTYPES = {"f32": torch.float32, "i32": torch.int32, "u64": torch.int64}
 
 _MASK32 = 0xFFFFFFFF
 
@@ -102,7 +103,7 @@ class SamplingTensors:
         self.values = {
             name: values[name]
             if name in values
-            else torch.full_like(counter, FIELD[name].default or 0, dtype=_DTYPES[kind])
+            else torch.full_like(counter, FIELD[name].default or 0, dtype=RING_DTYPES[kind])
             for name, kind in RING_FIELDS
         }
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ringleader.device.model.sampling import SamplingTensors
+from ringleader.device.model.sampling import RING_DTYPES, SamplingTensors
 from ringleader.ipc import layout
 from ringleader.ipc.sampling_params import FIELD
 
@@ -49,10 +49,7 @@ SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
 _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().fields.items()}
 # per RlSampling field: (torch dtype, its word in the struct, in words of that dtype)
 _SAMPLING = layout.SAMPLING
-_VIEW_DTYPES = {"float32": torch.float32, "int32": torch.int32, "uint64": torch.int64}  # u64: the same bits
-_PARAM_WORDS = {
-    f.name: (_VIEW_DTYPES[f.numpy_base().name], off // f.item_size) for f, off in _SAMPLING.offsets()
-}
+_PARAM_WORDS = {f.name: (RING_DTYPES[str(f.kind)], off // f.item_size) for f, off in _SAMPLING.offsets()}
 
 
 def sampling_views(words: torch.Tensor) -> dict[str, torch.Tensor]:
