@@ -1,10 +1,13 @@
 """What each sampling feature costs the sampler (device/model/sampling.py), side by side in one
-process: the same rows and logits sampled plain, with min_p, with the penalties (torch, and on a
-GPU their one-launch Triton form), and the eager step's all-greedy argmax, median of repeats after
-a warm-up.  Rows mix greedy, top-k, top-p and plain-temperature settings as the bench's workloads do.
+process: the same rows and logits sampled plain, with min_p, with the penalties; the penalties and
+temperature division alone (penalize_and_scale, and on a GPU its one-launch Triton form, with the
+penalties on and with none, beside the bare division); the logprobs records (store_logprobs, and
+on a GPU store_logprobs_triton) with every row asking 5 or 20 alternatives and with no row asking;
+and the eager step's all-greedy argmax, median of repeats after a warm-up.  Rows mix greedy, top-k,
+top-p and plain-temperature settings as the bench's workloads do.
 
     python -m ringleader.bench.sampler_features --vocab 49152 --json bench/results/<date>-cpu-<what>/sampler_features.json
-    python -m ringleader.bench.sampler_features --device cuda   # adds the Triton penalties
+    python -m ringleader.bench.sampler_features --device cuda   # adds the Triton forms
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringleader.bench.report import save_json
-from ringleader.device.model.sampling import SamplingTensors, apply_penalties, sample
+from ringleader.device.model.sampling import (
+    LOGPROBS_WORDS,
+    SamplingTensors,
+    penalize_and_scale,
+    sample,
+    store_logprobs,
+)
 from ringleader.ipc.layout import PROMPT_MARK
 
 
@@ -73,25 +82,50 @@ def _measure(m: int, vocab: int, n_slots: int, repeats: int, device: str) -> dic
     )
     no_counts = SamplingTensors(plain.counter, **plain.values)
     min_p = SamplingTensors(with_min_p.counter, **with_min_p.values)
+    # sample()'s divisor: 1 for greedy rows, the temperature for the others
+    divisor = torch.where(plain.temperature <= 0, 1.0, plain.temperature).float()
+    tokens = logits.argmax(-1)
+    table = torch.zeros(n_slots, LOGPROBS_WORDS, dtype=torch.int32, device=device)
+    assert plain.slot is not None
+    slot = plain.slot
+
+    def asking(top_n: int) -> torch.Tensor:
+        return torch.full((m,), top_n, dtype=torch.int32, device=device)
+
     row: dict = {
         "rows": m,
         "plain_ms": _median_ms(lambda: sample(logits, no_counts), repeats, device),
         "min_p_ms": _median_ms(lambda: sample(logits, min_p), repeats, device),
         "penalties_ms": _median_ms(lambda: sample(logits, penalized), repeats, device),
-        "penalties_only_torch_ms": _median_ms(lambda: apply_penalties(logits, penalized), repeats, device),
+        "penalize_scale_torch_ms": _median_ms(
+            lambda: penalize_and_scale(logits, penalized, divisor), repeats, device
+        ),
+        "divide_only_torch_ms": _median_ms(lambda: logits / divisor[:, None], repeats, device),
         "greedy_argmax_ms": _median_ms(lambda: logits.argmax(-1), repeats, device),
     }
+    # the torch form computes every row's record whether it asked or not
+    for top_n, name in ((5, "top5"), (20, "top20"), (-1, "none")):
+        top = asking(top_n)
+        row[f"logprobs_{name}_torch_ms"] = _median_ms(
+            lambda top=top: store_logprobs(table, slot, logits, tokens, top), repeats, device
+        )
     if device == "cuda":
-        from ringleader.device.model.triton_sampling import apply_penalties_triton
+        from ringleader.device.model.triton_sampling import penalize_and_scale_triton, store_logprobs_triton
 
-        triton_penalized = _median_ms(
-            lambda: apply_penalties_triton(logits.clone(), penalized), repeats, device
+        row["penalize_scale_triton_ms"] = _median_ms(
+            lambda: penalize_and_scale_triton(logits, penalized, divisor), repeats, device
         )
-        row["penalties_only_triton_ms"] = triton_penalized
-        row["neutral_only_triton_ms"] = _median_ms(
-            lambda: apply_penalties_triton(logits.clone(), plain), repeats, device
+        row["neutral_scale_triton_ms"] = _median_ms(
+            lambda: penalize_and_scale_triton(logits, plain, divisor), repeats, device
         )
-        row["clone_ms"] = _median_ms(lambda: logits.clone(), repeats, device)
+        n_valid = torch.tensor([m], dtype=torch.int32, device=device)
+        for top_n, name in ((5, "top5"), (20, "top20"), (-1, "none")):
+            top = asking(top_n)
+            row[f"logprobs_{name}_triton_ms"] = _median_ms(
+                lambda top=top: store_logprobs_triton(table, slot, logits, tokens, top, n_valid),
+                repeats,
+                device,
+            )
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 

@@ -41,6 +41,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     tokenizer: TextEncoder | None = None  # None: the model serves token ids only
     new_detokenizer: Callable[[], Detokenizer] | None = None  # one per request that wants text
+    # one token id's own text (logprobs name each token and alternative by it); None: no tokenizer
+    token_text: Callable[[int], str] | None = None
     # chat turns -> prompt ids through the model's chat template (ValueError naming the fault);
     # None: the model has no template
     encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None

@@ -12,6 +12,9 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.cq_tail        device writes (release) after the CQ events; host reads (acquire)
   Control.cq_head        host writes (release) after reading CQ events; device reads (acquire) only
                          when the last value it read leaves too little CQ room
+  cq_logprobs[pos]       device writes (plain) with the TOKEN event at pos, of a request with
+                         RL_FLAG_LOGPROBS only, before the release of cq_tail past pos; host reads
+                         before its release of cq_head past pos (the CQ's own order)
   Control.aq_tail        host writes (release) after the abort entries; device reads (acquire)
   Control.aq_head        device writes (release) after reading abort entries; host reads (acquire)
   Control.shutdown       host writes; device reads (the leader thread, once per step in the
@@ -52,10 +55,10 @@ from enum import Enum, IntEnum, IntFlag
 
 import numpy as np
 
-from ringleader.ipc.sampling_params import MAX_STOP_TOKEN_IDS, RING_FIELDS
+from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
@@ -149,6 +152,19 @@ def _f(name: str, kind: str | Struct, count: int = 1) -> Field:
 # SQ entry and the slot hold one each and the step's sample_params array one per sample entry, so
 # the scheduler copies the struct whole and never names a field.
 SAMPLING = Struct("RlSampling", tuple(Field(name, kind) for name, kind in RING_FIELDS))
+
+# One sampled token's logprobs (RL_FLAG_LOGPROBS): the token's and the n_top likeliest tokens',
+# from the raw logits; step -> step_logprobs -> slot_logprobs (critical) -> cq_logprobs (overlapped).
+LOGPROBS = Struct(
+    "RlLogprobs",
+    (
+        Field("logprob", "f32"),
+        Field("n_top", "i32"),
+        Field("top_ids", "i32", MAX_LOGPROBS),
+        Field("top_logprobs", "f32", MAX_LOGPROBS),
+    ),
+    align=4,
+)
 
 
 # The tables below keep their hand layout (fields grouped by cache line or by meaning).
@@ -284,13 +300,15 @@ STEP = Struct("RlStepHeader", (
     _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
-STRUCTS = (SAMPLING, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
+STRUCTS = (SAMPLING, LOGPROBS, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
 
 # Pointer table handed to sched_step: names, element type, and length in terms of the config.
 ARRAYS = (
     ("cfg", "RlConfig", "1"), ("ctl", "RlControl", "1"),
     ("sq", "RlSqEntry", "sq_size"), ("arena", "int32_t", "arena_size"),
-    ("cq", "RlCqEvent", "cq_size"), ("aq", "RlAbortEntry", "aq_size"),
+    ("cq", "RlCqEvent", "cq_size"),
+    ("cq_logprobs", "RlLogprobs", "cq_size"),  # per CQ position: its TOKEN event's, if asked
+    ("aq", "RlAbortEntry", "aq_size"),
     ("slots", "RlSlot", "n_slots"), ("pending", "RlSqEntry", "pending_cap"),
     ("sched", "RlSchedState", "1"), ("step", "RlStepHeader", "1"),
     ("token_ids", "int32_t", "token_budget"), ("positions", "int32_t", "token_budget"),
@@ -302,6 +320,8 @@ ARRAYS = (
     # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
     ("block_table", "int32_t", "block_table_len"),
     ("next_token", "int32_t", "n_slots"),
+    # per slot: its sample's logprobs as the step wrote them, and the critical phase's copy
+    ("step_logprobs", "RlLogprobs", "n_slots"), ("slot_logprobs", "RlLogprobs", "n_slots"),
     # scheduler work space for scans, sorts and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
     ("work_c", "uint32_t", "work_len"), ("work_d", "uint32_t", "work_len"),
@@ -336,7 +356,7 @@ ARRAYS = (
 # fmt: on
 
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
-HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "aq")
+HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "cq_logprobs", "aq")
 # Of those, the ones shared while the scheduler runs (cfg is read-only, a device copy on CUDA).
 HOST_RINGS = tuple(name for name in HOST_SHARED if name != "cfg")
 
@@ -353,6 +373,7 @@ class Op(IntEnum):
 class SqFlag(IntFlag):
     IGNORE_EOS = 1
     PENALIZED = 2  # keep its token counts (SamplingParams.penalized)
+    LOGPROBS = 4  # its tokens' logprobs go out with their events (SamplingParams.logprobs)
 
 
 class EventKind(IntEnum):

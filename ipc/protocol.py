@@ -26,8 +26,11 @@ PROTOCOL_VERSION = 1
 # 1.3 made generate.max_tokens optional (the rest of the context), added abort.finish_reason
 # ("stop": the client stopped it on purpose) and bounded temperature to float32; 1.4 added min_p,
 # presence_penalty, frequency_penalty and repetition_penalty, top_k -1 (off, as vLLM writes it),
-# and refuses a generate field the server does not know rather than ignore it
-PROTOCOL_REVISION = 4
+# and refuses a generate field the server does not know rather than ignore it; 1.5 added logprobs
+# (each token frame's `logprobs`) and n (several choices: token frames carry `index`, a choice
+# ends with a token frame carrying its finish_reason, `done` sums the usage and lists the choices;
+# abort.index ends one choice)
+PROTOCOL_REVISION = 5
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -64,6 +67,8 @@ ERROR_CODES = frozenset(
 )
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
+# abort.index: any int32 a choice could have (an index the request does not have stops nothing)
+MAX_CHOICE_INDEX = (1 << 31) - 1
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 # Containers (maps + arrays) allowed in one frame: bounds the Python objects a 1 MiB frame can expand to.
@@ -105,6 +110,7 @@ class GenerateRequest:
 class AbortRequest:
     id: RequestId
     finish_reason: str = FINISH_ABORT  # one of ABORT_FINISH_REASONS: what the request's `done` says (1.3)
+    index: int | None = None  # one choice of a request with n > 1 (1.5); None: all of them
 
 
 @dataclass(slots=True)
@@ -387,14 +393,20 @@ def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
     a FrameError: the `error` op answers it, and the request it names goes on untouched."""
     rid = _check_id(obj, OP_ABORT, limits)
     reason = obj.get("finish_reason")
+    index = obj.get("index")
+    if index is not None and (not _is_int(index) or not 0 <= index <= MAX_CHOICE_INDEX):
+        raise FrameError(
+            f"abort: index: must be a choice index in [0, {MAX_CHOICE_INDEX}], got {clipped_repr(index)} "
+            f"(the abort of id {clipped_repr(rid)} was not applied)"
+        )
     if reason is None:
-        return AbortRequest(rid)
+        return AbortRequest(rid, FINISH_ABORT, index)
     if not isinstance(reason, str) or reason not in ABORT_FINISH_REASONS:
         raise FrameError(
             f'abort: finish_reason: must be "abort" or "stop", got {clipped_repr(reason)} '
             f"(the abort of id {clipped_repr(rid)} was not applied)"
         )
-    return AbortRequest(rid, reason)
+    return AbortRequest(rid, reason, index)
 
 
 def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
@@ -460,12 +472,14 @@ def generate_msg(req: GenerateRequest) -> dict:
     return msg
 
 
-def abort_msg(id: RequestId, finish_reason: str = FINISH_ABORT) -> dict:
+def abort_msg(id: RequestId, finish_reason: str = FINISH_ABORT, index: int | None = None) -> dict:
     """finish_reason: what the request's `done` is to say, "abort" or "stop" (1.3); a plain abort
-    leaves the field out, as every revision reads it."""
+    leaves the field out, as every revision reads it.  index: only that choice (1.5)."""
     msg: dict[str, Any] = {"op": OP_ABORT, "id": id}
     if finish_reason != FINISH_ABORT:
         msg["finish_reason"] = finish_reason
+    if index is not None:
+        msg["index"] = index
     return msg
 
 
@@ -482,7 +496,7 @@ def encode_request(req: Request) -> bytes:
     if isinstance(req, GenerateRequest):
         return encode(generate_msg(req))
     if isinstance(req, AbortRequest):
-        return encode(abort_msg(req.id, req.finish_reason))
+        return encode(abort_msg(req.id, req.finish_reason, req.index))
     if isinstance(req, StatsRequest):
         return encode(stats_request_msg())
     if isinstance(req, PingRequest):
@@ -490,10 +504,26 @@ def encode_request(req: Request) -> bytes:
     raise TypeError(f"not a request: {type(req).__name__}")
 
 
-def token_msg(id: RequestId, token_ids: list[int], text: str | None = None) -> dict:
+def token_msg(
+    id: RequestId,
+    token_ids: list[int],
+    text: str | None = None,
+    *,
+    index: int | None = None,
+    logprobs: list[dict] | None = None,
+    finish_reason: str | None = None,
+) -> dict:
+    """index: the choice, for a request with n > 1 (1.5); logprobs: one entry per token id
+    (docs/protocol.md), for a request that asked; finish_reason: this frame ends its choice (n > 1)."""
     msg: dict[str, Any] = {"op": OP_TOKEN, "id": id, "token_ids": list(token_ids)}
     if text is not None:
         msg["text"] = text
+    if index is not None:
+        msg["index"] = index
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    if finish_reason is not None:
+        msg["finish_reason"] = finish_reason
     return msg
 
 
@@ -504,8 +534,10 @@ def done_msg(
     completion_tokens: int,
     error_code: str | None = None,
     error_message: str | None = None,
+    choices: list[dict] | None = None,
 ) -> dict:
-    """`error` is present exactly when finish_reason is "error" (then error_code is required)."""
+    """`error` is present exactly when finish_reason is "error" (then error_code is required).
+    choices: a request with n > 1: [{index, finish_reason, completion_tokens}] (1.5)."""
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"unknown finish_reason {finish_reason!r}")
     msg: dict[str, Any] = {
@@ -520,6 +552,8 @@ def done_msg(
         msg["error"] = {"code": error_code, "message": error_message or ""}
     elif error_code is not None or error_message is not None:
         raise ValueError(f"error details only go with finish_reason 'error', not {finish_reason!r}")
+    if choices is not None:
+        msg["choices"] = choices
     return msg
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,8 +251,10 @@ class SubmissionQueue(_RingProducer):
         e["op"], e["handle"] = layout.Op.GENERATE, handle
         e["prompt_off"], e["prompt_len"] = prompt_off & 0xFFFFFFFF, prompt_len
         e["max_tokens"] = sampling.max_tokens
-        e["flags"] = (layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0) | (
-            layout.SqFlag.PENALIZED if sampling.penalized else 0
+        e["flags"] = (
+            (layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0)
+            | (layout.SqFlag.PENALIZED if sampling.penalized else 0)
+            | (layout.SqFlag.LOGPROBS if sampling.logprobs is not None else 0)
         )
         ring = e["sampling"]
         for name, value in sampling.ring_values().items():
@@ -285,8 +288,9 @@ class AbortQueue(_RingProducer):
 class CompletionQueue:
     """Host end of the CQ: the only writer of cq_head."""
 
-    def __init__(self, ctl: np.ndarray, cq: np.ndarray):
+    def __init__(self, ctl: np.ndarray, cq: np.ndarray, logprobs: np.ndarray):
         self._cq = cq
+        self._logprobs = logprobs
         self._size = len(cq)
         self._tail_word = AtomicU32(_field_address(ctl, layout.CONTROL, "cq_tail"))
         self._head_word = AtomicU32(_field_address(ctl, layout.CONTROL, "cq_head"))
@@ -297,17 +301,27 @@ class CompletionQueue:
 
     def take(self) -> np.ndarray:
         """Copies out every published event and hands their entries back to the device."""
+        return self.take_with_logprobs(lambda events: False)[0]
+
+    def take_with_logprobs(
+        self, wanted: Callable[[np.ndarray], bool]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """take(), and where `wanted(events)` says so, the cq_logprobs records at the same
+        positions (read before the entries go back to the device; None otherwise)."""
         n = self.pending()
         if n == 0:
-            return self._cq[:0].copy()
+            return self._cq[:0].copy(), None
         start = self._head % self._size
-        first = min(n, self._size - start)
-        events = self._cq[start : start + first].copy()
-        if first < n:
-            events = np.concatenate([events, self._cq[: n - first]])
+        events = self._copy(self._cq, start, n)
+        records = self._copy(self._logprobs, start, n) if wanted(events) else None
         self._head = (self._head + n) & 0xFFFFFFFF
         self._head_word.store_release(self._head)
-        return events
+        return events, records
+
+    def _copy(self, ring: np.ndarray, start: int, n: int) -> np.ndarray:
+        first = min(n, self._size - start)
+        out = ring[start : start + first].copy()
+        return np.concatenate([out, ring[: n - first]]) if first < n else out
 
 
 class PromptArena:
@@ -371,7 +385,7 @@ class HostRings:
         self.control = arrays["ctl"]
         self.submissions = SubmissionQueue(arrays["ctl"], arrays["sq"])
         self.aborts = AbortQueue(arrays["ctl"], arrays["aq"])
-        self.completions = CompletionQueue(arrays["ctl"], arrays["cq"])
+        self.completions = CompletionQueue(arrays["ctl"], arrays["cq"], arrays["cq_logprobs"])
         self.arena = PromptArena(arrays["arena"])
         self._shutdown = AtomicU32(_field_address(arrays["ctl"], layout.CONTROL, "shutdown"))
 

@@ -34,6 +34,11 @@ from typing import Any
 MAX_TOP_K = 1024
 # stop_token_ids carried in one SQ entry (ipc/layout.py sizes RlSqEntry.stop_ids with it)
 MAX_STOP_TOKEN_IDS = 8
+# the most alternatives a token's logprobs carry (vLLM's default max_logprobs); the ring's
+# RlLogprobs record holds this many (ipc/layout.py)
+MAX_LOGPROBS = 20
+# the most choices one request asks for (OpenAI's bound on n)
+MAX_N = 128
 # The largest finite float32 (numpy.finfo(numpy.float32).max): the ring holds the float fields as
 # float32 (RlSampling), where anything larger becomes +inf.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -105,11 +110,18 @@ class SamplingField:
     ring: str | None = None
     # a value other than the default asks the scheduler to keep the slot's token counts
     penalty: bool = False
+    # what the ring holds for nil (an optional_int's None)
+    ring_null: int = 0
     name: str = ""  # the SamplingParams field's name, filled in below
 
     @property
     def openai_names(self) -> tuple[str, ...]:
         return self.openai or (self.name,)
+
+    @property
+    def ring_default(self) -> Any:
+        """The default as the ring holds it (nil as ring_null)."""
+        return self.ring_null if self.default is None else self.default
 
     def default_for(self, api: str | None) -> Any:
         """The default of a native request (api None) or an OpenAI one ("chat", "completions")."""
@@ -217,6 +229,16 @@ class SamplingParams:
         "token ids that end the answer (finish_reason stop), besides the model's end tokens")
     ignore_eos: bool = _declare(
         False, "bool", None, "go on past the model's end tokens, up to max_tokens")
+    logprobs: int | None = _declare(
+        None, "optional_int", IntRange(0, MAX_LOGPROBS),
+        "with each generated token, its log-probability and this many most likely alternatives "
+        "with theirs (0: the token's alone), from the model's raw logits (before penalties and "
+        "temperature, as vLLM's default); nil: none", ring="i32", ring_null=-1)
+    n: int = _declare(
+        1, "int", IntRange(1, MAX_N),
+        "how many answers (choices) to generate for the prompt, each with its own seed stream "
+        "(seed, seed + 1, ... when a seed is given); the prompt is prefilled once where the "
+        "prefix cache is on")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -249,7 +271,7 @@ class SamplingParams:
         """The RlSampling fields (RING_FIELDS) as the SQ entry stores them (an unseeded request's
         seed is resolved by the server before it gets here; None counts as 0)."""
         values = {name: getattr(self, name) for name, _ in RING_FIELDS}
-        return {name: 0 if value is None else value for name, value in values.items()}
+        return {name: FIELD[name].ring_null if value is None else value for name, value in values.items()}
 
     def check_for_model(self, vocab_size: int, max_tokens_cap: int) -> None:
         """SamplingError unless the model and the server can run these settings: top_k and the
@@ -302,9 +324,24 @@ def sampling_from_openai(body: Mapping[str, Any], api: str) -> SamplingParams:
         values[spec.name] = body[given[0]] if given else spec.default_for(api)
         shown[spec.name] = given[0] if given else spec.name
     try:
+        if api == "chat":
+            values["logprobs"], shown["logprobs"] = _chat_logprobs(body)
         return SamplingParams(**values)
     except SamplingError as err:  # judged once, by SamplingParams; named as the body named it
-        raise SamplingError(shown[err.field], err.reason) from None
+        raise SamplingError(shown.get(err.field, err.field), err.reason) from None
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> tuple[Any, str]:
+    """Chat asks for logprobs as `logprobs: true` and `top_logprobs: k` (completions, like the
+    native field, as `logprobs: k`): the native value, and the body field to blame for it."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise SamplingError("logprobs", f"must be true or false, got {clipped_repr(asked)}")
+    if not asked:
+        if top is not None:
+            raise SamplingError("top_logprobs", "needs logprobs: true")
+        return None, "logprobs"
+    return (0 if top is None else top), "top_logprobs"
 
 
 def _shown_default(value: Any) -> str:

@@ -28,6 +28,7 @@ class Record:
     indices: list[int] = field(default_factory=list)
     done: list[int] = field(default_factory=list)  # finish reasons (must end with exactly one)
     arena_offset: int = 0
+    logprobs: list = field(default_factory=list)  # each TOKEN event's cq_logprobs record, as read
 
 
 class Driver:
@@ -105,14 +106,19 @@ class Driver:
             slots = self.a["slots"]
             for q in range(ns):
                 s = int(self.a["sample_slot"][q])
-                self.a["next_token"][s] = token_for(int(slots[s]["handle"]), int(self.a["sample_counter"][q]))
+                token = token_for(int(slots[s]["handle"]), int(self.a["sample_counter"][q]))
+                self.a["next_token"][s] = token
+                # the stand-in's logprobs record: a function of the token and its index
+                record = self.a["step_logprobs"][s]
+                record["logprob"], record["n_top"] = -float(token), int(self.a["sample_counter"][q])
+                record["top_ids"][:] = token
         if drain:
             self.drain_cq()
         return status
 
     def drain_cq(self) -> int:
-        events = self.rings.completions.take()
-        for e in events:
+        events, records = self.rings.completions.take_with_logprobs(lambda events: True)
+        for e, lp in zip(events, records if records is not None else [None] * len(events)):
             rec = self.records[int(e["handle"])]
             assert not rec.done, f"event after DONE for handle {rec.handle}"
             if e["kind"] == layout.EventKind.TOKEN:
@@ -120,6 +126,7 @@ class Driver:
                     self.rings.arena.release(rec.arena_offset)
                 rec.tokens.append(int(e["token"]))
                 rec.indices.append(int(e["index"]))
+                rec.logprobs.append(lp.copy())
             else:
                 rec.done.append(int(e["finish_reason"]))
                 if not rec.tokens:

@@ -144,8 +144,8 @@ def test_validation_errors_are_400_naming_the_field(gateway):
     assert info.value.status_code == 400 and info.value.body["param"] == "max_tokens"
     assert info.value.body["code"] == "bad_request"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt="x", n=2)
-    assert info.value.body["param"] == "n"
+        client.completions.create(model="tiny", prompt="x", best_of=2)
+    assert info.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError) as info:  # the server's check, through the gateway
         client.completions.create(model="tiny", prompt=[1, 10**9])
     assert info.value.body["param"] == "prompt"
@@ -305,7 +305,7 @@ def test_gateway_metrics_count_requests_and_tokens(gateway):
     for _ in range(2):
         client.completions.create(model="tiny", prompt=PROMPT_IDS, **GREEDY)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="x", n=3)
+        client.completions.create(model="tiny", prompt="x", n=0)
     after = scrape(gateway)
 
     def delta(name, **labels):

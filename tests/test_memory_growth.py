@@ -192,8 +192,8 @@ def test_detects_a_per_request_leak(monkeypatch):
     finish = inflight.RequestTable.finish
     code, message = "shutdown", "server shut down"
 
-    def leaky_finish(self, handle):
-        req = finish(self, handle)
+    def leaky_finish(self, handle, ending=None):
+        req = finish(self, handle, ending)
         if req is not None:
             leak[handle] = (code, message)  # handles of the measured round are all above 256
         return req

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest, ResponseWriter, parse_request
+from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest, parse_request
+from ringleader.hostctl.gateway.responses import ResponseWriter
 from ringleader.hostctl.gateway.stop_strings import StopMatcher
 from ringleader.ipc import protocol as P
 from ringleader.ipc.sampling_params import FLOAT32_MAX
@@ -110,10 +111,14 @@ def test_unknown_chat_fields_are_refused_naming_them(name, value):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"min_p": float("nan")}, "min_p"),
@@ -160,7 +165,10 @@ def test_completion_refusals_name_the_field(body, param):
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 0}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )

@@ -27,9 +27,14 @@ LIMITS = P.Limits(vocab_size=32000, max_context=4096, max_tokens_cap=1024)
 DERIVED = [
     "ipc/protocol.py",
     "hostctl/gateway/openai_api.py",
+    "hostctl/gateway/responses.py",
+    "hostctl/gateway/answer.py",
     "hostctl/commands/generate.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ipc" / "client").glob("*.py")),
 ]
+# a reply's key that shares a field's name: the token message's and OpenAI's per-token
+# `logprobs` carry log-probabilities, not the setting
+REPLY_KEYS = {"logprobs"}
 # the generate fields of revision 1.3, all a 1.3 server knows
 FIELDS_OF_1_3 = {
     *("op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms"),
@@ -71,7 +76,7 @@ def test_no_module_but_the_declaration_names_a_sampling_field(path):
     a check of its own; and it imports none of the declaration's bounds to build one with."""
     tree = ast.parse((ROOT / path).read_text())
     names = {name for spec in FIELDS for name in (spec.name, *spec.openai_names)}
-    assert not names & _code_strings(tree)
+    assert not names & _code_strings(tree) - REPLY_KEYS
     bounds = {
         name
         for name, value in vars(declaration).items()
@@ -202,7 +207,7 @@ def test_the_protocol_refuses_an_unknown_generate_field():
         P.decode_request(P.encode(msg), LIMITS)
     done = P.reject_msg(info.value)
     assert done["id"] == "a" and done["error"]["code"] == P.ERR_BAD_REQUEST
-    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.4) knows: ")
+    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.5) knows: ")
     assert P.decode_request(P.encode({**msg, "min_q": None}), LIMITS).id == "a"  # nil: absent
 
 
@@ -239,6 +244,8 @@ def test_every_field_round_trips():
         seed=2**64 - 1,
         stop_token_ids=(3, 4),
         ignore_eos=True,
+        logprobs=3,
+        n=2,
     )
     # every field away from its default, so a field added to the declaration must be added here
     assert all(getattr(sampling, spec.name) != spec.default for spec in FIELDS)

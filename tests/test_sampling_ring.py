@@ -26,8 +26,8 @@ def test_rlsampling_is_the_declarations_ring_fields_in_order():
 
 
 SETTINGS = [
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=33, min_p=0.1, seed=2**64 - 3),
-    SamplingParams(temperature=1.3, presence_penalty=-1.5, frequency_penalty=2.0, seed=7),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=33, min_p=0.1, seed=2**64 - 3, logprobs=20),
+    SamplingParams(temperature=1.3, presence_penalty=-1.5, frequency_penalty=2.0, seed=7, logprobs=0),
     SamplingParams(repetition_penalty=1.25, top_k=-1, seed=11),
 ]
 
@@ -46,16 +46,17 @@ def test_each_field_reaches_the_slot_and_the_sample_entries_unchanged():
     d = Driver(cfg)
     handles = {}
     for params in SETTINGS:
-        skip = ("max_tokens", "stop_token_ids", "ignore_eos")
+        skip = ("max_tokens", "stop_token_ids", "ignore_eos", "n")
         fields = {k: v for k, v in dataclasses.asdict(params).items() if k not in skip}
         handles[d.submit([1, 2, 3, 4, 5], 6, **fields)] = params
     sq = d.a["sq"]
     for pos, params in enumerate(SETTINGS):
         entry = sq[pos]["sampling"]
         for name, _ in RING_FIELDS:
-            assert entry[name] == np.asarray(getattr(params, name), entry[name].dtype), name
+            assert entry[name] == np.asarray(params.ring_values()[name], entry[name].dtype), name
         flags = int(sq[pos]["flags"])
         assert bool(flags & layout.SqFlag.PENALIZED) == params.penalized
+        assert bool(flags & layout.SqFlag.LOGPROBS) == (params.logprobs is not None)
     seen = set()
     for _ in range(20):
         d.step()
@@ -67,6 +68,6 @@ def test_each_field_reaches_the_slot_and_the_sample_entries_unchanged():
             entry = d.a["sample_params"][q]
             assert entry.tobytes() == slots[s]["sampling"].tobytes()
             for name, _ in RING_FIELDS:
-                assert entry[name] == np.asarray(getattr(params, name), entry[name].dtype), name
+                assert entry[name] == np.asarray(params.ring_values()[name], entry[name].dtype), name
             seen.add(int(slots[s]["handle"]))
     assert seen == set(handles)

@@ -91,6 +91,7 @@ def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> N
         top_p=top_p,
         top_k=top_k,
         seed=seed,
+        logprobs=[None, 0, 3, 20][seed % 4],  # some ask none, some the token's alone, some more
     )
 
 
@@ -117,7 +118,7 @@ def _drive(model, attention, max_steps):
     step = StaticStep(model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention)
     a = d.a
     lay = StepLayout.from_arrays(a, "cpu")  # views: each step writes the scheduler's next_token
-    seen = {"mixed": 0, "padded": 0, "stale": 0}
+    seen = {"mixed": 0, "padded": 0, "stale": 0, "logprobs": 0}
     for _ in range(max_steps):
         d.rings.submissions.publish()
         status = scheduler().step(d.mem.context_address)
@@ -135,8 +136,11 @@ def _drive(model, attention, max_steps):
 
         # one layout, one bucket, two steps: the eager one is the reference
         before = a["next_token"].copy()
+        a["step_logprobs"].view(np.uint8)[:] = 0xEE
         logits_e = eager.run(bucket, lay)
         expected = a["next_token"].copy()
+        expected_logprobs = a["step_logprobs"].copy()
+        a["step_logprobs"].view(np.uint8)[:] = 0xEE
         unsampled = np.setdiff1d(np.arange(N_SLOTS), a["sample_slot"][:ns])
         np.testing.assert_array_equal(expected[unsampled], before[unsampled])
         a["next_token"][:] = before
@@ -144,6 +148,26 @@ def _drive(model, attention, max_steps):
         assert logits_e.shape[0] == ns
         torch.testing.assert_close(logits_s[:ns], logits_e, atol=1e-4, rtol=1e-4)
         np.testing.assert_array_equal(a["next_token"], expected)
+        # the same logprobs records, for the slots that asked, and nothing written elsewhere
+        asked = a["slots"]["sampling"]["logprobs"] >= 0
+        sampled = np.isin(np.arange(N_SLOTS), a["sample_slot"][:ns])
+        got = a["step_logprobs"]
+        np.testing.assert_array_equal(got[~(asked & sampled)].view(np.uint8), 0xEE)
+        for s in np.flatnonzero(asked & sampled):
+            k = int(expected_logprobs[s]["n_top"])
+            assert int(got[s]["n_top"]) == k and k == min(20, int(a["slots"][s]["sampling"]["logprobs"]))
+            assert abs(float(got[s]["logprob"]) - float(expected_logprobs[s]["logprob"])) < 1e-4
+            values = expected_logprobs[s]["top_logprobs"][:k]
+            np.testing.assert_allclose(got[s]["top_logprobs"][:k], values, atol=1e-4)
+            # the same id at each rank, but where two tokens tie to rounding (their order is moot)
+            if not k:
+                continue
+            gaps = np.abs(np.diff(values)) > 1e-4
+            apart = np.concatenate([[True], gaps]) & np.concatenate([gaps, [True]])
+            np.testing.assert_array_equal(
+                got[s]["top_ids"][:k][apart], expected_logprobs[s]["top_ids"][:k][apart]
+            )
+        seen["logprobs"] += int(np.sum(asked & sampled))
         # the scheduler's pages agree; pad rows only ever wrote the scratch page
         torch.testing.assert_close(kv_static.k[:, :-1], kv_eager.k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kv_static.v[:, :-1], kv_eager.v, atol=1e-5, rtol=1e-5)
@@ -155,7 +179,7 @@ def test_static_step_torch_matches_eager(model):
     d, seen = _drive(model, "torch", max_steps=200)
     assert all(r.done for r in d.records.values()), "every request finished"
     assert all(len(r.tokens) == r.max_tokens for r in d.records.values())
-    assert seen["mixed"] and seen["padded"] and seen["stale"], seen
+    assert seen["mixed"] and seen["padded"] and seen["stale"] and seen["logprobs"], seen
 
 
 # ---- hand-built layouts over a shuffled block table ---------------------------------------------

@@ -52,7 +52,7 @@ def run_interpreted_checks() -> None:
     check_rope_store_kv(torch.float32, 8, 2, 16, 8, "contiguous", cache_dtype=torch.float16)
     check_rope_store_kv(torch.float32, 2, 1, 16, 1, "contiguous")  # a page per position
     check_counter_uniform()
-    check_penalties()
+    check_penalize_and_scale()
     rounding = "truncating (2-ulp tolerance)" if BF16_TRUNCATES else "round to nearest even"
     print(f"interpreted checks passed in {time.perf_counter() - t0:.1f} s; bf16 casts {rounding}")
 
@@ -73,14 +73,15 @@ def check_counter_uniform() -> None:
         assert torch.equal(counter_uniform_triton(seed, counter), counter_uniform(seed, counter))
 
 
-def check_penalties() -> None:
-    """The penalties as one Triton launch: bit for bit sampling.apply_penalties, reading the count
-    table through each row's slot (stale slots clamped into it), the penalties as strided views of
-    the step layout's sample entries; a row without a penalty is left as it was, whatever its
+def check_penalize_and_scale() -> None:
+    """The penalties and the temperature division as one Triton launch: bit for bit
+    sampling.penalize_and_scale, reading the count table through each row's slot (stale slots
+    clamped into it), the penalties as strided views of the step layout's sample entries, into a
+    new tensor (the logits stay raw); a row without a penalty is only divided, whatever its
     counts hold."""
-    from ringleader.device.model.sampling import SamplingTensors, apply_penalties
+    from ringleader.device.model.sampling import SamplingTensors, penalize_and_scale
     from ringleader.device.model.step_layout import StepLayout
-    from ringleader.device.model.triton_sampling import apply_penalties_triton
+    from ringleader.device.model.triton_sampling import penalize_and_scale_triton
     from ringleader.ipc.layout import PROMPT_MARK
 
     gen = torch.Generator().manual_seed(4)
@@ -101,10 +102,13 @@ def check_penalties() -> None:
     assert params.repetition_penalty.stride(0) > 1  # views of the entries, as the step passes them
     logits = torch.randn(m, vocab, generator=gen) * 4
     logits[:, :7] = torch.tensor([0.0, -0.0, 3.0, -3.0, 1e-30, -1e-30, 50.0])
-    want = apply_penalties(logits, params)
-    got = apply_penalties_triton(logits.clone(), params)
+    raw = logits.clone()
+    divisor = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.05])  # greedy rows divide by 1
+    want = penalize_and_scale(logits, params, divisor)
+    got = penalize_and_scale_triton(logits, params, divisor)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert torch.equal(got[1], logits[1]) and not torch.equal(got[0], logits[0])
+    assert torch.equal(logits.view(torch.int32), raw.view(torch.int32)), "the logits were written"
+    assert torch.equal(got[1], logits[1] / 0.7) and not torch.equal(got[0], logits[0])
     # rows as the counts' own rows (no slots), and a wide logits tensor sliced to its first rows
     plain = SamplingTensors(
         torch.zeros(3, dtype=torch.int32),
@@ -112,7 +116,8 @@ def check_penalties() -> None:
         **{k: torch.tensor(v[:3]) for k, v in penalties.items()},
     )
     wide = torch.randn(4, vocab + 40, generator=gen)[:3, :vocab]
-    assert torch.equal(apply_penalties_triton(wide.clone(), plain), apply_penalties(wide, plain))
+    got = penalize_and_scale_triton(wide, plain, divisor[:3])
+    assert torch.equal(got.view(torch.int32), penalize_and_scale(wide, plain, divisor[:3]).view(torch.int32))
 
 
 def _interpreter_rounds_bf16_to_nearest() -> bool:

@@ -4,8 +4,10 @@ configuration an EngineConfig asks for, and the ModelInfo the frontend reads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -150,6 +152,15 @@ def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int, pool:
     )
 
 
+def token_texts(tokenizer) -> Callable[[int], str]:
+    """One token's text, as its id decodes alone (special tokens spelled out, a partial UTF-8
+    sequence as U+FFFD, as vLLM shows both), remembered per id: logprobs name a few tokens of a
+    vocabulary again and again."""
+    return functools.lru_cache(maxsize=1 << 16)(
+        lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    )
+
+
 def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
     """What the frontend reads of the model `spec` names.  Its name is the model's short one
     (ModelConfig.name: a preset's name, a GGUF file's stem, a checkpoint directory's name), not
@@ -162,6 +173,7 @@ def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
         eos_token_ids=tuple(model.config.eos_token_ids),
         tokenizer=tokenizer,
         new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
+        token_text=token_texts(tokenizer) if tokenizer else None,
         encode_chat=tokenizer.encode_chat if getattr(tokenizer, "chat_template", None) else None,
     )
 

@@ -9,20 +9,23 @@ import torch
 
 from ringleader.device.backends import cuda_driver as drv
 from ringleader.device.backends.host_memory import HostMemory, context_table
-from ringleader.device.model.step_layout import SOURCE_ARRAYS
+from ringleader.device.model.step_layout import SOURCE_ARRAYS, STEP_OUTPUTS
 from ringleader.ipc import layout
 from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
 PINNED = layout.HOST_RINGS
 # The step layout: the run of ringleader.ipc.layout.ARRAYS that holds every array the step reads
 # (StepLayout's), contiguous in both memory plans, so the host-scheduled baseline uploads it in
-# one copy; next_token comes back, and the token counts go up only while a penalized request
-# runs (PackedLayoutCopy.upload_token_counts).
+# one copy; next_token comes back (and the logprobs records while a request that asked for
+# them runs), and the token counts go up only while a penalized request runs.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
-_STEP_INPUTS = SOURCE_ARRAYS - {"next_token", "token_counts"}
+_OUTSIDE_RUN = STEP_OUTPUTS | {"token_counts"}
+_STEP_INPUTS = SOURCE_ARRAYS - _OUTSIDE_RUN
 LAYOUT_RUN = tuple(_NAMES[min(map(_NAMES.index, _STEP_INPUTS)) : max(map(_NAMES.index, _STEP_INPUTS)) + 1])
-if {"next_token", "token_counts"} & set(LAYOUT_RUN):
-    raise AssertionError("ipc/layout.py: keep next_token and token_counts after the step's inputs")
+if _OUTSIDE_RUN & set(LAYOUT_RUN):
+    raise AssertionError(
+        "ipc/layout.py: keep next_token, step_logprobs and token_counts after the step's inputs"
+    )
 
 
 class DeviceMemory:
@@ -80,23 +83,30 @@ class PackedLayoutCopy:
         self._tokens_nbytes = a["next_token"].nbytes
         self._counts_host, self._counts_dev = a["token_counts"].ctypes.data, device.address("token_counts")
         self._counts_nbytes = a["token_counts"].nbytes
+        self._logprobs_host, self._logprobs_dev = (
+            a["step_logprobs"].ctypes.data,
+            device.address("step_logprobs"),
+        )
+        self._logprobs_nbytes = a["step_logprobs"].nbytes
         self._slots = a["slots"]
         self._done = drv.BlockingEvent()
 
     def upload(self, stream) -> None:
         drv.copy_to_device(self._dst, self._src, self.nbytes, stream)
-        if self._counts_nbytes and self._penalized_running():
+        if self._counts_nbytes and self._running_with(layout.SqFlag.PENALIZED):
             # the step's penalties read them: n_slots x vocab words, only while some request
             # with a penalty holds a slot (the device-scheduled modes keep them on the device)
             drv.copy_to_device(self._counts_dev, self._counts_host, self._counts_nbytes, stream)
 
-    def _penalized_running(self) -> bool:
+    def _running_with(self, flag: layout.SqFlag) -> bool:
         slots = self._slots
         running = slots["state"] != layout.SlotState.FREE
-        return bool(np.any(running & ((slots["flags"] & layout.SqFlag.PENALIZED) != 0)))
+        return bool(np.any(running & ((slots["flags"] & flag) != 0)))
 
     def download(self, stream) -> None:
         drv.copy_to_host(self._tokens_host, self._tokens_dev, self._tokens_nbytes, stream)
+        if self._running_with(layout.SqFlag.LOGPROBS):  # 168 bytes a slot, only when asked
+            drv.copy_to_host(self._logprobs_host, self._logprobs_dev, self._logprobs_nbytes, stream)
         self._done.record(stream)
 
     def wait(self) -> None:

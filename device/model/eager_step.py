@@ -15,7 +15,7 @@ import torch
 
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
-from ringleader.device.model.sampling import any_penalty, sample
+from ringleader.device.model.sampling import any_penalty, sample, store_logprobs
 from ringleader.device.model.step_batch import StepBatch
 from ringleader.device.model.step_layout import StepLayout
 
@@ -30,8 +30,9 @@ class EagerStep:
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, n_tokens) of `layout` (rows [n_tokens, bucket) are pad rows: skipped),
-        writes next_token[sample_slot[i]] for its n_samples sample entries; returns their fp32
-        logits [n_samples, vocab]. On the CPU the backend passes bucket = n_tokens."""
+        writes next_token[sample_slot[i]] for its n_samples sample entries (and step_logprobs for
+        those that asked); returns their fp32 logits [n_samples, vocab]. On the CPU the backend
+        passes bucket = n_tokens."""
         n_tokens, n_segments, n_samples = layout.read_counts()
         if not 0 < n_tokens <= bucket:
             raise ValueError(f"the layout's {n_tokens} rows do not fit bucket {bucket}")
@@ -46,5 +47,8 @@ class EagerStep:
                 tokens = logits.argmax(dim=-1)
             else:
                 tokens = sample(logits, params)
-            layout.next_token.index_copy_(0, layout.sample_slot[:n_samples].long(), tokens.to(torch.int32))
+            slots = layout.sample_slot[:n_samples].long()
+            layout.next_token.index_copy_(0, slots, tokens.to(torch.int32))
+            if bool((params.logprobs >= 0).any()):  # a host read of host memory, as above
+                store_logprobs(layout.step_logprobs, slots, logits, tokens, params.logprobs)
         return logits

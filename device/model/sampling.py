@@ -11,6 +11,9 @@ presence; `apply_penalties`) on the raw logits, then greedy rows (temperature <=
 argmax; the others divide by the temperature, drop the tokens below min_p x the top token's
 probability, keep the top_k most likely of the rest, then the smallest prefix of those whose
 mass (renormalised over what min_p and top_k kept) reaches top_p, and draw from what remains.
+The penalties and the division are one out-of-place step (`penalize_and_scale`), so the raw
+logits survive sample(): a token's logprobs are vLLM's default, from the raw logits
+(`token_logprobs`, `store_logprobs`).
 
 Draw method: inverse CDF with one hash per row (Gumbel-max would need one per vocab entry).
 Nothing sorts the vocabulary. Rows that restrict the draw by rank (top_k > 0 or top_p < 1) draw
@@ -31,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from ringleader.ipc.layout import PROMPT_MARK
-from ringleader.ipc.sampling_params import FIELD, MAX_TOP_K, RING_FIELDS
+from ringleader.ipc.layout import LOGPROBS, PROMPT_MARK
+from ringleader.ipc.sampling_params import FIELD, MAX_LOGPROBS, MAX_TOP_K, RING_FIELDS
 
 RING_NAMES = tuple(name for name, _ in RING_FIELDS)
 # the fields whose non-default value asks for the token counts (the declaration's penalty=True)
@@ -41,6 +44,13 @@ PENALTY_NAMES = tuple(name for name in RING_NAMES if FIELD[name].penalty)
 RING_DTYPES = {"f32": torch.float32, "i32": torch.int32, "u64": torch.int64}
 
 _MASK32 = 0xFFFFFFFF
+
+# an RlLogprobs record (ipc/layout.py LOGPROBS) as int32 words: its length, and each field's first
+# word; token_logprobs builds the words in this order
+LOGPROBS_WORDS = LOGPROBS.size // 4
+LOGPROBS_WORD = {field.name: offset // 4 for field, offset in LOGPROBS.offsets()}
+assert LOGPROBS_WORD == {"logprob": 0, "n_top": 1, "top_ids": 2, "top_logprobs": 2 + MAX_LOGPROBS}
+assert LOGPROBS_WORDS == 2 + 2 * MAX_LOGPROBS
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
@@ -103,7 +113,7 @@ class SamplingTensors:
         self.values = {
             name: values[name]
             if name in values
-            else torch.full_like(counter, FIELD[name].default or 0, dtype=RING_DTYPES[kind])
+            else torch.full_like(counter, FIELD[name].ring_default, dtype=RING_DTYPES[kind])
             for name, kind in RING_FIELDS
         }
 
@@ -157,12 +167,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     return logits - frequency * output_count - presence * (output_count > 0).float()
 
 
+def penalize_and_scale(logits: torch.Tensor, params: SamplingTensors, divisor: torch.Tensor) -> torch.Tensor:
+    """A new fp32 tensor [N, V]: apply_penalties(logits, params), row i divided by divisor[i]
+    (fp32 [N]); `logits` is left as it was."""
+    return apply_penalties(logits, params) / divisor[:, None]
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingTensors,
     uniform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = counter_uniform,
     valid: torch.Tensor | None = None,
-    penalize: Callable[[torch.Tensor, SamplingTensors], torch.Tensor] = apply_penalties,
+    scale: Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor] = penalize_and_scale,
 ) -> torch.Tensor:
     """Sampled token ids [N] (int64) from fp32 logits [N, V], row i under params' row i.
 
@@ -174,13 +190,12 @@ def sample(
     counter_uniform(seed, counter) (`uniform`: the same function, e.g. its one-launch Triton
     form). `valid` (bool [N], optional): rows where it is False take the argmax, whatever their
     parameters hold (a stale row's garbage stays in its row: every step is row-wise, and no
-    index it makes leaves its bounds). `penalize`: apply_penalties, or its one-launch Triton
-    form, which may penalize `logits` in place. See the module docstring for the candidate
-    bound.
+    index it makes leaves its bounds). `scale`: penalize_and_scale, or its one-launch Triton
+    form; either writes a new tensor, so `logits` comes out as it went in (the raw logits
+    token_logprobs reads). See the module docstring for the candidate bound.
     """
     N, V = logits.shape
     dev = logits.device
-    logits = penalize(logits, params)
     temperature = params.temperature.to(dev, torch.float32)
     top_p = params.top_p.to(dev, torch.float32)[:, None]
     top_k = params.top_k.to(dev, torch.int64)[:, None]
@@ -189,7 +204,9 @@ def sample(
     greedy = temperature <= 0
     if valid is not None:
         greedy = greedy | ~valid.to(dev)
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    # greedy rows divide by 1 (x / 1 is x): their argmax below is that of the penalized logits
+    divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = scale(logits, params, divisor)
     # contiguous: the step layout's fields are strided views, and a kernel form of `uniform`
     # (triton_sampling) reads its inputs as dense arrays; a uint64 seed as its int64 bits
     seed = params.seed.to(dev, torch.int64).contiguous()
@@ -225,4 +242,55 @@ def sample(
 
     unrestricted = ((top_k <= 0) & (top_p >= 1.0)).squeeze(1)
     drawn = torch.where(unrestricted, from_vocab, from_candidates)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return torch.where(greedy, scaled.argmax(dim=-1), drawn)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: torch.Tensor) -> torch.Tensor:
+    """Each row's RlLogprobs record, int32 [N, LOGPROBS_WORDS], from raw logits [N, V] (fp32),
+    the sampled tokens [N] and how many alternatives each row asked for, top_n [N].
+
+    logprob: log_softmax(logits)[i, tokens[i]]; n_top: top_n clamped to [0, min(MAX_LOGPROBS, V)];
+    top_ids / top_logprobs: the min(MAX_LOGPROBS, V) most likely tokens, in descending order,
+    and their logprobs, whatever n_top says (padded with id 0, logprob -inf, when V is smaller).
+    Every row is computed (a row with top_n < 0 too): static shapes and no host sync, so it can
+    be captured.
+    """
+    logits = logits.float()
+    vocab = logits.shape[1]
+    dev = logits.device
+    log_total = logits.logsumexp(-1, keepdim=True)
+    token = tokens.to(dev, torch.int64).clamp(0, vocab - 1)[:, None]
+    chosen = logits.gather(1, token) - log_total
+    k = min(MAX_LOGPROBS, vocab)
+    top_values, top_ids = torch.topk(logits, k, dim=-1)
+    top_logprobs = top_values - log_total
+    if k < MAX_LOGPROBS:
+        top_ids = torch.nn.functional.pad(top_ids, (0, MAX_LOGPROBS - k), value=0)
+        top_logprobs = torch.nn.functional.pad(top_logprobs, (0, MAX_LOGPROBS - k), value=float("-inf"))
+    n_top = top_n.to(dev, torch.int32).clamp(0, k)[:, None]
+    words = (chosen.view(torch.int32), n_top, top_ids.to(torch.int32), top_logprobs.view(torch.int32))
+    return torch.cat(words, dim=1)
+
+
+def store_logprobs(
+    table: torch.Tensor,
+    slot: torch.Tensor,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    top_n: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> None:
+    """Writes row i's token_logprobs record into table[slot[i]] (int32 [S, LOGPROBS_WORDS], the
+    step's step_logprobs) for every row i with top_n[i] >= 0 and valid[i] (bool [N], optional);
+    the other slots' records stay as they were. Slots are clamped into [0, S). No host sync."""
+    n_slots = table.shape[0]
+    dev = table.device
+    records = token_logprobs(logits, tokens, top_n).to(dev)
+    asked = top_n.to(dev) >= 0
+    if valid is not None:
+        asked = asked & valid.to(dev)
+    # rows that asked nothing are scattered into a sink row past the table (no boolean indexing)
+    target = torch.where(asked, slot.to(dev, torch.int64).clamp(0, n_slots - 1), n_slots)
+    with_sink = torch.cat([table, table.new_zeros(1, table.shape[1])])
+    with_sink.index_copy_(0, target, records)
+    table.copy_(with_sink[:n_slots])

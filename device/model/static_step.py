@@ -39,7 +39,7 @@ from ringleader.device.model.decoder_layer import PointwiseKernels
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.ops import rope_split
-from ringleader.device.model.sampling import apply_penalties, counter_uniform, sample
+from ringleader.device.model.sampling import counter_uniform, penalize_and_scale, sample, store_logprobs
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_attention import ragged_attention_reference
 
@@ -143,14 +143,20 @@ class StaticStep:
         self.fused = attention == "triton" if fused is None else fused
         if self.fused:
             from ringleader.device.model import triton_fused
-            from ringleader.device.model.triton_sampling import apply_penalties_triton, counter_uniform_triton
+            from ringleader.device.model.triton_sampling import (
+                counter_uniform_triton,
+                penalize_and_scale_triton,
+                store_logprobs_triton,
+            )
 
             self._kernels: PointwiseKernels = triton_fused
             self._cache_side: type[StaticAttention] = FusedStaticAttention
-            self._uniform, self._penalize = counter_uniform_triton, apply_penalties_triton
+            self._uniform, self._scale = counter_uniform_triton, penalize_and_scale_triton
+            self._store_logprobs = store_logprobs_triton
         else:
             self._kernels, self._cache_side = ops, StaticAttention
-            self._uniform, self._penalize = counter_uniform, apply_penalties
+            self._uniform, self._scale = counter_uniform, penalize_and_scale
+            self._store_logprobs = self._store_logprobs_torch
         c = model.config
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
@@ -178,8 +184,9 @@ class StaticStep:
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, bucket) of `layout`, writes next_token[sample_slot[i]] for the first
         n_samples sample entries; returns their fp32 logits [min(bucket, n_slots), vocab]
-        (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor; with
-        the fused kernels a penalized entry's row holds its logits penalized)."""
+        (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor; the
+        raw logits: penalties and temperature go to a copy), and step_logprobs[sample_slot[i]]
+        for the entries whose request asked for logprobs."""
         if not 0 < bucket <= self.token_budget:
             raise ValueError(f"bucket {bucket} not in [1, {self.token_budget}]")
         reach = layout.block_table.shape[1] * self.kv.page_size
@@ -198,13 +205,21 @@ class StaticStep:
         # stale entries sample greedily with nothing applied (no NaN from stale parameters)
         # and land in the sink
         params = layout.sampling(m)
-        tokens = sample(logits, params, uniform=self._uniform, valid=valid, penalize=self._penalize)
+        tokens = sample(logits, params, uniform=self._uniform, valid=valid, scale=self._scale)
         slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
         target = torch.where(valid, slot, self.n_slots)
         sink = self._token_sink
         sink[: self.n_slots].copy_(layout.next_token)
         sink.index_copy_(0, target, tokens.to(torch.int32))
         layout.next_token.copy_(sink[: self.n_slots])
+        # from the raw logits (sample() leaves them as they are); a row that asked none, or a
+        # stale entry, writes no record
+        self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)
+
+    @staticmethod
+    def _store_logprobs_torch(table, slot, logits, tokens, top_n, n_samples) -> None:
+        valid = torch.arange(top_n.shape[0], device=top_n.device) < n_samples
+        store_logprobs(table, slot, logits, tokens, top_n, valid)
 
     def warmup(self, layout: StepLayout, buckets: Iterable[int]) -> None:
         """One eager run per bucket on an all-pad layout (no samples), before any capture:

@@ -37,13 +37,17 @@ _FIELDS = {
     "n_segments": (np.int32, "step.n_segments"),
     "n_samples": (np.int32, "step.n_samples"),
     "next_token": (np.int32, "next_token"),
+    "step_logprobs": (np.int32, "step_logprobs"),  # RlLogprobs [n_slots], its words per slot
     "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
     "token_counts": (np.int32, "token_counts"),  # flat [n_slots * vocab_size] in the arrays
 }
-# [token_budget]; the counts [1]; block_table, token_counts [n_slots, ...]; the rest [n_slots]
+# [token_budget]; the counts [1]; block_table, token_counts, step_logprobs [n_slots, ...]; the
+# rest [n_slots]
 _ROW_FIELDS = ("token_ids", "positions", "slot_of")
 # the scheduler arrays a step reads or writes (host-scheduled mode uploads them: LAYOUT_RUN)
 SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
+# of those, the ones the step writes
+STEP_OUTPUTS = frozenset({"next_token", "step_logprobs"})
 
 # a count's int32 word in the step header (RlStepHeader, ringleader.ipc.layout.STEP)
 _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().fields.items()}
@@ -76,7 +80,7 @@ def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Te
         else:
             views[name] = array(src, np.dtype(dtype))
     n_slots = views["seg_slot"].shape[0]
-    for name in ("block_table", "token_counts"):
+    for name in ("block_table", "token_counts", "step_logprobs"):
         views[name] = views[name].view(n_slots, views[name].numel() // n_slots)
     return views
 
@@ -89,7 +93,8 @@ class StepLayout:
     seg_row_start, seg_n_rows: int32 [n_slots]; sample_row, sample_slot, sample_counter: int32
     [n_slots]; sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
     views one field each); n_tokens, n_segments, n_samples: int32 [1], the header's counts;
-    next_token: int32 [n_slots], written by a step's run; block_table: int32 [n_slots,
+    next_token: int32 [n_slots], written by a step's run; step_logprobs: int32 [n_slots, 42], the
+    RlLogprobs record a step writes for each sampled slot whose request asked; block_table: int32 [n_slots,
     pages_per_slot], slot s's position p is in KV page block_table[s, p // page_size] (entries
     past a slot's context are arbitrary); token_counts: int32 [n_slots, vocab_size] (vocab_size
     0: none kept), a penalized slot's counts.
@@ -109,6 +114,7 @@ class StepLayout:
     n_segments: torch.Tensor
     n_samples: torch.Tensor
     next_token: torch.Tensor
+    step_logprobs: torch.Tensor
     block_table: torch.Tensor
     token_counts: torch.Tensor
 
@@ -145,6 +151,8 @@ class StepLayout:
                 return (n_slots, pages_per_slot)
             if name == "token_counts":
                 return (n_slots, vocab_size)
+            if name == "step_logprobs":
+                return (n_slots, layout.LOGPROBS.size // 4)
             if name == "sample_params":
                 return (n_slots * _SAMPLING.size // 4,)
             return (1,) if _FIELDS[name][1].startswith("step.") else (n_slots,)
@@ -156,15 +164,15 @@ class StepLayout:
         out["slot_of"].fill_(-1)
         made = cls(**out)
         for name, view in made.params.items():
-            view.fill_(FIELD[name].default or 0)
+            view.fill_(FIELD[name].ring_default)
         return made
 
     def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
-        """Uploads the scheduler's host arrays into these tensors (host-scheduled mode);
-        next_token is left alone (the step writes it)."""
+        """Uploads the scheduler's host arrays into these tensors (host-scheduled mode); what
+        the step writes (STEP_OUTPUTS) is left alone."""
         source = StepLayout.from_arrays(arrays)
         for f in fields(self):
-            if f.name != "next_token":
+            if f.name not in STEP_OUTPUTS:
                 getattr(self, f.name).copy_(getattr(source, f.name), non_blocking=non_blocking)
 
     def sampling(self, m: int, counts: bool = True) -> SamplingTensors:

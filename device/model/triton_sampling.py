@@ -1,5 +1,5 @@
-"""The sampler's counter-based uniform (sampling.counter_uniform) and its penalties
-(sampling.apply_penalties) as one Triton launch each.
+"""The sampler's counter-based uniform (sampling.counter_uniform), its penalties and temperature
+(sampling.penalize_and_scale) and its logprobs (sampling.store_logprobs) as one Triton launch each.
 
 In torch the hash is about ninety tiny integer kernels (four 32-bit finalisers, each split into
 16-bit halves so no int64 product overflows), which inside a captured decode step cost more
@@ -9,10 +9,17 @@ function, so a seeded request draws the same tokens on the CPU backend and in th
 
 The penalties in torch are a dozen passes over [rows, vocab] plus a gather of each row's token
 counts, every step of the graph whether any request has a penalty or not. Here one program per
-(row, vocabulary block) reads the row's three penalties first and touches neither the logits
-nor the counts unless one is on; it penalizes the logits in place, reading the count table
-through each row's slot. The arithmetic is apply_penalties' in its order, with IEEE division and
-no fused multiply-add, so both forms give the same bits.
+(row, vocabulary block) reads the row's three penalties first and touches the counts only when
+one is on (reading the count table through the row's slot), then divides by the row's divisor
+(its temperature, 1 for greedy rows) into a new tensor: the raw logits stay for the logprobs.
+The arithmetic is penalize_and_scale's in its order, with IEEE division and no fused
+multiply-add, so both forms give the same bits.
+
+The logprobs in torch are a logsumexp, a top-k and a scatter over every row, every step, asked
+or not. Here one program per row reads the row's top_n first and does nothing unless the row
+asked (top_n >= 0) and is a live sample entry: then one pass over the vocabulary for the
+logsumexp and the most likely token, and one more per further alternative, each the largest
+entry after the previous pick in the order (value descending, id ascending).
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ringleader.device.model.sampling import LOGPROBS_WORD, LOGPROBS_WORDS
 from ringleader.device.model.triton_launch import launch
 from ringleader.ipc.layout import PROMPT_MARK
+from ringleader.ipc.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from ringleader.device.model.sampling import SamplingTensors
@@ -66,8 +75,10 @@ if HAVE_TRITON:
         tl.store(out_ptr + offs, u, mask=ok)
 
     @triton.jit
-    def _penalties_kernel(
+    def _penalize_and_scale_kernel(
         logits_ptr,
+        out_ptr,
+        divisor_ptr,
         counts_ptr,
         slot_ptr,
         repetition_ptr,
@@ -78,24 +89,102 @@ if HAVE_TRITON:
         logits_stride,
         param_stride,
         PROMPT_MARK: tl.constexpr,
+        HAS_COUNTS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < vocab
+        x = tl.load(logits_ptr + row * logits_stride + offs, mask=ok, other=0.0)
+        if HAS_COUNTS:
+            r = tl.load(repetition_ptr + row * param_stride)
+            f = tl.load(frequency_ptr + row * param_stride)
+            p = tl.load(presence_ptr + row * param_stride)
+            # a row without a penalty reads no counts (no token is below a limit of 0)
+            limit = tl.where((r != 1.0) | (f != 0.0) | (p != 0.0), vocab, 0)
+            hit = offs < limit
+            slot = tl.minimum(tl.maximum(tl.load(slot_ptr + row), 0), n_slots - 1).to(tl.int64)
+            c = tl.load(counts_ptr + slot * vocab + offs, mask=hit, other=0)
+            count = (c & (PROMPT_MARK - 1)).to(tl.float32)
+            repeated = tl.where(x > 0, tl.math.div_rn(x, r), x * r)
+            penalized = tl.where(c != 0, repeated, x)
+            penalized = penalized - f * count - p * (count > 0).to(tl.float32)
+            x = tl.where(hit, penalized, x)
+        divisor = tl.load(divisor_ptr + row)
+        tl.store(out_ptr + row * vocab + offs, tl.math.div_rn(x, divisor), mask=ok)
+
+    @triton.jit
+    def _store_logprobs_kernel(
+        table_ptr,
+        slot_ptr,
+        logits_ptr,
+        tokens_ptr,
+        top_n_ptr,
+        n_valid_ptr,
+        vocab,
+        n_slots,
+        logits_stride,
+        slot_stride,
+        tokens_stride,
+        top_n_stride,
+        RECORD_WORDS: tl.constexpr,
+        TOP_IDS_WORD: tl.constexpr,
+        TOP_LOGPROBS_WORD: tl.constexpr,
+        MAX_TOP: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        r = tl.load(repetition_ptr + row * param_stride)
-        f = tl.load(frequency_ptr + row * param_stride)
-        p = tl.load(presence_ptr + row * param_stride)
-        # a row without a penalty reads and writes nothing (no token is below a limit of 0)
-        limit = tl.where((r != 1.0) | (f != 0.0) | (p != 0.0), vocab, 0)
-        ok = offs < limit
-        slot = tl.minimum(tl.maximum(tl.load(slot_ptr + row), 0), n_slots - 1).to(tl.int64)
-        x = tl.load(logits_ptr + row * logits_stride + offs, mask=ok, other=0.0)
-        c = tl.load(counts_ptr + slot * vocab + offs, mask=ok, other=0)
-        count = (c & (PROMPT_MARK - 1)).to(tl.float32)
-        repeated = tl.where(x > 0, tl.math.div_rn(x, r), x * r)
-        x = tl.where(c != 0, repeated, x)
-        x = x - f * count - p * (count > 0).to(tl.float32)
-        tl.store(logits_ptr + row * logits_stride + offs, x, mask=ok)
+        top_n = tl.load(top_n_ptr + row * top_n_stride)
+        # a row nobody asked logprobs for (or a stale entry) reads no logits and writes nothing
+        if (top_n >= 0) & (row < tl.load(n_valid_ptr)):
+            x_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+            lanes = tl.arange(0, BLOCK)
+            # pass 1, per lane: online max and sum of exp, and the id of the lane's maximum (vocab:
+            # none yet; a lane takes its first entry, then only a larger one: ties keep the lowest id)
+            lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+            lane_sum = tl.zeros([BLOCK], tl.float32)
+            lane_arg = tl.zeros([BLOCK], tl.int32) + vocab
+            for start in range(0, vocab, BLOCK):
+                offs = start + lanes
+                ok = offs < vocab
+                x = tl.load(x_ptr + offs, mask=ok, other=float("-inf"))
+                new_max = tl.maximum(lane_max, x)
+                # a lane of -inf alone sums exp(-inf - 0) = 0 (not exp(-inf + inf) = nan)
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+                lane_arg = tl.where(ok & ((x > lane_max) | (lane_arg == vocab)), offs, lane_arg)
+                lane_max = new_max
+            row_max = tl.max(lane_max, axis=0)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            log_total = shift + tl.log(tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0))
+            pick_value = row_max
+            pick_id = tl.min(tl.where(lane_max == row_max, lane_arg, vocab), axis=0)
+
+            slot = tl.minimum(tl.maximum(tl.load(slot_ptr + row * slot_stride), 0), n_slots - 1)
+            record = table_ptr + slot.to(tl.int64) * RECORD_WORDS
+            token = tl.minimum(tl.maximum(tl.load(tokens_ptr + row * tokens_stride), 0), vocab - 1)
+            logprob = tl.load(x_ptr + token) - log_total
+            n_top = tl.minimum(top_n, tl.minimum(vocab, MAX_TOP))
+            tl.store(record, logprob.to(tl.int32, bitcast=True))
+            tl.store(record + 1, n_top)
+            for k in range(0, n_top):
+                if k > 0:
+                    # the largest entry after the previous pick in (value descending, id ascending)
+                    best = tl.full([BLOCK], float("-inf"), tl.float32)
+                    best_id = tl.zeros([BLOCK], tl.int32) + vocab
+                    for start in range(0, vocab, BLOCK):
+                        offs = start + lanes
+                        x = tl.load(x_ptr + offs, mask=offs < vocab, other=float("-inf"))
+                        after = (x < pick_value) | ((x == pick_value) & (offs > pick_id))
+                        take = (offs < vocab) & after & ((x > best) | (best_id == vocab))
+                        best = tl.where(take, x, best)
+                        best_id = tl.where(take, offs, best_id)
+                    pick_value = tl.max(best, axis=0)
+                    pick_id = tl.min(tl.where(best == pick_value, best_id, vocab), axis=0)
+                # vocab - 1 only for a row with nan logits, where no entry compares
+                tl.store(record + TOP_IDS_WORD + k, tl.minimum(pick_id, vocab - 1))
+                top_logprob = pick_value - log_total
+                tl.store(record + TOP_LOGPROBS_WORD + k, top_logprob.to(tl.int32, bitcast=True))
 
 
 def counter_uniform_triton(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -113,38 +202,106 @@ def counter_uniform_triton(seed: torch.Tensor, counter: torch.Tensor) -> torch.T
 PENALTY_BLOCK = 1024
 
 
-def apply_penalties_triton(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """sampling.apply_penalties(logits, params) for fp32 logits [N, V] with a unit inner stride,
-    in place, one launch; `params` carries the count table [S, V] and each row's slot (a missing
-    slot: row i's counts are row i). Returns `logits`."""
+def penalize_and_scale_triton(
+    logits: torch.Tensor, params: SamplingTensors, divisor: torch.Tensor
+) -> torch.Tensor:
+    """sampling.penalize_and_scale(logits, params, divisor) for fp32 logits [N, V] with a unit
+    inner stride and an fp32 divisor [N], bit for bit, one launch, into a new tensor [N, V];
+    `params` carries the count table [S, V] and each row's slot (a missing slot: row i's counts
+    are row i), or no table (then only the division)."""
     if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed; use sampling.apply_penalties")
-    counts = params.token_counts
-    if counts is None:
-        return logits
+        raise RuntimeError("triton is not installed; use sampling.penalize_and_scale")
     n, vocab = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or counts.stride() != (vocab, 1):
-        raise ValueError("apply_penalties_triton: fp32 logits with unit inner stride, dense counts")
-    slot = (
-        params.slot if params.slot is not None else torch.arange(n, dtype=torch.int32, device=logits.device)
-    )
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("penalize_and_scale_triton: fp32 logits with unit inner stride")
+    if divisor.dtype != torch.float32 or divisor.shape != (n,):
+        raise ValueError("penalize_and_scale_triton: an fp32 divisor per row")
+    counts = params.token_counts
+    if counts is not None and counts.stride() != (vocab, 1):
+        raise ValueError("penalize_and_scale_triton: dense counts [S, V]")
     penalties = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     if any(t.dtype != torch.float32 or t.stride(0) != penalties[0].stride(0) for t in penalties):
-        raise ValueError("apply_penalties_triton: the three penalties as fp32 views of one stride")
+        raise ValueError("penalize_and_scale_triton: the three penalties as fp32 views of one stride")
+    if counts is None:
+        slot = None
+    elif params.slot is not None:
+        slot = params.slot
+    else:
+        slot = torch.arange(n, dtype=torch.int32, device=logits.device)
+    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
     grid = (n, triton.cdiv(vocab, PENALTY_BLOCK))
     launch(
-        _penalties_kernel,
+        _penalize_and_scale_kernel,
         grid,
         logits,
-        counts,
-        slot,
+        out,
+        divisor.contiguous(),
+        logits if counts is None else counts,  # unread without counts (HAS_COUNTS False)
+        divisor if slot is None else slot,
         *penalties,
         vocab,
-        counts.shape[0],
+        0 if counts is None else counts.shape[0],
         logits.stride(0),
         penalties[0].stride(0),
         PROMPT_MARK=PROMPT_MARK,
+        HAS_COUNTS=counts is not None,
         BLOCK=PENALTY_BLOCK,
         enable_fp_fusion=False,
     )
-    return logits
+    return out
+
+
+# one program per row streams the vocabulary (once, and once more per further alternative), so
+# each program takes a wide block and more warps to keep loads in flight
+LOGPROBS_BLOCK = 2048
+LOGPROBS_WARPS = 8
+
+
+def store_logprobs_triton(
+    table: torch.Tensor,
+    slot: torch.Tensor,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    top_n: torch.Tensor,
+    n_valid: torch.Tensor,
+) -> None:
+    """sampling.store_logprobs(table, slot, logits, tokens, top_n, valid) with valid[i] = i <
+    n_valid[0] (an int32 tensor [1] on the device), one launch, one program per row: a row with
+    top_n < 0 or i >= n_valid reads and writes nothing. Writes the first n_top top entries of a
+    record only (the rest stay as they were). fp32 logits [N, V] with a unit inner stride, table
+    int32 [S, LOGPROBS_WORDS] dense; slot, tokens and top_n [N] of any int dtype and stride."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed; use sampling.store_logprobs")
+    n, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("store_logprobs_triton: fp32 logits with unit inner stride")
+    if (
+        table.dtype != torch.int32
+        or table.shape[1:] != (LOGPROBS_WORDS,)
+        or table.stride() != (LOGPROBS_WORDS, 1)
+    ):
+        raise ValueError(f"store_logprobs_triton: a dense int32 table [S, {LOGPROBS_WORDS}]")
+    if any(t.shape != (n,) for t in (slot, tokens, top_n)) or n_valid.numel() != 1:
+        raise ValueError("store_logprobs_triton: slot, tokens and top_n [N], n_valid [1]")
+    launch(
+        _store_logprobs_kernel,
+        (n,),
+        table,
+        slot,
+        logits,
+        tokens,
+        top_n,
+        n_valid,
+        vocab,
+        table.shape[0],
+        logits.stride(0),
+        slot.stride(0),
+        tokens.stride(0),
+        top_n.stride(0),
+        RECORD_WORDS=LOGPROBS_WORDS,
+        TOP_IDS_WORD=LOGPROBS_WORD["top_ids"],
+        TOP_LOGPROBS_WORD=LOGPROBS_WORD["top_logprobs"],
+        MAX_TOP=MAX_LOGPROBS,
+        BLOCK=LOGPROBS_BLOCK,
+        num_warps=LOGPROBS_WARPS,
+    )

@@ -20,6 +20,9 @@ RL_FN void rl_consume_samples(const RlContext& c) {
       // a penalized request's output counts, before the next step's sampler reads them
       if ((sl.flags & RL_FLAG_PENALIZED) && (uint32_t)tok < cfg.vocab_size)
         c.token_counts[(size_t)s * cfg.vocab_size + (uint32_t)tok] += 1;
+      // the step's record of this sample, kept until its event is written (the next step,
+      // which runs beside that, overwrites step_logprobs)
+      if (sl.flags & RL_FLAG_LOGPROBS) c.slot_logprobs[s] = c.step_logprobs[s];
       uint32_t why = rl_finish_reason(cfg, sl, tok);
       if (why != RL_FINISH_NONE) {
         sl.finish = why;

@@ -172,6 +172,8 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     if (sl.state == RL_SLOT_FREE) continue;
     uint32_t pos = tail + (count[s] & 0xFFFFu) + (count[s] >> 16);
     if (sl.ev_token) {
+      if (sl.flags & RL_FLAG_LOGPROBS)  // beside its event, before cq_tail is published
+        rl_host_write(&c.cq_logprobs[pos & (cfg.cq_size - 1)], c.slot_logprobs[s]);
       rl_put_event(c, pos++, sl.handle, RL_EV_TOKEN, 0, sl.last_token, sl.n_generated - 1, now);
       sl.ev_token = 0;
       uint32_t at = sl.prompt_len + sl.n_generated - 1;  // kept for a recompute after preemption

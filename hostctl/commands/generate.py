@@ -131,9 +131,12 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
         **inputs, sampling=sampling_from_args(args), priority=args.priority, timeout_ms=args.timeout_ms
     )
     show_ids = inputs.get("prompt_ids") is not None or args.ids
+    several = args.n > 1  # the choices are printed one after another once they all ended
     text: list[str] = []
     try:
         for chunk in stream:
+            if several:
+                continue
             if show_ids or chunk.text is None:
                 if chunk.token_ids:
                     print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
@@ -147,7 +150,16 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
     else:
         interrupted = False
     done = stream.done
-    print()
+    if several:
+        for choice in stream.choices:
+            print(f"--- choice {choice.index} [{choice.finish_reason}]")
+            shown = choice.text if choice.text is not None and not show_ids else None
+            print(shown if shown is not None else " ".join(map(str, choice.token_ids)))
+            _print_logprobs(choice)
+        text = [stream.text or ""]
+    else:
+        print()
+        _print_logprobs(stream.choice(0))
     if done is None:  # interrupted, and the server did not confirm the abort in time
         print("[interrupted]", file=sys.stderr)
         return 130, "".join(text)
@@ -159,3 +171,15 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
     if interrupted:
         return 130, "".join(text)
     return (0 if done.finish_reason != "error" else 1), "".join(text)
+
+
+def _print_logprobs(choice) -> None:
+    """A request with --logprobs: one line per generated token, its logprob and its top
+    alternatives with theirs."""
+    if choice.logprobs is None:
+        return
+    for token_id, entry in zip(choice.token_ids, choice.logprobs):
+        name = repr(entry.token) if entry.token is not None else str(token_id)
+        names = [repr(t) for t in entry.top_tokens] if entry.top_tokens else [str(i) for i in entry.top_ids]
+        top = ", ".join(f"{n} {lp:.4f}" for n, lp in zip(names, entry.top_logprobs))
+        print(f"{name:>20} {entry.logprob:9.4f}" + (f"  | {top}" if top else ""))

@@ -6,7 +6,8 @@ other servers with; its StreamResponse writes each SSE event with backpressure; 
 handler cancellation a client that disconnects cancels its handler, which closes the upstream
 stream and so aborts the request on the server (its slot goes to someone else within a step).
 No ASGI layer or model classes sit between a token frame and its bytes: a token costs one
-json.dumps of its text (hostctl/openai_api.ResponseWriter).
+json.dumps of its text (responses.ResponseWriter).  A request is checked here
+(openai_api.parse_request, the model, the key) and answered by answer.py.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 GET /health (the upstream answers and its engine lives), GET /metrics (the gateway's own).
@@ -36,27 +37,17 @@ except ImportError:
 
     raise ImportError(f"the HTTP gateway needs aiohttp: {INSTALL_HINT}") from None
 
+from ringleader.hostctl.gateway.answer import answer_request
 from ringleader.hostctl.gateway.metrics import GatewayCollector, GatewayMetrics
-from ringleader.hostctl.gateway.openai_api import (
-    SSE_DONE,
-    APIError,
-    GenerationRequest,
-    ResponseWriter,
-    bad,
-    models_list,
-    parse_request,
-)
-from ringleader.hostctl.gateway.stop_strings import StopMatcher
-from ringleader.ipc.client import AsyncClient, AsyncStream, Done, TokenChunk
+from ringleader.hostctl.gateway.openai_api import APIError, bad, models_list, parse_request
+from ringleader.ipc.client import AsyncClient
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
 from ringleader.ipc.curve import ClientCurve
 
 log = logging.getLogger("ringleader.gateway")
 
 MAX_BODY_BYTES = 8 << 20
-END_EARLY_WAIT_S = 5.0  # a stop string aborts upstream; its `done` (the usage) is awaited this long
 UNMATCHED_ROUTE = "unmatched"  # the `route` label of every request no route took (404, 405)
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass
@@ -83,14 +74,6 @@ def route_label(request: web.Request) -> str:
     the series stay as many as the routes whatever paths clients send."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else UNMATCHED_ROUTE
-
-
-async def _next_event(stream: AsyncStream) -> TokenChunk | Done:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        assert stream.done is not None
-        return stream.done
 
 
 class Gateway:
@@ -233,7 +216,8 @@ class Gateway:
                 )
             if req.stop and not self.has_tokenizer:
                 raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
-            return await self._answer(request, req, arrived)
+            assert self._client is not None
+            return await answer_request(self._client, self.metrics, request, req, self.model_name, arrived)
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.client_disconnected()
             raise
@@ -247,126 +231,6 @@ class Gateway:
             return json.loads(raw)
         except ValueError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-
-    async def _answer(
-        self, request: web.Request, req: GenerationRequest, arrived: float
-    ) -> web.StreamResponse:
-        assert self._client is not None
-        try:
-            stream = await self._client.generate(
-                req.prompt,
-                prompt_ids=req.prompt_ids,
-                messages=req.messages,
-                sampling=req.sampling,
-                priority=req.priority,
-            )
-        except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
-            raise APIError(400, str(exc)) from None
-        writer = ResponseWriter(req, self.model_name)
-        async with stream:  # leaving early (an error, a cancelled handler) aborts upstream
-            first = await _next_event(stream)
-            if isinstance(first, Done) and not first.ok:
-                raise self._upstream_error(first)
-            if req.stream:
-                return await self._stream(request, req, writer, stream, first, arrived)
-            return await self._collect(req, writer, stream, first)
-
-    def _upstream_error(self, done: Done) -> APIError:
-        self.metrics.upstream_error(done.error_code or "unknown")
-        return APIError.from_upstream(done.error_code, done.error_message)
-
-    def _count_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        self.metrics.usage(prompt_tokens, completion_tokens)
-
-    async def _end_early(self, stream: AsyncStream) -> Done | None:
-        """A stop string matched: abort upstream as a stop (the server counts it as one, protocol
-        1.3) and wait (bounded) for the `done` with usage."""
-        await stream.abort(finish_reason="stop")
-        try:
-            return await stream.wait(timeout=END_EARLY_WAIT_S)
-        except TimeoutError:
-            return None
-
-    async def _collect(
-        self, req: GenerationRequest, writer: ResponseWriter, stream: AsyncStream, item: TokenChunk | Done
-    ) -> web.StreamResponse:
-        matcher = StopMatcher(req.stop) if req.stop else None
-        texts: list[str] = []
-        ids: list[int] = []
-        while isinstance(item, TokenChunk):
-            ids.extend(item.token_ids)
-            texts.append(matcher.push(item.text or "") if matcher else item.text or "")
-            if matcher is not None and matcher.matched:
-                break
-            item = await _next_event(stream)
-        if isinstance(item, Done):
-            if not item.ok:
-                raise self._upstream_error(item)
-            done: Done | None = item
-            finish, completion = item.finish_reason, item.completion_tokens
-            if matcher is not None:
-                texts.append(matcher.flush())
-        else:  # a stop string: what was generated up to it is the answer
-            done = await self._end_early(stream)
-            finish, completion = "stop", len(ids)
-        prompt_tokens = done.prompt_tokens if done is not None else 0
-        self._count_usage(prompt_tokens, completion)
-        body = writer.response("".join(texts), ids[:completion], finish, prompt_tokens, completion)
-        return web.json_response(body)
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: GenerationRequest,
-        writer: ResponseWriter,
-        stream: AsyncStream,
-        item: TokenChunk | Done,
-        arrived: float,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        if req.chat:
-            await response.write(writer.role_chunk())
-        matcher = StopMatcher(req.stop) if req.stop else None
-        sent = 0  # tokens received so far
-        first_written = False
-        while isinstance(item, TokenChunk):
-            sent += len(item.token_ids)
-            text = item.text or ""
-            if matcher is not None:
-                text = matcher.push(text)
-            if text or req.return_token_ids:
-                await response.write(writer.token_chunk(text, item.token_ids))
-                if not first_written:
-                    first_written = True
-                    self.metrics.first_token_written(time.perf_counter() - arrived)
-            if matcher is not None and matcher.matched:
-                break
-            item = await _next_event(stream)
-        if isinstance(item, Done):
-            done: Done | None = item
-            if matcher is not None:
-                tail = matcher.flush()
-                if tail:
-                    await response.write(writer.token_chunk(tail, []))
-            if not item.ok:
-                await response.write(writer.error_event(self._upstream_error(item)))
-                await response.write(SSE_DONE)
-                await response.write_eof()
-                return response
-            finish, completion = item.finish_reason, item.completion_tokens
-            await response.write(writer.finish_chunk(finish))
-        else:  # a stop string matched: finish now, then learn the usage
-            await response.write(writer.finish_chunk("stop"))
-            done = await self._end_early(stream)
-            completion = sent
-        prompt_tokens = done.prompt_tokens if done is not None else 0
-        self._count_usage(prompt_tokens, completion)
-        if req.include_usage:
-            await response.write(writer.usage_chunk(prompt_tokens, completion))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response
 
 
 class BackgroundGateway:

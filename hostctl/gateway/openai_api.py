@@ -1,20 +1,18 @@
-"""The OpenAI HTTP API's side of the gateway, without I/O: a JSON body in, a typed request out
-(or an APIError naming the field), and the bytes of every response and SSE chunk.
+"""The OpenAI HTTP API's requests, without I/O: a JSON body in, a typed request out (or an
+APIError naming the field); the bytes of their answers are responses.py's.
 
-What is accepted is what ringleader can honour: `n`, `best_of`, `echo`, `logprobs`,
+What is accepted is what ringleader can honour: `best_of`, `echo` (and with it prompt logprobs),
 `logit_bias`, `suffix`, tools and non-text content are refused with a 400 naming the field
 rather than silently ignored, and so is any body field the gateway does not know (vllm serve
 ignores those, so a sampling knob it lacks would pass unnoticed).  The sampling fields, their
-OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_params); vLLM's
-extensions among them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.
-The gateway's own: `return_token_ids` (each choice carries the ids of its tokens), `priority`.
+OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_params), `n` and
+`logprobs` (chat's `logprobs` + `top_logprobs`) among them; vLLM's extensions among them: `top_k`,
+`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.  The gateway's own:
+`return_token_ids` (each choice carries the ids of its tokens), `priority`.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +32,6 @@ _HANDLED = (
     "stream",
     "stream_options",
     "stop",
-    "n",
-    "logprobs",
     "logit_bias",
     "return_token_ids",
     "priority",
@@ -47,7 +43,6 @@ CHAT_FIELDS = OPENAI_FIELDS.union(
 COMPLETIONS_FIELDS = OPENAI_FIELDS.union(_HANDLED, _NO_OPS, ("prompt", "best_of", "echo", "suffix"))
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
-SSE_DONE = b"data: [DONE]\n\n"
 
 # protocol error code -> (HTTP status, OpenAI error type)
 STATUS_OF_CODE: dict[str, tuple[int, str]] = {
@@ -146,7 +141,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 def _refuse_unless_default(body: dict, name: str, allowed: tuple[Any, ...], why: str) -> None:
     value = body.get(name)
-    # a bool matches only a bool: `n: true` is not n = 1
+    # a bool matches only a bool: `best_of: true` is not best_of = 1
     if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
         raise bad(name, f"{why}; got {clipped_repr(value)}")
 
@@ -282,20 +277,17 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"must be a string, got {clipped_repr(model)}")
-    _refuse_unless_default(body, "n", (None, 1), "only n = 1 is supported")
     _refuse_unless_default(body, "logit_bias", (None, {}), "logit_bias is not supported")
     if chat:
-        _refuse_unless_default(body, "logprobs", (None, False), "logprobs are not supported")
-        _refuse_unless_default(body, "top_logprobs", (None, 0), "logprobs are not supported")
         _refuse_unless_default(body, "tools", (None, []), "tools are not supported")
         _refuse_unless_default(body, "tool_choice", (None, "none"), "tools are not supported")
         rf = body.get("response_format")
         if rf is not None and rf != {"type": "text"}:
             raise bad("response_format", f"only {{'type': 'text'}} is supported, got {clipped_repr(rf)}")
     else:
-        _refuse_unless_default(body, "best_of", (None, 1), "only best_of = 1 is supported")
-        _refuse_unless_default(body, "echo", (None, False), "echo is not supported")
-        _refuse_unless_default(body, "logprobs", (None,), "logprobs are not supported")
+        _refuse_unless_default(
+            body, "best_of", (None, 1), "best_of is not supported; send n and pick the best yourself"
+        )
         _refuse_unless_default(body, "suffix", (None, ""), "suffix is not supported")
     _no_op_fields(body)
     stream = _bool(body, "stream")
@@ -308,106 +300,16 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         req.sampling = sampling_from_openai(body, "chat" if chat else "completions")
     except SamplingError as err:
         raise APIError(400, str(err), param=err.field) from None
+    if not chat:
+        echo_why = "echo is not supported"
+        if req.sampling.logprobs is not None:
+            echo_why += ", and neither are the prompt logprobs it asks for with logprobs"
+        _refuse_unless_default(body, "echo", (None, False), echo_why)
     req.stop = _stop(body)
     req.include_usage = _stream_options(body, stream)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.priority = _int(body, "priority", 0, -1000, 1000)
     return req
-
-
-# ---------------------------------------------------------------- responses
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-class ResponseWriter:
-    """The bytes of one request's answers.  The per-token chunk is a prefix and a suffix made
-    once per request around the chunk's text, so a token costs one json.dumps of its text."""
-
-    def __init__(self, req: GenerationRequest, model: str):
-        self.req = req
-        self.model = model
-        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        head = {"id": self.id, "object": self._object(), "created": self.created, "model": model}
-        # '{"id":...,"model":"M"' without the closing brace, to open every chunk with
-        self._head = json.dumps(head, separators=(",", ":"))[:-1]
-        if req.chat:
-            self._token_prefix = (
-                "data: " + self._head + ',"choices":[{"index":0,"delta":{"content":'
-            ).encode()
-            self._token_suffix = '},"logprobs":null,"finish_reason":null'
-        else:
-            self._token_prefix = ("data: " + self._head + ',"choices":[{"index":0,"text":').encode()
-            self._token_suffix = ',"logprobs":null,"finish_reason":null'
-
-    def _object(self) -> str:
-        return "chat.completion.chunk" if self.req.chat else "text_completion"
-
-    def _chunk(self, choices: list[dict], **extra: Any) -> bytes:
-        obj = {"id": self.id, "object": self._object(), "created": self.created, "model": self.model}
-        obj["choices"] = choices
-        obj.update(extra)
-        return _sse(obj)
-
-    def role_chunk(self) -> bytes:
-        """Chat streams open with the assistant's role."""
-        return self._chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        )
-
-    def token_chunk(self, text: str, token_ids: list[int]) -> bytes:
-        tail = self._token_suffix
-        if self.req.return_token_ids:
-            tail += ',"token_ids":' + json.dumps(token_ids, separators=(",", ":"))
-        return self._token_prefix + (json.dumps(text) + tail + "}]}\n\n").encode()
-
-    def finish_chunk(self, finish_reason: str) -> bytes:
-        if self.req.chat:
-            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._chunk([], usage=usage(prompt_tokens, completion_tokens))
-
-    @staticmethod
-    def error_event(err: APIError) -> bytes:
-        return _sse(err.body())
-
-    def response(
-        self, text: str, token_ids: list[int], finish_reason: str, prompt_tokens: int, completion_tokens: int
-    ) -> dict[str, Any]:
-        """The whole answer of a request that did not stream."""
-        choice: dict[str, Any]
-        if self.req.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.req.return_token_ids:
-            choice["token_ids"] = token_ids
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.req.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
 
 
 def models_list(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class Admission:
         self._arrivals = itertools.count()
         self._queued_tokens = 0
         self._abort_backlog: deque[InFlight] = deque()  # aborts the abort ring had no room for
+        # handles of requests held on the host until release_gated (later choices of a request
+        # with n > 1, waiting for the first one's prompt to be cached); in _waiting, not queued
+        self._gated: set[int] = set()
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
         cfg = rings.config
@@ -61,14 +64,16 @@ class Admission:
     def waits_for_ring_space(self) -> bool:
         """True when work is held back by a full SQ, arena or abort ring, which the device frees
         without telling the host (a full window opens on a DONE, which wakes the frontend)."""
-        return bool(self._abort_backlog) or (bool(self._waiting) and self._window_open())
+        queued = len(self._waiting) > len(self._gated)
+        return bool(self._abort_backlog) or (queued and self._window_open())
 
-    def can_accept(self, prompt_len: int) -> bool:
+    def can_accept(self, prompt_len: int, count: int = 1) -> bool:
+        """Whether `count` requests of prompt_len tokens (the choices of one request) fit."""
         if not self._waiting:
-            return True  # it may go straight in; if not, it is the first one queued
+            return True  # they may go straight in; if not, they are the first ones queued
         return (
-            len(self._waiting) < self.max_queued
-            and self._queued_tokens + prompt_len <= self.max_queued_tokens
+            len(self._waiting) + count <= self.max_queued
+            and self._queued_tokens + count * prompt_len <= self.max_queued_tokens
         )
 
     def submit(self, req: InFlight) -> bool:
@@ -78,11 +83,26 @@ class Admission:
         if not self._waiting and self._window_open() and self._write_generate(req):
             return True
         self._hold(req)
+        self._enqueue(req)
+        return True
+
+    def hold_gated(self, req: InFlight) -> None:
+        """Holds an accepted request on the host until release_gated(req) (an abort or a shutdown
+        ends it there as it would a queued one)."""
+        self._hold(req)
+        self._gated.add(req.handle)
+
+    def release_gated(self, req: InFlight) -> None:
+        """Queues a request hold_gated held, if it is still waiting."""
+        if req.handle in self._gated:
+            self._gated.discard(req.handle)
+            self._enqueue(req)
+
+    def _enqueue(self, req: InFlight) -> None:
         heap = self._queues.setdefault(req.client, [])
         heapq.heappush(heap, (-req.priority, next(self._arrivals), req.handle))
         if len(heap) > 2 * self._waiting_of[req.client] + 64:  # many ended while queued
             self._compact(req.client)
-        return True
 
     def abort(self, req: InFlight) -> bool:
         """Aborts a request.  Returns True when it was still on the host: then no DONE will come
@@ -131,6 +151,7 @@ class Admission:
         """Empties the host queue (shutdown); returns the requests that never reached the SQ."""
         dropped = list(self._waiting.values())
         self._waiting.clear()
+        self._gated.clear()
         self._waiting_of.clear()
         self._queues.clear()
         self._queued_tokens = 0
@@ -143,6 +164,7 @@ class Admission:
 
     def _release(self, req: InFlight) -> None:
         del self._waiting[req.handle]
+        self._gated.discard(req.handle)
         left = self._waiting_of[req.client] - 1
         if left:
             self._waiting_of[req.client] = left

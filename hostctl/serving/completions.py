@@ -99,9 +99,9 @@ class CompletionRouter:
             # 1. wait (at most 50 ms) for the backend to signal new CQ events
             self._backend.wait_for_events(0.05)
             # 2. take the CQ's events and route them: token frames, and the `done` of each DONE
-            events = self._rings.completions.take()
+            events, records = self._rings.completions.take_with_logprobs(self._logprobs_wanted)
             if len(events):
-                self._route(events)
+                self._route(events, records)
             # 3. engine dead: end whatever the frontend accepted before it saw dead_reason
             if self._dead_reason is not None:
                 if len(self._table):
@@ -123,33 +123,42 @@ class CompletionRouter:
         """Engine dead: every in-flight request ends now with engine_dead."""
         frames = []
         for req in self._table.all():
-            frame = self._finisher.end(
+            frames += self._finisher.end(
                 req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}"
             )
-            if frame is not None:
-                frames.append(frame)
         self._outbox.put_many(frames)
 
-    def _route(self, events) -> None:
+    def _logprobs_wanted(self, events) -> bool:
+        """Read once the batch's events are copied, before the CQ entries go back: a request
+        whose events are in it was in the table before its GENERATE was written."""
+        return self._table.with_logprobs > 0
+
+    def _route(self, events, records=None) -> None:
         """One CQ batch: a token frame per request, then its `done` if it ended; the batch's
-        metrics go to ServerMetrics at once, under one lock, before its frames are handed on."""
+        metrics go to ServerMetrics at once, under one lock, before its frames are handed on.
+        records: the batch's cq_logprobs entries (None when no request in flight asked)."""
         frames: list[Frame] = []
         tokens: dict[int, list[int]] = {}
+        positions: dict[int, list[int]] = {}  # per handle, its TOKEN events' places in the batch
         order: list[int] = []  # handles in first-event order, so frames keep event order
         dones: dict[int, int] = {}
         now = time.perf_counter_ns()
         queued: dict[int, int] = {}
-        for handle, kind, reason, token, waited in zip(
-            events["handle"].tolist(),
-            events["kind"].tolist(),
-            events["finish_reason"].tolist(),
-            events["token"].tolist(),
-            events["queued_us"].tolist(),
+        for at, (handle, kind, reason, token, waited) in enumerate(
+            zip(
+                events["handle"].tolist(),
+                events["kind"].tolist(),
+                events["finish_reason"].tolist(),
+                events["token"].tolist(),
+                events["queued_us"].tolist(),
+            )
         ):
             if handle not in tokens and handle not in dones:
                 order.append(handle)
             if kind == layout.EventKind.TOKEN:
                 tokens.setdefault(handle, []).append(token)
+                if records is not None:
+                    positions.setdefault(handle, []).append(at)
             else:
                 dones[handle] = reason
                 queued[handle] = waited
@@ -167,6 +176,8 @@ class CompletionRouter:
                     req.first_token_ns = now
                     if req.arena_offset is not None:  # set before the GENERATE was published
                         self._rings.arena.release(req.arena_offset)  # prefill is over
+                    if req.family is not None and req.index == 0:
+                        req.family.open_gate()  # its prompt's pages are cached now
                     n_prompt += req.prompt_len
                     ttft.append((now - req.arrival_ns) / 1e9)
                     if k > 1:  # the rest of a first frame came with the first token: no gap
@@ -177,7 +188,12 @@ class CompletionRouter:
                 req.completion_tokens += k
                 n_tokens += k
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
-                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, ids, text))))
+                logprobs = None
+                if req.sampling.logprobs is not None and records is not None:
+                    logprobs = self._logprob_entries(req.sampling.logprobs, records, positions[handle], ids)
+                index = None if req.family is None else req.index
+                msg = protocol.token_msg(req.id, ids, text, index=index, logprobs=logprobs)
+                frames.append((req.client, protocol.encode(msg)))
             if handle not in dones:
                 continue
             finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
@@ -185,13 +201,34 @@ class CompletionRouter:
             if finish == protocol.FINISH_ABORT and req.end_as is not None:
                 # the host's reason for the abort (a request that ended anyway keeps its own)
                 finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
-            done = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle])
-            if done is None:
-                continue  # the frontend ended it meanwhile (shutdown)
+            # flushed first: if the frontend ended it meanwhile (shutdown), the tail goes unsent
             tail = req.detokenizer.flush() if req.detokenizer is not None else None
-            if tail:
+            ended = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle], tail=tail)
+            if not ended:
+                continue
+            if tail and req.family is None:  # a choice's tail travels in its last chunk instead
                 frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
-            frames.append(done)
+            frames += ended
         if n_tokens:
             self._metrics.routed(n_tokens, n_prompt, ttft, itl)
         self._outbox.put_many(frames)
+
+    def _logprob_entries(self, asked: int, records, at: list[int], token_ids: list[int]) -> list[dict]:
+        """The protocol's logprobs entries (docs/protocol.md) of one request's tokens, from their
+        cq_logprobs records; each token and alternative named by its text where the model has a
+        tokenizer."""
+        token_text = self._backend.model.token_text
+        out = []
+        for record, token in zip(records[at], token_ids):
+            k = min(asked, int(record["n_top"]))
+            ids = record["top_ids"][:k].tolist()
+            entry = {
+                "logprob": float(record["logprob"]),
+                "top_ids": ids,
+                "top_logprobs": record["top_logprobs"][:k].tolist(),
+            }
+            if token_text is not None:
+                entry["token"] = token_text(token)
+                entry["top_tokens"] = [token_text(i) for i in ids]
+            out.append(entry)
+        return out

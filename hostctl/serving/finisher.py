@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ringleader.hostctl.serving.inflight import InFlight, RequestTable
+from ringleader.hostctl.serving.inflight import Ending, Family, InFlight, RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
 from ringleader.ipc import protocol
 from ringleader.ipc.rings import PromptArena
@@ -61,6 +61,37 @@ def done_frame(
     return req.client, protocol.encode(msg)
 
 
+def family_done_frame(family: Family) -> Frame:
+    """The one `done` of a request with n > 1, once every choice ended: usage with the prompt
+    once and every choice's tokens, how each choice ended, and an error if any choice ended in
+    one (the first by index; else the first choice's finish reason)."""
+    ends = [family.ends[i] for i in range(family.n)]
+    first = family.members[0]
+    errors = [ending for ending, _ in ends if ending.finish_reason == protocol.FINISH_ERROR]
+    ending = errors[0] if errors else ends[0][0]
+    completion = sum(tokens for _, tokens in ends)
+    # unstarted timeouts bill nothing, as done_frame does for one request
+    unbilled = ending.code == protocol.ERR_TIMEOUT and completion == 0
+    msg = protocol.done_msg(
+        first.id,
+        ending.finish_reason,
+        0 if unbilled else first.prompt_len,
+        completion,
+        error_code=ending.code,
+        error_message=ending.message,
+        choices=[
+            {"index": i, "finish_reason": end.finish_reason, "completion_tokens": tokens}
+            for i, (end, tokens) in enumerate(ends)
+        ],
+    )
+    started = [m.first_token_ns for m in family.members if m.first_token_ns]
+    timing = {"e2e_ms": (time.perf_counter_ns() - first.arrival_ns) / 1e6}
+    if started:
+        timing["ttft_ms"] = (min(started) - first.arrival_ns) / 1e6
+    msg["timing"] = timing
+    return first.client, protocol.encode(msg)
+
+
 def reject_frame(request_id: protocol.RequestId | None, code: str, message: str) -> bytes:
     """The `done` of a generate that is never accepted (usage is zero by the protocol)."""
     return protocol.encode(
@@ -84,24 +115,35 @@ class Finisher:
         message: str | None = None,
         *,
         device_queued_us: int | None = None,
-    ) -> Frame | None:
-        """Ends `req` once: returns its `done` frame to the caller that removed it from the table,
-        None to everyone else (it had already ended).
+        tail: str | None = None,
+    ) -> list[Frame]:
+        """Ends `req` once: returns its frames to the caller that removed it from the table, []
+        to everyone else (it had already ended).  A request's frames are its `done`; a choice of
+        a request with n > 1 gets its last chunk (index, finish_reason, and `tail`, the text its
+        detokenizer held back), and the last choice to end the request's one `done` after it.
 
         device_queued_us is given exactly when the DONE came from the device: only then is the
         prompt's arena space released here (if its first token did not release it already),
         since the device no longer reads it.  A request ended on the host either never reached
         the arena, or belongs to a device that is dead or did not answer at shutdown."""
-        if self._table.finish(req.handle) is not req:
-            return None
+        family = req.family
+        if self._table.finish(req.handle, Ending(reason, code, message)) is not req:
+            return []
         if device_queued_us is not None and req.completion_tokens == 0 and req.arena_offset is not None:
             self._arena.release(req.arena_offset)
         timing = server_timing(req, device_queued_us)
-        frame = done_frame(req, reason, code, message, timing=timing)
         self._metrics.finished(req, reason, code, timing)
         if log.isEnabledFor(logging.INFO):
             log.info(request_log_line(req, reason, code, timing))
-        return frame
+        if family is None:
+            return [done_frame(req, reason, code, message, timing=timing)]
+        if req.index == 0:
+            family.open_gate()  # its prompt is as cached as it will be: the others go ahead
+        last = protocol.token_msg(req.id, [], tail or None, index=req.index, finish_reason=reason)
+        frames = [(req.client, protocol.encode(last))]
+        if len(family.ends) == family.n:  # the table recorded every choice's end
+            frames.append(family_done_frame(family))
+        return frames
 
 
 def request_log_line(req: InFlight, reason: str, code: str | None, timing: dict) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,30 @@ class Ending:
     def __post_init__(self) -> None:
         if (self.finish_reason == protocol.FINISH_ERROR) != (self.code is not None):
             raise ValueError(f"an error ending needs a code and only it has one: {self}")
+
+
+@dataclass(eq=False)
+class Family:
+    """The n choices of one request with n > 1: one InFlight each (index 0..n-1), one `done` for
+    them all, made when the last one ends (Finisher.end).  `ends` (index -> how it ended and its
+    completion tokens) is written under the table lock by whichever thread ends a member.
+
+    Prefill once: where the prefix cache can share the prompt, members 1..n-1 wait on the host
+    until the first one's prompt is cached (its first token, or its end): `gate` is called once
+    then, by the completion thread (or whichever thread ends member 0 first)."""
+
+    members: list[InFlight] = field(default_factory=list)
+    ends: dict[int, tuple[Ending, int]] = field(default_factory=dict)
+    gate: Callable[[Family], None] | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.members)
+
+    def open_gate(self) -> None:
+        gate, self.gate = self.gate, None  # once; a race between two threads only repeats a no-op
+        if gate is not None:
+            gate(self)
 
 
 @dataclass(eq=False)
@@ -77,6 +102,8 @@ class InFlight:
     last_token_ns: int = 0  # completion thread: when its latest token frame was routed
     deadline_ns: int = 0  # frontend thread only: perf_counter_ns by which it must end (0: none)
     queue_deadline_ns: int = 0  # frontend thread only: by when its first token must come (0: none)
+    index: int = 0  # its choice, of a request with n > 1
+    family: Family | None = None  # the request's choices when n > 1; set at creation
 
     @property
     def prompt_len(self) -> int:
@@ -94,6 +121,7 @@ class RequestTable:
         self._by_key: dict[tuple[bytes, Any], InFlight] = {}
         self._by_client: dict[bytes, dict[int, InFlight]] = {}
         self._in_sq = 0
+        self._with_logprobs = 0  # requests in the table that asked for logprobs
         self._next_handle = 1
 
     def __len__(self) -> int:
@@ -103,6 +131,12 @@ class RequestTable:
     def in_sq(self) -> int:
         """Requests the device holds (written to the SQ, not ended): what the admission window bounds."""
         return self._in_sq
+
+    @property
+    def with_logprobs(self) -> int:
+        """Requests in the table that asked for logprobs (the completion thread reads their
+        records from the CQ only while there are some)."""
+        return self._with_logprobs
 
     @staticmethod
     def key(client: bytes, request_id: Any) -> tuple:
@@ -114,15 +148,31 @@ class RequestTable:
 
     def add(self, client: bytes, request_id: Any, **fields) -> InFlight:
         with self._lock:
-            handle = self._next_handle
-            while handle in self._by_handle or handle == 0:  # u32 wrap: skip live handles
-                handle = (handle + 1) & 0xFFFFFFFF
-            self._next_handle = (handle + 1) & 0xFFFFFFFF
-            req = InFlight(handle=handle, client=client, id=request_id, **fields)
-            self._by_handle[handle] = req
+            req = self._add(client, request_id, fields)
             self._by_key[self.key(client, request_id)] = req
-            self._by_client.setdefault(client, {})[handle] = req
             return req
+
+    def add_family(self, client: bytes, request_id: Any, samplings: list[SamplingParams], **fields) -> Family:
+        """The choices of a request with n = len(samplings) > 1, one InFlight each, under one id."""
+        with self._lock:
+            family = Family()
+            for index, sampling in enumerate(samplings):
+                member = self._add(client, request_id, {**fields, "sampling": sampling})
+                member.index, member.family = index, family
+                family.members.append(member)
+            self._by_key[self.key(client, request_id)] = family.members[0]
+            return family
+
+    def _add(self, client: bytes, request_id: Any, fields: dict) -> InFlight:
+        handle = self._next_handle
+        while handle in self._by_handle or handle == 0:  # u32 wrap: skip live handles
+            handle = (handle + 1) & 0xFFFFFFFF
+        self._next_handle = (handle + 1) & 0xFFFFFFFF
+        req = InFlight(handle=handle, client=client, id=request_id, **fields)
+        self._with_logprobs += req.sampling.logprobs is not None
+        self._by_handle[handle] = req
+        self._by_client.setdefault(client, {})[handle] = req
+        return req
 
     def mark_in_sq(self, req: InFlight, sq_pos: int) -> None:
         """Records that its GENERATE entry is in the SQ (not counted if it ended meanwhile)."""
@@ -135,9 +185,16 @@ class RequestTable:
         with self._lock:
             return self._by_handle.get(handle)
 
-    def find(self, client: bytes, request_id: Any) -> InFlight | None:
+    def find(self, client: bytes, request_id: Any) -> list[InFlight]:
+        """The live requests under the client's id: one, the choices of a request with n > 1
+        that have not ended, or none."""
         with self._lock:
-            return self._by_key.get(self.key(client, request_id))
+            req = self._by_key.get(self.key(client, request_id))
+            if req is None:
+                return []
+            if req.family is None:
+                return [req]
+            return [m for m in req.family.members if self._by_handle.get(m.handle) is m]
 
     def of_client(self, client: bytes) -> list[InFlight]:
         with self._lock:
@@ -151,13 +208,19 @@ class RequestTable:
         with self._lock:
             return list(self._by_handle.values())
 
-    def finish(self, handle: int) -> InFlight | None:
-        """Removes the request; only the caller that gets it back may send its `done`.  Called
-        by Finisher.end only, which builds that `done`."""
+    def finish(self, handle: int, ending: Ending | None = None) -> InFlight | None:
+        """Removes the request; only the caller that gets it back may send its `done` (or, for
+        a choice of a request with n > 1, its last chunk: `ending` is recorded in its family,
+        and the id stays taken until every choice ended).  Called by Finisher.end only."""
         with self._lock:
             req = self._by_handle.pop(handle, None)
             if req is not None:
-                self._by_key.pop(self.key(req.client, req.id), None)
+                family = req.family
+                if family is not None:
+                    assert ending is not None
+                    family.ends[req.index] = (ending, req.completion_tokens)
+                if family is None or len(family.ends) == family.n:
+                    self._by_key.pop(self.key(req.client, req.id), None)
                 mine = self._by_client.get(req.client)
                 if mine is not None:
                     mine.pop(handle, None)
@@ -165,4 +228,5 @@ class RequestTable:
                         del self._by_client[req.client]
                 if req.in_sq:
                     self._in_sq -= 1
+                self._with_logprobs -= req.sampling.logprobs is not None
             return req

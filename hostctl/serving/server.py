@@ -15,7 +15,6 @@ and deadlines sit in a heap.
 from __future__ import annotations
 
 import errno
-import heapq
 import logging
 import os
 import threading
@@ -30,14 +29,16 @@ import zmq
 from ringleader.hostctl.serving.admission import Admission
 from ringleader.hostctl.serving.completions import CompletionRouter, Outbox
 from ringleader.hostctl.serving.config import ServerConfig
+from ringleader.hostctl.serving.deadlines import Deadlines
 from ringleader.hostctl.serving.finisher import Finisher, Frame, reject_frame
 from ringleader.hostctl.serving.frontend_socket import FrontendSocket
-from ringleader.hostctl.serving.inflight import Ending, InFlight, RequestTable
+from ringleader.hostctl.serving.inflight import Ending, Family, InFlight, RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics, thread_cpu_seconds
-from ringleader.hostctl.serving.snapshot import ServerSnapshot
+from ringleader.hostctl.serving.snapshot import ServerSnapshot, read_snapshot
 from ringleader.ipc import protocol
 from ringleader.ipc.backend import Backend
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
+from ringleader.ipc.sampling_params import UINT64_MAX, SamplingParams
 
 log = logging.getLogger("ringleader.server")
 
@@ -45,7 +46,10 @@ RECV_BATCH = 256  # frames taken per wake-up before admitting them together
 MAX_BACKLOG_FRAMES = 65536  # per client; beyond it the client is treated as gone
 GONE_SWEEP_S = 1.0  # how often clients marked gone with nothing left in flight are forgotten
 ABORT_WAIT_S = 1.5  # at shutdown: how long the device gets to end what was aborted
-_QUEUE_DEADLINE, _REQUEST_DEADLINE = 0, 1
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little")
 
 
 class Server:
@@ -93,8 +97,7 @@ class Server:
             max_queued=config.max_queued,
             max_queued_tokens=config.max_queued_tokens,
         )
-        self._max_queue_ns = int(config.max_queue_ms * 1e6) if config.max_queue_ms else 0
-        self._deadlines: list[tuple[int, int, int]] = []  # (perf_counter_ns, handle, kind)
+        self._deadlines = Deadlines(self.table, config.max_queue_ms)
         self.timed_out = 0  # frontend thread only
         self._ctx = frontend.context
         self._socket = frontend.socket  # the frontend thread's alone
@@ -119,6 +122,11 @@ class Server:
         self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
         self._next_gone_sweep = 0.0
         self._stop_requested = threading.Event()
+        # families whose later choices may now enter the queue (Family.gate; any thread appends)
+        self._gates_open: deque[Family] = deque()
+        cfg = backend.rings.config
+        # a prompt of at least one full page shares its KV through the prefix cache
+        self._shared_prefill_len = cfg.page_size if cfg.prefix_caching else 0
         self.serving = threading.Event()  # the backend and the completion thread have started
         self._frontend_tid: int | None = None
         self._accepting = True
@@ -154,8 +162,9 @@ class Server:
     def _poll_timeout_ms(self) -> int:
         if self.admission.waits_for_ring_space() or self._backlog:
             return 1
-        if self._deadlines:
-            until = (self._deadlines[0][0] - time.perf_counter_ns()) // 1_000_000
+        next_ns = self._deadlines.next_ns()
+        if next_ns is not None:
+            until = (next_ns - time.perf_counter_ns()) // 1_000_000
             return int(min(100, max(1, until + 1)))
         return 100
 
@@ -191,7 +200,11 @@ class Server:
                 self._handle_parts(parts)
         # 3. deadlines: time out what passed its queue limit or its timeout_ms
         self._expire_deadlines()
-        # 4. admission pump: held-back aborts, then queued requests into the SQ
+        # 4. admission pump: choices whose first one's prompt is now cached join the queue;
+        #    held-back aborts, then queued requests into the SQ
+        while self._gates_open:
+            for member in self._gates_open.popleft().members[1:]:
+                self.admission.release_gated(member)
         self.admission.pump()
         # 5. publish what was written to the rings, and wake the device if anything was
         if self.admission.publish():
@@ -229,9 +242,9 @@ class Server:
         if isinstance(request, protocol.GenerateRequest):
             self._on_generate(client, request)
         elif isinstance(request, protocol.AbortRequest):
-            req = self.table.find(client, request.id)
-            if req is not None:
-                self._abort(req, finish_reason=request.finish_reason)
+            for req in self.table.find(client, request.id):
+                if request.index is None or request.index == req.index:
+                    self._abort(req, finish_reason=request.finish_reason)
         elif isinstance(request, protocol.StatsRequest):
             self._send(client, protocol.encode(protocol.stats_msg(self.stats())))
         elif isinstance(request, protocol.PingRequest):
@@ -278,7 +291,8 @@ class Server:
         except protocol.BadRequest as exc:
             self._reject(client, r.id, protocol.ERR_BAD_REQUEST, exc.message)
             return
-        if not self.admission.can_accept(len(prompt_ids)):
+        n = r.sampling.n
+        if not self.admission.can_accept(len(prompt_ids), n):
             self._reject(
                 client,
                 r.id,
@@ -289,19 +303,55 @@ class Server:
         sampling = r.sampling
         if sampling.max_tokens != max_tokens:
             sampling = sampling.with_max_tokens(max_tokens)
-        if sampling.seed is None:
-            sampling = sampling.with_seed(int.from_bytes(os.urandom(8), "little"))
-        req = self.table.add(
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if n == 1:
+            if sampling.seed is None:
+                sampling = sampling.with_seed(_random_seed())
+            req = self.table.add(
+                client,
+                r.id,
+                prompt_ids=prompt,
+                sampling=sampling,
+                priority=r.priority,
+                detokenizer=self._new_detokenizer(),
+            )
+            self._deadlines.arm(req, r.timeout_ms)
+            self.admission.submit(req)  # can_accept was checked just above
+        else:
+            self._submit_choices(client, r, prompt, sampling)
+        self.metrics.accepted += 1
+
+    def _submit_choices(
+        self, client: bytes, r: protocol.GenerateRequest, prompt: np.ndarray, sampling: SamplingParams
+    ) -> None:
+        """A request with n > 1: n choices, choice i with seed + i (each its own random seed
+        when none was given), under the request's id.  Where the prefix cache can share the
+        prompt, choices 1..n-1 wait until the first one's prompt is cached, then prefill only
+        what the cache does not hold (the last partial page)."""
+        base = sampling.seed
+        seeds = [_random_seed() if base is None else (base + i) & UINT64_MAX for i in range(sampling.n)]
+        family = self.table.add_family(
             client,
             r.id,
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            sampling=sampling,
+            [sampling.with_seed(seed) for seed in seeds],
+            prompt_ids=prompt,
             priority=r.priority,
-            detokenizer=self._new_detokenizer(),
         )
-        self._arm_deadlines(req, r.timeout_ms)
-        self.admission.submit(req)  # can_accept was checked just above
-        self.metrics.accepted += 1
+        shared = 0 < self._shared_prefill_len <= len(prompt)
+        if shared:
+            family.gate = self._open_gate
+        for member in family.members:
+            member.detokenizer = self._new_detokenizer()
+            self._deadlines.arm(member, r.timeout_ms)
+            if member.index == 0 or not shared:
+                self.admission.submit(member)  # can_accept counted all n
+            else:
+                self.admission.hold_gated(member)
+
+    def _open_gate(self, family: Family) -> None:
+        """Family.gate, from any thread: the frontend queues the family's later choices."""
+        self._gates_open.append(family)
+        self._notify_frontend()
 
     def _new_detokenizer(self):
         factory = self.backend.model.new_detokenizer
@@ -346,41 +396,10 @@ class Server:
     ) -> None:
         """Sends the `done` of a request the device does not hold (or no longer answers for),
         unless the completion thread ended it first."""
-        frame = self.finisher.end(req, reason, code, message)
-        if frame is not None:
-            self._send(*frame)
-
-    def _arm_deadlines(self, req: InFlight, timeout_ms: int | None) -> None:
-        if self._max_queue_ns:
-            req.queue_deadline_ns = req.arrival_ns + self._max_queue_ns
-            heapq.heappush(self._deadlines, (req.queue_deadline_ns, req.handle, _QUEUE_DEADLINE))
-        if timeout_ms is not None:
-            req.deadline_ns = req.arrival_ns + timeout_ms * 1_000_000
-            heapq.heappush(self._deadlines, (req.deadline_ns, req.handle, _REQUEST_DEADLINE))
-        if len(self._deadlines) > 2 * len(self.table) + 64:  # most belong to ended requests
-            self._deadlines = [d for d in self._deadlines if self.table.get(d[1]) is not None]
-            heapq.heapify(self._deadlines)
+        self._send_all(self.finisher.end(req, reason, code, message))
 
     def _expire_deadlines(self) -> None:
-        if self._deadlines and not len(self.table):
-            # only this thread adds to the table, so an empty one means every entry is stale
-            self._deadlines.clear()
-            return
-        now = time.perf_counter_ns()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            when, handle, kind = heapq.heappop(self._deadlines)
-            req = self.table.get(handle)
-            if req is None:
-                continue
-            if kind == _QUEUE_DEADLINE and when == req.queue_deadline_ns and not req.started:
-                message = (
-                    f"timeout: not started within the server's queue limit of "
-                    f"{self._max_queue_ns / 1e6:.0f} ms"
-                )
-            elif kind == _REQUEST_DEADLINE and when == req.deadline_ns:
-                message = f"timeout: timeout_ms of {(req.deadline_ns - req.arrival_ns) / 1e6:.0f} ms passed"
-            else:
-                continue  # started in time, or the handle now belongs to another request
+        for req, message in self._deadlines.expired():
             self.timed_out += 1
             self._abort(req, (protocol.ERR_TIMEOUT, message))
 
@@ -467,42 +486,7 @@ class Server:
 
     def snapshot(self) -> ServerSnapshot:
         """The figures the Prometheus exporter exports, read now; safe from any thread."""
-        counters, latencies = self.metrics.snapshot_with_histograms()
-        ctl = self.backend.rings.control[0]
-        pages = self.backend.rings.counters()
-        in_sq_ring = (int(ctl["sq_tail"]) - int(ctl["sq_head"])) & 0xFFFFFFFF
-        try:
-            steps = self.backend.step_histograms()
-        except Exception:  # a scrape never fails because of the device; the log says why
-            log.exception("reading the step histograms failed")
-            steps = {}
-        return ServerSnapshot(
-            model_name=str(self.backend.model.name),
-            description=dict(self.backend.description),
-            batch_slots=self.backend.rings.config.n_slots,
-            running=int(ctl["active_slots"]),
-            waiting=self.admission.queued + in_sq_ring + int(ctl["pending"]),
-            in_flight=len(self.table),
-            accepted=counters["accepted"],
-            prompt_tokens=counters["prompt_tokens"],
-            generation_tokens=counters["output_tokens"],
-            finished=counters["finished"],
-            errors=counters["errors_by_code"],
-            rejected=counters["rejected_by_code"],
-            bad_frames=counters["bad_frames"],
-            latencies=latencies,
-            thread_cpu_s=self.thread_cpu_seconds(),
-            step_histograms=steps,
-            steps=int(ctl["steps"]),
-            step_tokens=int(ctl["step_tokens"]),
-            cq_stalls=int(ctl["cq_stalls"]),
-            kv_cache_usage=float(pages["kv_cache_usage_perc"]),
-            kv_pages=int(pages["kv_pages_total"]),
-            preemptions=int(pages["preemptions"]),
-            prefix_cache_queries=int(pages["prefix_cache_queries"]),
-            prefix_cache_hits=int(pages["prefix_cache_hits"]),
-            engine_dead=self.router.dead_reason,
-        )
+        return read_snapshot(self)
 
     def _model_info(self) -> dict:
         """What a client needs to know of the model to build requests (the gateway asks)."""

@@ -4,10 +4,13 @@ server through this and nothing else.  docs/metrics.md names the series each fig
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ringleader.ipc.histogram import HistogramSnapshot
+
+log = logging.getLogger("ringleader.server")
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,44 @@ class ServerSnapshot:
     prefix_cache_queries: int  # prompt tokens of admitted requests
     prefix_cache_hits: int  # of those, the ones whose KV the prefix cache held (prefill skipped)
     engine_dead: str | None  # why the engine was declared dead; None while it lives
+
+
+def read_snapshot(server: Any) -> ServerSnapshot:
+    """A hostctl.serving.server.Server's figures now (Server.snapshot); safe from any thread
+    (the server is not imported here: it imports this)."""
+    counters, latencies = server.metrics.snapshot_with_histograms()
+    ctl = server.backend.rings.control[0]
+    pages = server.backend.rings.counters()
+    in_sq_ring = (int(ctl["sq_tail"]) - int(ctl["sq_head"])) & 0xFFFFFFFF
+    try:
+        steps = server.backend.step_histograms()
+    except Exception:  # a scrape never fails because of the device; the log says why
+        log.exception("reading the step histograms failed")
+        steps = {}
+    return ServerSnapshot(
+        model_name=str(server.backend.model.name),
+        description=dict(server.backend.description),
+        batch_slots=server.backend.rings.config.n_slots,
+        running=int(ctl["active_slots"]),
+        waiting=server.admission.queued + in_sq_ring + int(ctl["pending"]),
+        in_flight=len(server.table),
+        accepted=counters["accepted"],
+        prompt_tokens=counters["prompt_tokens"],
+        generation_tokens=counters["output_tokens"],
+        finished=counters["finished"],
+        errors=counters["errors_by_code"],
+        rejected=counters["rejected_by_code"],
+        bad_frames=counters["bad_frames"],
+        latencies=latencies,
+        thread_cpu_s=server.thread_cpu_seconds(),
+        step_histograms=steps,
+        steps=int(ctl["steps"]),
+        step_tokens=int(ctl["step_tokens"]),
+        cq_stalls=int(ctl["cq_stalls"]),
+        kv_cache_usage=float(pages["kv_cache_usage_perc"]),
+        kv_pages=int(pages["kv_pages_total"]),
+        preemptions=int(pages["preemptions"]),
+        prefix_cache_queries=int(pages["prefix_cache_queries"]),
+        prefix_cache_hits=int(pages["prefix_cache_hits"]),
+        engine_dead=server.router.dead_reason,
+    )

@@ -9,8 +9,11 @@ from ringleader.ipc.client.core import (
     ERR_BAD_REPLY,
     ERR_CLIENT_CLOSED,
     ERR_DISCONNECTED,
+    Choice,
+    ChoiceEnd,
     Done,
     TokenChunk,
+    TokenLogprob,
 )
 from ringleader.ipc.client.sync_client import Client, Stream
 
@@ -23,8 +26,11 @@ __all__ = [
     "ERR_DISCONNECTED",
     "AsyncClient",
     "AsyncStream",
+    "Choice",
+    "ChoiceEnd",
     "Client",
     "Done",
     "Stream",
     "TokenChunk",
+    "TokenLogprob",
 ]

@@ -67,7 +67,7 @@ class AsyncStream(StreamState):
             self._client._abandon(self.id, None)  # whoever wanted these tokens is gone
             raise
         if isinstance(item, Done):
-            self.done = item
+            self._finish(item)
             raise StopAsyncIteration
         return self._absorb(item)
 
@@ -90,9 +90,9 @@ class AsyncStream(StreamState):
             except TimeoutError:
                 raise self._timeout_error(timeout if timeout is not None else self.timeout) from None
 
-    async def abort(self, finish_reason: str = P.FINISH_ABORT) -> None:
+    async def abort(self, finish_reason: str = P.FINISH_ABORT, index: int | None = None) -> None:
         """See Stream.abort."""
-        frame = self._abort_frame(finish_reason)
+        frame = self._abort_frame(finish_reason, index)
         if self.done is None and not self._client._closed:
             await self._client._send_frame(frame)
 

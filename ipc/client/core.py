@@ -37,19 +37,43 @@ DEFAULT_REPLY_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's logprobs (a request with `logprobs`): its log-probability and the
+    most likely alternatives, in descending order, with their texts where the server has a
+    tokenizer (None otherwise)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+    token: str | None = None
+    top_tokens: list[str] | None = None
+
+
+@dataclass(slots=True)
 class TokenChunk:
     token_ids: list[int]
     text: str | None = None
+    index: int = 0  # the choice it belongs to (a request with n > 1)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    finish_reason: str | None = None  # set on the last chunk of a choice of a request with n > 1
+
+
+@dataclass(slots=True)
+class ChoiceEnd:
+    index: int
+    finish_reason: str
+    completion_tokens: int
 
 
 @dataclass(slots=True)
 class Done:
     finish_reason: str
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # every choice's together
     error_code: str | None = None
     error_message: str | None = None
     timing: dict | None = None  # the server's view: queue_ms, ttft_ms, e2e_ms (when it sends them)
+    choices: list[ChoiceEnd] | None = None  # a request with n > 1: how each choice ended
 
     @property
     def ok(self) -> bool:
@@ -89,15 +113,57 @@ def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any])
     return SamplingParams(**fields)
 
 
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= P.MAX_CHOICE_INDEX
+
+
+def _logprob_entry(entry: Any) -> TokenLogprob:
+    """One entry of a token frame's `logprobs`; TypeError when it is not one."""
+    ids, values = entry["top_ids"], entry["top_logprobs"]
+    token, tokens = entry.get("token"), entry.get("top_tokens")
+    if (
+        not isinstance(ids, list)
+        or not isinstance(values, list)
+        or len(ids) != len(values)
+        or (token is not None and not isinstance(token, str))
+        or (tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(ids)))
+    ):
+        raise TypeError("malformed logprobs entry")
+    return TokenLogprob(float(entry["logprob"]), ids, [float(v) for v in values], token, tokens)
+
+
+def _token_chunk(obj: dict) -> TokenChunk | None:
+    token_ids = obj.get("token_ids", [])
+    text = obj.get("text")
+    index = obj.get("index", 0)
+    finish = obj.get("finish_reason")
+    if (
+        not isinstance(token_ids, list)
+        or (text is not None and not isinstance(text, str))
+        or not _is_index(index)
+        or (finish is not None and finish not in P.FINISH_REASONS)
+    ):
+        return None
+    logprobs = obj.get("logprobs")
+    entries = None
+    if logprobs is not None:
+        if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
+            return None
+        entries = [_logprob_entry(e) for e in logprobs]
+    return TokenChunk(token_ids, text, index, entries, finish)
+
+
+def _choice_ends(value: Any) -> list[ChoiceEnd] | None:
+    if value is None:
+        return None
+    return [ChoiceEnd(int(c["index"]), str(c["finish_reason"]), int(c["completion_tokens"])) for c in value]
+
+
 def event_from_reply(obj: dict) -> TokenChunk | Done | None:
     """A token/done reply map -> TokenChunk/Done; None for a malformed token, an error Done for a malformed done."""
     try:
         if obj["op"] == P.OP_TOKEN:
-            token_ids = obj.get("token_ids", [])
-            text = obj.get("text")
-            if not isinstance(token_ids, list) or (text is not None and not isinstance(text, str)):
-                return None
-            return TokenChunk(token_ids, text)
+            return _token_chunk(obj)
         usage = obj.get("usage") or {}
         error = obj.get("error") or {}
         return Done(
@@ -107,8 +173,9 @@ def event_from_reply(obj: dict) -> TokenChunk | Done | None:
             error_code=error.get("code"),
             error_message=error.get("message"),
             timing=obj.get("timing") if isinstance(obj.get("timing"), dict) else None,
+            choices=_choice_ends(obj.get("choices")),
         )
-    except (AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         pass
     if obj.get("op") == P.OP_DONE:
         return Done(P.FINISH_ERROR, 0, 0, ERR_BAD_REPLY, "malformed done message from the server")
@@ -132,26 +199,78 @@ def decode_reply(frame: bytes) -> dict | None:
 # ---------------------------------------------------------------- streams
 
 
+class Choice:
+    """What one choice of a request received so far (a request has n of them, index 0..n-1)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+        self.finish_reason: str | None = None  # set when its last chunk came (n > 1) or at the done
+        self._texts: list[str] = []
+
+    @property
+    def text(self) -> str | None:
+        """Concatenated text of its chunks, None when the server sent no text (no tokenizer)."""
+        return "".join(self._texts) if self._texts else None
+
+    def absorb(self, item: TokenChunk) -> None:
+        self.token_ids.extend(item.token_ids)
+        if item.text is not None:
+            self._texts.append(item.text)
+        if item.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + item.logprobs
+        if item.finish_reason is not None:
+            self.finish_reason = item.finish_reason
+
+
 class StreamState:
-    """Accumulation shared by the sync and async streams."""
+    """Accumulation shared by the sync and async streams: per choice (`choices`); `token_ids`,
+    `text` and `logprobs` are the first choice's (the only one unless the request asked n > 1)."""
 
     def __init__(self, request_id: P.RequestId, timeout: float | None):
         self.id = request_id
         self.timeout = timeout
         self.done: Done | None = None
-        self.token_ids: list[int] = []
-        self._texts: list[str] = []
+        self._choices: dict[int, Choice] = {0: Choice(0)}
+
+    def choice(self, index: int) -> Choice:
+        """Choice `index` (an empty one if nothing of it came yet)."""
+        if index not in self._choices:
+            self._choices[index] = Choice(index)
+        return self._choices[index]
+
+    @property
+    def choices(self) -> list[Choice]:
+        """Every choice heard of so far (all n of them once the stream ended), by index."""
+        return [self._choices[i] for i in sorted(self._choices)]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._choices[0].token_ids
 
     @property
     def text(self) -> str | None:
-        """Concatenated text of all chunks, None when the server sent no text (no tokenizer)."""
-        return "".join(self._texts) if self._texts else None
+        """Concatenated text of the first choice's chunks, None when the server sent no text."""
+        return self._choices[0].text
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self._choices[0].logprobs
 
     def _absorb(self, item: TokenChunk) -> TokenChunk:
-        self.token_ids.extend(item.token_ids)
-        if item.text is not None:
-            self._texts.append(item.text)
+        self.choice(item.index).absorb(item)
         return item
+
+    def _finish(self, done: Done) -> None:
+        """The stream's done: each choice learns how it ended."""
+        self.done = done
+        if done.choices is not None:
+            for end in done.choices:
+                if _is_index(end.index):
+                    self.choice(end.index).finish_reason = end.finish_reason
+        else:
+            self._choices[0].finish_reason = done.finish_reason
 
     def _timeout_error(self, timeout: float | None) -> TimeoutError:
         return TimeoutError(f"request {self.id!r}: no reply from the server within {timeout} s")
@@ -159,16 +278,19 @@ class StreamState:
     def _close_locally(self) -> None:
         self.done = local_done(ERR_CLIENT_CLOSED, "stream closed before its end", self)
 
-    def _abort_frame(self, finish_reason: str) -> bytes:
+    def _abort_frame(self, finish_reason: str, index: int | None = None) -> bytes:
         """The abort of this request; finish_reason is what its `done` is to say: "abort", or
-        "stop" when the caller found its own stop (protocol 1.3; an older server says "abort")."""
+        "stop" when the caller found its own stop (protocol 1.3; an older server says "abort").
+        index: only that choice of a request with n > 1 (1.5)."""
         if not isinstance(finish_reason, str) or finish_reason not in P.ABORT_FINISH_REASONS:
             raise ValueError(f'finish_reason: must be "abort" or "stop", got {finish_reason!r}')
-        return P.encode(P.abort_msg(self.id, finish_reason))
+        if index is not None and not _is_index(index):
+            raise ValueError(f"index: must be a choice index in [0, {P.MAX_CHOICE_INDEX}], got {index!r}")
+        return P.encode(P.abort_msg(self.id, finish_reason, index))
 
 
 def local_done(code: str, message: str, stream: StreamState) -> Done:
-    return Done(P.FINISH_ERROR, 0, len(stream.token_ids), code, message)
+    return Done(P.FINISH_ERROR, 0, sum(len(c.token_ids) for c in stream.choices), code, message)
 
 
 # ---------------------------------------------------------------- liveness

@@ -83,7 +83,7 @@ class Stream(StreamState):
         except queue.Empty:
             raise self._timeout_error(timeout) from None
         if isinstance(item, Done):
-            self.done = item
+            self._finish(item)
             raise StopIteration
         return self._absorb(item)
 
@@ -105,11 +105,12 @@ class Stream(StreamState):
             except TimeoutError:
                 raise self._timeout_error(timeout if timeout is not None else self.timeout) from None
 
-    def abort(self, finish_reason: str = P.FINISH_ABORT) -> None:
+    def abort(self, finish_reason: str = P.FINISH_ABORT, index: int | None = None) -> None:
         """Ask the server to stop; the stream still ends with a `done`, whose finish_reason is
         normally `finish_reason`: "abort", or "stop" when the caller found its own stop (a request
-        that ended anyway keeps its own reason)."""
-        frame = self._abort_frame(finish_reason)
+        that ended anyway keeps its own reason).  index: stop only that choice (n > 1); the
+        others go on, and its last chunk carries its finish_reason."""
+        frame = self._abort_frame(finish_reason, index)
         if self.done is None:
             self._client._send_frame(frame)
 

@@ -1,0 +1,317 @@
+"""One generation request answered: the upstream stream of a request that openai_api.parse_request
+checked, collected into one JSON answer or written as SSE events (responses.ResponseWriter's
+bytes).
+
+A request with `n` choices is one upstream stream whose chunks carry their choice's index; each
+choice has its own stop strings, and one that matches aborts that choice alone (protocol 1.5)
+while the others go on.  An upstream error is the usual APIError before anything was written;
+after a stream has started, it is one `data: {"error": ...}` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from ringleader.hostctl.gateway.metrics import GatewayMetrics
+from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest
+from ringleader.hostctl.gateway.responses import SSE_DONE, ChoiceAnswer, ResponseWriter
+from ringleader.hostctl.gateway.stop_strings import StopMatcher
+from ringleader.ipc import protocol as P
+from ringleader.ipc.client import AsyncClient, AsyncStream, Done, TokenChunk
+from ringleader.ipc.client.core import ChoiceEnd
+
+END_EARLY_WAIT_S = 5.0  # a stop string aborts upstream; its `done` (the usage) is awaited this long
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def answer_request(
+    client: AsyncClient,
+    metrics: GatewayMetrics,
+    request: web.Request,
+    req: GenerationRequest,
+    model_name: str,
+    arrived: float,
+) -> web.StreamResponse:
+    """Sends `req` upstream and answers `request` with what comes back."""
+    try:
+        stream = await client.generate(
+            req.prompt,
+            prompt_ids=req.prompt_ids,
+            messages=req.messages,
+            sampling=req.sampling,
+            priority=req.priority,
+        )
+    except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
+        raise APIError(400, str(exc)) from None
+    answer = RequestAnswer(metrics, request, req, ResponseWriter(req, model_name), stream, arrived)
+    async with stream:  # leaving early (an error, a cancelled handler) aborts upstream
+        first = await _next_event(stream)
+        if isinstance(first, Done) and not first.ok:
+            raise answer.upstream_error(first)
+        if not req.stream:
+            return await answer.collect(first)
+        if req.sampling.n == 1 and req.sampling.logprobs is None:
+            return await answer.stream_one(first)
+        return await answer.stream_choices(first)
+
+
+async def _next_event(stream: AsyncStream) -> TokenChunk | Done:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        assert stream.done is not None
+        return stream.done
+
+
+class RequestAnswer:
+    """The answer to one request from its open upstream stream, in one of three shapes: whole
+    (collect), the common request's stream (stream_one) or a stream of choices (stream_choices);
+    each takes the stream's first event."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        request: web.Request,
+        req: GenerationRequest,
+        writer: ResponseWriter,
+        stream: AsyncStream,
+        arrived: float,
+    ):
+        self.metrics = metrics
+        self.request = request
+        self.req = req
+        self.writer = writer
+        self.stream = stream
+        self.arrived = arrived
+
+    def upstream_error(self, done: Done) -> APIError:
+        self.metrics.upstream_error(done.error_code or "unknown")
+        return APIError.from_upstream(done.error_code, done.error_message)
+
+    # ---- whole ----------------------------------------------------------------------------
+    async def collect(self, item: TokenChunk | Done) -> web.StreamResponse:
+        req, writer, stream = self.req, self.writer, self.stream
+        n = req.sampling.n
+        answers = [ChoiceAnswer(index, req, keep=True) for index in range(n)]
+        event: TokenChunk | Done | None = item
+        while isinstance(event, TokenChunk):
+            if not 0 <= event.index < n or answers[event.index].ended:
+                event = await _next_event(stream)  # tokens in flight after a stop string
+                continue
+            answer = answers[event.index]
+            answer.take(event)
+            if event.finish_reason is not None and not answer.ended:
+                answer.end(event.finish_reason)
+            if answer.ended and await self._every_choice_ended(answers, answer):
+                event = None
+                break
+            event = await _next_event(stream)
+        done: Done | None
+        if event is None:
+            done = await self._done_after_choices(answers)
+            if done is not None and not done.ok and not _ended_early(answers):
+                raise self.upstream_error(done)
+        else:
+            if not event.ok:
+                raise self.upstream_error(event)
+            done = event
+        ends = _choice_ends(done, n)
+        completion = 0
+        choices = []
+        for answer in answers:
+            end = ends.get(answer.index)
+            if not answer.ended:
+                assert done is not None  # a choice still going ends only with the `done`
+                answer.end(end.finish_reason if end is not None else done.finish_reason)
+            assert answer.finish_reason is not None
+            tokens = answer.completion_tokens(end)
+            completion += tokens
+            choices.append(
+                writer.choice(
+                    answer.index,
+                    "".join(answer.texts),
+                    answer.token_ids[:tokens],
+                    answer.finish_reason,
+                    answer.logprobs(tokens),
+                )
+            )
+        prompt_tokens = done.prompt_tokens if done is not None else 0
+        self.metrics.usage(prompt_tokens, completion)
+        return web.json_response(writer.response(choices, prompt_tokens, completion))
+
+    # ---- streamed -------------------------------------------------------------------------
+    async def stream_one(self, item: TokenChunk | Done) -> web.StreamResponse:
+        """The stream of the common request, one choice without logprobs: a token's chunk is
+        the writer's prebuilt prefix and suffix around its text."""
+        req, writer, stream = self.req, self.writer, self.stream
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(self.request)
+        if req.chat:
+            await response.write(writer.role_chunk())
+        matcher = StopMatcher(req.stop) if req.stop else None
+        sent = 0  # tokens received so far
+        first_written = False
+        while isinstance(item, TokenChunk):
+            sent += len(item.token_ids)
+            text = item.text or ""
+            if matcher is not None:
+                text = matcher.push(text)
+            if text or req.return_token_ids:
+                await response.write(writer.token_chunk(text, item.token_ids))
+                if not first_written:
+                    first_written = True
+                    self.metrics.first_token_written(time.perf_counter() - self.arrived)
+            if matcher is not None and matcher.matched:
+                break
+            item = await _next_event(stream)
+        if isinstance(item, Done):
+            done: Done | None = item
+            if matcher is not None:
+                tail = matcher.flush()
+                if tail:
+                    await response.write(writer.token_chunk(tail, []))
+            if not item.ok:
+                return await self._end_with_error(response, item)
+            finish, completion = item.finish_reason, item.completion_tokens
+            await response.write(writer.finish_chunk(finish))
+        else:  # a stop string matched: finish now, then learn the usage
+            await response.write(writer.finish_chunk("stop"))
+            done = await self._end_early()
+            completion = sent
+        prompt_tokens = done.prompt_tokens if done is not None else 0
+        return await self._end_with_usage(response, prompt_tokens, completion)
+
+    async def stream_choices(self, item: TokenChunk | Done) -> web.StreamResponse:
+        """The stream of a request with n > 1 or logprobs: each choice's chunks with its index
+        (and logprobs), a finish chunk when it ends; a stop string ends only its own choice."""
+        req, writer, stream = self.req, self.writer, self.stream
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(self.request)
+        n = req.sampling.n
+        answers = [ChoiceAnswer(index, req, keep=False) for index in range(n)]
+        if req.chat:
+            for answer in answers:
+                await response.write(writer.role_chunk(answer.index))
+        tokens_shown = req.return_token_ids or req.sampling.logprobs is not None
+        first_written = False
+        event: TokenChunk | Done | None = item
+        while isinstance(event, TokenChunk):
+            if not 0 <= event.index < n or answers[event.index].ended:
+                event = await _next_event(stream)  # tokens in flight after a stop string
+                continue
+            answer = answers[event.index]
+            text, logprobs = answer.take(event)
+            if text or (tokens_shown and event.token_ids):
+                await response.write(writer.choice_chunk(answer.index, text, event.token_ids, logprobs))
+                if not first_written:
+                    first_written = True
+                    self.metrics.first_token_written(time.perf_counter() - self.arrived)
+            if answer.stopped:
+                await response.write(writer.finish_chunk("stop", answer.index))
+            elif event.finish_reason is not None and event.finish_reason != P.FINISH_ERROR:
+                await self._finish_choice(response, answer, event.finish_reason)
+            elif event.finish_reason is not None:  # the `done` tells the error
+                answer.finish_reason = event.finish_reason
+            if answer.ended and await self._every_choice_ended(answers, answer):
+                event = None
+                break
+            event = await _next_event(stream)
+        done: Done | None
+        if event is None:
+            done = await self._done_after_choices(answers)
+            if done is not None and not done.ok and not _ended_early(answers):
+                return await self._end_with_error(response, done)
+        else:
+            done = event
+            if not done.ok:
+                for answer in answers:  # the text held back was generated: it goes out first
+                    if not answer.ended:
+                        tail = answer.end(P.FINISH_ERROR)
+                        if tail:
+                            await response.write(writer.choice_chunk(answer.index, tail, [], None))
+                return await self._end_with_error(response, done)
+        ends = _choice_ends(done, n)
+        completion = 0
+        for answer in answers:
+            end = ends.get(answer.index)
+            if not answer.ended:
+                assert done is not None  # a choice still going ends only with the `done`
+                finish = end.finish_reason if end is not None else done.finish_reason
+                await self._finish_choice(response, answer, finish)
+            completion += answer.completion_tokens(end)
+        prompt_tokens = done.prompt_tokens if done is not None else 0
+        return await self._end_with_usage(response, prompt_tokens, completion)
+
+    async def _finish_choice(
+        self, response: web.StreamResponse, answer: ChoiceAnswer, finish_reason: str
+    ) -> None:
+        tail = answer.end(finish_reason)
+        if tail:
+            await response.write(self.writer.choice_chunk(answer.index, tail, [], None))
+        await response.write(self.writer.finish_chunk(finish_reason, answer.index))
+
+    async def _end_with_error(self, response: web.StreamResponse, done: Done) -> web.StreamResponse:
+        await response.write(ResponseWriter.error_event(self.upstream_error(done)))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    async def _end_with_usage(
+        self, response: web.StreamResponse, prompt_tokens: int, completion_tokens: int
+    ) -> web.StreamResponse:
+        self.metrics.usage(prompt_tokens, completion_tokens)
+        if self.req.include_usage:
+            await response.write(self.writer.usage_chunk(prompt_tokens, completion_tokens))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    # ---- ending choices -------------------------------------------------------------------
+    async def _end_early(self) -> Done | None:
+        """A stop string matched: abort upstream as a stop (the server counts it as one, protocol
+        1.3) and wait (bounded) for the `done` with usage."""
+        await self.stream.abort(finish_reason="stop")
+        return await self._rest()
+
+    async def _rest(self) -> Done | None:
+        """The `done` with usage, awaited (bounded) past the tokens still in flight."""
+        try:
+            return await self.stream.wait(timeout=END_EARLY_WAIT_S)
+        except TimeoutError:
+            return None
+
+    async def _done_after_choices(self, answers: list[ChoiceAnswer]) -> Done | None:
+        """Every choice ended for the gateway before the `done` came: a single choice's stop
+        string ends the request as before; several choices each ended already upstream, or
+        were aborted one by one."""
+        if _ended_early(answers):
+            return await self._end_early()
+        return await self._rest()
+
+    async def _every_choice_ended(self, answers: list[ChoiceAnswer], answer: ChoiceAnswer) -> bool:
+        """`answer` just ended for the gateway: True once every choice did (then
+        _done_after_choices).  A stop string ends a single choice's request whole; with several,
+        only its choice is aborted upstream and the others go on."""
+        if _ended_early(answers):
+            return True
+        if answer.stopped:
+            await self.stream.abort(finish_reason="stop", index=answer.index)
+        return all(a.ended for a in answers)
+
+
+def _ended_early(answers: list[ChoiceAnswer]) -> bool:
+    """A stop string ended a single choice's request: its `done` is the abort's, whatever it says."""
+    return len(answers) == 1 and answers[0].stopped
+
+
+def _choice_ends(done: Done | None, n: int) -> dict[int, ChoiceEnd]:
+    """How each choice ended upstream, by index: the `done`'s list, or a single choice's `done`."""
+    if done is None:
+        return {}
+    if done.choices is not None:
+        return {end.index: end for end in done.choices}
+    if n == 1:
+        return {0: ChoiceEnd(0, done.finish_reason, done.completion_tokens)}
+    return {}
