@@ -138,3 +138,21 @@ def test_many_choices_of_many_requests_each_end_once(client):
         assert done.ok and done.completion_tokens == n * (5 + k)
         assert len(stream.choices) == n
         assert all(len(c.token_ids) == 5 + k for c in stream.choices)
+
+
+def test_the_choices_bench_runs_and_counts_the_shared_prefill(tmp_path):
+    from ringleader.bench import choices
+
+    out = tmp_path / "choices.json"
+    assert (
+        choices.main(
+            ["--n", "3", "--prompt-len", "40", "--max-tokens", "2", "--repeats", "1", "--json", str(out)]
+        )
+        == 0
+    )
+    import json
+
+    median = json.loads(out.read_text())["median"]
+    # 40 tokens: two full pages cached for choices 1 and 2 (the last token's page runs to sample)
+    assert median["shared"]["prefix_hit_tokens"] == 2 * 32 and median["unshared"]["prefix_hit_tokens"] == 0
+    assert median["shared"]["step_rows"] == 40 + 2 * 8 + 3 and median["unshared"]["step_rows"] == 3 * 40 + 3

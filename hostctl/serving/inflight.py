@@ -24,6 +24,9 @@ Fields of InFlight and their one writer (the other thread only reads):
                                usage of a `done` it sends itself)
   last_token_ns                completion thread (the inter-token gap); read by whichever thread
                                ends the request (time per output token)
+  index, family                set at creation (a request with n > 1 is a Family of n InFlights
+                               under one id, each with its own handle, seed and SQ entry); the
+                               family's `ends` are written under the table lock (RequestTable.finish)
 """
 
 from __future__ import annotations
