@@ -140,6 +140,14 @@ def test_many_choices_of_many_requests_each_end_once(client):
         assert all(len(c.token_ids) == 5 + k for c in stream.choices)
 
 
+def test_the_books_balance_with_choices(client):
+    # every choice is counted once accepted and once finished (docs/metrics.md)
+    client.complete(prompt_ids=PROMPT, n=5, max_tokens=3)
+    assert wait_until(lambda: client.stats()["in_flight"] == 0)
+    stats = client.stats()
+    assert stats["accepted"] == sum(stats["finished"].values())
+
+
 def test_the_choices_bench_runs_and_counts_the_shared_prefill(tmp_path):
     from ringleader.bench import choices
 

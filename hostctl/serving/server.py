@@ -125,7 +125,8 @@ class Server:
         # families whose later choices may now enter the queue (Family.gate; any thread appends)
         self._gates_open: deque[Family] = deque()
         cfg = backend.rings.config
-        # a prompt of at least one full page shares its KV through the prefix cache
+        # a prompt longer than a page shares its full pages' KV through the prefix cache (the
+        # page of its last token runs again: its row samples)
         self._shared_prefill_len = cfg.page_size if cfg.prefix_caching else 0
         self.serving = threading.Event()  # the backend and the completion thread have started
         self._frontend_tid: int | None = None
@@ -319,7 +320,7 @@ class Server:
             self.admission.submit(req)  # can_accept was checked just above
         else:
             self._submit_choices(client, r, prompt, sampling)
-        self.metrics.accepted += 1
+        self.metrics.accepted += n  # a request of n choices counts as n, as each ends on its own
 
     def _submit_choices(
         self, client: bytes, r: protocol.GenerateRequest, prompt: np.ndarray, sampling: SamplingParams
@@ -337,7 +338,7 @@ class Server:
             prompt_ids=prompt,
             priority=r.priority,
         )
-        shared = 0 < self._shared_prefill_len <= len(prompt)
+        shared = 0 < self._shared_prefill_len < len(prompt)
         if shared:
             family.gate = self._open_gate
         for member in family.members:
