@@ -261,9 +261,19 @@ def test_a_server_whose_stderr_nobody_reads_keeps_serving_and_exits():
             serve.wait()
 
 
+# Ctrl-C as a terminal sends it: a suite run as a background job (`pytest &`) hands its children
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the CLI starts with one
+AS_IN_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'ringleader'; runpy.run_module('ringleader.hostctl.cli', run_name='__main__')",
+]
+
+
 def test_ctrl_c_in_generate_aborts_and_exits_130(served_tiny):
     gen = subprocess.Popen(
-        CLI
+        AS_IN_A_TERMINAL
         + ["generate", "--prompt-ids", "1,2", "--max-tokens", "2000", "--ignore-eos"]
         + ["--connect", served_tiny],
         stdout=subprocess.PIPE,
