@@ -269,7 +269,7 @@ class SamplingParams:
 
     def ring_values(self) -> dict[str, Any]:
         """The RlSampling fields (RING_FIELDS) as the SQ entry stores them (an unseeded request's
-        seed is resolved by the server before it gets here; None counts as 0)."""
+        seed is resolved by the server before it gets here; None as the field's ring_null)."""
         values = {name: getattr(self, name) for name, _ in RING_FIELDS}
         return {name: FIELD[name].ring_null if value is None else value for name, value in values.items()}
 
