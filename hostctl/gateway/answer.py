@@ -11,6 +11,7 @@ after a stream has started, it is one `data: {"error": ...}` event before `[DONE
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -85,6 +86,8 @@ class RequestAnswer:
         self.writer = writer
         self.stream = stream
         self.arrived = arrived
+        self.done: Done | None = None  # the upstream `done`, once _live_chunks ended
+        self.failed = False  # that `done` is an error to answer with
 
     def upstream_error(self, done: Done) -> APIError:
         self.metrics.upstream_error(done.error_code or "unknown")
@@ -92,31 +95,16 @@ class RequestAnswer:
 
     # ---- whole ----------------------------------------------------------------------------
     async def collect(self, item: TokenChunk | Done) -> web.StreamResponse:
-        req, writer, stream = self.req, self.writer, self.stream
+        req, writer = self.req, self.writer
         n = req.sampling.n
         answers = [ChoiceAnswer(index, req, keep=True) for index in range(n)]
-        event: TokenChunk | Done | None = item
-        while isinstance(event, TokenChunk):
-            if not 0 <= event.index < n or answers[event.index].ended:
-                event = await _next_event(stream)  # tokens in flight after a stop string
-                continue
-            answer = answers[event.index]
+        async for answer, event in self._live_chunks(answers, item):
             answer.take(event)
             if event.finish_reason is not None and not answer.ended:
                 answer.end(event.finish_reason)
-            if answer.ended and await self._every_choice_ended(answers, answer):
-                event = None
-                break
-            event = await _next_event(stream)
-        done: Done | None
-        if event is None:
-            done = await self._done_after_choices(answers)
-            if done is not None and not done.ok and not _ended_early(answers):
-                raise self.upstream_error(done)
-        else:
-            if not event.ok:
-                raise self.upstream_error(event)
-            done = event
+        done = self.done
+        if done is not None and self.failed:
+            raise self.upstream_error(done)
         ends = _choice_ends(done, n)
         completion = 0
         choices = []
@@ -186,7 +174,7 @@ class RequestAnswer:
     async def stream_choices(self, item: TokenChunk | Done) -> web.StreamResponse:
         """The stream of a request with n > 1 or logprobs: each choice's chunks with its index
         (and logprobs), a finish chunk when it ends; a stop string ends only its own choice."""
-        req, writer, stream = self.req, self.writer, self.stream
+        req, writer = self.req, self.writer
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self.request)
         n = req.sampling.n
@@ -196,12 +184,7 @@ class RequestAnswer:
                 await response.write(writer.role_chunk(answer.index))
         tokens_shown = req.return_token_ids or req.sampling.logprobs is not None
         first_written = False
-        event: TokenChunk | Done | None = item
-        while isinstance(event, TokenChunk):
-            if not 0 <= event.index < n or answers[event.index].ended:
-                event = await _next_event(stream)  # tokens in flight after a stop string
-                continue
-            answer = answers[event.index]
+        async for answer, event in self._live_chunks(answers, item):
             text, logprobs = answer.take(event)
             if text or (tokens_shown and event.token_ids):
                 await response.write(writer.choice_chunk(answer.index, text, event.token_ids, logprobs))
@@ -214,24 +197,14 @@ class RequestAnswer:
                 await self._finish_choice(response, answer, event.finish_reason)
             elif event.finish_reason is not None:  # the `done` tells the error
                 answer.finish_reason = event.finish_reason
-            if answer.ended and await self._every_choice_ended(answers, answer):
-                event = None
-                break
-            event = await _next_event(stream)
-        done: Done | None
-        if event is None:
-            done = await self._done_after_choices(answers)
-            if done is not None and not done.ok and not _ended_early(answers):
-                return await self._end_with_error(response, done)
-        else:
-            done = event
-            if not done.ok:
-                for answer in answers:  # the text held back was generated: it goes out first
-                    if not answer.ended:
-                        tail = answer.end(P.FINISH_ERROR)
-                        if tail:
-                            await response.write(writer.choice_chunk(answer.index, tail, [], None))
-                return await self._end_with_error(response, done)
+        done = self.done
+        if done is not None and self.failed:
+            for answer in answers:  # the text held back was generated: it goes out first
+                if not answer.ended:
+                    tail = answer.end(P.FINISH_ERROR)
+                    if tail:
+                        await response.write(writer.choice_chunk(answer.index, tail, [], None))
+            return await self._end_with_error(response, done)
         ends = _choice_ends(done, n)
         completion = 0
         for answer in answers:
@@ -267,6 +240,27 @@ class RequestAnswer:
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
+
+    # ---- choices ---------------------------------------------------------------------------
+    async def _live_chunks(
+        self, answers: list[ChoiceAnswer], event: TokenChunk | Done
+    ) -> AsyncIterator[tuple[ChoiceAnswer, TokenChunk]]:
+        """Each chunk of a choice still going, with its answer (the caller takes it, and may end
+        the choice); chunks still in flight for a choice that ended here are dropped.  It stops at
+        the `done`, or once every choice ended (then the `done` is awaited, bounded): either way
+        the `done` is in self.done, and self.failed says whether it is an error to answer with."""
+        n = len(answers)
+        while isinstance(event, TokenChunk):
+            if 0 <= event.index < n and not answers[event.index].ended:
+                answer = answers[event.index]
+                yield answer, event
+                if answer.ended and await self._every_choice_ended(answers, answer):
+                    self.done = await self._done_after_choices(answers)
+                    # a single choice's stop string: the `done` is its abort's, whatever it says
+                    self.failed = self.done is not None and not self.done.ok and not _ended_early(answers)
+                    return
+            event = await _next_event(self.stream)
+        self.done, self.failed = event, not event.ok
 
     # ---- ending choices -------------------------------------------------------------------
     async def _end_early(self) -> Done | None:
