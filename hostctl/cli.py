@@ -1,4 +1,4 @@
-"""`ringleader` command line: serve, gateway, generate, stats, bench, build-kernel, doctor, keygen."""
+"""`ringleader` command line: serve, gateway, ray-serve, generate, stats, bench, build-kernel, doctor, keygen."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ringleader.hostctl.commands import (
     gateway,
     generate,
     keygen,
+    ray_serve,
     serve,
     stats,
     wait_ready,
@@ -21,8 +22,8 @@ from ringleader.ipc.curve import CurveError
 
 # one module per command (hostctl/commands/), in the order `--help` lists them: each has
 # add_parser(subparsers), which sets args.run, and run(args)
-COMMANDS = (serve, gateway, generate, stats, wait_ready, build_kernel, doctor, keygen, bench)
-LONG_RUNNING = ("serve", "gateway")  # log at info by default (one line per request, the stop)
+COMMANDS = (serve, gateway, ray_serve, generate, stats, wait_ready, build_kernel, doctor, keygen, bench)
+LONG_RUNNING = ("serve", "gateway", "ray-serve")  # log at info by default (one line per request, the stop)
 
 
 def build_parser() -> argparse.ArgumentParser:

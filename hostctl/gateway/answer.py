@@ -1,6 +1,7 @@
-"""One generation request answered: the upstream stream of a request that openai_api.parse_request
-checked, collected into one JSON answer or written as SSE events (responses.ResponseWriter's
-bytes).
+"""One generation request answered, without a web framework: the upstream stream of a request
+that openai_api.check_request passed, collected into one JSON body or turned into SSE events
+(responses.ResponseWriter's bytes) that a transport writes as they come: the aiohttp gateway
+(app.py) and the Ray Serve replica (hostctl/ray_serve/) are two such transports.
 
 A request with `n` choices is one upstream stream whose chunks carry their choice's index; each
 choice has its own stop strings, and one that matches aborts that choice alone (protocol 1.5)
@@ -11,9 +12,8 @@ after a stream has started, it is one `data: {"error": ...}` event before `[DONE
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-
-from aiohttp import web
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from ringleader.hostctl.gateway.metrics import GatewayMetrics
 from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest
@@ -30,12 +30,13 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 async def answer_request(
     client: AsyncClient,
     metrics: GatewayMetrics,
-    request: web.Request,
     req: GenerationRequest,
     model_name: str,
     arrived: float,
-) -> web.StreamResponse:
-    """Sends `req` upstream and answers `request` with what comes back."""
+) -> dict[str, Any] | StreamedAnswer:
+    """Sends `req` upstream and answers it: the JSON body of a whole answer, or the stream's SSE
+    events (a StreamedAnswer the caller iterates and then closes).  An error before the first
+    token is an APIError: the transport answers it with its status."""
     try:
         stream = await client.generate(
             req.prompt,
@@ -46,16 +47,39 @@ async def answer_request(
         )
     except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
         raise APIError(400, str(exc)) from None
-    answer = RequestAnswer(metrics, request, req, ResponseWriter(req, model_name), stream, arrived)
-    async with stream:  # leaving early (an error, a cancelled handler) aborts upstream
+    answer = RequestAnswer(metrics, req, ResponseWriter(req, model_name), stream, arrived)
+    try:
         first = await _next_event(stream)
         if isinstance(first, Done) and not first.ok:
             raise answer.upstream_error(first)
         if not req.stream:
-            return await answer.collect(first)
-        if req.sampling.n == 1 and req.sampling.logprobs is None:
-            return await answer.stream_one(first)
-        return await answer.stream_choices(first)
+            async with stream:
+                return await answer.collect(first)
+    except BaseException:  # an error, a cancelled handler: abort upstream
+        await stream.aclose()
+        raise
+    return StreamedAnswer(answer, first)
+
+
+class StreamedAnswer:
+    """The SSE events of a streamed answer, as bytes: `async for chunk in answer`, then
+    `await answer.aclose()` whatever happened (leaving early aborts the request upstream)."""
+
+    def __init__(self, answer: RequestAnswer, first: TokenChunk | Done):
+        self._answer = answer
+        sampling = answer.req.sampling
+        self._chunks: AsyncGenerator[bytes, None]
+        if sampling.n == 1 and sampling.logprobs is None:
+            self._chunks = answer.stream_one(first)
+        else:
+            self._chunks = answer.stream_choices(first)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        await self._answer.stream.aclose()
 
 
 async def _next_event(stream: AsyncStream) -> TokenChunk | Done:
@@ -74,14 +98,12 @@ class RequestAnswer:
     def __init__(
         self,
         metrics: GatewayMetrics,
-        request: web.Request,
         req: GenerationRequest,
         writer: ResponseWriter,
         stream: AsyncStream,
         arrived: float,
     ):
         self.metrics = metrics
-        self.request = request
         self.req = req
         self.writer = writer
         self.stream = stream
@@ -94,7 +116,7 @@ class RequestAnswer:
         return APIError.from_upstream(done.error_code, done.error_message)
 
     # ---- whole ----------------------------------------------------------------------------
-    async def collect(self, item: TokenChunk | Done) -> web.StreamResponse:
+    async def collect(self, item: TokenChunk | Done) -> dict[str, Any]:
         req, writer = self.req, self.writer
         n = req.sampling.n
         answers = [ChoiceAnswer(index, req, keep=True) for index in range(n)]
@@ -127,17 +149,15 @@ class RequestAnswer:
             )
         prompt_tokens = done.prompt_tokens if done is not None else 0
         self.metrics.usage(prompt_tokens, completion)
-        return web.json_response(writer.response(choices, prompt_tokens, completion))
+        return writer.response(choices, prompt_tokens, completion)
 
     # ---- streamed -------------------------------------------------------------------------
-    async def stream_one(self, item: TokenChunk | Done) -> web.StreamResponse:
+    async def stream_one(self, item: TokenChunk | Done) -> AsyncGenerator[bytes, None]:
         """The stream of the common request, one choice without logprobs: a token's chunk is
         the writer's prebuilt prefix and suffix around its text."""
         req, writer, stream = self.req, self.writer, self.stream
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(self.request)
         if req.chat:
-            await response.write(writer.role_chunk())
+            yield writer.role_chunk()
         matcher = StopMatcher(req.stop) if req.stop else None
         sent = 0  # tokens received so far
         first_written = False
@@ -147,7 +167,7 @@ class RequestAnswer:
             if matcher is not None:
                 text = matcher.push(text)
             if text or req.return_token_ids:
-                await response.write(writer.token_chunk(text, item.token_ids))
+                yield writer.token_chunk(text, item.token_ids)
                 if not first_written:
                     first_written = True
                     self.metrics.first_token_written(time.perf_counter() - self.arrived)
@@ -159,42 +179,44 @@ class RequestAnswer:
             if matcher is not None:
                 tail = matcher.flush()
                 if tail:
-                    await response.write(writer.token_chunk(tail, []))
+                    yield writer.token_chunk(tail, [])
             if not item.ok:
-                return await self._end_with_error(response, item)
+                for chunk in self._error_end(item):
+                    yield chunk
+                return
             finish, completion = item.finish_reason, item.completion_tokens
-            await response.write(writer.finish_chunk(finish))
+            yield writer.finish_chunk(finish)
         else:  # a stop string matched: finish now, then learn the usage
-            await response.write(writer.finish_chunk("stop"))
+            yield writer.finish_chunk("stop")
             done = await self._end_early()
             completion = sent
         prompt_tokens = done.prompt_tokens if done is not None else 0
-        return await self._end_with_usage(response, prompt_tokens, completion)
+        for chunk in self._usage_end(prompt_tokens, completion):
+            yield chunk
 
-    async def stream_choices(self, item: TokenChunk | Done) -> web.StreamResponse:
+    async def stream_choices(self, item: TokenChunk | Done) -> AsyncGenerator[bytes, None]:
         """The stream of a request with n > 1 or logprobs: each choice's chunks with its index
         (and logprobs), a finish chunk when it ends; a stop string ends only its own choice."""
         req, writer = self.req, self.writer
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(self.request)
         n = req.sampling.n
         answers = [ChoiceAnswer(index, req, keep=False) for index in range(n)]
         if req.chat:
             for answer in answers:
-                await response.write(writer.role_chunk(answer.index))
+                yield writer.role_chunk(answer.index)
         tokens_shown = req.return_token_ids or req.sampling.logprobs is not None
         first_written = False
         async for answer, event in self._live_chunks(answers, item):
             text, logprobs = answer.take(event)
             if text or (tokens_shown and event.token_ids):
-                await response.write(writer.choice_chunk(answer.index, text, event.token_ids, logprobs))
+                yield writer.choice_chunk(answer.index, text, event.token_ids, logprobs)
                 if not first_written:
                     first_written = True
                     self.metrics.first_token_written(time.perf_counter() - self.arrived)
             if answer.stopped:
-                await response.write(writer.finish_chunk("stop", answer.index))
+                yield writer.finish_chunk("stop", answer.index)
             elif event.finish_reason is not None and event.finish_reason != P.FINISH_ERROR:
-                await self._finish_choice(response, answer, event.finish_reason)
+                for chunk in self._choice_end(answer, event.finish_reason):
+                    yield chunk
             elif event.finish_reason is not None:  # the `done` tells the error
                 answer.finish_reason = event.finish_reason
         done = self.done
@@ -203,8 +225,10 @@ class RequestAnswer:
                 if not answer.ended:
                     tail = answer.end(P.FINISH_ERROR)
                     if tail:
-                        await response.write(writer.choice_chunk(answer.index, tail, [], None))
-            return await self._end_with_error(response, done)
+                        yield writer.choice_chunk(answer.index, tail, [], None)
+            for chunk in self._error_end(done):
+                yield chunk
+            return
         ends = _choice_ends(done, n)
         completion = 0
         for answer in answers:
@@ -212,34 +236,26 @@ class RequestAnswer:
             if not answer.ended:
                 assert done is not None  # a choice still going ends only with the `done`
                 finish = end.finish_reason if end is not None else done.finish_reason
-                await self._finish_choice(response, answer, finish)
+                for chunk in self._choice_end(answer, finish):
+                    yield chunk
             completion += answer.completion_tokens(end)
         prompt_tokens = done.prompt_tokens if done is not None else 0
-        return await self._end_with_usage(response, prompt_tokens, completion)
+        for chunk in self._usage_end(prompt_tokens, completion):
+            yield chunk
 
-    async def _finish_choice(
-        self, response: web.StreamResponse, answer: ChoiceAnswer, finish_reason: str
-    ) -> None:
+    def _choice_end(self, answer: ChoiceAnswer, finish_reason: str) -> list[bytes]:
+        """The last chunks of a choice: the text its stop matcher held back, then its finish."""
         tail = answer.end(finish_reason)
-        if tail:
-            await response.write(self.writer.choice_chunk(answer.index, tail, [], None))
-        await response.write(self.writer.finish_chunk(finish_reason, answer.index))
+        chunks = [self.writer.choice_chunk(answer.index, tail, [], None)] if tail else []
+        return chunks + [self.writer.finish_chunk(finish_reason, answer.index)]
 
-    async def _end_with_error(self, response: web.StreamResponse, done: Done) -> web.StreamResponse:
-        await response.write(ResponseWriter.error_event(self.upstream_error(done)))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response
+    def _error_end(self, done: Done) -> list[bytes]:
+        return [ResponseWriter.error_event(self.upstream_error(done)), SSE_DONE]
 
-    async def _end_with_usage(
-        self, response: web.StreamResponse, prompt_tokens: int, completion_tokens: int
-    ) -> web.StreamResponse:
+    def _usage_end(self, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
         self.metrics.usage(prompt_tokens, completion_tokens)
-        if self.req.include_usage:
-            await response.write(self.writer.usage_chunk(prompt_tokens, completion_tokens))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response
+        usage = [self.writer.usage_chunk(prompt_tokens, completion_tokens)] if self.req.include_usage else []
+        return usage + [SSE_DONE]
 
     # ---- choices ---------------------------------------------------------------------------
     async def _live_chunks(

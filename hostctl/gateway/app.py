@@ -19,8 +19,6 @@ stream has started, an error is one `data: {"error": ...}` event before `[DONE]`
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import signal
 import socket
@@ -37,9 +35,15 @@ except ImportError:
 
     raise ImportError(f"the HTTP gateway needs aiohttp: {INSTALL_HINT}") from None
 
-from ringleader.hostctl.gateway.answer import answer_request
+from ringleader.hostctl.gateway.answer import SSE_HEADERS, answer_request
 from ringleader.hostctl.gateway.metrics import GatewayCollector, GatewayMetrics
-from ringleader.hostctl.gateway.openai_api import APIError, bad, models_list, parse_request
+from ringleader.hostctl.gateway.openai_api import (
+    APIError,
+    ServedModel,
+    authorize,
+    check_request,
+    models_list,
+)
 from ringleader.ipc.client import AsyncClient
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
 from ringleader.ipc.curve import ClientCurve
@@ -137,12 +141,12 @@ class Gateway:
                         f"no ringleader server answered at {self.config.upstream} within "
                         f"{self.config.startup_timeout_s:.0f} s ({exc})"
                     ) from None
-        info = stats.get("model_info") or {}
-        self.model_name = self.model_name or str(stats.get("model", "ringleader"))
+        learned = ServedModel.from_stats(stats, self.model_name or None)
+        self.model_name = learned.name
         if self.max_model_len is None:
-            self.max_model_len = info.get("max_context") or (stats.get("backend") or {}).get("max_ctx")
+            self.max_model_len = learned.max_model_len
         if self.has_tokenizer is None:
-            self.has_tokenizer = bool(info.get("tokenizer", True))
+            self.has_tokenizer = learned.has_tokenizer
 
     # ---- routes ---------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -192,12 +196,7 @@ class Gateway:
         return response
 
     def _authorize(self, request: web.Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(401, "invalid API key", type="invalid_request_error", code="invalid_api_key")
+        authorize(request.headers.get("Authorization", ""), self.config.api_key)
 
     # ---- generation -----------------------------------------------------------------------
     async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -206,31 +205,26 @@ class Gateway:
         self.metrics.generation_started(route)
         try:
             self._authorize(request)
-            req = parse_request(await self._json(request), chat=chat)
-            if req.model is not None and req.model != self.model_name:
-                raise APIError(
-                    404,
-                    f"the model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
-            if req.stop and not self.has_tokenizer:
-                raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
+            model = ServedModel(self.model_name, self.max_model_len, bool(self.has_tokenizer))
+            req = check_request(await request.read(), chat=chat, model=model)
             assert self._client is not None
-            return await answer_request(self._client, self.metrics, request, req, self.model_name, arrived)
+            answer = await answer_request(self._client, self.metrics, req, self.model_name, arrived)
+            if isinstance(answer, dict):
+                return web.json_response(answer)
+            try:
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+                async for chunk in answer:
+                    await response.write(chunk)
+                await response.write_eof()
+            finally:
+                await answer.aclose()
+            return response
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.client_disconnected()
             raise
         finally:
             self.metrics.generation_ended(route, time.perf_counter() - arrived)
-
-    @staticmethod
-    async def _json(request: web.Request) -> Any:
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
 class BackgroundGateway:

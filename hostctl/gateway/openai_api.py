@@ -13,6 +13,8 @@ OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_p
 
 from __future__ import annotations
 
+import hmac
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,6 +312,54 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     req.return_token_ids = _bool(body, "return_token_ids")
     req.priority = _int(body, "priority", 0, -1000, 1000)
     return req
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a front end serves, as the upstream reported it: the name requests must name (or
+    omit), the context limit /v1/models shows and whether stop strings can be matched."""
+
+    name: str
+    max_model_len: int | None = None
+    has_tokenizer: bool = True
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any], served_name: str | None = None) -> ServedModel:
+        """From a server's `stats` reply; `served_name` replaces the server's own name."""
+        info = stats.get("model_info") or {}
+        return cls(
+            name=served_name or str(stats.get("model", "ringleader")),
+            max_model_len=info.get("max_context") or (stats.get("backend") or {}).get("max_ctx"),
+            has_tokenizer=bool(info.get("tokenizer", True)),
+        )
+
+
+def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> GenerationRequest:
+    """A generation request's body, parsed and checked against the served model: what every
+    front end (the aiohttp gateway, the Ray Serve ingress) answers alike."""
+    try:
+        body = json.loads(raw_body)
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    req = parse_request(body, chat=chat)
+    if req.model is not None and req.model != model.name:
+        raise APIError(
+            404,
+            f"the model {req.model!r} does not exist; this gateway serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if req.stop and not model.has_tokenizer:
+        raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
+    return req
+
+
+def authorize(authorization: str, api_key: str | None) -> None:
+    """Raises 401 unless `authorization` (the header's value) is "Bearer <api_key>"; no key: open."""
+    if api_key is None:
+        return
+    if not hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "invalid API key", type="invalid_request_error", code="invalid_api_key")
 
 
 def models_list(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:

@@ -1,0 +1,345 @@
+"""The Ray Serve app on a local Ray (CPU, `tiny`): two engine replicas behind Ray Serve's proxy,
+driven with the official openai client and raw HTTP on 127.0.0.1.
+
+Which replica answered is read off the X-Ringleader-Replica header the ingress sets from the
+replica's own Reply; a replica's engine process is found by its socket's name, which holds the
+replica's id.  The test that kills an engine runs last: Ray replaces that replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from ringleader.hostctl.gateway.app import BackgroundGateway  # noqa: E402
+from ringleader.hostctl.ray_serve.app import build_app  # noqa: E402
+from ringleader.hostctl.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
+from tests.conftest import running_server, wait_until  # noqa: E402
+
+# a chat template for `tiny` (it has none), passed through to every replica's engine
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+APP_ARGS = {
+    "model": "tiny",
+    "device": "cpu",
+    "slots": 8,
+    "max-ctx": 512,
+    "token-budget": 64,
+    "threads": 1,
+    "chat-template": CHAT_TEMPLATE,
+    "replicas": 2,
+    "routing": "prefix",
+    "health_check_period_s": 1.0,
+    "health_check_timeout_s": 5.0,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SEEN_REPLICAS: set[str] = set()  # every replica id an answer named
+REPLICA = REPLICA_HEADER.lower()  # headers as post() returns them
+
+
+def post(url: str, path: str, body: dict | bytes, timeout: float = 60.0) -> tuple[int, dict, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            status, headers, raw = r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+    if REPLICA in headers:
+        SEEN_REPLICAS.add(headers[REPLICA])
+    return status, headers, raw
+
+
+def sse_events(raw: bytes) -> list:
+    """The events of an SSE body: parsed JSON objects, and "[DONE]"."""
+    events = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:]
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def engine_pids(replica: str) -> list[int]:
+    """The `ringleader serve` processes whose socket is named for `replica`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmdline and any(arg.endswith(f"/{replica}.sock".encode()) for arg in cmdline):
+            pids.append(int(proc.name))
+    return pids
+
+
+def running_engine_replicas() -> int:
+    """How many EngineReplica replicas Ray Serve reports RUNNING."""
+    status = serve.status().applications["ringleader"].deployments["EngineReplica"]
+    return sum(
+        n for state, n in status.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING"
+    )
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_the_ray_serve_command_serves_and_stops_on_sigint(tmp_path):
+    """`ringleader ray-serve` as a user runs it: a local Ray, the app, one completion through the
+    proxy, and SIGINT stops it all (no engine left behind)."""
+    port = free_port()
+    log = tmp_path / "ray-serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ringleader.hostctl.cli",
+                "ray-serve",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+            ]
+            + ["--slots", "4", "--threads", "1", "--listen", f"127.0.0.1:{port}", "--num-cpus", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        assert wait_until(lambda: b"Ray Serve app" in log.read_bytes() or proc.poll() is not None, 120, 0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        status, headers, body = post(
+            f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "hi", "max_tokens": 3}
+        )
+        assert status == 200, body
+        assert json.loads(body)["usage"]["completion_tokens"] == 3
+        replica = headers[REPLICA]
+        assert engine_pids(replica), "the replica's engine process is not found by its socket name"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert wait_until(lambda: not engine_pids(replica), 30), "the engine outlived the app"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_command_refuses_bad_options_before_starting_ray():
+    run = subprocess.run(
+        [sys.executable, "-m", "ringleader.hostctl.cli", "ray-serve", "--min-replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "min_replicas and max_replicas" in run.stderr
+
+
+# ---------------------------------------------------------------- the app
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(APP_ARGS), name="ringleader", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    """The gateway alone, on an in-process server of the same model and options."""
+    with running_server("tiny", n_slots=8, max_ctx=512, token_budget=64) as server:
+        with BackgroundGateway(server.address) as gw:
+            yield gw
+
+
+def test_the_official_client_streams_completions_and_chat_through_the_proxy(app_url, gateway):
+    client = openai.OpenAI(base_url=app_url + "/v1", api_key="none", max_retries=0)
+    kwargs = dict(model="tiny", max_tokens=12, temperature=0.0)
+    streamed = client.completions.create(prompt="The ring leads", stream=True, **kwargs)
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    whole = client.completions.create(prompt="The ring leads", **kwargs)
+    assert text == whole.choices[0].text and whole.usage.completion_tokens == 12
+    # the same greedy text as the gateway alone in front of the same model
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+    assert direct.completions.create(prompt="The ring leads", **kwargs).choices[0].text == text
+
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(messages=messages, stream=True, **kwargs)
+    chunks = list(chat)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content == reply
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_both_replicas_serve_requests(app_url):
+    """Distinct prompts (no prefix to follow): the router spreads them over both replicas."""
+    seen: list[str] = []
+
+    def one(i: int) -> None:
+        status, headers, body = post(
+            app_url, "/v1/completions", {"prompt": f"{i} distinct prompt number {i * 7919}", "max_tokens": 16}
+        )
+        assert status == 200, body
+        seen.append(headers[REPLICA])
+
+    for _ in range(3):
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if len(set(seen)) == 2:
+            break
+    assert len(seen) >= 16 and len(set(seen)) == 2, seen
+
+
+def test_requests_sharing_a_prefix_stay_on_one_replica(app_url):
+    """Prefix affinity: each family of prompts (a long shared start, then its own question)
+    is answered by one replica, once the router has seen the family."""
+    families = {name: f"System: you are assistant {name}. " + "Rules of the house. " * 20 for name in "AB"}
+    served: dict[str, list[str]] = {"A": [], "B": []}
+    for i in range(6):
+        for name, prefix in families.items():
+            status, headers, body = post(
+                app_url, "/v1/completions", {"prompt": f"{prefix}Q{i}?", "max_tokens": 2}
+            )
+            assert status == 200, body
+            served[name].append(headers[REPLICA])
+    for name, replicas in served.items():
+        assert len(set(replicas[1:])) == 1, (name, served)
+
+
+BAD_BODIES = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}),
+    ("/v1/completions", {"prompt": "x", "frobnicate": True}),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+    ("/v1/completions", {"prompt": "x", "n": 0}),
+    ("/v1/chat/completions", {"messages": []}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    ),
+    ("/v1/nowhere", {"prompt": "x"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD_BODIES)
+def test_bad_input_gets_the_gateways_answer(app_url, gateway, path, body):
+    ray_status, _, ray_body = post(app_url, path, body)
+    gw_status, _, gw_body = post(gateway.url, path, body)
+    assert ray_status == gw_status and 400 <= ray_status < 500
+    assert json.loads(ray_body) == json.loads(gw_body)
+
+
+def test_metrics_reach_rays_export_with_the_replica_label(app_url):
+    """Each replica's gauges in Ray's per-node Prometheus export, labelled by replica."""
+    from ray._private.worker import global_worker
+
+    node = global_worker.node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+
+    def kv_series() -> set[str]:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            return set()
+        lines = [line for line in text.splitlines() if line.startswith("ray_ringleader_kv_cache_usage_perc{")]
+        return {line.split('replica="')[1].split('"')[0] for line in lines if 'replica="' in line}
+
+    assert wait_until(lambda: len(kv_series()) >= 2, 60, 1.0), kv_series()
+    assert kv_series() <= SEEN_REPLICAS, (kv_series(), SEEN_REPLICAS)  # the label is the replica's id
+
+
+def test_an_engine_killed_mid_stream_ends_its_streams_once_and_ray_replaces_the_replica(app_url):
+    results: dict[int, dict] = {}
+
+    def stream(i: int) -> None:
+        body = {"prompt": f"long story {i}", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(
+            app_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            results[i] = {"replica": r.headers[REPLICA], "started": time.monotonic()}
+            raw = r.read()
+        results[i].update(events=sse_events(raw), ended=time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: len(results) == 8, 60), results
+    victim = results[0]["replica"]
+    pids = engine_pids(victim)
+    assert len(pids) == 1, (victim, pids)
+    killed = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    cut = 0  # the victim's streams the kill cut short
+    for i, r in results.items():
+        events = r["events"]
+        assert events[-1] == "[DONE]", (i, events[-3:])
+        errors = [e for e in events if "error" in e]
+        whole = any(
+            e != "[DONE]" and e.get("choices") and e["choices"][0]["finish_reason"] == "length"
+            for e in events
+        )
+        if whole:  # the other replica's streams, or one that finished before the kill
+            assert not errors, (i, errors)
+        else:  # ended by the kill: exactly one error event, within a bounded time
+            cut += 1
+            assert r["replica"] == victim, (i, r["replica"], victim)
+            assert len(errors) == 1 and errors[0]["error"]["type"] == "service_unavailable", (i, errors)
+            assert r["ended"] - killed < 15, r["ended"] - killed
+    assert cut >= 1
+
+    # later requests succeed at once: the ingress sends them past the dead engine
+    for i in range(6):
+        status, _, body = post(app_url, "/v1/completions", {"prompt": f"after {i}", "max_tokens": 4})
+        assert status == 200, body
+    # and Ray replaces the replica: two run again, one of them new, with its own engine
+    before = set(SEEN_REPLICAS)
+    assert wait_until(lambda: running_engine_replicas() == 2, 90, 0.5)
+
+    def a_new_replica_answers() -> bool:
+        post(app_url, "/v1/completions", {"prompt": f"new {time.monotonic()}", "max_tokens": 2})
+        return bool(SEEN_REPLICAS - before)
+
+    assert wait_until(a_new_replica_answers, 90, 0.1), (SEEN_REPLICAS, before)
+    (new,) = SEEN_REPLICAS - before
+    assert len(engine_pids(new)) == 1 and not engine_pids(victim)
