@@ -8,8 +8,10 @@ replica's id.  The test that kills an engine runs last: Ray replaces that replic
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,8 +31,10 @@ openai = pytest.importorskip("openai")
 from ringleader.hostctl.gateway.app import BackgroundGateway  # noqa: E402
 from ringleader.hostctl.ray_serve.app import build_app  # noqa: E402
 from ringleader.hostctl.ray_serve.ingress import REPLICA_HEADER  # noqa: E402
+from ringleader.ipc.client import Client  # noqa: E402
 from tests.conftest import running_server, wait_until  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 # a chat template for `tiny` (it has none), passed through to every replica's engine
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 APP_ARGS = {
@@ -75,6 +79,7 @@ def sse_events(raw: bytes) -> list:
     """The events of an SSE body: parsed JSON objects, and "[DONE]"."""
     events = []
     for block in raw.split(b"\n\n"):
+        block = block.strip(b"\n")  # a stream read from its middle starts with a line's end
         if block.startswith(b"data: "):
             payload = block[6:]
             events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
@@ -94,6 +99,25 @@ def engine_pids(replica: str) -> list[int]:
     return pids
 
 
+def engine_address(replica: str) -> str:
+    """The ZeroMQ address `replica`'s engine serves at (its --bind)."""
+    (pid,) = engine_pids(replica)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--bind") + 1]
+
+
+def open_stream(url: str, body: dict) -> http.client.HTTPResponse:
+    """A streamed completion whose answer has begun (status and headers read)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    return response
+
+
 def running_engine_replicas() -> int:
     """How many EngineReplica replicas Ray Serve reports RUNNING."""
     status = serve.status().applications["ringleader"].deployments["EngineReplica"]
@@ -105,24 +129,26 @@ def running_engine_replicas() -> int:
 # ---------------------------------------------------------------- the command
 
 
-def test_the_ray_serve_command_serves_and_stops_on_sigint(tmp_path):
-    """`ringleader ray-serve` as a user runs it: a local Ray, the app, one completion through the
-    proxy, and SIGINT stops it all (no engine left behind)."""
+def readme_ray_block() -> list[str]:
+    """The README's two Ray Serve commands: install the extra, start the app."""
+    section = (ROOT / "README.md").read_text().split("## Past one engine: Ray Serve", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [line.split("#")[0].strip() for line in block.strip().splitlines()]
+
+
+def test_the_readmes_ray_serve_command_serves_and_stops_on_sigint(tmp_path):
+    """`ringleader ray-serve` as the README starts it (on a port of the test's own): a local Ray,
+    the app, a completion through the proxy from each replica, and SIGINT stops it all, no
+    engine left behind."""
+    install, start = readme_ray_block()
+    assert install == 'pip install -e ".[ray]"'
+    argv = shlex.split(start)
+    assert argv[:2] == ["ringleader", "ray-serve"]
     port = free_port()
     log = tmp_path / "ray-serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ringleader.hostctl.cli",
-                "ray-serve",
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-            ]
-            + ["--slots", "4", "--threads", "1", "--listen", f"127.0.0.1:{port}", "--num-cpus", "0"],
+            [sys.executable, "-m", "ringleader.hostctl.cli", *argv[1:], "--listen", f"127.0.0.1:{port}"],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=tmp_path,
@@ -130,16 +156,20 @@ def test_the_ray_serve_command_serves_and_stops_on_sigint(tmp_path):
     try:
         assert wait_until(lambda: b"Ray Serve app" in log.read_bytes() or proc.poll() is not None, 120, 0.2)
         assert proc.poll() is None, log.read_text()[-3000:]
-        status, headers, body = post(
-            f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "hi", "max_tokens": 3}
-        )
-        assert status == 200, body
-        assert json.loads(body)["usage"]["completion_tokens"] == 3
-        replica = headers[REPLICA]
-        assert engine_pids(replica), "the replica's engine process is not found by its socket name"
+        replicas = set()
+        for i in range(40):
+            status, headers, body = post(
+                f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": f"{i}", "max_tokens": 3}
+            )
+            assert status == 200, body
+            assert json.loads(body)["usage"]["completion_tokens"] == 3
+            replicas.add(headers[REPLICA])
+            if len(replicas) == 2:
+                break
+        assert len(replicas) == 2 and all(engine_pids(r) for r in replicas), replicas
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
-        assert wait_until(lambda: not engine_pids(replica), 30), "the engine outlived the app"
+        assert wait_until(lambda: not any(engine_pids(r) for r in replicas), 30), "an engine outlived the app"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -155,6 +185,30 @@ def test_the_command_refuses_bad_options_before_starting_ray():
     )
     assert run.returncode == 2
     assert "min_replicas and max_replicas" in run.stderr
+
+
+def test_the_config_file_in_docs_deploys_the_same_app():
+    """docs/ray-serve.yaml is a valid Ray Serve config whose import path and args build the app."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from ringleader.hostctl.ray_serve.app import engine_deployment_options
+    from ringleader.hostctl.ray_serve.args import RayServeArgs
+
+    config = yaml.safe_load((ROOT / "docs" / "ray-serve.yaml").read_text())
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    module, name = app.import_path.split(":")
+    assert (module, name) == ("ringleader.hostctl.ray_serve.app", "build_app")
+    args = RayServeArgs.from_dict(app.args)
+    assert args.engine == {"model": "tiny", "n_slots": 128, "max_ctx": 4096, "prefix_caching": True}
+    options = engine_deployment_options(args)
+    assert options["num_replicas"] == 2 and options["max_ongoing_requests"] == 256
+    assert options["request_router_config"]["request_router_class"].endswith("PrefixAffinityRouter")
+    assert build_app(app.args) is not None
+    scaled = engine_deployment_options(
+        RayServeArgs.from_dict({**app.args, "min_replicas": 1, "max_replicas": 4})
+    )
+    assert "num_replicas" not in scaled and scaled["autoscaling_config"]["max_replicas"] == 4
 
 
 # ---------------------------------------------------------------- the app
@@ -265,6 +319,19 @@ def test_bad_input_gets_the_gateways_answer(app_url, gateway, path, body):
     assert json.loads(ray_body) == json.loads(gw_body)
 
 
+def test_a_client_that_goes_away_aborts_its_request_on_the_engine(app_url):
+    """Closing the HTTP stream cancels the ingress's call, the replica's generator closes and
+    the engine aborts the request: its in-flight count falls back to zero."""
+    response = open_stream(app_url, {"prompt": "to be cut", "max_tokens": 480, "ignore_eos": True})
+    replica = response.headers[REPLICA_HEADER]
+    assert response.readline().startswith(b"data: ")  # a token arrived
+    with Client(engine_address(replica)) as engine:
+        assert engine.stats()["in_flight"] == 1
+        response.close()
+        assert wait_until(lambda: engine.stats()["in_flight"] == 0, 15, 0.1)
+        assert engine.stats()["finished"].get("abort", 0) >= 1
+
+
 def test_metrics_reach_rays_export_with_the_replica_label(app_url):
     """Each replica's gauges in Ray's per-node Prometheus export, labelled by replica."""
     from ray._private.worker import global_worker
@@ -272,16 +339,25 @@ def test_metrics_reach_rays_export_with_the_replica_label(app_url):
     node = global_worker.node
     url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
 
-    def kv_series() -> set[str]:
+    def series(name: str) -> dict[str, float]:
+        """A series' value by its replica label (summed over the rest)."""
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
-            return set()
-        lines = [line for line in text.splitlines() if line.startswith("ray_ringleader_kv_cache_usage_perc{")]
-        return {line.split('replica="')[1].split('"')[0] for line in lines if 'replica="' in line}
+            return {}
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(name + "{") and 'replica="' in line:
+                replica = line.split('replica="')[1].split('"')[0]
+                values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+        return values
 
-    assert wait_until(lambda: len(kv_series()) >= 2, 60, 1.0), kv_series()
-    assert kv_series() <= SEEN_REPLICAS, (kv_series(), SEEN_REPLICAS)  # the label is the replica's id
+    assert wait_until(lambda: len(series("ray_ringleader_kv_cache_usage_perc")) >= 2, 60, 1.0)
+    assert set(series("ray_ringleader_kv_cache_usage_perc")) <= SEEN_REPLICAS  # the label: the replica's id
+    # counters follow the engines' totals: every replica generated tokens by now
+    assert wait_until(lambda: len(series("ray_ringleader_generation_tokens_total")) >= 2, 30, 1.0)
+    assert all(v > 0 for v in series("ray_ringleader_generation_tokens_total").values())
+    assert sum(series("ray_ringleader_replica_time_to_first_token_seconds_count").values()) >= 1
 
 
 def test_an_engine_killed_mid_stream_ends_its_streams_once_and_ray_replaces_the_replica(app_url):
@@ -343,3 +419,28 @@ def test_an_engine_killed_mid_stream_ends_its_streams_once_and_ray_replaces_the_
     assert wait_until(a_new_replica_answers, 90, 0.1), (SEEN_REPLICAS, before)
     (new,) = SEEN_REPLICAS - before
     assert len(engine_pids(new)) == 1 and not engine_pids(victim)
+
+
+def test_a_stalled_engine_fails_the_health_check_and_its_streams_end_once(app_url):
+    """An engine that stops answering (SIGSTOP: a hung process): its stream ends with one error
+    within the replica's reply timeout, the health check fails and Ray replaces the replica;
+    the stopped engine does not outlive it."""
+    response = open_stream(app_url, {"prompt": "stalled story", "max_tokens": 480, "ignore_eos": True})
+    replica = response.headers[REPLICA_HEADER]
+    assert response.readline().startswith(b"data: ")
+    (pid,) = engine_pids(replica)
+    before = set(SEEN_REPLICAS)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    events = sse_events(response.read())
+    ended = time.monotonic() - stopped
+    errors = [e for e in events if "error" in e]
+    assert events[-1] == "[DONE]" and len(errors) == 1, events[-3:]
+    assert ended < 20, ended
+
+    def a_new_replica_answers() -> bool:
+        post(app_url, "/v1/completions", {"prompt": f"after stall {time.monotonic()}", "max_tokens": 2})
+        return bool(SEEN_REPLICAS - before)
+
+    assert wait_until(a_new_replica_answers, 90, 0.2), (SEEN_REPLICAS, before)
+    assert wait_until(lambda: not engine_pids(replica), 60, 0.5), "the stopped engine outlived its replica"

@@ -84,6 +84,7 @@ class EngineProcess:
         """SIGTERM (serve drains, bounded), SIGKILL after STOP_WAIT_S; removes the socket's folder."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGCONT)  # a stopped engine (SIGSTOP, a debugger) takes it too
             deadline = time.monotonic() + STOP_WAIT_S
             while self.proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.metrics import Counter, Gauge
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from ringleader.hostctl.gateway.metrics import TTFT_BUCKETS, GatewayMetrics
 
 # the engine's cumulative totals mirrored as counters: (name, description, stats path)
 _TOTALS = (
@@ -73,3 +75,32 @@ def _total(stats: dict[str, Any], path: tuple[str, ...]) -> float:
     for key in path:
         value = (value or {}).get(key)
     return float(value or 0)
+
+
+class ReplicaAnswerMetrics(GatewayMetrics):
+    """The gateway's per-request observations in a replica (answer.py makes them), also set in
+    Ray's metrics: time to first token from the replica's call to the first token's bytes, and
+    the engine's errors by code.  Once per request, never per token."""
+
+    def __init__(self, model_name: str):
+        super().__init__()
+        self._tags = {"model_name": model_name}
+        self._ttft = Histogram(
+            "ringleader_replica_time_to_first_token_seconds",
+            "Streams: from the replica's call to its first token's bytes",
+            boundaries=list(TTFT_BUCKETS),
+            tag_keys=("model_name",),
+        )
+        self._errors = Counter(
+            "ringleader_upstream_errors_total",
+            "Requests the replica's engine ended with an error, by its code",
+            tag_keys=("model_name", "code"),
+        )
+
+    def first_token_written(self, seconds: float) -> None:
+        super().first_token_written(seconds)
+        self._ttft.observe(seconds, self._tags)
+
+    def upstream_error(self, code: str) -> None:
+        super().upstream_error(code)
+        self._errors.inc(1.0, {**self._tags, "code": code})

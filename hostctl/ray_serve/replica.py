@@ -22,11 +22,10 @@ from typing import Any
 from ray import serve
 
 from ringleader.hostctl.gateway.answer import answer_request
-from ringleader.hostctl.gateway.metrics import GatewayMetrics
 from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest, ServedModel
 from ringleader.hostctl.ray_serve.args import RayServeArgs
 from ringleader.hostctl.ray_serve.engine_process import EngineProcess
-from ringleader.hostctl.ray_serve.metrics import ReplicaMetrics, engine_load
+from ringleader.hostctl.ray_serve.metrics import ReplicaAnswerMetrics, ReplicaMetrics, engine_load
 from ringleader.ipc import protocol as P
 from ringleader.ipc.client import AsyncClient
 
@@ -34,6 +33,10 @@ log = logging.getLogger("ringleader.ray_serve")
 
 STATS_POLL_S = 2.0  # the metrics' refresh
 HEALTH_STATS_TIMEOUT_S = 5.0
+# an engine silent this long (it answers pings from its frontend thread, whatever the model
+# does) ends the replica's streams with `disconnected`, so a stalled engine's requests end
+# before Ray's graceful stop of the replica waits on them
+ENGINE_REPLY_TIMEOUT_S = 10.0
 # upstream error codes that mean "this replica's engine cannot take it": nothing ran, so the
 # ingress may send the request to another replica
 RETRYABLE_CODES = frozenset({P.ERR_ENGINE_DEAD, P.ERR_SHUTDOWN, "disconnected"})
@@ -70,12 +73,12 @@ class EngineReplica:
             except BaseException:
                 await self.engine.stop()
                 raise
-        self.client = AsyncClient(address)
+        self.client = AsyncClient(address, reply_timeout=ENGINE_REPLY_TIMEOUT_S)
         if self.engine is None:
             stats = await self.client.stats(timeout=args.engine_start_timeout_s)
         self.model = ServedModel.from_stats(stats, args.served_model_name)
         self.load = engine_load(stats)
-        self.gateway_metrics = GatewayMetrics()
+        self.answer_metrics = ReplicaAnswerMetrics(self.model.name)
         self.metrics = ReplicaMetrics(self.model.name)
         self.metrics.update(stats)
         self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
@@ -91,7 +94,7 @@ class EngineReplica:
             )
             return
         try:
-            answer = await answer_request(self.client, self.gateway_metrics, req, self.model.name, arrived)
+            answer = await answer_request(self.client, self.answer_metrics, req, self.model.name, arrived)
         except APIError as err:
             yield Reply.error(err, self.replica_id)
             return
