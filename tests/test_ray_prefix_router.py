@@ -184,9 +184,10 @@ class FakeReplica:
         pass
 
 
-def pending(arg, request_id: str = "req") -> PendingRequest:
+def pending(arg, request_id: str = "req", refused_by: tuple[str, ...] = ()) -> PendingRequest:
     metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id)
-    return PendingRequest(args=[arg] if arg is not None else [], kwargs={}, metadata=metadata)
+    kwargs = {"refused_by": refused_by} if refused_by else {}
+    return PendingRequest(args=[arg] if arg is not None else [], kwargs=kwargs, metadata=metadata)
 
 
 async def make_router(n_replicas: int = 4, **state) -> tuple[PrefixAffinityRouter, list[FakeReplica]]:
@@ -266,5 +267,37 @@ def test_replicas_that_leave_or_die_are_forgotten():
         router.on_replica_actor_died(replicas[3].replica_id)
         assert router._prefix_index.match(LONG_PROMPT, ["r0", "r1", "r2", "r3"]) == (0, [])
         assert len(await ranks(router, request)) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_sent_again_avoids_the_replicas_that_refused_it():
+    """The ingress resends a request a replica could not take (its engine went away) with
+    refused_by: with or without affinity the router never offers those replicas again, unless
+    no other replica is left."""
+
+    async def scenario(affinity: bool):
+        router, replicas = await make_router(affinity=affinity)
+        request = pending(parse_request({"prompt": LONG_PROMPT}, chat=False))
+        router.on_request_routed(request, replicas[2].replica_id, None)  # r2 holds the prefix
+        for _ in range(40):
+            resent = pending(parse_request({"prompt": LONG_PROMPT}, chat=False), refused_by=("r2", "r0"))
+            offered = {r for rank in await ranks(router, resent) for r in rank}
+            assert offered and offered <= {"r1", "r3"}, offered
+        router.update_replicas(replicas[2:3])  # only the refuser is left: it is tried again
+        alone = pending(parse_request({"prompt": LONG_PROMPT}, chat=False), refused_by=("r2",))
+        assert {r for rank in await ranks(router, alone) for r in rank} == {"r2"}
+
+    asyncio.run(scenario(affinity=True))
+    asyncio.run(scenario(affinity=False))
+
+
+def test_without_affinity_the_router_is_power_of_two():
+    async def scenario():
+        router, replicas = await make_router(affinity=False)
+        request = pending(parse_request({"prompt": LONG_PROMPT}, chat=False))
+        router.on_request_routed(request, replicas[2].replica_id, None)
+        chosen = await ranks(router, request)
+        assert len(chosen) == 1 and len(chosen[0]) == 2  # the prefix learned changes nothing
 
     asyncio.run(scenario())

@@ -204,6 +204,9 @@ def test_the_config_file_in_docs_deploys_the_same_app():
     options = engine_deployment_options(args)
     assert options["num_replicas"] == 2 and options["max_ongoing_requests"] == 256
     assert options["request_router_config"]["request_router_class"].endswith("PrefixAffinityRouter")
+    assert options["request_router_config"]["request_router_kwargs"] == {"affinity": True}
+    pow2 = engine_deployment_options(RayServeArgs.from_dict({**app.args, "routing": "pow2"}))
+    assert pow2["request_router_config"]["request_router_kwargs"] == {"affinity": False}
     assert build_app(app.args) is not None
     scaled = engine_deployment_options(
         RayServeArgs.from_dict({**app.args, "min_replicas": 1, "max_replicas": 4})
@@ -360,11 +363,15 @@ def test_metrics_reach_rays_export_with_the_replica_label(app_url):
     assert sum(series("ray_ringleader_replica_time_to_first_token_seconds_count").values()) >= 1
 
 
+def story(i: int) -> str:
+    return f"Story {i}: " + "once upon a time there was a ring. " * 4  # two routing blocks, 150 tokens
+
+
 def test_an_engine_killed_mid_stream_ends_its_streams_once_and_ray_replaces_the_replica(app_url):
     results: dict[int, dict] = {}
 
     def stream(i: int) -> None:
-        body = {"prompt": f"long story {i}", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        body = {"prompt": story(i), "max_tokens": 340, "ignore_eos": True, "stream": True}
         request = urllib.request.Request(
             app_url + "/v1/completions",
             data=json.dumps(body).encode(),
@@ -404,9 +411,11 @@ def test_an_engine_killed_mid_stream_ends_its_streams_once_and_ray_replaces_the_
             assert r["ended"] - killed < 15, r["ended"] - killed
     assert cut >= 1
 
-    # later requests succeed at once: the ingress sends them past the dead engine
-    for i in range(6):
-        status, _, body = post(app_url, "/v1/completions", {"prompt": f"after {i}", "max_tokens": 4})
+    # later requests succeed at once, those whose prefix the dead engine held too: the ingress
+    # sends them again, and the router steers them past the replica that refused them
+    for i in range(8):
+        prompt = story(i) + " The end." if i % 2 else f"after {i}"
+        status, _, body = post(app_url, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
         assert status == 200, body
     # and Ray replaces the replica: two run again, one of them new, with its own engine
     before = set(SEEN_REPLICAS)

@@ -49,7 +49,8 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
         "routing",
         {"choices": ROUTINGS},
         "prefix: requests sharing a prompt prefix prefer the replica that holds it (its prefix "
-        "cache), unless it is busier; pow2: Ray's power of two choices on queue length",
+        "cache), unless it is busier; pow2: power of two choices on queue length (as Ray's "
+        "default router); either way a request sent again avoids the replicas that refused it",
     ),
     ("--num-gpus", "num_gpus", {"type": float}, "GPUs per engine replica (default: 1 unless --device cpu)"),
     ("--num-cpus", "num_cpus", {"type": float}, "Ray CPUs reserved per engine replica"),

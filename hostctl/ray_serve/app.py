@@ -65,11 +65,12 @@ def engine_deployment_options(args: RayServeArgs) -> dict[str, Any]:
         }
     else:
         options["num_replicas"] = args.replicas
-    if args.routing == "prefix":
-        options["request_router_config"] = {
-            "request_router_class": PREFIX_ROUTER,
-            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
-        }
+    # pow2 is the same router without affinity: it still steers a retry away from a refuser
+    options["request_router_config"] = {
+        "request_router_class": PREFIX_ROUTER,
+        "request_router_kwargs": {"affinity": args.routing == "prefix"},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
     return options
 
 

@@ -37,7 +37,7 @@ class RayServeArgs:
     target_ongoing_requests: float = 32.0  # per engine replica, what the autoscaler aims at
     max_ongoing_requests: int = 256  # per engine replica: beyond, Ray queues the request
     ingress_replicas: int = 1
-    routing: str = "prefix"  # prefix: prefix affinity; pow2: Ray's power of two choices
+    routing: str = "prefix"  # prefix: prefix affinity; pow2: power of two choices on queue length
     # resources of each engine replica; None: 1 GPU unless the engine runs on the CPU
     num_gpus: float | None = None
     num_cpus: float = 0.0

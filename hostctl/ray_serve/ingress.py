@@ -110,9 +110,13 @@ class OpenAIIngress:
         return StreamingResponse(_rest(stream), headers={**SSE_HEADERS, **headers})
 
     async def _first_reply(self, req: GenerationRequest) -> tuple[Reply, DeploymentResponseGenerator]:
-        """The first Reply of a replica that took the request, retrying those that could not."""
+        """The first Reply of a replica that took the request, retrying those that could not
+        (the router then steers away from the replicas that refused it)."""
+        refused_by: tuple[str, ...] = ()
         for attempt in range(1, RETRIES + 1):
-            stream = cast(DeploymentResponseGenerator, self.streaming.generate.remote(req))
+            stream = cast(
+                DeploymentResponseGenerator, self.streaming.generate.remote(req, refused_by=refused_by)
+            )
             try:
                 reply: Reply = await stream.__anext__()
             except _REPLICA_GONE as exc:
@@ -126,6 +130,7 @@ class OpenAIIngress:
                 if not reply.retry or attempt == RETRIES:
                     return reply, stream
                 stream.cancel()
+                refused_by += (reply.replica,)
                 log.warning(
                     "replica %s could not take a request (%s): sending it again", reply.replica, reply.body
                 )

@@ -13,6 +13,7 @@ to it, and remembers, under an LRU bound, which replicas hold which blocks.
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -126,6 +127,13 @@ def pick_affine(
     return [m for m in matched_ids if queue_lens.get(m, 0) - shortest <= imbalanced_threshold]
 
 
+def _refused_by(pending_request: PendingRequest) -> frozenset[str]:
+    """The replicas that already said they cannot take this request (EngineReplica.generate's
+    `refused_by`, which the ingress fills as it sends a request again)."""
+    refused = (pending_request.kwargs or {}).get("refused_by") or ()
+    return frozenset(refused) if isinstance(refused, (tuple, list, frozenset, set)) else frozenset()
+
+
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Tries the replica that served a request's prefix first, then two random ones (power of two).
 
@@ -143,11 +151,13 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     # Ray passes request_router_kwargs by name, so naming them narrows **kwargs on purpose
     def initialize_state(  # type: ignore[override]
         self,
+        affinity: bool = True,
         block_chars: int = 64,
         imbalanced_threshold: float = 4,
         min_match_blocks: int = 1,
         max_entries: int = 200_000,
     ) -> None:
+        self._affinity = affinity  # False: power of two choices, still steering retries away
         self._prefix_index = PrefixIndex(block_chars=block_chars, max_entries=max_entries)
         self._imbalanced_threshold = imbalanced_threshold
         self._min_match_blocks = max(1, min_match_blocks)
@@ -179,13 +189,21 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             candidate_replicas=candidate_replicas,
             pending_request=pending_request,
         )
+        if pending_request is None or not fallback:
+            return fallback
+        fallback = self._away_from_refusers(fallback, candidate_replicas, pending_request)
         # multiplexed requests belong to the model-id routing the fallback already applied
-        if not fallback or pending_request is None or pending_request.metadata.multiplexed_model_id:
+        if not self._affinity or pending_request.metadata.multiplexed_model_id:
             return fallback
         text = self._request_text(pending_request)
         if not text:
             return fallback
-        by_key = {self._replica_key(r.replica_id): r for r in candidate_replicas}
+        refused = _refused_by(pending_request)
+        by_key = {
+            self._replica_key(r.replica_id): r
+            for r in candidate_replicas
+            if self._replica_key(r.replica_id) not in refused
+        }
         depth, matched = self._prefix_index.match(text, by_key)
         if depth < self._min_match_blocks:
             return fallback
@@ -196,6 +214,24 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if not affine:
             return fallback
         return [[by_key[m] for m in affine], *fallback]
+
+    def _away_from_refusers(
+        self,
+        fallback: list[list[RunningReplica]],
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest,
+    ) -> list[list[RunningReplica]]:
+        """A request sent again avoids the replicas that could not take it (their engine went
+        away and Ray has not replaced them yet), unless no other replica is there."""
+        refused = _refused_by(pending_request)
+        if not refused:
+            return fallback
+        ranks = [[r for r in rank if self._replica_key(r.replica_id) not in refused] for rank in fallback]
+        ranks = [rank for rank in ranks if rank]
+        if ranks:
+            return ranks
+        others = [r for r in candidate_replicas if self._replica_key(r.replica_id) not in refused]
+        return [random.sample(others, min(2, len(others)))] if others else fallback
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         text = self._request_text(pending_request)

@@ -85,7 +85,11 @@ class EngineReplica:
         log.info("replica %s serves %s on %s", self.replica_id, self.model.name, address)
 
     # ---- the ingress's calls --------------------------------------------------------------
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Reply | bytes]:
+    async def generate(
+        self, req: GenerationRequest, refused_by: tuple[str, ...] = ()
+    ) -> AsyncIterator[Reply | bytes]:
+        """`req` answered: a Reply, then (streamed) the SSE bytes.  `refused_by` is for the
+        request router: the replicas that could not take `req` before (prefix_router.py)."""
         arrived = time.perf_counter()
         gone = self.engine.exit_reason() if self.engine is not None else None
         if gone is not None:
