@@ -126,6 +126,9 @@ class OpenAIIngress:
                 log.warning("a replica could not take a request (%s): sending it again", exc)
             except StopAsyncIteration:
                 raise _unavailable("the engine replica ended the request without an answer") from None
+            except asyncio.CancelledError:  # the client went away before its first token
+                stream.cancel()
+                raise
             else:
                 if not reply.retry or attempt == RETRIES:
                     return reply, stream
