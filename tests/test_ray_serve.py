@@ -177,14 +177,18 @@ def test_the_readmes_ray_serve_command_serves_and_stops_on_sigint(tmp_path):
 
 
 def test_the_command_refuses_bad_options_before_starting_ray():
-    run = subprocess.run(
-        [sys.executable, "-m", "ringleader.hostctl.cli", "ray-serve", "--min-replicas", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 2
-    assert "min_replicas and max_replicas" in run.stderr
+    def ray_serve(*argv: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "ringleader.hostctl.cli", "ray-serve", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    run = ray_serve("--min-replicas", "2")
+    assert run.returncode == 2 and "min_replicas and max_replicas" in run.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = ray_serve("--listen", f"127.0.0.1:{taken.getsockname()[1]}")
+    assert run.returncode == 2 and "--listen" in run.stderr and "cannot bind" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_the_config_file_in_docs_deploys_the_same_app():

@@ -130,12 +130,14 @@ def args_from_cli(args: argparse.Namespace) -> RayServeArgs:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ringleader.hostctl.commands.http_fronts import parse_listen
+    from ringleader.hostctl.commands.http_fronts import bind_listen, parse_listen
 
     try:
         host, port = parse_listen(args.listen)
         ray_args = args_from_cli(args)
-    except (ValueError, ArgsError) as exc:
+        if args.address is None:  # a port in use fails here, in one line, not inside Ray's start
+            bind_listen("--listen", args.listen).close()
+    except (OSError, ValueError, ArgsError) as exc:
         print(f"ringleader ray-serve: {exc}", file=sys.stderr)
         return 2
     try:

@@ -94,7 +94,7 @@ class ReplicaAnswerMetrics(GatewayMetrics):
         self._errors = Counter(
             "ringleader_upstream_errors_total",
             "Requests the replica's engine ended with an error, by its code",
-            tag_keys=("model_name", "code"),  # type: ignore[arg-type]  # Ray types it Tuple[str]: one
+            tag_keys=("model_name", "code"),  # type: ignore[arg-type]  # Ray annotates a 1-tuple
         )
 
     def first_token_written(self, seconds: float) -> None:
