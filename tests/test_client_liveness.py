@@ -138,6 +138,9 @@ def test_cancelling_the_consumer_task_aborts_the_request(tiny_server):
             async def consume(s):
                 async for _ in s:
                     first.set()
+                    # a queue that holds tokens already hands them out without suspending: without
+                    # this, a loaded machine lets the task drain the whole stream before the cancel
+                    await asyncio.sleep(0)
 
             task = asyncio.create_task(consume(stream))
             await asyncio.wait_for(first.wait(), 30)  # cancel mid-stream, however fast tokens come
