@@ -20,7 +20,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -34,16 +33,11 @@ import ray
 from ray import serve
 
 from ringleader.bench.report import environment, save_json
+from ringleader.bench.servers import free_port
 from ringleader.hostctl.ray_serve.app import build_app
 from ringleader.hostctl.ray_serve.ingress import REPLICA_HEADER
 
 PREFIX = "Story {i}: " + "once upon a time there was a ring. " * 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port: int, body: dict, timeout: float = 120.0) -> tuple[int, str, bytes]:
@@ -145,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-check-period", type=float, default=2.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    port = _free_port()
+    port = free_port()
     app_args = {
         "model": args.model,
         "device": "cpu",

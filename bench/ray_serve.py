@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from ringleader.bench.http_loadgen import HttpLoadGenerator, connections_for, li
 from ringleader.bench.loadgen import Load, SendOptions, wait_ready
 from ringleader.bench.metrics import run_metrics
 from ringleader.bench.report import environment, save_json
+from ringleader.bench.servers import free_port
 from ringleader.bench.workloads import RequestSpec, WorkloadConfig, make_requests, prompt_id_range_for
 from ringleader.hostctl.ray_serve.app import build_app
 from ringleader.hostctl.ray_serve.args import RayServeArgs
@@ -100,12 +100,6 @@ def _measure(url: str, specs: list[RequestSpec], load: Load, warmup: list[Reques
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     why: object = "no model listed"
@@ -126,8 +120,8 @@ class _Gateway:
     """`serve --http`: the engine and the OpenAI gateway in one process (ours, ended by pid)."""
 
     def __init__(self, engine_argv: list[str], log_dir: str):
-        self.zmq = f"tcp://127.0.0.1:{_free_port()}"
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.zmq = f"tcp://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = Path(log_dir) / "serve.log"
         argv = [sys.executable, "-m", "ringleader.hostctl.cli", "serve", *engine_argv]
         argv += ["--bind", self.zmq, "--http", self.url.removeprefix("http://")]
@@ -243,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     concurrencies = list(dict.fromkeys((args.concurrency, 1)))
     gateway = None
-    ray_port = _free_port()
+    ray_port = free_port()
     urls: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="rl-bench-ray-") as log_dir:
         try:
