@@ -91,8 +91,6 @@ class OpenAIIngress:
     async def _health(self) -> dict[str, Any]:
         try:
             return await self.engine.health.remote()
-        except APIError:
-            raise
         except _REPLICA_GONE as exc:
             raise _unavailable(f"no engine replica answers: {exc}") from None
         except Exception as exc:  # the replica's APIError arrives wrapped by Ray
