@@ -6,8 +6,11 @@ options from it on every invocation."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
+
+from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULERS = ("device", "host")
@@ -60,6 +63,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        for name, flag, low, high in _INT_BOUNDS:
+            value = getattr(self, name)
+            if value is None and name in ("max_ctx", "threads"):  # None: per device, or torch's own
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
+                limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
+                raise ValueError(f"{flag} ({name}) must be an integer {limits}, got {value!r}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -123,6 +135,20 @@ class EngineConfig:
 
 
 CPU_KV_CACHE_BYTES = 512 << 20
+
+_NO_LIMIT = 1 << 62
+# (field, its serve flag, lowest, highest): the integer options' ranges, checked once here so a
+# bad value is refused by name before any weights load
+_INT_BOUNDS = (
+    ("n_slots", "--slots", 1, MAX_SLOTS),
+    ("max_ctx", "--max-ctx", 2, _NO_LIMIT),  # one prompt token and one generated
+    ("page_size", "--page-size", 1, _NO_LIMIT),
+    ("token_budget", "--token-budget", 1, _NO_LIMIT),
+    ("aging_steps", "--aging-steps", 1, _NO_LIMIT),
+    ("threads", "--threads", 1, _NO_LIMIT),
+    ("sq_size", "sq_size", 1, _NO_LIMIT),
+    ("pending_cap", "pending_cap", 1, _NO_LIMIT),
+)
 
 _UNITS = {
     "": 1, "b": 1,

@@ -26,6 +26,7 @@ import numpy as np
 
 from ringleader.ipc import layout
 from ringleader.ipc.atomics import AtomicU32
+from ringleader.ipc.limits import MAX_SLOTS
 from ringleader.ipc.prefix_keys import mix64, page_keys
 from ringleader.ipc.sampling_params import SamplingParams
 
@@ -65,6 +66,16 @@ class RingConfig:
     vocab_size: int = 0
 
     def __post_init__(self):
+        for name, low, high in (
+            ("n_slots", 1, MAX_SLOTS),
+            ("max_ctx", 2, None),  # one prompt token and one generated
+            ("pending_cap", 1, None),
+            ("aging_steps", 1, None),
+        ):
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high):
+                limits = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name} must be {limits}, got {value}")
         if self.aq_size == 0:  # frozen: resolve "auto" once, so every reader sees the real size
             in_device = self.sq_size + self.pending_cap + self.n_slots
             object.__setattr__(self, "aq_size", 1 << (in_device - 1).bit_length())

@@ -213,6 +213,38 @@ def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything()
     )
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--slots", "0"], "--slots (n_slots) must be an integer in [1, 65535], got 0"),
+        (["--slots", "70000"], "--slots (n_slots) must be an integer in [1, 65535], got 70000"),
+        (["--max-ctx", "1"], "--max-ctx (max_ctx) must be an integer >= 2, got 1"),
+        (["--max-ctx", "-1"], "--max-ctx (max_ctx) must be an integer >= 2, got -1"),
+        (["--token-budget", "0"], "--token-budget (token_budget) must be an integer >= 1, got 0"),
+        (["--threads", "0"], "--threads (threads) must be an integer >= 1, got 0"),
+        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1], got 1.5"),
+        (["--page-size", "24"], "page_size must be a power of two, got 24"),
+    ],
+)
+def test_serve_refuses_an_option_out_of_range_by_its_flag(flags, said):
+    r = subprocess.run(CLI + ["serve", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"ringleader: cannot start: {said}"
+
+
+def test_a_kv_cache_that_holds_no_whole_request_says_what_would():
+    from ringleader.device.backends.kv_pool import plan_pool
+
+    with pytest.raises(MemoryError) as one_page:  # 40 KiB: one page of 16 tokens at 2 KiB each
+        plan_pool(pool_bytes=40 << 10, bytes_per_token=2048, page_size=16, max_ctx=2048, n_slots=4)
+    assert str(one_page.value).endswith(
+        "the KV cache of 40.0 KiB holds 1 pages of 16 tokens (2.0 KiB per token), and one request of "
+        "--max-ctx 2048 needs 128: raise --kv-cache-memory to at least 4.0 MiB or lower --max-ctx to 16 or less"
+    )
+    with pytest.raises(MemoryError) as no_page:  # no context fits: only raising the memory helps
+        plan_pool(pool_bytes=1 << 10, bytes_per_token=2048, page_size=16, max_ctx=2048, n_slots=4)
+    assert str(no_page.value).endswith("raise --kv-cache-memory to at least 4.0 MiB")
+
+
 def test_engine_config_fills_the_per_device_defaults_in_one_place():
     from ringleader.device.engine_config import EngineConfig
 

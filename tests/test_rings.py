@@ -115,3 +115,16 @@ def test_abort_ring_size_defaults_to_what_the_device_can_hold():
     assert RingConfig(aq_size=8).aq_size == 8
     with pytest.raises(ValueError):
         RingConfig(aq_size=12)
+
+
+def test_ring_config_refuses_what_the_scheduler_cannot_hold():
+    from ringleader.ipc.limits import MAX_SLOTS
+
+    big = MAX_SLOTS + 1  # the event scan packs a slot's token and done counts in 16 bits each
+    with pytest.raises(ValueError, match=f"n_slots must be in \\[1, {MAX_SLOTS}\\], got {big}"):
+        RingConfig(n_slots=big, token_budget=big, cq_size=1 << 18)
+    with pytest.raises(ValueError, match="max_ctx must be >= 2, got 1"):
+        RingConfig(max_ctx=1)
+    with pytest.raises(ValueError, match="pending_cap must be >= 1, got 0"):
+        RingConfig(pending_cap=0)
+    assert RingConfig(n_slots=1, token_budget=1, max_ctx=2).pages_per_slot == 1

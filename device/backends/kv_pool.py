@@ -55,11 +55,15 @@ def plan_pool(*, pool_bytes: int, bytes_per_token: int, page_size: int, max_ctx:
     n_pages = min(pool_bytes // (page_size * bytes_per_token), n_slots * per_request)
     if n_pages < per_request:
         fits = n_pages * page_size
+        shorter = f" or lower --max-ctx to {fits} or less" if fits >= 2 else ""
         raise MemoryError(
-            f"the KV cache of {pool_bytes / 2**20:.1f} MiB holds {n_pages} pages of {page_size} "
+            f"the KV cache of {_size(pool_bytes)} holds {n_pages} pages of {page_size} "
             f"tokens ({bytes_per_token / 1024:.1f} KiB per token), and one request of --max-ctx "
             f"{max_ctx} needs {per_request}: raise --kv-cache-memory to at least "
-            f"{per_request * page_size * bytes_per_token / 2**20:.1f} MiB or lower --max-ctx "
-            f"to {fits} or less"
+            f"{_size(per_request * page_size * bytes_per_token)}{shorter}"
         )
     return KvPool(n_pages, page_size, bytes_per_token, max_ctx)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 1024:.1f} KiB"
