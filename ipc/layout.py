@@ -58,7 +58,7 @@ import numpy as np
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
@@ -243,7 +243,7 @@ CQ_EVENT = Struct("RlCqEvent", (
 # phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
 # fill_len: the tokens its prefill feeds (the prompt; after a preemption the prompt and every
 # token generated so far, recomputed); n_pages: the block-table entries it holds; admit_seq:
-# its admission's sequence number (the youngest is preempted first).  Prefix cache: slot_keys
+# its admission's sequence number (of two equally urgent, the youngest is preempted first).  Prefix cache: slot_keys
 # holds the keys of its first n_keyed full pages; its first n_cached pages were matched or
 # offered to the cache; kv_done: its positions whose KV steps already completed have written.
 SLOT = Struct("RlSlot", (
@@ -253,6 +253,9 @@ SLOT = Struct("RlSlot", (
     _f("ev_token", "u32"), _f("finish", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("queued_us", "u32"), _f("fill_len", "u32"), _f("n_pages", "u32"), _f("admit_seq", "u32"),
     _f("n_keyed", "u32"), _f("n_cached", "u32"), _f("kv_done", "u32"),
+    # its request's priority and arrival step, from the SQ entry: under --policy priority,
+    # preemption and resumption rank slots with pending requests by rl_priority_key, aging included
+    _f("priority", "i32"), _f("arrival", "u32"),
     _f("sampling", SAMPLING),
 ))
 

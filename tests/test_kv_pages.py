@@ -207,12 +207,69 @@ def test_decode_out_of_pages_preempts_the_youngest_and_it_recomputes_what_it_str
         assert 0 in resumed_from
 
 
+@pytest.mark.parametrize("policy", [layout.Policy.FIFO, layout.Policy.PRIORITY])
+def test_under_the_priority_policy_the_lowest_priority_loses_its_pages_first(policy):
+    # the same two requests as above, the younger sent at a higher priority: under fifo the
+    # younger is still preempted; under priority the older, less urgent one is
+    d = Driver(paged_config(n_slots=2, token_budget=64, policy=policy))
+    old = d.submit(np.arange(20, dtype=np.int32) + 3, 40, priority=0)
+    d.step()
+    young = d.submit(np.arange(20, dtype=np.int32) + 50, 40, priority=5)
+    victims = set()
+    for _ in range(2_000):
+        d.step()
+        check_pool(d)
+        victims |= {int(sl["handle"]) for sl in d.a["slots"] if int(sl["state"]) == S.PREEMPTED}
+        if all(r.done for r in d.records.values()):
+            break
+    assert victims == ({old} if policy == layout.Policy.PRIORITY else {young})
+    check_streams(d)
+    assert len(d.records[old].tokens) == len(d.records[young].tokens) == 40
+
+
+@pytest.mark.parametrize("policy", [layout.Policy.FIFO, layout.Policy.PRIORITY])
+def test_a_preempted_request_waits_only_for_requests_more_urgent_than_it(policy):
+    # A and B (priority 0) outgrow the pool and B is preempted; then C (priority 5) and D
+    # (priority -5) arrive, each small enough to fit beside A.  Under priority C runs before B
+    # comes back, and D still waits behind B; under fifo both wait behind B, as they always have.
+    d = Driver(paged_config(n_slots=4, token_budget=64, policy=policy, aging_steps=10_000))
+    a = d.submit(np.arange(20, dtype=np.int32) + 3, 40)
+    d.step()
+    b = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
+    for _ in range(2_000):
+        d.step()
+        if any(int(sl["state"]) == S.PREEMPTED for sl in d.a["slots"]):
+            break
+    else:
+        raise AssertionError("nothing was preempted")
+    b_streamed = len(d.records[b].tokens)
+    c = d.submit(np.arange(8, dtype=np.int32) + 200, 4, priority=5)
+    low = d.submit(np.arange(8, dtype=np.int32) + 300, 4, priority=-5)
+    streamed_by = {b: b_streamed, c: 0, low: 0}  # a request has run again once it streams more
+    ran_at: dict[int, int] = {}
+    for n in range(5_000):
+        d.step()
+        check_pool(d)
+        for h, before in streamed_by.items():
+            if h not in ran_at and len(d.records[h].tokens) > before:
+                ran_at[h] = n
+        if all(r.done for r in d.records.values()):
+            break
+    check_streams(d)
+    assert all(len(d.records[h].tokens) == d.records[h].max_tokens for h in (a, b, c, low))
+    if policy == layout.Policy.PRIORITY:
+        assert ran_at[c] < ran_at[b], "the urgent request waited for a less urgent preempted one"
+    else:
+        assert ran_at[c] >= ran_at[b], "fifo: a new request overtook a preempted one"
+    assert ran_at[low] >= ran_at[b], "a less urgent request overtook a preempted one"
+
+
 def random_run(d: Driver, rng: np.random.Generator, make_prompt, n_steps: int = 300) -> None:
-    """Random submits (make_prompt(rng) each), aborts and steps, every step checked; then runs
-    idle: the pool whole, every stream exact, and some request preempted."""
+    """Random submits (make_prompt(rng) each, at a random priority), aborts and steps, every
+    step checked; then runs idle: the pool whole, every stream exact, and some request preempted."""
     for _ in range(n_steps):
         if rng.random() < 0.4:
-            d.submit(make_prompt(rng), int(rng.integers(1, 30)))
+            d.submit(make_prompt(rng), int(rng.integers(1, 30)), priority=int(rng.integers(-3, 4)))
         if rng.random() < 0.05 and d.records:
             d.abort(int(rng.choice(sorted(d.records))))
         before = len(d.steps)
@@ -228,8 +285,9 @@ def random_run(d: Driver, rng: np.random.Generator, make_prompt, n_steps: int = 
     assert int(st_["n_free_pages"]) + int(st_["n_cached_free"]) == d.cfg.n_pages
 
 
-def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact():
-    d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16))
+@pytest.mark.parametrize("policy", [layout.Policy.FIFO, layout.Policy.PRIORITY])
+def test_a_long_random_run_under_a_tight_pool_preempts_and_stays_exact(policy):
+    d = Driver(paged_config(n_slots=6, n_pages=24, token_budget=16, policy=policy, aging_steps=8))
     random_run(d, np.random.default_rng(7), lambda rng: np.arange(int(rng.integers(1, 40))) % 89 + 3)
 
 

@@ -176,28 +176,42 @@ struct RlShared {
 #endif
 };
 
+RL_FN uint32_t rl_add_u32(uint32_t a, uint32_t b) {
+  return a + b;
+}
+RL_FN uint32_t rl_or_u32(uint32_t a, uint32_t b) {
+  return a | b;
+}
+RL_FN uint32_t rl_and_u32(uint32_t a, uint32_t b) {
+  return a & b;
+}
+RL_FN uint32_t rl_min_u32(uint32_t a, uint32_t b) {
+  return a < b ? a : b;
+}
+
 #ifdef RL_GPU
-// Sum / or / and of one value per thread over the block; every thread gets the result.
-#define RL_BLOCK_REDUCE(name, op, identity)                                             \
-  RL_FN uint32_t name(uint32_t v, RlShared* sh) {                                       \
-    for (uint32_t d = 16; d > 0; d >>= 1) v = v op __shfl_xor_sync(RL_FULL_WARP, v, d); \
-    if ((RL_TID & 31u) == 0) sh->warp[RL_TID >> 5] = v;                                 \
-    RL_SYNC();                                                                          \
-    uint32_t all = identity;                                                            \
-    for (uint32_t w = 0; w < (RL_NTHREADS + 31u) >> 5; ++w) all = all op sh->warp[w];   \
-    RL_SYNC();                                                                          \
-    return all;                                                                         \
+// Sum / or / and / min of one value per thread over the block; every thread gets the result.
+#define RL_BLOCK_REDUCE(name, combine, identity)                                               \
+  RL_FN uint32_t name(uint32_t v, RlShared* sh) {                                              \
+    for (uint32_t d = 16; d > 0; d >>= 1) v = combine(v, __shfl_xor_sync(RL_FULL_WARP, v, d)); \
+    if ((RL_TID & 31u) == 0) sh->warp[RL_TID >> 5] = v;                                        \
+    RL_SYNC();                                                                                 \
+    uint32_t all = identity;                                                                   \
+    for (uint32_t w = 0; w < (RL_NTHREADS + 31u) >> 5; ++w) all = combine(all, sh->warp[w]);   \
+    RL_SYNC();                                                                                 \
+    return all;                                                                                \
   }
 #else
 // One thread holds the whole block's share: its value is the result.
-#define RL_BLOCK_REDUCE(name, op, identity)    \
-  RL_FN uint32_t name(uint32_t v, RlShared*) { \
-    return v;                                  \
+#define RL_BLOCK_REDUCE(name, combine, identity) \
+  RL_FN uint32_t name(uint32_t v, RlShared*) {   \
+    return v;                                    \
   }
 #endif
-RL_BLOCK_REDUCE(rl_block_sum, +, 0u)
-RL_BLOCK_REDUCE(rl_block_or, |, 0u)
-RL_BLOCK_REDUCE(rl_block_and, &, 0xFFFFFFFFu)
+RL_BLOCK_REDUCE(rl_block_sum, rl_add_u32, 0u)
+RL_BLOCK_REDUCE(rl_block_or, rl_or_u32, 0u)
+RL_BLOCK_REDUCE(rl_block_and, rl_and_u32, 0xFFFFFFFFu)
+RL_BLOCK_REDUCE(rl_block_min, rl_min_u32, 0xFFFFFFFFu)
 
 // In-place exclusive prefix sum of a[0..n); every thread gets the total.  GPU: per chunk of
 // one element per thread, a shuffle scan inside each warp, one over the warp totals, 2 barriers.

@@ -121,6 +121,25 @@ RL_FN int32_t* rl_slot_tokens(const RlContext& c, uint32_t s) {
 }
 
 // Whether slot s runs in steps (and so holds pages).
+// Effective priority with aging: one level per aging_steps waited since arrival, so nothing
+// starves.  As an ascending sort key: the most urgent sorts first; clamped to 32 bits.  A
+// pending request and a slot's (its SQ entry's priority and arrival) compare on one scale.
+RL_FN uint32_t rl_priority_key(const RlConfig& cfg, int32_t priority, uint32_t arrival,
+                               uint64_t step) {
+  uint32_t waited = (uint32_t)step - arrival;
+  int64_t p = (int64_t)priority + (int64_t)(waited / (cfg.aging_steps ? cfg.aging_steps : 1u));
+  if (p > 0x7FFFFFFFll) p = 0x7FFFFFFFll;
+  if (p < -0x80000000ll) p = -0x80000000ll;
+  return ~((uint32_t)(int32_t)p ^ 0x80000000u);
+}
+
+// How urgent a running or preempted slot is, on the same scale: under --policy priority its
+// request's aged priority; otherwise all are equal (0) and admission order alone decides.
+RL_FN uint32_t rl_slot_urgency(const RlConfig& cfg, const RlSlot& sl, uint64_t step) {
+  return cfg.policy == RL_POLICY_PRIORITY ? rl_priority_key(cfg, sl.priority, sl.arrival, step)
+                                          : 0u;
+}
+
 RL_FN bool rl_slot_runs(const RlSlot& sl) {
   return sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_DECODE;
 }

@@ -34,22 +34,26 @@ RL_FN void rl_consume_samples(const RlContext& c) {
   RL_SYNC();
 }
 
-// Leader only, and only when decode is out of pages: preempts the youngest running request
-// (admission order) until the `wanted` new pages fit, each victim letting go of all its pages
-// (its cached ones stay cached: its recompute may find them) and waiting as PREEMPTED to
-// recompute its prompt and the tokens it already produced (those streamed are not sent again:
-// the recompute's last row samples the next one).  A serial scan per victim; victims are rare
-// and few.
-RL_FN void rl_preempt_youngest(const RlContext& c, uint32_t wanted) {
+// Leader only, and only when decode is out of pages: preempts running requests until the
+// `wanted` new pages fit, the least urgent first (rl_slot_urgency: under --policy priority the
+// lowest aged priority), of those the youngest by admission, so the oldest of the most urgent
+// always advances.  Each victim lets go of all its pages (its cached ones stay
+// cached: its recompute may find them) and waits as PREEMPTED to recompute its prompt and the
+// tokens it already produced (those streamed are not sent again: the recompute's last row
+// samples the next one).  A serial scan per victim; victims are rare and few.
+RL_FN void rl_preempt_least_urgent(const RlContext& c, uint32_t wanted) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
   while (wanted > rl_pages_unheld(st)) {
-    uint32_t victim = cfg.n_slots, youngest_age = 0xFFFFFFFFu;
+    uint32_t victim = cfg.n_slots, victim_key = 0, youngest_age = 0xFFFFFFFFu;
     for (uint32_t s = 0; s < cfg.n_slots; ++s) {
       const RlSlot& sl = c.slots[s];
+      if (!rl_slot_runs(sl)) continue;
+      uint32_t key = rl_slot_urgency(cfg, sl, st.step);
       uint32_t age = st.admit_seq - sl.admit_seq;  // wraps safely: admissions, not steps
-      if (rl_slot_runs(sl) && age < youngest_age) {
+      if (victim == cfg.n_slots || key > victim_key || (key == victim_key && age < youngest_age)) {
         victim = s;
+        victim_key = key;
         youngest_age = age;
       }
     }
@@ -68,7 +72,7 @@ RL_FN void rl_preempt_youngest(const RlContext& c, uint32_t wanted) {
 }
 
 // Critical 2a, only when the overlapped phase could not hand every decoding slot the page its
-// next row needs (rl_grow_pages_ahead): the youngest requests are preempted until they fit.
+// next row needs (rl_grow_pages_ahead): the least urgent requests are preempted until they fit.
 // Otherwise the critical phase moves no page at all.
 RL_FN void rl_grow_pages_short(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
@@ -76,7 +80,7 @@ RL_FN void rl_grow_pages_short(const RlContext& c, RlShared* sh) {
   if (!st.pages_short) return;
   uint32_t wanted = rl_count_page_needs(c, sh, 0);
   if (wanted > rl_pages_unheld(st)) {
-    if (RL_LEADER) rl_preempt_youngest(c, wanted);
+    if (RL_LEADER) rl_preempt_least_urgent(c, wanted);
     RL_SYNC();
     wanted = rl_count_page_needs(c, sh, 0);
   }

@@ -259,16 +259,6 @@ RL_FN void rl_grow_pages_ahead(const RlContext& c, RlShared* sh) {
   RL_SYNC();
 }
 
-// Effective priority with aging: one level per aging_steps waited, so nothing starves.  As an
-// ascending sort key: the highest priority sorts first; clamped to 32 bits.
-RL_FN uint32_t rl_priority_key(const RlConfig& cfg, const RlSqEntry& e, uint64_t step) {
-  uint32_t waited = (uint32_t)step - e.arrival;
-  int64_t p = (int64_t)e.priority + (int64_t)(waited / (cfg.aging_steps ? cfg.aging_steps : 1u));
-  if (p > 0x7FFFFFFFll) p = 0x7FFFFFFFll;
-  if (p < -0x80000000ll) p = -0x80000000ll;
-  return ~((uint32_t)(int32_t)p ^ 0x80000000u);
-}
-
 // Removes pending entries that are no longer GENERATE (admitted, or cancelled and answered),
 // keeping arrival order.
 RL_FN void rl_compact_pending(const RlContext& c, RlShared* sh) {
@@ -330,12 +320,17 @@ RL_FN uint32_t rl_fitting_prefix(const RlContext& c, RlShared* sh, uint32_t* at,
   return n_fit;
 }
 
-// Overlapped 5a: requests preempted for pages come back first, oldest admission first, each
-// once the pages for all it has to recompute fit.  Returns whether none is left waiting (new
-// requests are admitted only then: a preempted request is never overtaken).
-RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
+// Overlapped 5a: requests preempted for pages come back before new ones, the most urgent first
+// (rl_slot_urgency), of those the oldest admission, each once the pages for all it has to
+// recompute fit.  Under --policy priority only those at least as urgent as the most urgent
+// pending request come back here; *bound is then the urgency of the most urgent one left (no
+// limit when none is), and admission takes only pending requests more urgent than it.  Returns
+// whether every preempted request that may come back did (new requests are admitted only then:
+// a preempted request is never overtaken by one that is not more urgent).
+RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh, uint32_t* bound) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
+  *bound = 0xFFFFFFFFu;
   uint32_t* rank = c.work_a;  // per slot: its rank among preempted slots
   RL_FOR(s, cfg.n_slots) rank[s] = c.slots[s].state == RL_SLOT_PREEMPTED ? 1u : 0u;
   RL_SYNC();
@@ -349,18 +344,37 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
   }
   RL_SYNC();
   uint32_t* order = rl_radix_sort(key, c.work_b, c.work_d, c.work_a, n_preempted, sh);
+  uint32_t n_may = n_preempted;  // a prefix of order: those at least as urgent as any pending
+  if (cfg.policy == RL_POLICY_PRIORITY) {
+    RL_FOR(s, cfg.n_slots) key[s] = rl_slot_urgency(cfg, c.slots[s], st.step);
+    RL_SYNC();  // a stable sort by urgency keeps the admission order among equals
+    order = rl_radix_sort(key, order, order == c.work_b ? c.work_d : c.work_b, c.work_a,
+                          n_preempted, sh);
+    uint32_t my_urgent = 0xFFFFFFFFu;
+    RL_FOR(j, st.n_pending) {
+      const RlSqEntry& e = c.pending[j];
+      if (e.op == RL_OP_GENERATE)
+        my_urgent = rl_min_u32(my_urgent, rl_priority_key(cfg, e.priority, e.arrival, st.step));
+    }
+    const uint32_t urgent = rl_block_min(my_urgent, sh);
+    uint32_t my_may = 0;
+    RL_FOR(k, n_preempted) my_may += key[order[k]] <= urgent;
+    n_may = rl_block_sum(my_may, sh);
+    if (n_may < n_preempted) *bound = key[order[n_may]];
+    if (n_may == 0) return true;
+  }
   uint32_t* at = c.work_a;       // per candidate: the pages it would take, then its fresh ones
   uint32_t* matched = c.work_e;  // per candidate: its pages the prefix cache holds
-  RL_FOR(k, n_preempted) {
+  RL_FOR(k, n_may) {
     const RlSlot& sl = c.slots[order[k]];
     at[k] = rl_pages_for(cfg, sl.fill_len);
     uint32_t cap = cfg.prefix_caching ? (sl.fill_len - 1) / cfg.page_size : 0u;
     matched[k] = cap < sl.n_keyed ? cap : sl.n_keyed;  // its own pages, if still cached
   }
   RL_SYNC();
-  if (cfg.prefix_caching) rl_lookup_prefixes(c, sh, order, n_preempted, matched, at);
+  if (cfg.prefix_caching) rl_lookup_prefixes(c, sh, order, n_may, matched, at);
   uint32_t taken;
-  const uint32_t n_resume = rl_fitting_prefix(c, sh, at, n_preempted, &taken);
+  const uint32_t n_resume = rl_fitting_prefix(c, sh, at, n_may, &taken);
   if (n_resume == 0) return false;
   RL_FOR(k, n_resume) at[k] = rl_pages_for(cfg, c.slots[order[k]].fill_len) - matched[k];
   const uint32_t from = rl_claim_pages(c, sh, order, n_resume, matched, at);
@@ -381,7 +395,7 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh) {
     st.n_queued = n_queued + n_resume;
   }
   RL_SYNC();
-  return n_resume == n_preempted;
+  return n_resume == n_may;
 }
 
 // A penalized request's token counts (the sampler's penalties read them): its slot's row zeroed,
@@ -414,7 +428,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
   rl_compact_prefill_queue(c, sh);
-  if (!rl_resume_preempted(c, sh)) {
+  uint32_t bound;  // admit only pending requests more urgent than this (a preempted one waits)
+  if (!rl_resume_preempted(c, sh, &bound)) {
     if (st.has_cancelled) rl_compact_pending(c, sh);
     return;
   }
@@ -433,16 +448,24 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     if (st.has_cancelled) rl_compact_pending(c, sh);
     return;
   }
-  // The admission order: live entries in arrival order, sorted by priority when it decides.
+  // The admission order: live entries in arrival order, sorted by priority under that policy
+  // (slots and pages both go to the most urgent first).
   uint32_t* order = c.work_b;
   RL_FOR(j, n_pending)
     if (c.pending[j].op == RL_OP_GENERATE) order[live[j]] = j;
   RL_SYNC();
-  if (cfg.policy == RL_POLICY_PRIORITY && n_live > n_free) {
+  if (cfg.policy == RL_POLICY_PRIORITY) {
     uint32_t* key = c.work_a;  // live ranks are spent
-    RL_FOR(j, n_pending) key[j] = rl_priority_key(cfg, c.pending[j], st.step);
+    RL_FOR(j, n_pending)
+      key[j] = rl_priority_key(cfg, c.pending[j].priority, c.pending[j].arrival, st.step);
     RL_SYNC();
-    order = rl_radix_sort(key, order, c.work_c, c.work_d, n_live, sh);
+    if (bound != 0xFFFFFFFFu) {  // those not more urgent than a preempted request wait behind it
+      uint32_t my_before = 0;
+      RL_FOR(j, n_pending) my_before += c.pending[j].op == RL_OP_GENERATE && key[j] < bound;
+      const uint32_t n_before = rl_block_sum(my_before, sh);
+      if (n_before < n_admit) n_admit = n_before;
+    }
+    if (n_live > 1) order = rl_radix_sort(key, order, c.work_c, c.work_d, n_live, sh);
   }
   // Slots: the k-th candidate goes to the k-th free slot.
   uint32_t* free_rank = c.work_a;  // per slot: its rank among free slots
@@ -499,6 +522,8 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.prompt_len = e.prompt_len;
     sl.fill_len = e.prompt_len;
     sl.admit_seq = admit_seq + k;
+    sl.priority = e.priority;
+    sl.arrival = e.arrival;
     sl.n_pages = matched[k];  // the matched pages are in its block table already
     rl_take_pages(c, sl, s, rl_pages_for(cfg, e.prompt_len) - matched[k], from + at[k]);
     sl.n_prefilled = sl.kv_done = matched[k] * cfg.page_size;  // a hit's prefill is skipped

@@ -12,7 +12,7 @@
 //   2. build the next step from the slots already admitted: one row per decoding slot first,
 //      then prefill chunks in admission order while the token budget lasts; write the layout
 //      (every row's KV page is already in its slot's block table; only when 4 found too few
-//      free pages does this phase allocate, preempting the youngest requests)
+//      free pages does this phase allocate, preempting the least urgent requests)
 // The caller then hands the turn to compute, and runs sched_overlapped() while that step runs:
 //   3. read the stop request once; apply the abort ring; drain the SQ into the pending queue
 //   4. write the TOKEN/DONE events decided in 1 and for cancelled pending requests; publish;

@@ -50,7 +50,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "policy": Flag(
         "--policy",
         {"choices": POLICIES},
-        "admission: fifo, priority with aging, or static batching (a baseline)",
+        "admission: fifo, priority with aging (which also decides who gives up its KV pages "
+        "first when they run out), or static batching (a baseline)",
     ),
     "n_slots": Flag(
         "--slots",
