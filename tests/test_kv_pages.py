@@ -227,21 +227,26 @@ def test_under_the_priority_policy_the_lowest_priority_loses_its_pages_first(pol
     assert len(d.records[old].tokens) == len(d.records[young].tokens) == 40
 
 
+def run_two_until_one_is_preempted(d: Driver) -> tuple[int, int]:
+    """Two requests of 20 prompt tokens and 40 new ones (15 pages of 4 each at the end, in a
+    pool of 20), the second sent a step later; steps until one of them is preempted."""
+    first = d.submit(np.arange(20, dtype=np.int32) + 3, 40)
+    d.step()
+    second = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
+    for _ in range(2_000):
+        d.step()
+        if any(int(sl["state"]) == S.PREEMPTED for sl in d.a["slots"]):
+            return first, second
+    raise AssertionError("nothing was preempted")
+
+
 @pytest.mark.parametrize("policy", [layout.Policy.FIFO, layout.Policy.PRIORITY])
 def test_a_preempted_request_waits_only_for_requests_more_urgent_than_it(policy):
     # A and B (priority 0) outgrow the pool and B is preempted; then C (priority 5) and D
     # (priority -5) arrive, each small enough to fit beside A.  Under priority C runs before B
     # comes back, and D still waits behind B; under fifo both wait behind B, as they always have.
     d = Driver(paged_config(n_slots=4, token_budget=64, policy=policy, aging_steps=10_000))
-    a = d.submit(np.arange(20, dtype=np.int32) + 3, 40)
-    d.step()
-    b = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
-    for _ in range(2_000):
-        d.step()
-        if any(int(sl["state"]) == S.PREEMPTED for sl in d.a["slots"]):
-            break
-    else:
-        raise AssertionError("nothing was preempted")
+    a, b = run_two_until_one_is_preempted(d)
     b_streamed = len(d.records[b].tokens)
     c = d.submit(np.arange(8, dtype=np.int32) + 200, 4, priority=5)
     low = d.submit(np.arange(8, dtype=np.int32) + 300, 4, priority=-5)
@@ -308,15 +313,7 @@ def test_a_prompt_waits_until_its_pages_fit():
 
 def test_an_aborted_preempted_request_gets_one_done_and_no_pages_leak():
     d = Driver(paged_config(n_slots=2, token_budget=64))
-    d.submit(np.arange(20, dtype=np.int32) + 3, 40)
-    d.step()
-    young = d.submit(np.arange(20, dtype=np.int32) + 50, 40)
-    for _ in range(2_000):
-        d.step()
-        if any(int(sl["state"]) == S.PREEMPTED for sl in d.a["slots"]):
-            break
-    else:
-        raise AssertionError("nothing was preempted")
+    _, young = run_two_until_one_is_preempted(d)
     d.abort(young)
     d.run_until_idle()
     check_pool(d)
