@@ -243,9 +243,10 @@ CQ_EVENT = Struct("RlCqEvent", (
 # phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
 # fill_len: the tokens its prefill feeds (the prompt; after a preemption the prompt and every
 # token generated so far, recomputed); n_pages: the block-table entries it holds; admit_seq:
-# its admission's sequence number (of two equally urgent, the youngest is preempted first).  Prefix cache: slot_keys
-# holds the keys of its first n_keyed full pages; its first n_cached pages were matched or
-# offered to the cache; kv_done: its positions whose KV steps already completed have written.
+# its admission's sequence number (of two equally urgent, the youngest is preempted first).
+# Prefix cache: slot_keys holds the keys of its first n_keyed full pages; its first n_cached
+# pages were matched or offered to the cache; kv_done: its positions whose KV steps already
+# completed have written.
 SLOT = Struct("RlSlot", (
     _f("state", "u32"), _f("handle", "u32"), _f("prompt_off", "u32"), _f("prompt_len", "u32"),
     _f("n_prefilled", "u32"), _f("n_generated", "u32"), _f("max_tokens", "u32"),

@@ -120,7 +120,6 @@ RL_FN int32_t* rl_slot_tokens(const RlContext& c, uint32_t s) {
   return c.slot_tokens + (size_t)s * c.cfg->max_ctx;
 }
 
-// Whether slot s runs in steps (and so holds pages).
 // Effective priority with aging: one level per aging_steps waited since arrival, so nothing
 // starves.  As an ascending sort key: the most urgent sorts first; clamped to 32 bits.  A
 // pending request and a slot's (its SQ entry's priority and arrival) compare on one scale.
@@ -133,13 +132,15 @@ RL_FN uint32_t rl_priority_key(const RlConfig& cfg, int32_t priority, uint32_t a
   return ~((uint32_t)(int32_t)p ^ 0x80000000u);
 }
 
-// How urgent a running or preempted slot is, on the same scale: under --policy priority its
-// request's aged priority; otherwise all are equal (0) and admission order alone decides.
+// How urgent a running or preempted slot is, as the same key (smaller: more urgent): under
+// --policy priority its request's aged priority; otherwise all are equal (0) and admission
+// order alone decides.
 RL_FN uint32_t rl_slot_urgency(const RlConfig& cfg, const RlSlot& sl, uint64_t step) {
   return cfg.policy == RL_POLICY_PRIORITY ? rl_priority_key(cfg, sl.priority, sl.arrival, step)
                                           : 0u;
 }
 
+// Whether slot s runs in steps (and so holds pages).
 RL_FN bool rl_slot_runs(const RlSlot& sl) {
   return sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_DECODE;
 }

@@ -37,10 +37,10 @@ RL_FN void rl_consume_samples(const RlContext& c) {
 // Leader only, and only when decode is out of pages: preempts running requests until the
 // `wanted` new pages fit, the least urgent first (rl_slot_urgency: under --policy priority the
 // lowest aged priority), of those the youngest by admission, so the oldest of the most urgent
-// always advances.  Each victim lets go of all its pages (its cached ones stay
-// cached: its recompute may find them) and waits as PREEMPTED to recompute its prompt and the
-// tokens it already produced (those streamed are not sent again: the recompute's last row
-// samples the next one).  A serial scan per victim; victims are rare and few.
+// always advances.  Each victim lets go of all its pages (its cached ones stay cached: its
+// recompute may find them) and waits as PREEMPTED to recompute its prompt and the tokens it
+// already produced (those streamed are not sent again: the recompute's last row samples the
+// next one).  A serial scan per victim; victims are rare and few.
 RL_FN void rl_preempt_least_urgent(const RlContext& c, uint32_t wanted) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
