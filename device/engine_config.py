@@ -69,7 +69,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
-                raise ValueError(f"{flag} ({name}) must be an integer {limits}, got {value!r}")
+                named = f"{flag} ({name})" if flag else name
+                raise ValueError(f"{named} must be an integer {limits}, got {value!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if self.kv_cache_memory is not None:
@@ -137,8 +138,8 @@ class EngineConfig:
 CPU_KV_CACHE_BYTES = 512 << 20
 
 _NO_LIMIT = 1 << 62
-# (field, its serve flag, lowest, highest): the integer options' ranges, checked once here so a
-# bad value is refused by name before any weights load
+# (field, its serve flag or None, lowest, highest): the integer options' ranges, checked once
+# here so a bad value is refused by name before any weights load
 _INT_BOUNDS = (
     ("n_slots", "--slots", 1, MAX_SLOTS),
     ("max_ctx", "--max-ctx", 2, _NO_LIMIT),  # one prompt token and one generated
@@ -146,8 +147,8 @@ _INT_BOUNDS = (
     ("token_budget", "--token-budget", 1, _NO_LIMIT),
     ("aging_steps", "--aging-steps", 1, _NO_LIMIT),
     ("threads", "--threads", 1, _NO_LIMIT),
-    ("sq_size", "sq_size", 1, _NO_LIMIT),
-    ("pending_cap", "pending_cap", 1, _NO_LIMIT),
+    ("sq_size", None, 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
+    ("pending_cap", None, 1, _NO_LIMIT),
 )
 
 _UNITS = {
