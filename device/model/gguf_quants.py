@@ -21,6 +21,7 @@ Block layouts (little-endian, blocks packed with no padding; "f16" is an IEEE ha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -109,14 +110,13 @@ def _reinterpret(data: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
 
 def _decode_in_chunks(data: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
     block_size, type_size = BLOCK_LAYOUTS[qtype]
-    decode_blocks = _BLOCK_DECODERS[qtype]
     n_blocks = data.numel() // type_size
     blocks = data.view(n_blocks, type_size)
     out = torch.empty(n_blocks, block_size, dtype=dtype, device=data.device)
     blocks_per_chunk = max(1, CHUNK_OUTPUT_BYTES // (block_size * 4))
     for start in range(0, n_blocks, blocks_per_chunk):
         stop = min(start + blocks_per_chunk, n_blocks)
-        out[start:stop] = decode_blocks(blocks[start:stop])
+        out[start:stop] = _decode_blocks(blocks[start:stop], qtype)
     return out
 
 
@@ -158,48 +158,72 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return scales, mins
 
 
-# --- block decoders: uint8 blocks (n_blocks, type_size) -> float32 (n_blocks, block_size) -------
+# --- block codes: uint8 blocks (n_blocks, type_size) -> GroupCodes ----------------------------
 
 
-def _decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16_field(blocks, 0)
-    q = blocks[:, 2:].view(torch.int8).to(torch.float32)
-    return q * d
+class GroupCodes(NamedTuple):
+    """One block type's content as integers and per-group floats, before any rounding:
+    x = scale * code (+ offset), in float32, per group of `group` elements.
+
+    codes: signed integers (n_blocks, groups, group) in int16; scale and offset (n_blocks,
+    groups, 1) float32 (offset None: none). The dense decode and the quantized matmul weights
+    (device/model/quant_digits.py) are both built from this one reading of the bits."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1]
 
 
-def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16_field(blocks, 0)
+def _codes(
+    q: torch.Tensor, n_groups: int, scale: torch.Tensor, offset: torch.Tensor | None = None
+) -> GroupCodes:
+    n_blocks = q.shape[0]
+    view = (n_blocks, n_groups, 1)
+    return GroupCodes(
+        q.to(torch.int16).view(n_blocks, n_groups, -1),
+        scale.view(view),
+        None if offset is None else offset.view(view),
+    )
+
+
+def _codes_q8_0(blocks: torch.Tensor) -> GroupCodes:
+    return _codes(blocks[:, 2:].view(torch.int8), 1, _f16_field(blocks, 0))
+
+
+def _codes_q4_0(blocks: torch.Tensor) -> GroupCodes:
     q = _low_then_high_nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
-    return d * q.to(torch.float32)
+    return _codes(q, 1, _f16_field(blocks, 0))
 
 
-def _decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16_field(blocks, 0), _f16_field(blocks, 2)
-    q = _low_then_high_nibbles(blocks[:, 4:], 16).to(torch.float32)
-    return d * q + m
+def _codes_q4_1(blocks: torch.Tensor) -> GroupCodes:
+    q = _low_then_high_nibbles(blocks[:, 4:], 16)
+    return _codes(q, 1, _f16_field(blocks, 0), _f16_field(blocks, 2))
 
 
-def _decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16_field(blocks, 0)
+def _codes_q5_0(blocks: torch.Tensor) -> GroupCodes:
     q = _low_then_high_nibbles(blocks[:, 6:], 16) | (_fifth_bits_q5(blocks[:, 2:6]) << 4)
-    return d * (q.to(torch.int8) - 16).to(torch.float32)
+    return _codes(q.to(torch.int8) - 16, 1, _f16_field(blocks, 0))
 
 
-def _decode_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16_field(blocks, 0), _f16_field(blocks, 2)
+def _codes_q5_1(blocks: torch.Tensor) -> GroupCodes:
     q = _low_then_high_nibbles(blocks[:, 8:], 16) | (_fifth_bits_q5(blocks[:, 4:8]) << 4)
-    return d * q.to(torch.float32) + m
+    return _codes(q, 1, _f16_field(blocks, 0), _f16_field(blocks, 2))
 
 
-def _decode_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def _codes_q2_k(blocks: torch.Tensor) -> GroupCodes:
     n_blocks = blocks.shape[0]
     scale_bytes = blocks[:, 0:16]
     d, dmin = _f16_field(blocks, 80), _f16_field(blocks, 82)
     # 16 sub-blocks of 16: each 32 bytes of qs hold 4 runs of 32 elements in bit pairs 0, 2, 4, 6
-    scale = (d * (scale_bytes & 0x0F).to(torch.float32)).view(n_blocks, 16, 1)
-    offset = (dmin * (scale_bytes >> 4).to(torch.float32)).view(n_blocks, 16, 1)
-    q = _unpack_fields(blocks[:, 16:80].reshape(n_blocks, 2, 32), 2).reshape(n_blocks, 16, 16)
-    return (scale * q.to(torch.float32) - offset).reshape(n_blocks, QK_K)
+    q = _unpack_fields(blocks[:, 16:80].reshape(n_blocks, 2, 32), 2)
+    # scale*q - offset as scale*q + (-offset): the same float32 result (negation is exact)
+    return _codes(
+        q, 16, d * (scale_bytes & 0x0F).to(torch.float32), -(dmin * (scale_bytes >> 4).to(torch.float32))
+    )
 
 
 def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
@@ -211,59 +235,64 @@ def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
 
 
-def _decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _codes_q3_k(blocks: torch.Tensor) -> GroupCodes:
     n_blocks = blocks.shape[0]
-    d = _f16_field(blocks, 108)
-    scale = (d * _q3_k_scales(blocks[:, 96:108])).view(n_blocks, 16, 1)
     low = _unpack_fields(blocks[:, 32:96].reshape(n_blocks, 2, 32), 2).reshape(n_blocks, 16, 16)
     high = _unpack_fields(blocks[:, 0:32], 1).reshape(n_blocks, 16, 16)
     # a set hmask bit means "no offset"; a clear one subtracts 4
     q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
-    return (scale * q.to(torch.float32)).reshape(n_blocks, QK_K)
+    return _codes(q, 16, _f16_field(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))
 
 
-def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    n_blocks = blocks.shape[0]
+def _k_scale_offset(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: the 8 sub-block scales d*sc and offsets -(dmin*m), float32 (n_blocks, 8)."""
     d, dmin = _f16_field(blocks, 0), _f16_field(blocks, 2)
     scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    scale = (d * scales.to(torch.float32)).view(n_blocks, 8, 1)
-    offset = (dmin * mins.to(torch.float32)).view(n_blocks, 8, 1)
-    q = _low_then_high_nibbles(blocks[:, 16:144], 32).view(n_blocks, 8, 32)
-    return (scale * q.to(torch.float32) - offset).reshape(n_blocks, QK_K)
+    return d * scales.to(torch.float32), -(dmin * mins.to(torch.float32))
 
 
-def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _codes_q4_k(blocks: torch.Tensor) -> GroupCodes:
+    return _codes(_low_then_high_nibbles(blocks[:, 16:144], 32), 8, *_k_scale_offset(blocks))
+
+
+def _codes_q5_k(blocks: torch.Tensor) -> GroupCodes:
     n_blocks = blocks.shape[0]
-    d, dmin = _f16_field(blocks, 0), _f16_field(blocks, 2)
-    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    scale = (d * scales.to(torch.float32)).view(n_blocks, 8, 1)
-    offset = (dmin * mins.to(torch.float32)).view(n_blocks, 8, 1)
     low = _low_then_high_nibbles(blocks[:, 48:176], 32).view(n_blocks, 8, 32)
     high = _unpack_fields(blocks[:, 16:48], 1)  # sub-block j takes bit j of qh[0..31]
-    q = low | (high << 4)
-    return (scale * q.to(torch.float32) - offset).reshape(n_blocks, QK_K)
+    return _codes(low | (high << 4), 8, *_k_scale_offset(blocks))
 
 
-def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _codes_q6_k(blocks: torch.Tensor) -> GroupCodes:
     n_blocks = blocks.shape[0]
     d = _f16_field(blocks, 208)
-    scale = (d * blocks[:, 192:208].view(torch.int8).to(torch.float32)).view(n_blocks, 16, 1)
     # each half of 128 elements: 64 ql bytes (low nibbles, then high) and 32 qh bytes (4 bit pairs)
     low = _low_then_high_nibbles(blocks[:, 0:128], 64)
     high = _unpack_fields(blocks[:, 128:192].reshape(n_blocks, 2, 32), 2).reshape(n_blocks, QK_K)
-    q = ((low | (high << 4)).to(torch.int8) - 32).view(n_blocks, 16, 16)
-    return (scale * q.to(torch.float32)).reshape(n_blocks, QK_K)
+    q = (low | (high << 4)).to(torch.int8) - 32
+    return _codes(q, 16, d * blocks[:, 192:208].view(torch.int8).to(torch.float32))
 
 
-_BLOCK_DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q8_0": _decode_q8_0,
-    "Q4_0": _decode_q4_0,
-    "Q4_1": _decode_q4_1,
-    "Q5_0": _decode_q5_0,
-    "Q5_1": _decode_q5_1,
-    "Q2_K": _decode_q2_k,
-    "Q3_K": _decode_q3_k,
-    "Q4_K": _decode_q4_k,
-    "Q5_K": _decode_q5_k,
-    "Q6_K": _decode_q6_k,
+_BLOCK_CODES: dict[str, Callable[[torch.Tensor], GroupCodes]] = {
+    "Q8_0": _codes_q8_0,
+    "Q4_0": _codes_q4_0,
+    "Q4_1": _codes_q4_1,
+    "Q5_0": _codes_q5_0,
+    "Q5_1": _codes_q5_1,
+    "Q2_K": _codes_q2_k,
+    "Q3_K": _codes_q3_k,
+    "Q4_K": _codes_q4_k,
+    "Q5_K": _codes_q5_k,
+    "Q6_K": _codes_q6_k,
 }
+
+
+def block_codes(blocks: torch.Tensor, qtype: str) -> GroupCodes:
+    """The codes of uint8 `blocks` (n_blocks, type_size) of a quantized ggml type."""
+    return _BLOCK_CODES[qtype](blocks)
+
+
+def _decode_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 (n_blocks, block_size): scale * code (+ offset), the reference's float32 order."""
+    codes, scale, offset = block_codes(blocks, qtype)
+    x = scale * codes.to(torch.float32)
+    return (x if offset is None else x + offset).reshape(blocks.shape[0], -1)
