@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ringleader.device.model.config import ModelConfig
+from ringleader.device.model.quant_weights import Weight, cat_rows
 
 _DTYPES = {
     "F32": torch.float32,
@@ -119,33 +120,34 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_json_file(model_dir / "config.json", name=name)
 
 
-def hf_to_internal(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Maps HF parameter names onto LlamaModel's, fusing q/k/v and gate/up projections.
+def hf_to_internal(state: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """Maps HF parameter names onto LlamaModel's, fusing q/k/v and gate/up projections (by
+    stacking rows; quantized matrices by their bytes, see quant_weights.cat_rows).
 
     Consumes `state` (pops entries) so peak memory stays near one copy of the weights.
     """
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Weight:
         try:
             return state.pop(name)
         except KeyError:
             raise KeyError(f"checkpoint is missing {name}") from None
 
-    out: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight")}
+    out: dict[str, Weight] = {"embed.weight": take("model.embed_tokens.weight")}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         q = f"layers.{i}."
         out[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[q + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
-        out[q + "qkv.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
+        out[q + "qkv.weight"] = cat_rows([take(a + f"{x}_proj.weight") for x in "qkv"])
         if config.attention_bias:
             out[q + "qkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"], 0)
         out[q + "o.weight"] = take(a + "o_proj.weight")
         if config.attention_out_bias:
             out[q + "o.bias"] = take(a + "o_proj.bias")
         m = p + "mlp."
-        out[q + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+        out[q + "gate_up.weight"] = cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         out[q + "down.weight"] = take(m + "down_proj.weight")
     out["norm.weight"] = take("model.norm.weight")
     lm_head = state.pop("lm_head.weight", None)

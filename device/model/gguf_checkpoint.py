@@ -1,8 +1,9 @@
 """Loading Llama-family GGUF files (the llama.cpp format) into HF-named tensors.
 
-The file is read with the `gguf` package (the `gguf` extra); every tensor is dequantized to the
+The file is read with the `gguf` package (the `gguf` extra). Every tensor is dequantized to the
 serving dtype at load (device/model/gguf_quants.py), so the step runs on the same dense weights
-as a safetensors checkpoint. Two things differ from HF's layout and are undone here:
+as a safetensors checkpoint; or, with keep_quantized (`--weights quantized`), the quantized
+matrices stay as their bytes (device/model/quant_weights.py) for the int4 kernels. Two things differ from HF's layout and are undone here:
 - names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on;
 - llama.cpp's converter interleaves the two RoPE halves of every Q and K head (it permutes rows
   so that its rotate-adjacent-pairs kernel computes HF's rotate-half); `_unpermute` restores HF's
@@ -26,6 +27,7 @@ import torch
 
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.gguf_quants import dequantize
+from ringleader.device.model.quant_weights import DIGIT_FORMS, GGUFMatrix
 from ringleader.ipc.install_hint import install_hint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -244,39 +246,69 @@ class LoadProgress:
             self.stream.flush()
 
 
+def _kept_quantized(tensor, device: str | torch.device) -> GGUFMatrix:
+    """A quantized matrix as its bytes, one row of blocks per output row (copied once: the
+    memory map is read-only)."""
+    n, k = _torch_shape(tensor)
+    raw = np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8)
+    rows = torch.from_numpy(raw.copy()).to(device).view(n, -1)
+    return GGUFMatrix(rows, tensor.tensor_type.name, (n, k), tensor.name)
+
+
+def _keeps(tensor, name: str) -> bool:
+    """Kept quantized under keep_quantized: matrices with an int4 digit form (the kernels'), and
+    the embedding table of any quantized type (a lookup decodes only the rows it reads)."""
+    qtype = tensor.tensor_type.name
+    if qtype in ("F32", "F16", "BF16") or len(tensor.shape) != 2:
+        return False
+    return qtype in DIGIT_FORMS or name == "model.embed_tokens.weight"
+
+
 def iter_hf_tensors(
     file: GGUFFile,
     config: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device,
     on_bytes: Callable[[int], None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, dense tensor) for every weight in the file, Q and K rows in HF order."""
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | GGUFMatrix]]:
+    """(HF name, tensor) for every weight in the file, Q and K rows in HF order: dense in
+    `dtype`, or with keep_quantized the matrices _keeps() names as GGUFMatrix (their bytes)."""
     for tensor in file.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = _hf_name(tensor.name)
         if name is None:
             raise GGUFError(f"{file.path}: unexpected tensor {tensor.name}")
-        t = _dequantize(tensor, dtype, device)
-        if name.endswith("q_proj.weight"):
-            t = _unpermute(t, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            t = _unpermute(t, config.num_kv_heads)
+        t: torch.Tensor | GGUFMatrix
+        if keep_quantized and _keeps(tensor, name):
+            t = _kept_quantized(tensor, device)
+        else:
+            t = _dequantize(tensor, dtype, device)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+            if isinstance(t, GGUFMatrix):  # rows are whole: the permutation moves their bytes
+                t = GGUFMatrix(_unpermute(t.raw, heads), t.qtype, t.shape, t.name)
+            else:
+                t = _unpermute(t, heads)
         if on_bytes is not None:
             on_bytes(int(tensor.n_bytes))
         yield name, t
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, HF-named state dict) of a Llama-family GGUF file, dequantized to `dtype` on `device`."""
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    keep_quantized: bool = False,
+) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFMatrix]]:
+    """(config, HF-named state dict) of a Llama-family GGUF file on `device`: dequantized to
+    `dtype`, or with keep_quantized its quantized matrices as GGUFMatrix (iter_hf_tensors)."""
     file = open_gguf(path)
     config = config_from_gguf(file)
     progress = LoadProgress(file.path.name, sum(int(t.n_bytes) for t in file.tensors))
     try:
-        state = dict(iter_hf_tensors(file, config, dtype, device, progress.advance))
+        state = dict(iter_hf_tensors(file, config, dtype, device, progress.advance, keep_quantized))
     finally:
         progress.finish()
     return config, state

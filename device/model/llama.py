@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ringleader.device.model import ops
@@ -31,9 +30,22 @@ from ringleader.device.model.gguf_checkpoint import is_gguf, load_gguf
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.ops import rope_tables
 from ringleader.device.model.presets import LOGIT_STD, PRESETS, preset_config
+from ringleader.device.model.quant_weights import GGUFMatrix, Weight
 from ringleader.device.model.step_batch import StepBatch
+from ringleader.device.model.weight_kernels import (
+    KernelLinear,
+    Matmul,
+    StoredEmbedding,
+    band_kind,
+    band_matmul,
+    dense_matmul,
+)
 
 Device = str | torch.device
+
+# how the weight matrices are stored: in the model's dtype, in bf16 (beside fp32 activations),
+# or as the GGUF file's quantization (device/model/weight_kernels.py)
+WEIGHT_FORMS = ("dense", "bfloat16", "quantized")
 
 
 class LlamaModel(nn.Module):
@@ -54,22 +66,34 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._tied_head: Matmul | None = None  # the tied lm_head's kernel, when not dense
+        self._tied_head_kind = ""
+        self._head_splits = 1  # the tied dense lm_head's thread split (use_weight_kernels)
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
     def from_preset(
-        cls, name: str, dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
+        cls,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        device: Device = "cpu",
+        seed: int = 0,
+        weights: str = "dense",
     ) -> LlamaModel:
         """Seeded random weights (the same seed gives the same weights on the same device type)."""
         config = dataclasses.replace(preset_config(name))
         model = cls(config, dtype, "meta").to_empty(device=device)
         model._init_random(seed)
-        return model
+        return model.use_weight_kernels(_dense_only(weights, name))
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: Device = "cpu",
+        weights: str = "dense",
     ) -> LlamaModel:
         """HF-format directory: config.json + model.safetensors (or sharded with an index)."""
         config = load_config(path)
@@ -78,28 +102,88 @@ class LlamaModel(nn.Module):
             config.tie_word_embeddings = True  # no lm_head tensor in the files: it is tied
         model = cls(config, dtype, "meta")
         model.load_state_dict(state, strict=True, assign=True)
-        return model.requires_grad_(False)
+        return model.requires_grad_(False).use_weight_kernels(_dense_only(weights, str(path)))
 
     @classmethod
     def from_gguf(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: Device = "cpu",
+        weights: str = "dense",
     ) -> LlamaModel:
-        """A Llama-family GGUF file, dequantized to `dtype` at load."""
-        config, state = load_gguf(path, dtype, device)
+        """A Llama-family GGUF file: dequantized to `dtype` at load, or with weights="quantized"
+        its quantized matrices kept as they are in the file (device/model/quant_weights.py)."""
+        config, state = load_gguf(path, dtype, device, keep_quantized=weights == "quantized")
+        internal = hf_to_internal(state, config)
+        stored = {k: v for k, v in internal.items() if not isinstance(v, torch.Tensor)}
         model = cls(config, dtype, "meta")
-        model.load_state_dict(hf_to_internal(state, config), strict=True, assign=True)
-        return model.requires_grad_(False)
+        dense = {k: v for k, v in internal.items() if isinstance(v, torch.Tensor)}
+        missing, _ = model.load_state_dict(dense, strict=False, assign=True)
+        if set(missing) != set(stored):
+            raise ValueError(
+                f"{path}: weights missing from the file: {sorted(set(missing) - set(stored))[:8]}"
+            )
+        return model.requires_grad_(False).use_weight_kernels(weights, stored)
 
     @classmethod
     def from_spec(
-        cls, spec: str | Path, dtype: torch.dtype = torch.float32, device: Device = "cpu", seed: int = 0
+        cls,
+        spec: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: Device = "cpu",
+        seed: int = 0,
+        weights: str = "dense",
     ) -> LlamaModel:
-        """A preset name, a .gguf file, or else a checkpoint directory."""
+        """A preset name, a .gguf file, or else a checkpoint directory; `weights` one of
+        WEIGHT_FORMS ("quantized" needs a GGUF file)."""
+        if weights not in WEIGHT_FORMS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
         if isinstance(spec, str) and spec in PRESETS:
-            return cls.from_preset(spec, dtype, device, seed)
+            return cls.from_preset(spec, dtype, device, seed, weights)
         if is_gguf(spec):
-            return cls.from_gguf(spec, dtype, device)
-        return cls.from_checkpoint(spec, dtype, device)
+            return cls.from_gguf(spec, dtype, device, weights)
+        return cls.from_checkpoint(spec, dtype, device, weights)
+
+    def use_weight_kernels(
+        self, weights: str = "dense", stored: dict[str, Weight] | None = None
+    ) -> LlamaModel:
+        """Puts each matrix behind its kernel (device/model/weight_kernels.py): the `stored` ones
+        (GGUF matrices kept quantized, by internal name) through theirs; on the CPU every dense
+        one through the thread-split matmul, in bf16 with weights="bfloat16". On CUDA dense
+        matrices stay nn.Linear. Returns self."""
+        stored = stored or {}
+        dev, dtype = self.device, self.dtype
+        on_cpu = dev.type == "cpu"
+        splits = torch.get_num_threads() if on_cpu else 1
+        kept_dtype = torch.bfloat16 if weights == "bfloat16" else dtype
+
+        def kernel_linear(name: str, module: nn.Module) -> nn.Module:
+            weight = stored.get(name + ".weight")
+            if weight is None:
+                if not on_cpu and kept_dtype == dtype:
+                    return module
+                weight = module.weight.detach().to(kept_dtype)
+            return KernelLinear(weight, module.bias, dtype, dev, splits)
+
+        for i, layer in enumerate(self.layers):
+            for attr in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, attr, kernel_linear(f"layers.{i}.{attr}", getattr(layer, attr)))
+        if self.lm_head is not None:
+            self.lm_head = kernel_linear("lm_head", self.lm_head)
+        table = stored.get("embed.weight")
+        if isinstance(table, GGUFMatrix):
+            self.embed = StoredEmbedding(table, dtype)
+            table_kernel = table
+        else:
+            if kept_dtype != dtype:  # the table (and the tied head) kept in bf16 too
+                self.embed = StoredEmbedding(self.embed.weight.detach().to(kept_dtype), dtype)
+            table_kernel = self.embed.weight if isinstance(self.embed, nn.Embedding) else self.embed.table
+        if self.lm_head is None and not isinstance(table_kernel, torch.Tensor):
+            self._tied_head = band_matmul(table_kernel, dtype, dev, splits)
+            self._tied_head_kind = band_kind(table_kernel)
+        self._head_splits = splits
+        return self
 
     @torch.no_grad()
     def _init_random(self, seed: int) -> None:
@@ -129,11 +213,13 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The dtype of the activations and the KV cache (the norms'; matrices may be stored
+        otherwise, see use_weight_kernels)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache of n_slots slots of max_ctx positions each, with its fixed slot_table."""
@@ -151,9 +237,45 @@ class LlamaModel(nn.Module):
             return  # (rebuilt after .to(): the tables are not parameters)
         self._cos, self._sin = rope_tables(self.config, max_ctx, self.dtype, self.device)
 
+    def weights_description(self) -> dict:
+        """What the weights take and how the matrices are kept: {"weight_mib": ..., "matrices":
+        {"float32": 120, "Q4_1": 120, "Q8_0": 1, "Q6_K->dense": 4, ...}} (a fused projection
+        counts once per band)."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if p.untyped_storage().data_ptr() not in seen:
+                seen.add(p.untyped_storage().data_ptr())
+                total += p.untyped_storage().nbytes()
+        kinds: dict[str, int] = {}
+        for m in self.modules():
+            if isinstance(m, KernelLinear):
+                total += sum(getattr(b, "nbytes", 0) for b in m.bands)
+                for kind in m.kinds:
+                    kinds[kind] = kinds.get(kind, 0) + 1
+            elif isinstance(m, StoredEmbedding):
+                total += m.nbytes
+            elif isinstance(m, nn.Linear):
+                kind = str(m.weight.dtype).removeprefix("torch.")
+                kinds[kind] = kinds.get(kind, 0) + 1
+        if self._tied_head is not None:  # the tied lm_head, kept apart from its table
+            total += getattr(self._tied_head, "nbytes", 0)
+            kinds[self._tied_head_kind] = kinds.get(self._tied_head_kind, 0) + 1
+        return {"weight_mib": round(total / (1 << 20), 1), "matrices": kinds}
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The dense lm_head matrix (the embedding table when tied)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [R, hidden] (final-normed) -> logits [R, vocab] in the model's dtype."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        if self._tied_head is not None:
+            return self._tied_head(h)
+        table = self.embed.weight if isinstance(self.embed, nn.Embedding) else self.embed.table
+        return dense_matmul(h, table, self._head_splits)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -173,7 +295,7 @@ class LlamaModel(nn.Module):
         x = x.index_select(0, out_rows)
         delta = None if delta is None else delta.index_select(0, out_rows)
         _, h = kernels.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
-        return F.linear(h, self.lm_head_weight).float()
+        return self.logits(h).float()
 
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -198,6 +320,15 @@ class LlamaModel(nn.Module):
         sin = self._sin.index_select(0, batch.positions)
         cache = EagerAttention(batch, plan, kv, block_table, cos, sin)
         return self(batch.token_ids, cache, batch.sample_rows)
+
+
+def _dense_only(weights: str, spec: str) -> str:
+    if weights == "quantized":
+        raise ValueError(
+            f"--weights quantized keeps a GGUF file's quantization; {spec} is no GGUF file "
+            "(use --weights auto, fp32 or bf16)"
+        )
+    return weights
 
 
 def generate_greedy(
