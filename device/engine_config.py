@@ -17,6 +17,8 @@ SCHEDULERS = ("device", "host")
 LAUNCHES = ("auto", "resident", "pump")
 POLICIES = ("fifo", "priority", "static")
 DTYPES = ("float32", "bfloat16", "float16")
+# how the weight matrices are stored: auto keeps a GGUF file's quantization (else the device's dtype)
+WEIGHTS = ("auto", "fp32", "bf16", "quantized")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class EngineConfig:
     aging_steps: int = 64  # priority policy: a waiting request gains one level per this many steps
     gpu_memory_fraction: float = 0.9  # CUDA: share of device memory for weights, KV cache, workspace
     dtype: str | None = None  # weights and KV cache (None: per device, resolved()); a torch dtype is accepted
+    weights: str = "auto"  # the weight matrices: auto | fp32 | bf16 | quantized (resolved(); model_weights())
     seed: int = 0  # seed of a preset's random weights
     threads: int | None = None  # torch CPU threads (CPU backend; None: torch's default)
     trace_path: str | None = None  # CUDA: the device timeline as Chrome-trace JSON, written at stop
@@ -59,6 +62,7 @@ class EngineConfig:
             ("launch", LAUNCHES),
             ("policy", POLICIES),
             ("dtype", DTYPES),
+            ("weights", WEIGHTS),
         ):
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -71,6 +75,11 @@ class EngineConfig:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
                 named = f"{flag} ({name})" if flag else name
                 raise ValueError(f"{named} must be an integer {limits}, got {value!r}")
+        if self.weights == "quantized" and not str(self.model).lower().endswith(".gguf"):
+            raise ValueError(
+                f"--weights quantized keeps a GGUF file's quantization; {self.model} is not a "
+                ".gguf file (use --weights auto, fp32 or bf16)"
+            )
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if self.kv_cache_memory is not None:
@@ -109,6 +118,7 @@ class EngineConfig:
                 raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
             if self.dtype not in (None, "float32"):
                 raise ValueError(f"the cpu backend computes in float32, got dtype {self.dtype!r}")
+            weights = self._weights_for_model() if self.weights == "auto" else self.weights
             if isinstance(self.kv_cache_memory, float):
                 raise ValueError(
                     f"--kv-cache-memory {self.kv_cache_memory}: a fraction is of free device memory, "
@@ -124,15 +134,43 @@ class EngineConfig:
                 # pool this size holds ~11k tokens of SmolLM2-135M (5 contexts of 2048) in fp32
                 kv_cache_memory=self.kv_cache_memory or CPU_KV_CACHE_BYTES,
                 dtype="float32",  # the only dtype the CPU backend computes in
+                # a GGUF file keeps its quantization: int4 kernels, ~8x less memory than fp32
+                weights=weights if weights != "auto" else "fp32",
             )
+        # --weights fp32 / bf16 name the dtype on CUDA (weights and activations alike)
+        implied = {"fp32": "float32", "bf16": "bfloat16"}.get(self.weights)
+        if implied and self.dtype not in (None, implied):
+            raise ValueError(
+                f"--weights {self.weights} computes in {implied} on cuda, but dtype is {self.dtype}"
+            )
+        weights = self._weights_for_model() if self.weights == "auto" else self.weights
+        dtype = (
+            self.dtype or implied or "bfloat16"
+        )  # bf16: half the memory of float32 for weights and KV cache
         return dataclasses.replace(
             self,
             device="cuda",
             scheduler=self.scheduler or "device",  # the persistent scheduler kernel is the product
             # max_ctx None stays: the model's own limit, cut to what the page pool holds; and
             # kv_cache_memory None: the pool takes what --gpu-memory-fraction leaves
-            dtype=self.dtype or "bfloat16",  # half the memory of float32 for weights and KV cache
+            dtype=dtype,
+            weights=weights if weights != "auto" else {"float32": "fp32"}.get(dtype, "bf16"),
         )
+
+    def _weights_for_model(self) -> str:
+        """auto: quantized for a GGUF file (named by suffix, as gguf_checkpoint.is_gguf, which
+        imports torch), else auto still (the device's dtype)."""
+        if str(self.model).lower().endswith(".gguf"):
+            return "quantized"
+        return "auto"
+
+    def model_weights(self) -> str:
+        """LlamaModel's weight form (llama.WEIGHT_FORMS) for this resolved config."""
+        if self.weights == "quantized":
+            return "quantized"
+        if self.weights == "bf16" and self.dtype == "float32":
+            return "bfloat16"  # the CPU: matrices in bf16 beside fp32 activations
+        return "dense"
 
 
 CPU_KV_CACHE_BYTES = 512 << 20

@@ -31,7 +31,7 @@ def test_greedy_logprobs_equal_transformers_log_softmax(smollm2_gguf):
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
     prompts = ["The history of the printing press begins", "def fibonacci(n):\n    "]
-    with running_server(str(smollm2_gguf), n_slots=4, max_ctx=256, token_budget=16) as bg:
+    with running_server(str(smollm2_gguf), weights="fp32", n_slots=4, max_ctx=256, token_budget=16) as bg:
         with Client(bg.address, timeout=120) as client:
             streams = [
                 client.generate(p, max_tokens=N_TOKENS, logprobs=TOP, ignore_eos=True) for p in prompts

@@ -62,7 +62,7 @@ def tokenizer(gguf_path):
 
 @pytest.fixture(scope="module")
 def server(gguf_path):
-    with running_server(str(gguf_path), n_slots=8, max_ctx=512, token_budget=16) as bg:
+    with running_server(str(gguf_path), weights="fp32", n_slots=8, max_ctx=512, token_budget=16) as bg:
         yield bg
 
 
@@ -135,7 +135,9 @@ def test_greedy_matches_transformers_when_a_tiny_kv_pool_forces_preemption(gguf_
     expected = [_hf_greedy(hf, p, N_TOKENS) for p in prompts]
     pool = 20 * 16 * 2 * 30 * 3 * 64 * 4
     with (
-        running_server(str(gguf_path), n_slots=8, max_ctx=256, token_budget=16, kv_cache_memory=pool) as bg,
+        running_server(
+            str(gguf_path), weights="fp32", n_slots=8, max_ctx=256, token_budget=16, kv_cache_memory=pool
+        ) as bg,
         Client(bg.address, timeout=300) as client,
     ):
         assert client.stats()["backend"]["kv_pages"] == 20
@@ -184,7 +186,9 @@ def test_prefix_caching_on_and_off_give_the_same_greedy_tokens(server, gguf_path
         f"the shared system prompt and the resent turns hit {hits} of {queries} tokens"
     )
     with (
-        running_server(str(gguf_path), n_slots=8, max_ctx=512, token_budget=16, prefix_caching=False) as bg,
+        running_server(
+            str(gguf_path), weights="fp32", n_slots=8, max_ctx=512, token_budget=16, prefix_caching=False
+        ) as bg,
         Client(bg.address, timeout=300) as client,
     ):
         uncached = _chat_turns(client, tokenizer, 24)

@@ -161,6 +161,14 @@ def token_texts(tokenizer) -> Callable[[int], str]:
     )
 
 
+def describe_weights(form: str, description: dict) -> str:
+    """The start-up line's weights: "quantized, 73.2 MiB (matrices: 120 Q4_1, 1 Q8_0, 1 float32)"."""
+    kinds = ", ".join(
+        f"{n} {kind}" for kind, n in sorted(description["matrices"].items(), key=lambda kv: -kv[1])
+    )
+    return f"{form}, {description['weight_mib']} MiB (matrices: {kinds})"
+
+
 def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
     """What the frontend reads of the model `spec` names.  Its name is the model's short one
     (ModelConfig.name: a preset's name, a GGUF file's stem, a checkpoint directory's name), not

@@ -16,10 +16,11 @@ import traceback
 
 import torch
 
-from ringleader.device.backends.common import StepTimer, model_info, ring_config_for
+from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
+from ringleader.device.backends.openmp_pool import release_callers_openmp_team
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import EagerStep, LlamaModel, StepLayout
 from ringleader.device.model.kv_cache import KVCache
@@ -42,7 +43,7 @@ class CpuBackend(Doorbells, Backend):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
-        self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed)
+        self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed, cfg.model_weights())
         assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
         self.kv_pool = plan_pool(
@@ -53,6 +54,7 @@ class CpuBackend(Doorbells, Backend):
             n_slots=cfg.n_slots,
         )
         log.info("%s", self.kv_pool.describe())
+        log.info("weights: %s", describe_weights(cfg.weights, self._model.weights_description()))
         kv = KVCache.for_model(self._model.config, self.kv_pool.n_pages, cfg.page_size, dtype, "cpu")
         self._step = EagerStep(self._model, kv)
         self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx, self.kv_pool))
@@ -65,6 +67,8 @@ class CpuBackend(Doorbells, Backend):
             "scheduler": "host-thread",
             "launch": "none",
             "dtype": cfg.dtype,
+            "weights": cfg.weights,
+            **self._model.weights_description(),
             "n_slots": cfg.n_slots,
             "max_ctx": max_ctx,
             "token_budget": self._memory.config.token_budget,
@@ -84,6 +88,7 @@ class CpuBackend(Doorbells, Backend):
         err = self._scheduler.init(self._memory.context_address)
         if err != layout.InitError.NONE:
             raise RuntimeError(f"scheduler rejected its configuration: {layout.init_error_name(err)}")
+        release_callers_openmp_team()  # the engine thread's team runs every step: the only one
         self._thread.start()
 
     def failure(self) -> str | None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ringleader.device.backends import cuda_driver as drv
-from ringleader.device.backends.common import StepTimer, model_info, ring_config_for
+from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
 from ringleader.device.backends.cq_poller import CqPoller
 from ringleader.device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
 from ringleader.device.backends.device_memory import DeviceMemory, PackedLayoutCopy
@@ -98,7 +98,7 @@ class CudaBackend(Doorbells, Backend):
         torch.cuda.init()
         if scheduler == "device":
             refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())
-        self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed)
+        self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed, cfg.model_weights())
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
         self._memory_plan = self._plan_memory(cfg, dtype)
@@ -143,6 +143,8 @@ class CudaBackend(Doorbells, Backend):
             "launch": "host-loop",
             "launch_requested": launch,
             "dtype": cfg.dtype,
+            "weights": cfg.weights,
+            **self._model.weights_description(),
             "n_slots": n_slots,
             "max_ctx": max_ctx,
             "token_budget": ring_cfg.token_budget,
@@ -180,6 +182,7 @@ class CudaBackend(Doorbells, Backend):
             total_bytes=total,
             fraction=cfg.gpu_memory_fraction,
         )
+        log.info("weights: %s", describe_weights(cfg.weights, self._model.weights_description()))
         log.info(
             "%s (%.2f GiB left after weights and workspace at --gpu-memory-fraction %.2f)",
             plan.pool.describe(),

@@ -15,6 +15,7 @@ from ringleader.device.engine_config import (
     LAUNCHES,
     POLICIES,
     SCHEDULERS,
+    WEIGHTS,
     EngineConfig,
 )
 from ringleader.hostctl.serving.config import ServerConfig
@@ -35,6 +36,14 @@ ENGINE_FLAGS: dict[str, Flag] = {
         "(default: %(default)s)",
     ),
     "device": Flag("--device", {"choices": DEVICES}, "auto: cuda when torch sees a GPU, else cpu"),
+    "weights": Flag(
+        "--weights",
+        {"choices": WEIGHTS},
+        "how the weight matrices are stored and multiplied: quantized keeps a GGUF file's "
+        "Q4_0/Q4_1/Q4_K/Q5_x/Q8_0 matrices as they are (int4 kernels; Q2_K/Q3_K/Q6_K widened), "
+        "fp32 and bf16 widen them; auto: quantized for a .gguf file, else fp32 on cpu and bf16 "
+        "on cuda (on cuda, fp32 and bf16 also set the compute dtype)",
+    ),
     "scheduler": Flag(
         "--scheduler",
         {"choices": SCHEDULERS},
