@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         type=name_list,
         default=None,
-        help=f"variants to run, of device, host, static, hf, gateway (default {DEFAULT_COMPARE}); hf = "
+        help=f"variants to run, of device, host, static, hf, gateway (default {DEFAULT_COMPARE}); a server "
+        "variant may add :WEIGHTS (host:quantized, host:fp32: serve --weights, side by side); hf = "
         "transformers' continuous batching (generate_batch's engine) in this process; gateway = one "
         "server with its OpenAI HTTP gateway (serve --http), each load point measured over ZeroMQ "
         "(native) and over HTTP (gateway), with the gateway's overhead",
@@ -178,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(the arms run in turn; swapping them between two runs shows the order's own drift)",
     )
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (no EOS stop)")
+    g.add_argument(
+        "--http-prompt-text",
+        action="store_true",
+        help="with --http: send each prompt as text, decoded from its ids by --model's tokenizer, "
+        "for servers that take no token ids (llama.cpp's); the server re-tokenizes it",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is cut")

@@ -7,7 +7,9 @@ measurement, with a connector of as many connections as the run can have request
 kept alive between requests and all opened before the clock starts (the ZeroMQ generator's
 socket is connected before its clock starts too).
 
-Each request is a streaming POST {url}/v1/completions: the prompt as token ids, max_tokens,
+Each request is a streaming POST {url}/v1/completions: the prompt as token ids (or, with
+`--http-prompt-text`, as the text the model's tokenizer decodes them to, for servers that take
+no ids, with min_tokens = max_tokens beside ignore_eos), max_tokens,
 temperature, seed (the workload seed + the request's index, as the ZeroMQ generator sends
 it), ignore_eos when the workload says so (a vLLM extension), stream_options.include_usage,
 and return_token_ids (also vLLM's: each choice carries the ids of its chunk's tokens). The
@@ -40,6 +42,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -98,8 +101,10 @@ class HttpLoadGenerator:
         options: SendOptions | None = None,
         stats_address: str | None = None,
         headers: dict | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         self.url = base_url(url)
+        self.decode = decode  # prompts as text (servers that take no token ids: llama.cpp's)
         self.model = model
         self.connections = max(1, connections)
         self.timeout_s = timeout_s
@@ -217,7 +222,7 @@ class HttpLoadGenerator:
         o = self.options
         body = {
             "model": self.model,
-            "prompt": spec.prompt_ids,
+            "prompt": spec.prompt_ids if self.decode is None else self.decode(list(spec.prompt_ids)),
             "max_tokens": spec.max_tokens,
             "temperature": o.temperature,
             "seed": (o.seed + index) % (1 << 63),
@@ -227,6 +232,8 @@ class HttpLoadGenerator:
         }
         if o.ignore_eos:
             body["ignore_eos"] = True
+            if self.decode is not None:  # what servers without ignore_eos take (llama-cpp-python's)
+                body["min_tokens"] = spec.max_tokens
         if body["model"] is None:
             del body["model"]
         return json.dumps(body, separators=(",", ":")).encode()
@@ -360,8 +367,10 @@ def measure_http(
     timeout_s: float = 600.0,
     model: str | None = None,
     stats_address: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> HttpRunResult:
-    """Synchronous wrapper: one event loop and one ClientSession for the whole measurement."""
+    """Synchronous wrapper: one event loop and one ClientSession for the whole measurement
+    (decode: send each prompt as this text of its ids)."""
 
     async def go() -> HttpRunResult:
         async with HttpLoadGenerator(
@@ -371,6 +380,7 @@ def measure_http(
             timeout_s=timeout_s,
             options=options,
             stats_address=stats_address,
+            decode=decode,
         ) as gen:
             return await gen.measure(specs, load, warmup)
 

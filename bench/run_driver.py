@@ -368,8 +368,21 @@ def _measure_pass(args, how, endpoint: Endpoint, specs, load, load_plan: LoadPla
             timeout_s=args.timeout,
             model=endpoint.http_model,
             stats_address=endpoint.address,  # the ringleader server behind a gateway, else None
+            decode=_prompt_decoder(args) if getattr(args, "http_prompt_text", False) else None,
         )
     return measure(endpoint.address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
+
+
+def _prompt_decoder(args):
+    """--http-prompt-text: the --model's tokenizer, decoding a prompt's ids to its text."""
+    from ringleader.device.model.presets import tokenizer_for
+
+    tokenizer = tokenizer_for(args.model)
+    if tokenizer is None:
+        raise ValueError(
+            f"--http-prompt-text needs --model with a tokenizer (a .gguf file); {args.model} has none"
+        )
+    return tokenizer.decode
 
 
 def _run_entry(

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from ringleader.bench.loadgen import read_stats, wait_ready
 from ringleader.device.engine_config import (
+    WEIGHTS,
     EngineConfig,
     resolve_device,  # noqa: F401 - the bench's name for the server's rule
 )
@@ -100,32 +101,48 @@ class ServerOptions:
 
 
 def plan_variants(names: list[str], device: str) -> tuple[list[Variant], list[str]]:
-    """The variants that can run on `device`, and a note for each one skipped."""
+    """The variants that can run on `device`, and a note for each one skipped. A server variant
+    may name how its server keeps the weights: host:quantized is host with `--weights quantized`
+    (so several weight forms run side by side in one invocation)."""
     variants, notes = [], []
-    for name in names:
+    for given in names:
+        name, _, weights = given.partition(":")
         if name not in VARIANTS:
-            raise ValueError(f"unknown variant {name!r}; --compare takes a list of {', '.join(VARIANTS)}")
-        if any(v.name == name for v in variants):
+            raise ValueError(f"unknown variant {given!r}; --compare takes a list of {', '.join(VARIANTS)}")
+        if weights and (name == "hf" or weights not in WEIGHTS):
+            raise ValueError(
+                f"variant {given!r}: a server variant takes :WEIGHTS, one of {', '.join(WEIGHTS)} "
+                "(hf widens a GGUF file to fp32 itself)"
+            )
+        if any(v.name == given for v in variants):
             continue
-        if name == "device":
-            if device != "cuda":
-                notes.append(
-                    "skipping 'device': the CPU backend has no device-side scheduler "
-                    "(--scheduler device needs CUDA); its scheduler runs on a host thread, "
-                    "which is the 'host' variant"
-                )
-                continue
-            variants.append(Variant("device", "server", ("--scheduler", "device", "--policy", "fifo")))
-        elif name == "host":
-            args = ("--scheduler", "host") if device == "cuda" else ()
-            variants.append(Variant("host", "server", args + ("--policy", "fifo")))
-        elif name == "static":
-            variants.append(Variant("static", "server", ("--policy", "static")))
-        elif name == "hf":
-            variants.append(Variant("hf", "hf"))
-        elif name == "gateway":
-            variants.append(Variant("gateway", "gateway", ("--policy", "fifo")))
+        planned, skipped = _plan_variant(name, device)
+        notes += skipped
+        if planned is not None and weights:
+            planned = Variant(given, planned.kind, planned.server_args + ("--weights", weights))
+        if planned is not None:
+            variants.append(planned)
     return variants, notes
+
+
+def _plan_variant(name: str, device: str) -> tuple[Variant | None, list[str]]:
+    """One --compare variant on `device`, or None and the note that says why it is skipped."""
+    if name == "device":
+        if device != "cuda":
+            return None, [
+                "skipping 'device': the CPU backend has no device-side scheduler "
+                "(--scheduler device needs CUDA); its scheduler runs on a host thread, "
+                "which is the 'host' variant"
+            ]
+        return Variant("device", "server", ("--scheduler", "device", "--policy", "fifo")), []
+    if name == "host":
+        args = ("--scheduler", "host") if device == "cuda" else ()
+        return Variant("host", "server", args + ("--policy", "fifo")), []
+    if name == "static":
+        return Variant("static", "server", ("--policy", "static")), []
+    if name == "hf":
+        return Variant("hf", "hf"), []
+    return Variant("gateway", "gateway", ("--policy", "fifo")), []
 
 
 def prefix_arms(variants: list[Variant], off_first: bool = False) -> list[Variant]:
