@@ -79,8 +79,10 @@ def rope_split(
     """qkv [T, (H + 2 KV) * D] (q | k | v columns) -> rotated q [T, H, D], rotated k and v
     [T, KV, D]; cos/sin [T, D] are the rows' entries."""
     T, KV, D = qkv.shape[0], n_kv, head_dim
-    q, k, v = qkv.split([qkv.shape[1] - 2 * KV * D, KV * D, KV * D], dim=-1)
-    return apply_rope(q.view(T, -1, D), cos, sin), apply_rope(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
+    H = qkv.shape[1] // D - 2 * KV
+    # q and k heads rotated together: one apply_rope, the same elementwise math as one each
+    qk = apply_rope(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin)
+    return qk[:, :H].contiguous(), qk[:, H:], qkv[:, (H + KV) * D :].view(T, KV, D)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
