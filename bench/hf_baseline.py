@@ -31,6 +31,7 @@ from pathlib import Path
 from ringleader.bench.loadgen import Load, RunResult, SendOptions
 from ringleader.bench.metrics import RequestRecord
 from ringleader.bench.workloads import RequestSpec
+from ringleader.hostctl.serving.metrics import process_rss_bytes
 
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
@@ -180,6 +181,7 @@ class HfRunner:
     def stats(self) -> dict:
         return {
             "process_cpu_s": _cpu_s(),
+            "process_rss_bytes": process_rss_bytes(),
             "output_tokens": self._tokens,
             "backend": {
                 "device": str(self.model.device.type),

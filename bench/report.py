@@ -82,6 +82,8 @@ def make_run_entry(
         "requests": len(result.records),
         **m,
         "server_cpu_s": cpu["process_cpu_s"],
+        # resident memory after the run (hf: the whole benchmark process, its model included)
+        "server_rss_mib": _mib(result.stats_after.get("process_rss_bytes")),
         "cpu_s_per_1k_tokens": cpu["cpu_s_per_1k_tokens"],
         "server_output_tokens": cpu["server_output_tokens"],
         "thread_cpu_s": cpu["thread_cpu_s"],
@@ -237,3 +239,7 @@ def _json_safe(x):
 
 def _finite_or_str(x):
     return str(x) if isinstance(x, float) and math.isinf(x) else x
+
+
+def _mib(nbytes) -> float | None:
+    return round(nbytes / (1 << 20), 1) if isinstance(nbytes, (int, float)) else None
