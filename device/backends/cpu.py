@@ -20,7 +20,7 @@ from ringleader.device.backends.common import StepTimer, describe_weights, model
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
-from ringleader.device.backends.openmp_pool import release_callers_openmp_team
+from ringleader.device.backends.cpu_runtime import release_callers_openmp_team, return_freed_heap
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import EagerStep, LlamaModel, StepLayout
 from ringleader.device.model.kv_cache import KVCache
@@ -82,6 +82,7 @@ class CpuBackend(Doorbells, Backend):
         self._failure: str | None = None
         self._timer = StepTimer()
         self._thread = threading.Thread(target=self._run, name="rl-engine", daemon=True)
+        return_freed_heap()  # the load's temporaries (cpu_runtime.py)
 
     # ---- Backend ---------------------------------------------------------------------------
     def start(self) -> None:

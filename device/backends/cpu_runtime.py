@@ -1,4 +1,5 @@
-"""Handing torch's OpenMP worker threads to the engine thread.
+"""What the CPU backend asks of the process's runtime once the model is in: the OpenMP team of
+the loading thread released, and the heap the load freed returned to the system.
 
 torch runs its parallel CPU ops on an OpenMP team per calling thread. GNU OpenMP (the libgomp
 torch ships) counts the workers of every team alive in the process, and once they outnumber the
@@ -7,6 +8,9 @@ kernel. The CPU backend loads the model on the thread that builds it (so the tea
 exists) and runs every step on its engine thread (a second team): on 2 cores a SmolLM2 decode
 step took 31 ms instead of 17 ms (bench/results/2026-11-26-cpu-weights/). Releasing the building
 thread's team once loading is done leaves the engine thread's team the only one.
+
+Loading decodes and repacks every matrix through temporaries that glibc's allocator keeps for
+reuse after they are freed: ~170 MB of SmolLM2's resident memory, never needed again.
 """
 
 from __future__ import annotations
@@ -38,3 +42,14 @@ def release_callers_openmp_team() -> bool:
         return done
     log.debug("no omp_pause_resource_all in this process: the loading thread's OpenMP team is kept")
     return False
+
+
+def return_freed_heap() -> bool:
+    """glibc's malloc_trim(0): freed heap pages back to the system; True when some were. A libc
+    without it (musl, macOS) keeps them."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1
