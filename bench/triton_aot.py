@@ -4,10 +4,11 @@ The CUDA path compiles its Triton kernels on first use, on the GPU, inside the b
 that fails to compile for a target, spills registers or wants more shared memory than the SM
 has is found there, late. Here the product step (StaticStep.run with Triton attention and the
 fused pointwise kernels, as the CUDA backend builds it) is walked on the meta device for every
-shape the product and the bring-up run, each Triton launch is intercepted
-(device/model/triton_launch.py), and the specialization the importable Triton's launcher would
-compile for it is derived with Triton's own code (written against 3.6, the GPU image's; 3.9 gives
-the same derivation):
+shape the product and the bring-up run, and so is the int4 matmul of GGUF weights kept
+quantized for each model's projections (triton_step_shapes.quant_matmul_shapes); each Triton
+launch is intercepted (device/model/triton_launch.py), and the specialization the importable
+Triton's launcher would compile for it is derived with Triton's own code (written against 3.6,
+the GPU image's; 3.9 gives the same derivation):
 
   - the binder JITFunction.run builds (runtime.jit.create_function_from_signature): which
     arguments are constexpr, each argument's type, pointers' 16-byte divisibility (meta
@@ -54,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from ringleader.bench.report import save_json
 from ringleader.bench.triton_compile import compile_all
 from ringleader.bench.triton_specializations import Specialization, collect_specializations
-from ringleader.bench.triton_step_shapes import StepShape, product_shapes
+from ringleader.bench.triton_step_shapes import AotShape, StepShape, aot_shapes
 from ringleader.device.model import triton_attention
 
 HAVE_TRITON = triton_attention.HAVE_TRITON
@@ -156,7 +157,7 @@ def parse_sm_counts(values: list[str], archs: list[int]) -> dict[int, tuple[int,
 
 def run(
     archs: list[int],
-    shapes: list[StepShape],
+    shapes: list[AotShape],
     sm_counts: dict[int, tuple[int, ...]],
     jobs: int,
 ) -> dict[str, Any]:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     archs = list(dict.fromkeys(args.arch or [90]))
     shapes = [
         s
-        for s in product_shapes()
+        for s in aot_shapes()
         if (not args.model or s.model in args.model)
         and (not args.config or any(c in s.name for c in args.config))
     ]
@@ -214,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.list:
         for s in shapes:
-            print(
-                f"{s.name:32s} {s.model} {s.dtype} slots {s.n_slots} max_ctx {s.max_ctx} budget {s.token_budget} buckets {list(s.buckets)}  ({s.origin})"
-            )
+            if isinstance(s, StepShape):
+                sizes = f"slots {s.n_slots} max_ctx {s.max_ctx} budget {s.token_budget}"
+            else:
+                sizes = " ".join(f"{name} {n}x{k}" for name, n, k in s.projections)
+            print(f"{s.name:32s} {s.model} {s.dtype} {sizes} buckets {list(s.buckets)}  ({s.origin})")
         return 0
     result = run(archs, shapes, parse_sm_counts(args.sm_count, archs), max(1, args.jobs))
     print(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringleader.bench.triton_step_shapes import StepShape, walk_step
+from ringleader.bench.triton_step_shapes import AotShape, walk
 from ringleader.device.model import triton_attention
 from ringleader.device.model.triton_launch import Launch, kernel_name
 
@@ -104,7 +104,7 @@ class Specializer:
 
 
 def collect_specializations(
-    shapes: list[StepShape], sm_counts: dict[int, tuple[int, ...]]
+    shapes: list[AotShape], sm_counts: dict[int, tuple[int, ...]]
 ) -> tuple[list[Specialization], Counter[str]]:
     """Walks each shape once per SM count and derives every launch's specialization for each
     arch that has GPUs of that SM count; identical ones are merged (launches, used_by)."""
@@ -123,5 +123,5 @@ def collect_specializations(
                     spec.launches += 1
                     spec.used_by.add(used_by)
 
-            launched.update(walk_step(shape, sm, on_launch))
+            launched.update(walk(shape, sm, on_launch))
     return list(merged.values()), launched

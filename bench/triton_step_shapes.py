@@ -1,6 +1,10 @@
 """The step shapes the product runs on CUDA (the bring-up's checks, the roofline, the CLI's presets
 at their CUDA defaults, SmolLM2), and the walk of one shape's StaticStep on the meta device that
-records its Triton launches (bench/triton_aot.py compiles what the walk launches)."""
+records its Triton launches (bench/triton_aot.py compiles what the walk launches).
+
+The int4 matmul of GGUF weights kept quantized (device/model/triton_quant_matmul.py) is walked
+on its own, per model's projections (`QuantMatmulShape`): every bucket of the CUDA default
+budget through every projection, 1 and 2 digits, in each activation dtype."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from ringleader.device.model.presets import PRESETS, preset_config
 from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_launch import Launch, LaunchRecorder
+from ringleader.device.model.triton_quant_matmul import TritonInt4Weight
 
 # the device the CUDA defaults' KV pages are planned on (max_ctx None: the model's, cut to the
 # pool); the context reaches a specialization through the block table's row stride (pages per
@@ -179,3 +184,90 @@ def walk_step(
         for bucket in shape.buckets:
             step.run(bucket, layout)
     return recorder.counts
+
+
+@dataclass(frozen=True)
+class QuantMatmulShape:
+    """The int4 matmuls of one model's projections kept as `n_digits` digits, x in `dtype`."""
+
+    name: str
+    model: str
+    dtype: str
+    n_digits: int
+    group_size: int
+    projections: tuple[tuple[str, int, int], ...]  # (name, N, K)
+    buckets: tuple[int, ...]
+    origin: str
+
+
+AotShape = StepShape | QuantMatmulShape
+
+
+def projections(config: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+    """(name, N, K) of each matmul of a layer, fused as LlamaModel fuses them, and the lm_head."""
+    hidden, heads = config.hidden_size, config.num_heads * config.head_dim
+    qkv = heads + 2 * config.num_kv_heads * config.head_dim
+    return (
+        ("qkv", qkv, hidden),
+        ("o", hidden, heads),
+        ("gate_up", 2 * config.intermediate_size, hidden),
+        ("down", hidden, config.intermediate_size),
+        ("lm_head", config.vocab_size, hidden),
+    )
+
+
+def quant_matmul_shapes() -> list[QuantMatmulShape]:
+    """SmolLM2 (the real GGUF model) and llama-8b: Q4_x weights are one digit, Q5_x / Q8_0 two;
+    x in both dtypes the CUDA backend runs; the buckets of the CUDA default token budget."""
+    budget = EngineConfig().resolved("cuda").token_budget
+    origin = "ringleader serve --device cuda --weights quantized (a GGUF file)"
+    return [
+        QuantMatmulShape(
+            name=f"quant-matmul/{model}/{dtype}/{n_digits}-digit",
+            model=model,
+            dtype=dtype,
+            n_digits=n_digits,
+            group_size=32,  # every GGUF type with digits (quant_weights.GROUP)
+            projections=projections(model_config(model)),
+            buckets=default_buckets(budget),
+            origin=origin,
+        )
+        for model in (SMOLLM2, "llama-8b")
+        for dtype in ("float32", "bfloat16")
+        for n_digits in (1, 2)
+    ]
+
+
+def aot_shapes() -> list[AotShape]:
+    """Everything bench/triton_aot.py walks: the product's steps, then the int4 matmuls."""
+    return [*product_shapes(), *quant_matmul_shapes()]
+
+
+def walk_quant_matmuls(
+    shape: QuantMatmulShape, sm_count: int, on_launch: Callable[[Launch], None] | None = None
+) -> Counter[str]:
+    """Every projection of `shape` at every bucket on the meta device, as a GPU with `sm_count`
+    SMs would launch it; returns the Triton launches by kernel name."""
+    dtype = getattr(torch, shape.dtype)
+    g = shape.group_size
+    with (
+        triton_attention.planning_for_sms(sm_count),
+        LaunchRecorder(on_launch) as recorder,
+    ):
+        for _, n, k in shape.projections:
+            digit = (
+                torch.empty(n, k, dtype=torch.uint8, device="meta"),
+                torch.empty(n, k // g, device="meta"),
+                torch.empty(n, k // g, device="meta"),
+            )
+            weight = TritonInt4Weight.from_digits([digit] * shape.n_digits, g, "meta")
+            for bucket in shape.buckets:
+                weight.matmul(torch.empty(bucket, k, dtype=dtype, device="meta"))
+    return recorder.counts
+
+
+def walk(shape: AotShape, sm_count: int, on_launch: Callable[[Launch], None] | None = None) -> Counter[str]:
+    """walk_step or walk_quant_matmuls, by the shape's kind."""
+    if isinstance(shape, QuantMatmulShape):
+        return walk_quant_matmuls(shape, sm_count, on_launch)
+    return walk_step(shape, sm_count, on_launch)

@@ -1,8 +1,9 @@
 """The model step's Triton kernels compiled ahead of time for sm_90 (bench/triton_aot.py), no GPU.
 
-Every product step shape is walked on the meta device, each launch's specialization derived
-with Triton's own binder, and every distinct specialization compiled for sm_90, with the
-installed Triton and with the GPU image's (3.6.0, bench/gpu_image_toolchain.py): the test fails
+Every product step shape (and the int4 matmul of GGUF weights, per model's projections) is
+walked on the meta device, each launch's specialization derived with Triton's own binder, and
+every distinct specialization compiled for sm_90, with the installed Triton and with the GPU
+image's (3.6.0, bench/gpu_image_toolchain.py): the test fails
 on a compile error, a spill or a block that does not fit the SM. The derivation is checked
 against Triton's launcher itself (JITFunction.run up to its compile hook, with a stand-in
 driver), and the register / spill numbers against the -v log of Triton's own ptxas run.
@@ -31,7 +32,7 @@ from ringleader.bench import (
 )
 from ringleader.bench.step_kernels import count_step
 from ringleader.bench.triton_compile import max_warps_for_registers, parse_res_usage
-from ringleader.device.model import triton_attention, triton_fused, triton_sampling
+from ringleader.device.model import triton_attention, triton_fused, triton_quant_matmul, triton_sampling
 from ringleader.device.model.triton_attention import HAVE_TRITON
 from ringleader.device.model.triton_launch import Launch, LaunchRecorder, launch
 from tests.conftest import fetched
@@ -53,7 +54,7 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs, x * scale, mask=ok)
 
 
-KERNEL_MODULES = (triton_attention, triton_fused, triton_sampling)
+KERNEL_MODULES = (triton_attention, triton_fused, triton_sampling, triton_quant_matmul)
 
 
 def launched_kernel_names() -> set[str]:
@@ -136,6 +137,11 @@ def test_specializations_are_the_launchers():
     # bf16 with split-K attention at 1 row, fp32 with "ieee" dots and one attention launch
     triton_step_shapes.walk_step(shapes["cuda-default/tiny/bfloat16"], 132, launches.append)
     triton_step_shapes.walk_step(shapes["bringup-backend"], 132, launches.append)
+    # the int4 matmul: decode (split-K partials) and prefill blocks, 1 and 2 digits, both dtypes
+    for quant in triton_step_shapes.quant_matmul_shapes():
+        if quant.model == triton_step_shapes.SMOLLM2 or quant.n_digits == 2:
+            small = dataclasses.replace(quant, projections=quant.projections[3:4], buckets=(1, 64))
+            triton_step_shapes.walk_quant_matmuls(small, 132, launches.append)
     meta = dict(device="meta", dtype=torch.bfloat16)
     x = torch.empty(64, **meta)
     for x_arg, y_arg in ((x, torch.empty(64, **meta)), (x[1:], x[8:])):  # aligned; 2 B and 16 B in
@@ -194,7 +200,17 @@ def test_every_product_kernel_compiles_for_sm90_without_spills(tmp_path, capsys)
         }
     assert recorded <= compiled and {"_ragged_attention_kernel", "_ragged_attention_split_kernel"} <= recorded
     used_by = {u.split("@")[0] for r in data["records"] for u in r["used_by"]}
-    assert used_by == {s.name for s in triton_step_shapes.product_shapes()}
+    assert used_by == {s.name for s in triton_step_shapes.aot_shapes()}
+    quant = [r for r in data["records"] if r["kernel"] == "_int4_matmul_kernel"]
+    # decode blocks and split-K's float32 partials, 1 and 2 digits, bf16 and fp32 activations
+    assert {(r["signature"]["x_ptr"].split()[0], r["signature"]["N_DIGITS"]) for r in quant} == {
+        (x, d) for x in ("*bf16", "*fp32") for d in ("=1", "=2")
+    }
+    assert {r["signature"]["BLOCK_M"] for r in quant} == {"=16", "=32", "=64"}
+    assert any(
+        r["signature"]["x_ptr"].startswith("*bf16") and r["signature"]["y_ptr"].startswith("*fp32")
+        for r in quant
+    )
     assert all(r["regs"] > 0 and r["shared_bytes"] is not None for r in data["records"])
     assert "sm_90:" in capsys.readouterr().out
     print(f"sm_90 ahead-of-time compile: {len(data['records'])} specializations in {wall:.1f} s")
