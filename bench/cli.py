@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --http: send each prompt as text, decoded from its ids by --model's tokenizer, "
         "for servers that take no token ids (llama.cpp's); the server re-tokenizes it",
     )
+    g.add_argument(
+        "--http-min-tokens",
+        action="store_true",
+        help="with --http and --ignore-eos: send min_tokens = max_tokens too, for servers without "
+        "ignore_eos (llama-cpp-python's; ringleader's gateway refuses the field)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests before each run, not measured")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is cut")

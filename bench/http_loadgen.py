@@ -9,7 +9,7 @@ socket is connected before its clock starts too).
 
 Each request is a streaming POST {url}/v1/completions: the prompt as token ids (or, with
 `--http-prompt-text`, as the text the model's tokenizer decodes them to, for servers that take
-no ids, with min_tokens = max_tokens beside ignore_eos), max_tokens,
+no ids; with `--http-min-tokens`, min_tokens = max_tokens beside ignore_eos), max_tokens,
 temperature, seed (the workload seed + the request's index, as the ZeroMQ generator sends
 it), ignore_eos when the workload says so (a vLLM extension), stream_options.include_usage,
 and return_token_ids (also vLLM's: each choice carries the ids of its chunk's tokens). The
@@ -102,9 +102,11 @@ class HttpLoadGenerator:
         stats_address: str | None = None,
         headers: dict | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        min_tokens: bool = False,
     ):
         self.url = base_url(url)
         self.decode = decode  # prompts as text (servers that take no token ids: llama.cpp's)
+        self.min_tokens = min_tokens  # with ignore_eos, min_tokens = max_tokens too
         self.model = model
         self.connections = max(1, connections)
         self.timeout_s = timeout_s
@@ -232,7 +234,7 @@ class HttpLoadGenerator:
         }
         if o.ignore_eos:
             body["ignore_eos"] = True
-            if self.decode is not None:  # what servers without ignore_eos take (llama-cpp-python's)
+            if self.min_tokens:  # what servers without ignore_eos take (llama-cpp-python's)
                 body["min_tokens"] = spec.max_tokens
         if body["model"] is None:
             del body["model"]
@@ -368,6 +370,7 @@ def measure_http(
     model: str | None = None,
     stats_address: str | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    min_tokens: bool = False,
 ) -> HttpRunResult:
     """Synchronous wrapper: one event loop and one ClientSession for the whole measurement
     (decode: send each prompt as this text of its ids)."""
@@ -381,6 +384,7 @@ def measure_http(
             options=options,
             stats_address=stats_address,
             decode=decode,
+            min_tokens=min_tokens,
         ) as gen:
             return await gen.measure(specs, load, warmup)
 

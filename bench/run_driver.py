@@ -369,6 +369,7 @@ def _measure_pass(args, how, endpoint: Endpoint, specs, load, load_plan: LoadPla
             model=endpoint.http_model,
             stats_address=endpoint.address,  # the ringleader server behind a gateway, else None
             decode=_prompt_decoder(args) if getattr(args, "http_prompt_text", False) else None,
+            min_tokens=getattr(args, "http_min_tokens", False),
         )
     return measure(endpoint.address, specs, load, warmup=warm, options=options, timeout_s=args.timeout)
 

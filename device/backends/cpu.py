@@ -17,10 +17,10 @@ import traceback
 import torch
 
 from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
+from ringleader.device.backends.cpu_runtime import release_callers_openmp_team, return_freed_heap
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
-from ringleader.device.backends.cpu_runtime import release_callers_openmp_team, return_freed_heap
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import EagerStep, LlamaModel, StepLayout
 from ringleader.device.model.kv_cache import KVCache
