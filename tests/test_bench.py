@@ -171,6 +171,18 @@ def test_variants_on_cpu():
         plan_variants(["nope"], "cpu")
 
 
+def test_variants_may_name_their_weights():
+    """host:quantized and host:fp32 run side by side: two servers, each with its --weights."""
+    variants, _ = plan_variants(["host:quantized", "host:fp32", "hf", "host:quantized"], "cpu")
+    assert [v.name for v in variants] == ["host:quantized", "host:fp32", "hf"]
+    assert variants[0].server_args[-2:] == ("--weights", "quantized")
+    assert variants[1].server_args[-2:] == ("--weights", "fp32")
+    with pytest.raises(ValueError, match="hf:fp32"):
+        plan_variants(["hf:fp32"], "cpu")  # transformers widens a GGUF file itself
+    with pytest.raises(ValueError, match="one of auto, fp32, bf16, quantized"):
+        plan_variants(["host:int2"], "cpu")
+
+
 def test_no_argument_run_is_the_quick_comparison():
     args = cli.build_parser().parse_args(cli.QUICK_ARGS)
     assert args.concurrency == [1, 16] and args.requests == 48 and args.ignore_eos

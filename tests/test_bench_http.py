@@ -31,7 +31,7 @@ from ringleader.bench.report_comparisons import gateway_overhead
 from ringleader.bench.report_markdown import markdown_summary
 from ringleader.bench.report_tables import format_overhead
 from ringleader.bench.servers import plan_variants
-from ringleader.bench.workloads import WorkloadConfig, arrival_times, make_requests
+from ringleader.bench.workloads import RequestSpec, WorkloadConfig, arrival_times, make_requests
 from tests.conftest import running_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,6 +251,21 @@ def test_http_helpers():
     assert check_options(parse(["--http-model", "m"]))
     assert cli.main(["--http", "ftp://h:1"]) == 2
     assert [v.name for v in plan_variants(["gateway"], "cpu")[0]] == ["gateway"]
+
+
+def test_text_prompts_for_servers_that_take_no_ids():
+    """--http-prompt-text sends the decoded text; --http-min-tokens adds min_tokens beside
+    ignore_eos (llama-cpp-python's stand-in), and neither is sent otherwise."""
+    spec = RequestSpec(prompt_ids=[5, 6, 7], max_tokens=9)
+
+    def body(**kw) -> dict:
+        gen = HttpLoadGenerator("http://h:1", options=IGNORE_EOS, **kw)
+        return json.loads(gen._body(spec, 0))
+
+    plain = body()
+    assert plain["prompt"] == [5, 6, 7] and plain["ignore_eos"] and "min_tokens" not in plain
+    text = body(decode=lambda ids: "-".join(map(str, ids)), min_tokens=True)
+    assert text["prompt"] == "5-6-7" and text["min_tokens"] == 9 and text["ignore_eos"]
 
 
 # ---------------------------------------------------------------- the overhead table

@@ -81,7 +81,7 @@ def test_quantized_weights_track_fp32(smollm2_gguf, fp32_greedy):
     """--weights quantized (the file's Q4_1 / Q8_0 matrices through the int4 kernel, bf16
     activations), teacher-forced on the fp32 greedy tokens, within the same tolerance as bf16
     (measured on the 2-core VM: at most 0.27 x std over 8 real prompts, bench/results/
-    2026-11-26-cpu-weights/agreement.json)."""
+    2026-11-26-cpu-weights/agreement.json.gz)."""
     tokens, ref = fp32_greedy
     model = LlamaModel.from_gguf(smollm2_gguf, torch.float32, weights="quantized")
     assert model.weights_description()["matrices"] == {"Q4_1": 120, "Q8_0": 1}

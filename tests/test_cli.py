@@ -224,6 +224,11 @@ def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything()
         (["--threads", "0"], "--threads (threads) must be an integer >= 1, got 0"),
         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1], got 1.5"),
         (["--page-size", "24"], "page_size must be a power of two, got 24"),
+        (
+            ["--weights", "quantized"],
+            "--weights quantized keeps a GGUF file's quantization; tiny is not a .gguf file "
+            "(use --weights auto, fp32 or bf16)",
+        ),
     ],
 )
 def test_serve_refuses_an_option_out_of_range_by_its_flag(flags, said):

@@ -294,3 +294,26 @@ def test_serve_names_the_gguf_by_its_stem_and_chats_with_an_override(gguf_path, 
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_quantized_by_default_answers_and_agrees_with_transformers_off_near_ties(gguf_path, hf, tokenizer):
+    """A GGUF file served as it is (--weights auto: its Q4_1 / Q8_0 matrices through the int4
+    kernel): it chats, says so in stats, and its greedy streams agree with transformers' until
+    the first step where transformers' own top two logits are a near tie."""
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[:2]]
+    with running_server(str(gguf_path), n_slots=4, max_ctx=512, token_budget=16) as bg:
+        with Client(bg.address, timeout=300) as client:
+            backend = client.stats()["backend"]
+            answer = client.complete(messages=CHATS[1], max_tokens=48)
+            got = [client.complete(prompt_ids=p, max_tokens=24).token_ids for p in prompts]
+    assert backend["weights"] == "quantized" and backend["matrices"] == {"Q4_1": 120, "Q8_0": 1}
+    assert backend["weight_mib"] < 160  # 513 MiB in fp32
+    assert "scatter" in answer.text.lower() or "light" in answer.text.lower()
+    for prompt, have in zip(prompts, got):
+        want = _hf_greedy(hf, prompt, 24)
+        at = _first_diff(want, have)
+        if at < len(want):  # a divergence must start at a near tie of transformers' logits
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + want[:at]])).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) < 0.25, (prompt[:6], at)
