@@ -15,26 +15,13 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
+from ringleader.bench.quant_agreement import CHATS, RAW_PROMPTS  # noqa: E402 - the real prompts, one list
 from ringleader.device.model import LlamaModel  # noqa: E402
 from ringleader.device.model.presets import tokenizer_for  # noqa: E402
 from ringleader.ipc.client import Client  # noqa: E402
 from tests.conftest import running_server  # noqa: E402
 
 N_TOKENS = 64
-RAW_PROMPTS = [
-    "The history of the printing press begins",
-    "def fibonacci(n):\n    ",
-    "Water boils at",
-    "Once upon a time, in a small village by the sea,",
-]
-CHATS = [
-    [{"role": "user", "content": "Write a haiku about autumn."}],
-    [
-        {"role": "system", "content": "You answer in one short sentence."},
-        {"role": "user", "content": "Why is the sky blue?"},
-    ],
-    [{"role": "user", "content": "List three colours."}],
-]
 
 
 @pytest.fixture(scope="module")
