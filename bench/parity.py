@@ -125,21 +125,26 @@ def variants(device: str):
 
     out = [
         ("transformers", lambda spec, p, n: transformers_greedy(spec, device, p, n)),
-        ("cpu", lambda spec, p, n: served_greedy(spec, CpuBackend, p, n, dtype="float32")),
+        # dense weights throughout: a GGUF file's own quantization (--weights auto) is not fp32
+        ("cpu", lambda spec, p, n: served_greedy(spec, CpuBackend, p, n, dtype="float32", weights="fp32")),
     ]
     if device == "cuda":
         from ringleader.device.backends.cuda import CudaBackend
 
-        for name, dtype in (("cuda-fp32", torch.float32), ("cuda-bf16", torch.bfloat16)):
+        for name, dtype, weights in (
+            ("cuda-fp32", torch.float32, "fp32"),
+            ("cuda-bf16", torch.bfloat16, "bf16"),
+        ):
             out.append(
                 (
                     name,
-                    lambda spec, p, n, dtype=dtype: served_greedy(
+                    lambda spec, p, n, dtype=dtype, weights=weights: served_greedy(
                         spec,
                         CudaBackend,
                         p,
                         n,
                         dtype=dtype,
+                        weights=weights,
                         scheduler="device",
                         launch="resident",
                         run_budget_s=kernel_run_budget_s(),
