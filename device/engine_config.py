@@ -75,7 +75,7 @@ class EngineConfig:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
                 named = f"{flag} ({name})" if flag else name
                 raise ValueError(f"{named} must be an integer {limits}, got {value!r}")
-        if self.weights == "quantized" and not str(self.model).lower().endswith(".gguf"):
+        if self.weights == "quantized" and not self._names_gguf:
             raise ValueError(
                 f"--weights quantized keeps a GGUF file's quantization; {self.model} is not a "
                 ".gguf file (use --weights auto, fp32 or bf16)"
@@ -118,7 +118,6 @@ class EngineConfig:
                 raise ValueError("--trace records the CUDA device timeline; the cpu backend has none")
             if self.dtype not in (None, "float32"):
                 raise ValueError(f"the cpu backend computes in float32, got dtype {self.dtype!r}")
-            weights = self._weights_for_model() if self.weights == "auto" else self.weights
             if isinstance(self.kv_cache_memory, float):
                 raise ValueError(
                     f"--kv-cache-memory {self.kv_cache_memory}: a fraction is of free device memory, "
@@ -134,8 +133,7 @@ class EngineConfig:
                 # pool this size holds ~11k tokens of SmolLM2-135M (5 contexts of 2048) in fp32
                 kv_cache_memory=self.kv_cache_memory or CPU_KV_CACHE_BYTES,
                 dtype="float32",  # the only dtype the CPU backend computes in
-                # a GGUF file keeps its quantization: int4 kernels, ~8x less memory than fp32
-                weights=weights if weights != "auto" else "fp32",
+                weights=self._auto_weights("float32") if self.weights == "auto" else self.weights,
             )
         # --weights fp32 / bf16 name the dtype on CUDA (weights and activations alike)
         implied = {"fp32": "float32", "bf16": "bfloat16"}.get(self.weights)
@@ -143,7 +141,6 @@ class EngineConfig:
             raise ValueError(
                 f"--weights {self.weights} computes in {implied} on cuda, but dtype is {self.dtype}"
             )
-        weights = self._weights_for_model() if self.weights == "auto" else self.weights
         dtype = (
             self.dtype or implied or "bfloat16"
         )  # bf16: half the memory of float32 for weights and KV cache
@@ -154,15 +151,18 @@ class EngineConfig:
             # max_ctx None stays: the model's own limit, cut to what the page pool holds; and
             # kv_cache_memory None: the pool takes what --gpu-memory-fraction leaves
             dtype=dtype,
-            weights=weights if weights != "auto" else {"float32": "fp32"}.get(dtype, "bf16"),
+            weights=self._auto_weights(dtype) if self.weights == "auto" else self.weights,
         )
 
-    def _weights_for_model(self) -> str:
-        """auto: quantized for a GGUF file (named by suffix, as gguf_checkpoint.is_gguf, which
-        imports torch), else auto still (the device's dtype)."""
-        if str(self.model).lower().endswith(".gguf"):
-            return "quantized"
-        return "auto"
+    @property
+    def _names_gguf(self) -> bool:
+        """--model names a GGUF file (by suffix, as gguf_checkpoint.is_gguf, which imports torch)."""
+        return str(self.model).lower().endswith(".gguf")
+
+    def _auto_weights(self, dtype: str) -> str:
+        """--weights auto: a GGUF file keeps its quantization (int4 kernels, ~4x less memory than
+        fp32), anything else is dense in the compute dtype."""
+        return "quantized" if self._names_gguf else ("fp32" if dtype == "float32" else "bf16")
 
     def model_weights(self) -> str:
         """LlamaModel's weight form (llama.WEIGHT_FORMS) for this resolved config."""

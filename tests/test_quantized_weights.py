@@ -14,6 +14,7 @@ from ringleader.device.engine_config import EngineConfig  # noqa: E402
 from ringleader.device.model import LlamaModel  # noqa: E402
 from ringleader.device.model.gguf_quants import BLOCK_LAYOUTS  # noqa: E402
 from ringleader.device.model.quant_weights import DIGIT_FORMS, GGUFMatrix, RowBands, cat_rows  # noqa: E402
+from ringleader.device.model.triton_quant_matmul import dense_digits  # noqa: E402 - the digits' reference
 from ringleader.device.model.weight_kernels import (  # noqa: E402
     CpuInt4Matmul,
     KernelLinear,
@@ -32,14 +33,6 @@ def _matrix(qtype: str, n: int, k: int, seed: int = 0) -> GGUFMatrix:
     return GGUFMatrix(raw, qtype, (n, k), f"w.{qtype}")
 
 
-def _from_digits(m: GGUFMatrix) -> torch.Tensor:
-    total = None
-    for d in m.digits():
-        term = d.codes.float() * d.scale.repeat_interleave(32, 1) + d.zero.repeat_interleave(32, 1)
-        total = term if total is None else total + term
-    return total
-
-
 @pytest.mark.parametrize("qtype", sorted(DIGIT_FORMS))
 def test_digits_are_the_files_values(qtype):
     block = BLOCK_LAYOUTS[qtype][0]
@@ -47,7 +40,7 @@ def test_digits_are_the_files_values(qtype):
     dense, digits = m.dense(torch.float32), m.digits()
     assert all(int(d.codes.max()) <= 15 for d in digits)
     assert len(digits) == DIGIT_FORMS[qtype][1]
-    got = _from_digits(m)
+    got = dense_digits(digits, 32)
     if qtype in EXACT:
         assert torch.equal(got, dense)
     else:

@@ -186,12 +186,16 @@ def _torch_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
+def _raw_bytes(tensor) -> torch.Tensor:
+    """The tensor's bytes as uint8, copied once: the memory map is read-only, torch wants a
+    writable buffer."""
+    return torch.from_numpy(np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8).copy())
+
+
 def _dequantize(tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    raw = np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8)
     qtype = tensor.tensor_type.name
-    # the memory map is read-only; torch wants a writable buffer, so the bytes are copied once
     return dequantize(
-        torch.from_numpy(raw.copy()),
+        _raw_bytes(tensor),
         qtype,
         _torch_shape(tensor),
         dtype=dtype,
@@ -247,11 +251,9 @@ class LoadProgress:
 
 
 def _kept_quantized(tensor, device: str | torch.device) -> GGUFMatrix:
-    """A quantized matrix as its bytes, one row of blocks per output row (copied once: the
-    memory map is read-only)."""
+    """A quantized matrix as its bytes, one row of blocks per output row."""
     n, k = _torch_shape(tensor)
-    raw = np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8)
-    rows = torch.from_numpy(raw.copy()).to(device).view(n, -1)
+    rows = _raw_bytes(tensor).to(device).view(n, -1)
     return GGUFMatrix(rows, tensor.tensor_type.name, (n, k), tensor.name)
 
 

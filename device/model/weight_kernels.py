@@ -118,7 +118,7 @@ def band_matmul(
     if device.type == "cuda":
         from ringleader.device.model.triton_quant_matmul import TritonInt4Weight
 
-        kernel = TritonInt4Weight.from_digits([(d.codes, d.scale, d.zero) for d in digits], GROUP, device)
+        kernel = TritonInt4Weight.from_digits(digits, GROUP, device)  # takes Digit as it is
         return kernel.matmul
     return CpuInt4Matmul(digits, part.shape[0])
 
