@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from ringleader.bench.report import save_json
 from ringleader.bench.triton_compile import compile_all
 from ringleader.bench.triton_specializations import Specialization, collect_specializations
-from ringleader.bench.triton_step_shapes import AotShape, StepShape, aot_shapes
+from ringleader.bench.triton_step_shapes import AotShape, NullStepShape, StepShape, aot_shapes
 from ringleader.device.model import triton_attention
 
 HAVE_TRITON = triton_attention.HAVE_TRITON
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in shapes:
             if isinstance(s, StepShape):
                 sizes = f"slots {s.n_slots} max_ctx {s.max_ctx} budget {s.token_budget}"
+            elif isinstance(s, NullStepShape):
+                sizes = f"slots {s.n_slots} budget {s.token_budget} step_us {s.step_us:g}"
             else:
                 sizes = " ".join(f"{name} {n}x{k}" for name, n, k in s.projections)
             print(f"{s.name:32s} {s.model} {s.dtype} {sizes} buckets {list(s.buckets)}  ({s.origin})")

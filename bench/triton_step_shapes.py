@@ -21,11 +21,14 @@ from ringleader.device.model import triton_attention
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
+from ringleader.device.model.null_model import NullModel
+from ringleader.device.model.null_step import NullStep
 from ringleader.device.model.presets import PRESETS, preset_config
 from ringleader.device.model.static_step import StaticStep
 from ringleader.device.model.step_layout import StepLayout
 from ringleader.device.model.triton_launch import Launch, LaunchRecorder
 from ringleader.device.model.triton_quant_matmul import TritonInt4Weight
+from ringleader.device.null_options import NullOptions
 
 # the device the CUDA defaults' KV pages are planned on (max_ctx None: the model's, cut to the
 # pool); the context reaches a specialization through the block table's row stride (pages per
@@ -200,7 +203,22 @@ class QuantMatmulShape:
     origin: str
 
 
-AotShape = StepShape | QuantMatmulShape
+@dataclass(frozen=True)
+class NullStepShape:
+    """The null model's one-launch step (device/model/triton_null_step.py) at `n_slots` slots,
+    with and without its busy time."""
+
+    name: str
+    n_slots: int
+    token_budget: int
+    buckets: tuple[int, ...]
+    step_us: float
+    origin: str
+    model: str = "null"
+    dtype: str = "int32"  # no activations: token ids and records
+
+
+AotShape = StepShape | QuantMatmulShape | NullStepShape
 
 
 def projections(config: ModelConfig) -> tuple[tuple[str, int, int], ...]:
@@ -238,9 +256,44 @@ def quant_matmul_shapes() -> list[QuantMatmulShape]:
     ]
 
 
+def null_step_shapes() -> list[NullStepShape]:
+    """`serve --device cuda --model null` at its defaults and at 256 and 1024 slots (the bench's
+    256 streams, the most slots), each without and with --null-step-us."""
+    defaults = EngineConfig(model="null")
+    out = []
+    for n_slots in (defaults.n_slots, 256, 1024):
+        budget = max(defaults.token_budget, n_slots)
+        for step_us in (0.0, 20.0):
+            flag = f" --null-step-us {step_us:g}" if step_us else ""
+            out.append(
+                NullStepShape(
+                    name=f"null-step/slots{n_slots}/step_us{step_us:g}",
+                    n_slots=n_slots,
+                    token_budget=budget,
+                    buckets=default_buckets(budget),
+                    step_us=step_us,
+                    origin=f"ringleader serve --device cuda --model null --slots {n_slots}{flag}",
+                )
+            )
+    return out
+
+
 def aot_shapes() -> list[AotShape]:
-    """Everything bench/triton_aot.py walks: the product's steps, then the int4 matmuls."""
-    return [*product_shapes(), *quant_matmul_shapes()]
+    """Everything bench/triton_aot.py walks: the product's steps, the int4 matmuls, the null step."""
+    return [*product_shapes(), *quant_matmul_shapes(), *null_step_shapes()]
+
+
+def walk_null_step(
+    shape: NullStepShape, sm_count: int, on_launch: Callable[[Launch], None] | None = None
+) -> Counter[str]:
+    """Every bucket of the null model's CUDA step on the meta device; the launches by kernel."""
+    model = NullModel(NullOptions(step_us=shape.step_us), "meta")
+    step = NullStep(model, shape.n_slots, kernel="triton")
+    layout = StepLayout.allocate(shape.n_slots, shape.token_budget, "meta", 1)
+    with LaunchRecorder(on_launch) as recorder:
+        for bucket in shape.buckets:
+            step.run(bucket, layout)
+    return recorder.counts
 
 
 def walk_quant_matmuls(
@@ -267,7 +320,9 @@ def walk_quant_matmuls(
 
 
 def walk(shape: AotShape, sm_count: int, on_launch: Callable[[Launch], None] | None = None) -> Counter[str]:
-    """walk_step or walk_quant_matmuls, by the shape's kind."""
+    """walk_step, walk_quant_matmuls or walk_null_step, by the shape's kind."""
     if isinstance(shape, QuantMatmulShape):
         return walk_quant_matmuls(shape, sm_count, on_launch)
+    if isinstance(shape, NullStepShape):
+        return walk_null_step(shape, sm_count, on_launch)
     return walk_step(shape, sm_count, on_launch)

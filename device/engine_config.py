@@ -10,6 +10,7 @@ import numbers
 import os
 from dataclasses import dataclass
 
+from ringleader.device.null_options import NULL_MODEL, NullOptions
 from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -52,6 +53,11 @@ class EngineConfig:
     run_budget_s: float | None = None  # CUDA: the scheduler kernel exits on its own after this long
     # a Jinja chat template (a file, or the template text) that replaces the model's own (None: the model's)
     chat_template: str | None = None
+    # --model null (device/null_options.py): its vocabulary, the step's busy time in microseconds
+    # and its output pattern (None: the null model's default; refused with any other model)
+    null_vocab: int | None = None
+    null_step_us: float | None = None
+    null_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, str):  # torch.float32 -> "float32"
@@ -88,6 +94,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.run_budget_s is not None and not self.run_budget_s > 0:
             raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
+        self.null_options()  # refuses a bad null-model option, or one without --model null
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))  # a Path is accepted
             from ringleader.device.text.chat_template import (
@@ -152,6 +159,31 @@ class EngineConfig:
             # kv_cache_memory None: the pool takes what --gpu-memory-fraction leaves
             dtype=dtype,
             weights=self._auto_weights(dtype) if self.weights == "auto" else self.weights,
+        )
+
+    @property
+    def is_null_model(self) -> bool:
+        return self.model == NULL_MODEL
+
+    def null_options(self) -> NullOptions:
+        """The null model's options (its defaults for the fields left None); ValueError naming
+        the flag on a bad one, or on one given with another model."""
+        given = {
+            flag: value
+            for flag, value in (
+                ("--null-vocab", self.null_vocab),
+                ("--null-step-us", self.null_step_us),
+                ("--null-pattern", self.null_pattern),
+            )
+            if value is not None
+        }
+        if given and not self.is_null_model:
+            raise ValueError(f"{', '.join(given)} goes with --model null, not --model {self.model}")
+        defaults = NullOptions()
+        return NullOptions(
+            vocab_size=defaults.vocab_size if self.null_vocab is None else self.null_vocab,
+            step_us=defaults.step_us if self.null_step_us is None else self.null_step_us,
+            pattern=defaults.pattern if self.null_pattern is None else self.null_pattern,
         )
 
     @property

@@ -330,3 +330,37 @@ def test_gpu_logprobs_and_choices_match_the_cpu_backend(scheduler):
             for eg, ew in zip(g.logprobs, w.logprobs):
                 assert abs(eg.logprob - ew.logprob) < 1e-3
                 np.testing.assert_allclose(eg.top_logprobs, ew.top_logprobs, atol=1e-3)
+
+
+@gpu
+@pytest.mark.parametrize(
+    "scheduler,launch",
+    [("device", "resident"), ("device", "pump"), ("host", "auto")],
+    ids=["device-resident", "device-pump", "host-loop"],
+)
+def test_gpu_null_model_in_every_mode(scheduler, launch):
+    """--model null on CUDA: its step graph is one kernel node per bucket (device scheduler), its
+    tokens follow the pattern in every mode with the CPU backend's logprobs records, 256 streams
+    each end once, and --null-step-us holds each step at least that long on the device."""
+    from ringleader.device.model.null_model import record_logprobs
+    from ringleader.ipc.client import Client
+
+    with _serve(model="null", scheduler=scheduler, launch=launch, null_step_us=50.0) as bg:
+        with Client(bg.address, timeout=120) as c:
+            streams = [
+                c.generate(prompt_ids=[1 + i, 10 + i], max_tokens=8 + i % 24, ignore_eos=True) for i in range(256)
+            ]
+            for s in streams:
+                list(s)
+            probe = c.complete(prompt_ids=[300], max_tokens=4, logprobs=3)
+            stats = c.stats()
+    for i, s in enumerate(streams):
+        assert s.done.ok and s.token_ids == [11 + i + k for k in range(8 + i % 24)], i
+    token_lp, _ = record_logprobs(stats["model_info"]["vocab_size"])
+    assert probe.token_ids == [301, 302, 303, 304] and probe.logprobs[0].top_ids == [301, 0, 1]
+    assert probe.logprobs[0].logprob == pytest.approx(token_lp, abs=1e-6)
+    backend = stats["backend"]
+    assert backend["launch"] == ("host-loop" if scheduler == "host" else launch), backend
+    if scheduler == "device":
+        assert set(backend["step_graph_nodes"].values()) == {"1 kernel"}, backend["step_graph_nodes"]
+        assert stats["device"]["step_us_p50"] >= 50.0, stats["device"]

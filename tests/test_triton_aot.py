@@ -1,6 +1,7 @@
 """The model step's Triton kernels compiled ahead of time for sm_90 (bench/triton_aot.py), no GPU.
 
-Every product step shape (and the int4 matmul of GGUF weights, per model's projections) is
+Every product step shape (and the int4 matmul of GGUF weights, per model's projections, and the
+null model's one-launch step) is
 walked on the meta device, each launch's specialization derived with Triton's own binder, and
 every distinct specialization compiled for sm_90, with the installed Triton and with the GPU
 image's (3.6.0, bench/gpu_image_toolchain.py): the test fails
@@ -32,7 +33,13 @@ from ringleader.bench import (
 )
 from ringleader.bench.step_kernels import count_step
 from ringleader.bench.triton_compile import max_warps_for_registers, parse_res_usage
-from ringleader.device.model import triton_attention, triton_fused, triton_quant_matmul, triton_sampling
+from ringleader.device.model import (
+    triton_attention,
+    triton_fused,
+    triton_null_step,
+    triton_quant_matmul,
+    triton_sampling,
+)
 from ringleader.device.model.triton_attention import HAVE_TRITON
 from ringleader.device.model.triton_launch import Launch, LaunchRecorder, launch
 from tests.conftest import fetched
@@ -54,7 +61,7 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs, x * scale, mask=ok)
 
 
-KERNEL_MODULES = (triton_attention, triton_fused, triton_sampling, triton_quant_matmul)
+KERNEL_MODULES = (triton_attention, triton_fused, triton_sampling, triton_quant_matmul, triton_null_step)
 
 
 def launched_kernel_names() -> set[str]:
@@ -211,6 +218,10 @@ def test_every_product_kernel_compiles_for_sm90_without_spills(tmp_path, capsys)
         r["signature"]["x_ptr"].startswith("*bf16") and r["signature"]["y_ptr"].startswith("*fp32")
         for r in quant
     )
+    null = [r for r in data["records"] if r["kernel"] == "_null_step_kernel"]
+    # the null model's step: with and without its busy time, one to four programs' worth of blocks
+    assert {r["signature"]["SPIN"] for r in null} == {"=False", "=True"}
+    assert {r["signature"]["BLOCK"] for r in null} == {"=16", "=32", "=64"}
     assert all(r["regs"] > 0 and r["shared_bytes"] is not None for r in data["records"])
     assert "sm_90:" in capsys.readouterr().out
     print(f"sm_90 ahead-of-time compile: {len(data['records'])} specializations in {wall:.1f} s")

@@ -15,6 +15,7 @@ from ringleader.device.backends.kv_pool import KvPool
 from ringleader.device.engine_config import POLICIES as POLICY_NAMES
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import LlamaModel
+from ringleader.device.model.null_model import NullModel
 from ringleader.device.model.presets import tokenizer_for
 from ringleader.device.text.chat_template import load_template_override
 from ringleader.device.text.tokenizer import IncrementalDetokenizer
@@ -126,7 +127,9 @@ class StepTimer:
         return out
 
 
-def ring_config_for(model: LlamaModel, config: EngineConfig, max_ctx: int, pool: KvPool) -> RingConfig:
+def ring_config_for(
+    model: LlamaModel | NullModel, config: EngineConfig, max_ctx: int, pool: KvPool
+) -> RingConfig:
     """The rings for `config` at `max_ctx` (the context the backend settled on: the model's
     limit or the device's memory may cut the configured one), over the KV pages of `pool`."""
     if config.policy not in POLICIES:
@@ -162,14 +165,17 @@ def token_texts(tokenizer) -> Callable[[int], str]:
 
 
 def describe_weights(form: str, description: dict) -> str:
-    """The start-up line's weights: "quantized, 73.2 MiB (matrices: 120 Q4_1, 1 Q8_0, 1 float32)"."""
+    """The start-up line's weights: "quantized, 73.2 MiB (matrices: 120 Q4_1, 1 Q8_0, 1 float32)",
+    or "none" for a model without any (the null model)."""
+    if not description["matrices"]:
+        return "none"
     kinds = ", ".join(
         f"{n} {kind}" for kind, n in sorted(description["matrices"].items(), key=lambda kv: -kv[1])
     )
     return f"{form}, {description['weight_mib']} MiB (matrices: {kinds})"
 
 
-def model_info(spec: str, model: LlamaModel, max_ctx: int) -> ModelInfo:
+def model_info(spec: str, model: LlamaModel | NullModel, max_ctx: int) -> ModelInfo:
     """What the frontend reads of the model `spec` names.  Its name is the model's short one
     (ModelConfig.name: a preset's name, a GGUF file's stem, a checkpoint directory's name), not
     the path, as vllm and llama-server name a model."""

@@ -24,6 +24,8 @@ from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import EagerStep, LlamaModel, StepLayout
 from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.null_model import NullModel
+from ringleader.device.model.null_step import NullStep
 from ringleader.device.sched.build import CpuScheduler
 from ringleader.ipc import layout
 from ringleader.ipc.backend import Backend, EngineDead
@@ -43,7 +45,11 @@ class CpuBackend(Doorbells, Backend):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
-        self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed, cfg.model_weights())
+        self._model: LlamaModel | NullModel
+        if cfg.is_null_model:
+            self._model = NullModel(cfg.null_options(), "cpu")
+        else:
+            self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed, cfg.model_weights())
         assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
         self.kv_pool = plan_pool(
@@ -55,8 +61,12 @@ class CpuBackend(Doorbells, Backend):
         )
         log.info("%s", self.kv_pool.describe())
         log.info("weights: %s", describe_weights(cfg.weights, self._model.weights_description()))
-        kv = KVCache.for_model(self._model.config, self.kv_pool.n_pages, cfg.page_size, dtype, "cpu")
-        self._step = EagerStep(self._model, kv)
+        self._step: EagerStep | NullStep
+        if isinstance(self._model, NullModel):
+            self._step = NullStep(self._model, cfg.n_slots)
+        else:
+            kv = KVCache.for_model(self._model.config, self.kv_pool.n_pages, cfg.page_size, dtype, "cpu")
+            self._step = EagerStep(self._model, kv)
         self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx, self.kv_pool))
         # zero-copy views of the scheduler's arrays, built once: the step reads and writes them in place
         self._layout = StepLayout.from_arrays(self._memory.arrays)
@@ -67,8 +77,9 @@ class CpuBackend(Doorbells, Backend):
             "scheduler": "host-thread",
             "launch": "none",
             "dtype": cfg.dtype,
-            "weights": cfg.weights,
+            "weights": "none" if isinstance(self._model, NullModel) else cfg.weights,
             **self._model.weights_description(),
+            **(self._model.describe() if isinstance(self._model, NullModel) else {}),
             "n_slots": cfg.n_slots,
             "max_ctx": max_ctx,
             "token_budget": self._memory.config.token_budget,

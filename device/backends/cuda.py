@@ -31,7 +31,11 @@ import torch
 from ringleader.device.backends import cuda_driver as drv
 from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
 from ringleader.device.backends.cq_poller import CqPoller
-from ringleader.device.backends.cuda_preflight import plan_model_kv_cache, refuse_unsafe_environment
+from ringleader.device.backends.cuda_preflight import (
+    MemoryPlan,
+    plan_model_kv_cache,
+    refuse_unsafe_environment,
+)
 from ringleader.device.backends.device_memory import DeviceMemory, PackedLayoutCopy
 from ringleader.device.backends.device_timeline import (
     TimelineFeed,
@@ -41,11 +45,14 @@ from ringleader.device.backends.device_timeline import (
 )
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
+from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.backends.launch_graph import LaunchGraph
 from ringleader.device.backends.step_graphs import StepGraphs
 from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reason
 from ringleader.device.model import LlamaModel
 from ringleader.device.model.kv_cache import KVCache
+from ringleader.device.model.null_model import NullModel
+from ringleader.device.model.null_step import NullStep
 from ringleader.device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
 from ringleader.ipc import layout
 from ringleader.ipc.backend import Backend, EngineDead
@@ -98,15 +105,20 @@ class CudaBackend(Doorbells, Backend):
         torch.cuda.init()
         if scheduler == "device":
             refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())
-        self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed, cfg.model_weights())
+        self._model: LlamaModel | NullModel
+        if cfg.is_null_model:
+            self._model = NullModel(cfg.null_options(), "cuda")
+        else:
+            self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed, cfg.model_weights())
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
         self._memory_plan = self._plan_memory(cfg, dtype)
         self.kv_pool = pool = self._memory_plan.pool
         max_ctx = pool.max_ctx
         self._model.prepare(max_ctx)
-        # the pool's pages and one more, the scratch page pad rows write into
-        self._kv = StaticStep.new_kv_cache(self._model, pool.n_pages, pool.page_size)
+        if isinstance(self._model, LlamaModel):
+            # the pool's pages and one more, the scratch page pad rows write into
+            self._kv = StaticStep.new_kv_cache(self._model, pool.n_pages, pool.page_size)
         ring_cfg = ring_config_for(self._model, cfg, max_ctx, pool)
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
         self._scheduler_mode = scheduler
@@ -124,9 +136,13 @@ class CudaBackend(Doorbells, Backend):
             self.rings = self._mem.rings
         self.model = model_info(cfg.model, self._model, max_ctx)
         self._layout = StepLayout.over_buffer(self._mem.tensor)
-        self._step = StaticStep(
-            self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=cfg.attention
-        )
+        self._step: StaticStep | NullStep
+        if isinstance(self._model, NullModel):
+            self._step = NullStep(self._model, n_slots)  # one Triton launch: a one-node graph
+        else:
+            self._step = StaticStep(
+                self._model, self._kv, n_slots, max_ctx, ring_cfg.token_budget, attention=cfg.attention
+            )
         try:
             self._graphs = StepGraphs(self._step, self._layout, ring_cfg.buckets, self._compute)
         except torch.OutOfMemoryError as exc:
@@ -143,8 +159,9 @@ class CudaBackend(Doorbells, Backend):
             "launch": "host-loop",
             "launch_requested": launch,
             "dtype": cfg.dtype,
-            "weights": cfg.weights,
+            "weights": "none" if isinstance(self._model, NullModel) else cfg.weights,
             **self._model.weights_description(),
+            **(self._model.describe() if isinstance(self._model, NullModel) else {}),
             "n_slots": n_slots,
             "max_ctx": max_ctx,
             "token_budget": ring_cfg.token_budget,
@@ -168,6 +185,13 @@ class CudaBackend(Doorbells, Backend):
     # ---- construction helpers --------------------------------------------------------------
     def _plan_memory(self, cfg: EngineConfig, dtype: torch.dtype):
         c = self._model.config
+        if isinstance(self._model, NullModel):  # no weights, no KV bytes: the pages are ids only
+            max_ctx = min(cfg.max_ctx or c.max_position_embeddings, c.max_position_embeddings)
+            pool = plan_pool(
+                pool_bytes=0, bytes_per_token=0, page_size=cfg.page_size, max_ctx=max_ctx, n_slots=cfg.n_slots
+            )
+            log.info("null model: no weights, no KV cache; %s", pool.describe())
+            return MemoryPlan(pool, kv_bytes=0, budget_bytes=0, workspace_bytes=0)
         free, total = torch.cuda.mem_get_info()
         plan = plan_model_kv_cache(
             c,

@@ -52,6 +52,8 @@ def plan_pool(*, pool_bytes: int, bytes_per_token: int, page_size: int, max_ctx:
     Raises MemoryError, saying what would fit, when not even one request of max_ctx does (it
     could never finish)."""
     per_request = -(-max_ctx // page_size)
+    if bytes_per_token == 0:  # a model without a KV cache (the null model): pages are ids only
+        return KvPool(n_slots * per_request, page_size, 0, max_ctx)
     n_pages = min(pool_bytes // (page_size * bytes_per_token), n_slots * per_request)
     if n_pages < per_request:
         fits = n_pages * page_size

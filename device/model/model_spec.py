@@ -8,20 +8,21 @@ from pathlib import Path
 
 from ringleader.device.model.gguf_checkpoint import is_gguf
 from ringleader.device.model.presets import PRESETS
+from ringleader.device.null_options import NULL_MODEL
 
 GGUF_MAGIC = b"GGUF"
 
 
 def what_model_takes() -> str:
     return (
-        f"--model takes a preset ({', '.join(PRESETS)}), a .gguf file, or a Hugging Face "
+        f"--model takes a preset ({', '.join(PRESETS)}), null (no weights), a .gguf file, or a Hugging Face "
         "checkpoint directory (with config.json)"
     )
 
 
 def check_model_spec(spec: str) -> None:
     """ValueError naming what is wrong with `spec`, unless it can name a model."""
-    if spec in PRESETS:
+    if spec in PRESETS or spec == NULL_MODEL:
         return
     path = Path(spec).expanduser()
     if not path.exists():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.gguf_checkpoint import gguf_metadata, is_gguf
+from ringleader.device.null_options import NULL_MODEL
 from ringleader.device.text.tokenizer import ByteTokenizer, load_tokenizer
 
 _BYTE = ByteTokenizer
@@ -91,10 +92,10 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def tokenizer_for(spec: str | Path):
-    """Tokenizer for a model spec as the server gets it: a ByteTokenizer for a preset name; the
-    file's own for a .gguf file; for a checkpoint directory an HFTokenizer when it has
-    tokenizer.json, else None (the server then serves token ids only)."""
-    if isinstance(spec, str) and spec in PRESETS:
+    """Tokenizer for a model spec as the server gets it: a ByteTokenizer for a preset name and
+    the null model; the file's own for a .gguf file; for a checkpoint directory an HFTokenizer
+    when it has tokenizer.json, else None (the server then serves token ids only)."""
+    if isinstance(spec, str) and (spec in PRESETS or spec == NULL_MODEL):
         return load_tokenizer(None)
     if is_gguf(spec):
         from ringleader.device.text.gguf_tokenizer import tokenizer_from_gguf

@@ -18,6 +18,7 @@ from ringleader.device.engine_config import (
     WEIGHTS,
     EngineConfig,
 )
+from ringleader.device.null_options import NULL_DEFAULT_VOCAB, NULL_PATTERNS
 from ringleader.hostctl.serving.config import ServerConfig
 
 
@@ -31,7 +32,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "model": Flag(
         "--model",
         {},
-        "a preset (tiny, llama-1b, llama-8b: random weights), a GGUF file (*.gguf: F32, F16, BF16, "
+        "a preset (tiny, llama-1b, llama-8b: random weights; null: no weights, no arithmetic, the "
+        "runtime's own cost, see --null-*), a GGUF file (*.gguf: F32, F16, BF16, "
         "Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K) or a local Hugging Face checkpoint directory "
         "(default: %(default)s)",
     ),
@@ -120,6 +122,23 @@ ENGINE_FLAGS: dict[str, Flag] = {
         "a Jinja chat template (as tokenizer_config.json's chat_template is written) that replaces "
         "the model's own, for a model whose template is missing or wrong; the template text itself "
         "is taken too when it is no file and holds {{ or {%% (default: the model's template)",
+    ),
+    "null_vocab": Flag(
+        "--null-vocab",
+        {"type": int, "metavar": "N"},
+        "--model null: its vocabulary size (default %d; ids below 256 are bytes)" % NULL_DEFAULT_VOCAB,
+    ),
+    "null_step_us": Flag(
+        "--null-step-us",
+        {"type": float, "metavar": "US"},
+        "--model null: a fixed busy time per step, in microseconds, standing in for a model's "
+        "(default 0: the step costs nothing)",
+    ),
+    "null_pattern": Flag(
+        "--null-pattern",
+        {"choices": NULL_PATTERNS},
+        "--model null: its tokens: next (the input token + 1, never EOS; default), repeat (the "
+        "input token again), eos (end at once)",
     ),
 }
 

@@ -1,0 +1,195 @@
+"""The null model's step (device/model/null_model.py): `run(bucket, layout)` with the contract of
+EagerStep.run on the CPU and of StaticStep.run for capture on CUDA, and no arithmetic.
+
+For each live sample entry i: next_token[sample_slot[i]] = table[token_ids[sample_row[i]]], and
+for an entry whose request asked for logprobs its RlLogprobs record in closed form (the pattern
+token first, then the lowest other ids, as the null logits rank them). Then the fixed busy time,
+if any: on the CPU a spin in C with the GIL released (a model step's torch ops release it too, so
+the server's other threads run beside it as they would); on CUDA a spin on the GPU's global timer
+inside the step's kernel.
+
+On the CPU the step is one call into C (a few microseconds, where the same in torch ops took
+about twenty); on CUDA one Triton launch (triton_null_step.py), so its graph is one kernel node
+and what the device scheduler's gap between steps measures is the runtime's. The torch form here
+is the reference both are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterable
+
+import torch
+
+from ringleader.device.model.null_model import NullModel, record_logprobs
+from ringleader.device.model.sampling import LOGPROBS_WORDS
+from ringleader.device.model.step_layout import StepLayout
+from ringleader.ipc.sampling_params import MAX_LOGPROBS
+
+_NATIVE_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+static uint64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static int32_t clamp(int32_t x, int32_t lo, int32_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+struct NullStepArgs {  // NullStep._native_args: the layout's arrays, fixed for the engine's life
+  const int32_t* table; int32_t vocab; int32_t n_slots;
+  const int32_t* token_ids; const int32_t* n_tokens; const int32_t* n_samples;
+  const int32_t* sample_row; const int32_t* sample_slot;
+  const int32_t* top_n; int64_t top_n_stride;  // in int32 words
+  int32_t* next_token; int32_t* records; int32_t record_words; int32_t max_top;
+  float token_lp; float other_lp; uint64_t spin_ns;
+};
+
+// NullStep's step on the CPU (its torch form is the reference), then the busy time; ctypes
+// drops the GIL around the call, as a model step's torch ops do.
+extern "C" void rl_null_step(const NullStepArgs* a) {
+  const int32_t m = a->n_samples ? *a->n_samples : 0;  // none given: the busy time alone
+  const int32_t rows = a->n_tokens ? *a->n_tokens : 0;
+  for (int32_t i = 0; i < m && i < a->n_slots; ++i) {
+    const int32_t row = clamp(a->sample_row[i], 0, rows - 1);
+    const int32_t tok = a->table[clamp(a->token_ids[row], 0, a->vocab - 1)];
+    const int32_t slot = clamp(a->sample_slot[i], 0, a->n_slots - 1);
+    a->next_token[slot] = tok;
+    const int32_t asked = a->top_n[i * a->top_n_stride];
+    if (asked < 0) continue;
+    int32_t* rec = a->records + (int64_t)slot * a->record_words;
+    memcpy(&rec[0], &a->token_lp, 4);
+    rec[1] = asked < a->max_top ? asked : a->max_top;
+    for (int32_t j = 0; j < a->max_top; ++j) {
+      rec[2 + j] = j == 0 ? tok : (j - 1) + (j - 1 >= tok);
+      memcpy(&rec[2 + a->max_top + j], j == 0 ? &a->token_lp : &a->other_lp, 4);
+    }
+  }
+  if (a->spin_ns) {
+    const uint64_t end = now_ns() + a->spin_ns;
+    while (now_ns() < end) {
+    }
+  }
+}
+"""
+
+
+class _NullStepArgs(ctypes.Structure):
+    _fields_ = [
+        ("table", ctypes.c_void_p), ("vocab", ctypes.c_int32), ("n_slots", ctypes.c_int32),
+        ("token_ids", ctypes.c_void_p), ("n_tokens", ctypes.c_void_p), ("n_samples", ctypes.c_void_p),
+        ("sample_row", ctypes.c_void_p), ("sample_slot", ctypes.c_void_p),
+        ("top_n", ctypes.c_void_p), ("top_n_stride", ctypes.c_int64),
+        ("next_token", ctypes.c_void_p), ("records", ctypes.c_void_p),
+        ("record_words", ctypes.c_int32), ("max_top", ctypes.c_int32),
+        ("token_lp", ctypes.c_float), ("other_lp", ctypes.c_float), ("spin_ns", ctypes.c_uint64),
+    ]  # fmt: skip
+
+
+@functools.cache
+def _native_step() -> ctypes._CFuncPtr:
+    from ringleader.ipc.native import load_library
+
+    fn = load_library("rlnullstep", _NATIVE_SOURCE).rl_null_step
+    fn.argtypes, fn.restype = [ctypes.POINTER(_NullStepArgs)], None
+    return fn
+
+
+def null_records(tokens: torch.Tensor, top_n: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [N, LOGPROBS_WORDS]: the RlLogprobs record of each pattern token [N] under the null
+    logits (NULL_LOGIT at the token, 0 elsewhere): the token's logprob, n_top (top_n clamped to
+    [0, MAX_LOGPROBS]), and the ranking: the token, then ids 0, 1, ... without it."""
+    n, dev = tokens.shape[0], tokens.device
+    token_lp, other_lp = record_logprobs(vocab_size)
+    tok = tokens.to(torch.int64)[:, None]
+    j = torch.arange(MAX_LOGPROBS, device=dev, dtype=torch.int64)[None, :]
+    others = (j - 1) + (j - 1 >= tok).long()
+    ids = torch.where(j == 0, tok, others).to(torch.int32)
+    lps = torch.where(j == 0, token_lp, other_lp).to(torch.float32).expand(n, MAX_LOGPROBS)
+    head = torch.full((n, 1), token_lp, dtype=torch.float32, device=dev).view(torch.int32)
+    n_top = top_n.to(dev, torch.int32).clamp(0, MAX_LOGPROBS)[:, None]
+    return torch.cat([head, n_top, ids, lps.contiguous().view(torch.int32)], dim=1)
+
+
+class NullStep:
+    """The null model's step over `model` (its table on the layout's device) for `n_slots` slots.
+    kernel: "native" (the CPU's: C, one call), "torch" (the CPU reference) or "triton" (CUDA: one
+    launch); None: native on the CPU, triton on CUDA."""
+
+    def __init__(self, model: NullModel, n_slots: int, kernel: str | None = None) -> None:
+        self.model, self.n_slots = model, n_slots
+        self.table, self.vocab = model.table, model.options.vocab_size
+        self.step_ns = model.options.step_ns
+        on_cpu = model.device.type == "cpu"
+        kernel = kernel or ("native" if on_cpu else "triton")
+        allowed = ("native", "torch", "triton") if on_cpu else ("triton",)
+        if kernel not in allowed:
+            raise ValueError(
+                f"kernel on {model.device.type} must be one of {', '.join(allowed)}, got {kernel!r}"
+            )
+        self.kernel = kernel
+        self._native_args: _NullStepArgs | None = None
+        if kernel == "native":
+            _native_step()  # built now, not inside the first step
+
+    @torch.inference_mode()
+    def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
+        """Writes next_token (and the asked logprobs records) for the step's sample entries;
+        returns an empty tensor (there are no logits). On the CPU bucket is n_tokens; on CUDA
+        the entries are the first min(bucket, n_slots), live below n_samples."""
+        if self.kernel == "triton":
+            from ringleader.device.model.triton_null_step import null_step_triton
+
+            null_step_triton(self.table, self.n_slots, self.step_ns, bucket, layout)
+        elif self.kernel == "native":
+            _native_step()(ctypes.byref(self._bind(layout)))
+        else:
+            self._run_torch(bucket, layout)
+        return self.table[:0]
+
+    def _run_torch(self, bucket: int, layout: StepLayout) -> None:
+        """The reference, on CPU tensors: the entries' count read on the host, exact sizes."""
+        m = int(layout.n_samples.item())
+        if m:
+            rows = layout.sample_row[:m].long().clamp(0, bucket - 1)
+            tokens = self.table[layout.token_ids.index_select(0, rows).long().clamp(0, self.vocab - 1)]
+            slots = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
+            layout.next_token.index_copy_(0, slots, tokens)
+            top_n = layout.params["logprobs"][:m]
+            asked = top_n >= 0
+            if bool(asked.any()):
+                records = null_records(tokens[asked], top_n[asked], self.vocab)
+                layout.step_logprobs.index_copy_(0, slots[asked], records)
+        if self.step_ns:
+            _native_step()(ctypes.byref(_NullStepArgs(spin_ns=self.step_ns)))  # the busy time alone
+
+    def _bind(self, layout: StepLayout) -> _NullStepArgs:
+        """The C step's arguments: pointers into the layout, which on the CPU are the scheduler's
+        arrays themselves (made once: StepLayout.from_arrays), so they are bound once."""
+        args = self._native_args
+        if args is None or args.next_token != layout.next_token.data_ptr():
+            records, top_n = layout.step_logprobs, layout.params["logprobs"]
+            if records.stride() != (LOGPROBS_WORDS, 1) or layout.token_ids.stride() != (1,):
+                raise ValueError("the native null step needs the layout's dense arrays")
+            token_lp, other_lp = record_logprobs(self.vocab)
+            args = self._native_args = _NullStepArgs(
+                self.table.data_ptr(), self.vocab, self.n_slots,
+                layout.token_ids.data_ptr(), layout.n_tokens.data_ptr(), layout.n_samples.data_ptr(),
+                layout.sample_row.data_ptr(), layout.sample_slot.data_ptr(),
+                top_n.data_ptr(), top_n.stride(0),
+                layout.next_token.data_ptr(), records.data_ptr(), LOGPROBS_WORDS, MAX_LOGPROBS,
+                token_lp, other_lp, self.step_ns,
+            )  # fmt: skip
+            self._bound = layout  # keeps the arrays the pointers name alive
+        return args
+
+    def warmup(self, layout: StepLayout, buckets: Iterable[int]) -> None:
+        """One run per bucket with no sample entries (compiles the kernel), as StaticStep.warmup."""
+        layout.slot_of.fill_(-1)
+        layout.n_samples.zero_()
+        for b in buckets:
+            self.run(b, layout)
