@@ -11,6 +11,12 @@ processes, one run: a few warm-up requests, the server's stats, the measured req
 stats again. The `gateway` variant runs each point twice against one server: over ZeroMQ
 (`native`) and through its HTTP gateway (`gateway`), and reports the difference.
 
+`--model null` (no weights, no arithmetic: `serve --model null`) measures the runtime's own cost:
+by default `--compare clients` at concurrency 1 and 256 with 256 slots, every load point run
+through the C client, the bundled sync and async Python clients, the raw pyzmq generator and the
+HTTP gateway, and a table of what each costs (client_costs in the JSON). Its options go to the
+server with --server-arg (--null-step-us, --null-vocab, --null-pattern).
+
 `--shared-prefix-len N` puts one of `--prefix-groups G` shared prefixes before every prompt, and
 runs each server variant (default: device on CUDA, host on a CPU) twice, as two servers started
 one after the other: `<variant>/prefix-on` (serve --prefix-caching) and `<variant>/prefix-off`
@@ -29,8 +35,10 @@ from ringleader.bench import servers as S
 from ringleader.bench.options import (
     DEFAULT_COMPARE,
     DEFAULT_MAX_CTX,
+    DEFAULT_REQUESTS,
     ENGINE_DEFAULTS,
     SERVER_DEFAULTS,
+    apply_model_defaults,
     check_options,
     count_list,
     int_list,
@@ -86,11 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         type=name_list,
         default=None,
-        help=f"variants to run, of device, host, static, hf, gateway (default {DEFAULT_COMPARE}); a server "
+        help=f"variants to run, of device, host, static, hf, gateway, clients (default {DEFAULT_COMPARE}; "
+        "with --model null: clients); a server "
         "variant may add :WEIGHTS (host:quantized, host:fp32: serve --weights, side by side); hf = "
         "transformers' continuous batching (generate_batch's engine) in this process; gateway = one "
         "server with its OpenAI HTTP gateway (serve --http), each load point measured over ZeroMQ "
-        "(native) and over HTTP (gateway), with the gateway's overhead",
+        "(native) and over HTTP (gateway), with the gateway's overhead; clients = one such server, "
+        "each load point through the C client, the bundled sync and async Python clients, the raw "
+        "pyzmq generator and the HTTP gateway, side by side (closed loop)",
+    )
+    g.add_argument(
+        "--c-bench",
+        metavar="PATH",
+        help="with --compare clients: the C client's ringleader-c-bench (default: clients/c/build/ of "
+        "this checkout, built with make when missing)",
     )
     g.add_argument(
         "--model",
@@ -104,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CUDA launch mode of the device scheduler (the server's default: {ENGINE_DEFAULTS.launch}); "
         "the mode that ran is in each run's backend.launch",
     )
-    g.add_argument("--slots", type=int, help=f"server batch slots (server default {ENGINE_DEFAULTS.n_slots})")
+    g.add_argument(
+        "--slots",
+        type=int,
+        help=f"server batch slots (server default {ENGINE_DEFAULTS.n_slots}; with --model null 256)",
+    )
     g.add_argument(
         "--max-ctx",
         type=int,
@@ -133,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=int_list,
         help="closed loop: requests in flight, comma list sweeps "
-        "(default 1,16 when no --request-rate is given)",
+        "(default 1,16 when no --request-rate is given; 1,256 with --model null)",
     )
     g.add_argument(
         "--request-rate", type=rate_list, help="open loop: requests/s (inf: all at once), comma list sweeps"
@@ -147,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--requests",
         type=count_list,
-        default=48,
-        help="measured requests per run (default 48); a comma list gives one per load point, "
+        default=DEFAULT_REQUESTS,
+        help="measured requests per run (default 48; with --model null 256,2048 at its default loads); a comma list gives one per load point, "
         "in the order of --concurrency then --request-rate (e.g. --concurrency 1,8,32 --requests 8,24,64)",
     )
     g.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
@@ -220,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv or list(QUICK_ARGS)
     args = build_parser().parse_args(command)
+    apply_model_defaults(args)
     say = Console(args.quiet)
     try:
         problems = check_options(args)

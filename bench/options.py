@@ -9,6 +9,7 @@ from ringleader.bench import servers as S
 from ringleader.bench.load_plan import load_points
 from ringleader.bench.workloads import parse_rate
 from ringleader.device.engine_config import EngineConfig
+from ringleader.device.null_options import NULL_MODEL
 from ringleader.hostctl.serving.config import ServerConfig
 
 DEFAULT_COMPARE = "device,host,static"
@@ -53,6 +54,34 @@ def name_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# `ringleader bench --model null`: the runtime's own cost through every client, at 1 and 256
+# streams (each stream its own slot); each applies only when its option was not given
+NULL_MODEL_DEFAULTS = {"compare": ["clients"], "concurrency": [1, 256], "slots": 256}
+NULL_MODEL_REQUESTS = [256, 2048]  # at the default loads: 256 in a row, 8 rounds of 256
+
+
+class DefaultCount(int):
+    """--requests' default (an int argparse leaves untyped): apply_model_defaults tells it from
+    a count the user gave."""
+
+
+DEFAULT_REQUESTS = DefaultCount(48)
+
+
+def apply_model_defaults(args) -> None:
+    """Fills the options left unset (None) by the model's defaults: NULL_MODEL_DEFAULTS for
+    --model null, and --requests left at its default NULL_MODEL_REQUESTS at the null model's
+    default loads."""
+    null = args.model == NULL_MODEL
+    default_loads = args.concurrency is None and args.request_rate is None
+    if null:
+        for name, value in NULL_MODEL_DEFAULTS.items():
+            if getattr(args, name) is None and not (name == "concurrency" and not default_loads):
+                setattr(args, name, value)
+    if isinstance(args.requests, DefaultCount) and null and default_loads:
+        args.requests = list(NULL_MODEL_REQUESTS)
+
+
 def check_options(args) -> list[str]:
     """What is wrong with the parsed options, one message each; raises ValueError on an --http URL
     that is not http(s) or an unknown --compare variant."""
@@ -89,6 +118,10 @@ def check_options(args) -> list[str]:
         base_url(args.http)  # raises ValueError on a URL that is not http(s)
     if args.compare is not None:
         S.plan_variants(args.compare, "cuda")  # raises on unknown names
+        if "clients" in args.compare and args.request_rate:
+            out.append("--compare clients runs closed loop only: give --concurrency, not --request-rate")
+    if args.c_bench and "clients" not in (args.compare or []):
+        out.append("--c-bench goes with --compare clients")
     return out
 
 

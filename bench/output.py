@@ -9,6 +9,7 @@ from pathlib import Path
 from ringleader.bench.report import loadgen_warnings, run_label, write_json
 from ringleader.bench.report_markdown import markdown_summary
 from ringleader.bench.report_tables import (
+    format_client_costs,
     format_degradation,
     format_overhead,
     format_prefix_caching,
@@ -54,6 +55,9 @@ def say_results(say: Console, doc: dict) -> None:
     overhead = format_overhead(doc["gateway_overhead"])
     if overhead:
         say(overhead, always=True)
+    clients = format_client_costs(doc.get("client_costs") or [])
+    if clients:
+        say(clients, always=True)
     prefix = format_prefix_caching(doc.get("prefix_caching") or [])
     if prefix:
         say(prefix, always=True)

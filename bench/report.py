@@ -27,6 +27,7 @@ from pathlib import Path
 from ringleader.bench.loadgen import Load, RunResult
 from ringleader.bench.metrics import latency_samples, run_metrics
 from ringleader.bench.report_comparisons import (
+    client_costs,
     degradation,
     gateway_overhead,
     prefix_caching_comparison,
@@ -209,6 +210,7 @@ def build_document(
         "ratios_vs_hf": ratios_vs_hf(runs),
         "gateway_overhead": gateway_overhead(runs),
         "prefix_caching": prefix_caching_comparison(runs),
+        "client_costs": client_costs(runs),
     }
 
 

@@ -1,6 +1,6 @@
 """Comparisons between the runs of one benchmark document: each run under CPU interference
 against the same run without it, each ringleader run against transformers' (hf), the HTTP
-gateway against ZeroMQ on the same server, and prefix caching on against off."""
+gateway against ZeroMQ on the same server, prefix caching on against off, and each client's cost."""
 
 from __future__ import annotations
 
@@ -177,6 +177,58 @@ def prefix_caching_comparison(runs: list[dict]) -> list[dict]:
                     on["output_tokens_per_s"], b["output_tokens_per_s"]
                 ),
                 "request_throughput_ratio_on_off": _ratio(on["request_throughput"], b["request_throughput"]),
+            }
+        )
+    return out
+
+
+# the server's threads, in the order the table shows them (others are summed into "other")
+SERVER_THREADS = ("engine", "completions", "frontend")
+
+
+def _less(ms, us):
+    """A latency in ms less a step time in us, in us."""
+    return ms * 1e3 - us if ms is not None and us is not None else None
+
+
+def client_costs(runs: list[dict]) -> list[dict]:
+    """What each client costs, from the runs of `--compare clients` (one server, each load point
+    run through every client back to back): one row per run that has a `client`, in run order:
+    its latencies, those less the model's step (the null model's is its own few microseconds),
+    its own CPU and the server's (whole, per thread) per 1k tokens, the scheduler's phases."""
+    out = []
+    for r in runs:
+        if not r.get("client"):
+            continue
+        dev = r.get("device_stats") or {}
+        model_us = dev.get("model_step_us_p50")
+        threads = dict(r.get("thread_cpu_s_per_1k_tokens") or {})
+        named = {k: threads.pop(k, None) for k in SERVER_THREADS}
+        out.append(
+            {
+                "client": r["client"],
+                "concurrency": r.get("concurrency"),
+                "request_rate": r.get("request_rate"),
+                "cpu_interference": r.get("cpu_interference"),
+                "completed": r.get("completed"),
+                "failed": r.get("failed"),
+                "output_tokens_per_s": r.get("output_tokens_per_s"),
+                "ttft_ms": {p: r["ttft_ms"].get(p) for p in ("p50", "p99")},
+                "tpot_ms": {p: r["tpot_ms"].get(p) for p in ("p50", "p99")},
+                "itl_ms": {p: r["itl_ms"].get(p) for p in ("p50", "p99")},
+                "tokens_per_message": r.get("tokens_per_message"),
+                "model_step_us_p50": model_us,
+                "ttft_less_model_us_p50": _less(r["ttft_ms"].get("p50"), model_us),
+                "tpot_less_model_us_p50": _less(r["tpot_ms"].get("p50"), model_us),
+                "client_cpu_s_per_1k_tokens": _per_1k(r.get("loadgen_cpu_s"), r.get("output_tokens")),
+                "server_cpu_s_per_1k_tokens": r.get("cpu_s_per_1k_tokens"),
+                "server_thread_cpu_s_per_1k_tokens": {
+                    **named,
+                    "other": sum(v for v in threads.values() if v is not None) if threads else None,
+                },
+                "sched_critical_us_p50": dev.get("sched_critical_us_p50"),
+                "sched_overlapped_us_p50": dev.get("sched_overlapped_us_p50"),
+                "tokens_per_step": dev.get("tokens_per_step"),
             }
         )
     return out

@@ -8,10 +8,12 @@ from pathlib import Path
 from ringleader.bench.report import load_label
 from ringleader.bench.report_comparisons import RATIO_BASE
 from ringleader.bench.report_tables import (
+    CLIENT_HEAD,
     OVERHEAD_HEAD,
     PREFIX_HEAD,
     RATIO_HEAD,
     cell,
+    client_cells,
     overhead_cells,
     prefix_cells,
     ratio_cells,
@@ -97,6 +99,25 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
             "run-to-run spread (run the command twice to see it) are noise.",
             "",
             *_md_table(OVERHEAD_HEAD, [overhead_cells(d) for d in overhead]),
+        ]
+        out.append("")
+    clients = doc.get("client_costs") or []
+    if clients:
+        out += [
+            "## clients",
+            "",
+            "One server (with its HTTP gateway), each load point run through every client a user "
+            "links, back to back: `c` (clients/c, its ringleader-c-bench), `python-sync` (the "
+            "bundled `Client`, a thread per request in flight), `python-async` (`AsyncClient`, a "
+            "task per request), `pyzmq-raw` (bench/loadgen.py: pyzmq and msgpack, no client "
+            "library) and `http` (the OpenAI gateway, streaming `/v1/completions`). A chunk is "
+            "stamped when the client hands it to its user. `-model`: less the server's model step "
+            "p50 (the null model's is its own few microseconds). CPU per 1k output tokens: the "
+            "client's own (its process; on a CPU host it shares the cores with the server) and the "
+            "server's, whole and per thread (the gateway runs in the server's process: other). "
+            "Scheduler phases: the server's p50 over its last 4096 steps at the end of the run.",
+            "",
+            *_md_table(CLIENT_HEAD, [client_cells(d) for d in clients]),
         ]
         out.append("")
     prefix = doc.get("prefix_caching") or []

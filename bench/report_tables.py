@@ -1,10 +1,11 @@
 """A benchmark document's tables as the console shows them: every run, the degradation under CPU
-interference, the ratios to hf, the gateway's overhead and prefix caching on / off
+interference, the ratios to hf, the gateway's overhead, prefix caching on / off and each client's cost
 (bench/report_markdown.py reuses their rows and cells)."""
 
 from __future__ import annotations
 
 from ringleader.bench.report import load_label
+from ringleader.bench.report_comparisons import SERVER_THREADS
 
 
 def cell(x, fmt="{:.1f}") -> str:
@@ -225,3 +226,55 @@ PREFIX_TEXT = (
 
 def format_prefix_caching(rows: list[dict]) -> str:
     return titled_table(PREFIX_TEXT, PREFIX_HEAD, [prefix_cells(d) for d in rows], left=2)
+
+
+CLIENT_HEAD = [
+    "client",
+    "load",
+    "ok/fail",
+    "out tok/s",
+    "TTFT p50/p99 ms",
+    "TPOT p50/p99 ms",
+    "ITL p99 ms",
+    "tok/msg",
+    "model step p50 us",
+    "TTFT-model p50 us",
+    "TPOT-model p50 us",
+    "client CPU s/1k",
+    "server CPU s/1k",
+    "engine/completions/frontend/other s/1k",
+    "sched crit/overlap p50 us",
+]
+
+
+def client_cells(d: dict) -> list[str]:
+    busy = f" +{d['cpu_interference']}busy" if d.get("cpu_interference") else ""
+    t = d["server_thread_cpu_s_per_1k_tokens"]
+    return [
+        d["client"],
+        load_label(d) + busy,
+        f"{d['completed']}/{d['failed']}",
+        cell(d["output_tokens_per_s"], "{:.0f}"),
+        f"{cell(d['ttft_ms']['p50'], '{:.2f}')}/{cell(d['ttft_ms']['p99'], '{:.2f}')}",
+        f"{cell(d['tpot_ms']['p50'], '{:.3f}')}/{cell(d['tpot_ms']['p99'], '{:.3f}')}",
+        cell(d["itl_ms"]["p99"], "{:.3f}"),
+        cell(d["tokens_per_message"], "{:.1f}"),
+        cell(d["model_step_us_p50"]),
+        cell(d["ttft_less_model_us_p50"], "{:.0f}"),
+        cell(d["tpot_less_model_us_p50"], "{:.0f}"),
+        cell(d["client_cpu_s_per_1k_tokens"], "{:.3f}"),
+        cell(d["server_cpu_s_per_1k_tokens"], "{:.3f}"),
+        "/".join(cell(t.get(k), "{:.3f}") for k in (*SERVER_THREADS, "other")),
+        f"{cell(d['sched_critical_us_p50'])}/{cell(d['sched_overlapped_us_p50'])}",
+    ]
+
+
+CLIENT_TEXT = (
+    "each client against the same server, back to back at each load (a chunk stamped when the "
+    "client hands it over; tok/msg: token ids per token message); -model = less the server's "
+    "model step p50; CPU per 1k output tokens"
+)
+
+
+def format_client_costs(rows: list[dict]) -> str:
+    return titled_table(CLIENT_TEXT, CLIENT_HEAD, [client_cells(d) for d in rows], left=2)

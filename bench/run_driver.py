@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringleader.bench import servers as S
+from ringleader.bench.client_loadgens import ClientUnavailable
 from ringleader.bench.interference import CpuInterference
 from ringleader.bench.load_plan import LoadPlan, plan_loads
 from ringleader.bench.loadgen import SendOptions, measure
@@ -38,6 +39,20 @@ from ringleader.bench.workloads import (
     expected_prefix_hit_rate,
     prompt_id_range_for,
 )
+
+# --compare clients: (label, how) of its passes at each load point, and the measure of each client
+CLIENT_PASSES = (
+    ("c", "c"),
+    ("python-sync", "python-sync"),
+    ("python-async", "python-async"),
+    ("pyzmq-raw", "zmq"),
+    ("http", "http"),
+)
+CLIENT_MEASURES = {
+    "c": "measure_c",
+    "python-sync": "measure_python_sync",
+    "python-async": "measure_python_async",
+}
 
 
 @dataclass
@@ -220,7 +235,7 @@ def run_target(
         elif variant.kind == "hf":
             runner = _start_hf(args, name, device, load_plan.options, say)
         else:
-            gateway = variant.kind == "gateway"
+            gateway = variant.kind in ("gateway", "clients")
             serve_args = _server_options(args, device).args() + list(variant.server_args)
             server = S.ServerProcess(serve_args, http=gateway)
             address, http_url, http_model = _start_server(server, name, gateway, say, variant)
@@ -233,8 +248,12 @@ def run_target(
                 expected = None if prefix is None else prefix.expected(specs)
                 salt += 1
                 for label, how in passes:
-                    with CpuInterference(busy) as spinners:
-                        result = _measure_pass(args, how, endpoint, specs, load, load_plan)
+                    try:
+                        with CpuInterference(busy) as spinners:
+                            result = _measure_pass(args, how, endpoint, specs, load, load_plan)
+                    except ClientUnavailable as exc:  # one client cannot run here: the others do
+                        say(f"[{name}] skipping {label} at {load.label}: {exc}", always=True)
+                        continue
                     entry = _run_entry(
                         args, label, how, device, model, load, result, spinners.describe(), variant, expected
                     )
@@ -346,6 +365,8 @@ def _passes(name, variant, endpoint: Endpoint) -> list[tuple[str | None, str]]:
         return [(name, "hf")]
     if variant is not None and variant.kind == "gateway":
         return [("native", "zmq"), ("gateway", "http")]
+    if variant is not None and variant.kind == "clients":
+        return list(CLIENT_PASSES)
     if endpoint.http_url is not None:
         return [(name, "http")]
     return [(name if variant is not None else None, "zmq")]
@@ -356,6 +377,13 @@ def _measure_pass(args, how, endpoint: Endpoint, specs, load, load_plan: LoadPla
     warm, options = load_plan.warm, load_plan.options
     if how == "hf":
         return endpoint.runner.measure(specs, load, warm)
+    if how in CLIENT_MEASURES:
+        from ringleader.bench import client_loadgens as C
+
+        kw: dict = dict(warmup=warm, options=options, timeout_s=args.timeout)
+        if how == "c":
+            kw["binary"] = C.c_bench_binary(args.c_bench)
+        return getattr(C, CLIENT_MEASURES[how])(endpoint.address, specs, load, **kw)
     if how == "http":
         from ringleader.bench.http_loadgen import measure_http
 
@@ -408,6 +436,8 @@ def _run_entry(
     if how == "http":
         entry["transport"] = "http"
         entry["token_count"] = result.token_count
+    if variant is not None and variant.kind == "clients":
+        entry["client"] = label
     return entry
 
 

@@ -13,6 +13,10 @@ Variants (`--compare`):
           OpenAI-compatible gateway in the same process; every load point runs twice against
           it, back to back: `native` over ZeroMQ (bench/loadgen.py), then `gateway` over HTTP
           (bench/http_loadgen.py), and the report shows what the gateway adds.
+- clients: one such server, every load point run through each client a user links, back to
+          back: the C client (clients/c's ringleader-c-bench), the bundled sync Client and
+          AsyncClient, the raw pyzmq generator and the HTTP gateway (bench/client_loadgens.py);
+          closed loop only. With `--model null` it is the default: the runtime's own cost.
 
 With `--shared-prefix-len` every server variant runs as two arms (prefix_arms), one server each,
 started one after the other: `<name>/prefix-on` with `serve --prefix-caching` and
@@ -45,7 +49,7 @@ from ringleader.device.engine_config import (
 )
 from ringleader.hostctl.commands.serve_flags import serve_flags
 
-VARIANTS = ("device", "host", "static", "hf", "gateway")
+VARIANTS = ("device", "host", "static", "hf", "gateway", "clients")
 # a .gguf is dequantized while the server starts: SmolLM2-135M takes ~20 s on 2 CPU cores
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -142,6 +146,8 @@ def _plan_variant(name: str, device: str) -> tuple[Variant | None, list[str]]:
         return Variant("static", "server", ("--policy", "static")), []
     if name == "hf":
         return Variant("hf", "hf"), []
+    if name == "clients":  # a gateway server: the HTTP pass needs it, the others ignore it
+        return Variant("clients", "clients", ("--policy", "fifo")), []
     return Variant("gateway", "gateway", ("--policy", "fifo")), []
 
 

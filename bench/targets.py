@@ -93,6 +93,16 @@ def target_notes(args, plan: TargetPlan, id_range: tuple[int, int]) -> list[str]
             "CPU per 1k tokens; on a CPU host both share the cores with the server, so part of a "
             "difference can be the client's"
         )
+    if any(v is not None and v.kind == "clients" for _, v in targets):
+        notes.append(
+            "clients: one server with its HTTP gateway (serve --http); each load point runs through "
+            "every client back to back, in this order: c (clients/c's ringleader-c-bench, a "
+            "subprocess), python-sync (the bundled Client, a thread per request in flight), "
+            "python-async (AsyncClient, a task per request), pyzmq-raw (bench/loadgen.py) and http "
+            "(the gateway). Chunks are stamped as the client hands them over; each client's CPU is "
+            "its own process's over the run (the C tool's getrusage, this process's for the rest), "
+            "on the same cores as the server on a CPU host"
+        )
     if args.http:
         notes.append(
             f"http: {args.http}, streaming /v1/completions with the prompt as token ids, model "
