@@ -16,7 +16,7 @@ Variants (`--compare`):
 - clients: one such server, every load point run through each client a user links, back to
           back: the C client (clients/c's ringleader-c-bench), the bundled sync Client and
           AsyncClient, the raw pyzmq generator and the HTTP gateway (bench/client_loadgens.py);
-          closed loop only. With `--model null` it is the default: the runtime's own cost.
+          closed loop only, prefix caching off (the passes send the same prompts). With `--model null` it is the default: the runtime's own cost.
 
 With `--shared-prefix-len` every server variant runs as two arms (prefix_arms), one server each,
 started one after the other: `<name>/prefix-on` with `serve --prefix-caching` and
@@ -146,8 +146,9 @@ def _plan_variant(name: str, device: str) -> tuple[Variant | None, list[str]]:
         return Variant("static", "server", ("--policy", "static")), []
     if name == "hf":
         return Variant("hf", "hf"), []
-    if name == "clients":  # a gateway server: the HTTP pass needs it, the others ignore it
-        return Variant("clients", "clients", ("--policy", "fifo")), []
+    if name == "clients":  # a gateway server (the HTTP pass needs it); no prefix cache, so
+        # every pass does the same work on the same prompts, whichever ran before it
+        return Variant("clients", "clients", ("--policy", "fifo", "--no-prefix-caching")), []
     return Variant("gateway", "gateway", ("--policy", "fifo")), []
 
 

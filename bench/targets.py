@@ -99,9 +99,10 @@ def target_notes(args, plan: TargetPlan, id_range: tuple[int, int]) -> list[str]
             "every client back to back, in this order: c (clients/c's ringleader-c-bench, a "
             "subprocess), python-sync (the bundled Client, a thread per request in flight), "
             "python-async (AsyncClient, a task per request), pyzmq-raw (bench/loadgen.py) and http "
-            "(the gateway). Chunks are stamped as the client hands them over; each client's CPU is "
-            "its own process's over the run (the C tool's getrusage, this process's for the rest), "
-            "on the same cores as the server on a CPU host"
+            "(the gateway), with prefix caching off (the passes send the same prompts). Chunks are "
+            "stamped as the client hands them over; each client's CPU is its own process's over the "
+            "run (the C tool's getrusage, this process's for the rest), on the same cores as the "
+            "server on a CPU host"
         )
     if args.http:
         notes.append(
