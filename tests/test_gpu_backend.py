@@ -348,7 +348,8 @@ def test_gpu_null_model_in_every_mode(scheduler, launch):
     with _serve(model="null", scheduler=scheduler, launch=launch, null_step_us=50.0) as bg:
         with Client(bg.address, timeout=120) as c:
             streams = [
-                c.generate(prompt_ids=[1 + i, 10 + i], max_tokens=8 + i % 24, ignore_eos=True) for i in range(256)
+                c.generate(prompt_ids=[1 + i, 10 + i], max_tokens=8 + i % 24, ignore_eos=True)
+                for i in range(256)
             ]
             for s in streams:
                 list(s)
