@@ -82,16 +82,17 @@ def measure_c(
     timeout_s: float = 600.0,
     binary: Path | None = None,
 ) -> RunResult:
-    """One run of `ringleader-c-bench` (its warm-up first: the first len(warmup) requests of its
-    file, unmeasured); its records, and its own CPU (getrusage in the tool, libzmq's thread too)."""
+    """One run of `ringleader-c-bench`: its warm-up first (the tool sends the first len(warmup)
+    of `specs` unmeasured: it reads one file), then `specs`; their records, and its own CPU over
+    the measured run (getrusage in the tool, libzmq's thread too)."""
     concurrency, o = _closed(load), options or SendOptions()
     binary = binary or c_bench_binary()
     with tempfile.TemporaryDirectory(prefix="rl-c-bench-") as tmp:
         requests = Path(tmp) / "requests.txt"
-        lines = [f"{s.max_tokens} {' '.join(map(str, s.prompt_ids))}" for s in [*(warmup or []), *specs]]
+        lines = [f"{s.max_tokens} {' '.join(map(str, s.prompt_ids))}" for s in specs]
         requests.write_text("\n".join(lines) + "\n")
         cmd = [str(binary), "--address", address, "--requests-file", str(requests)]
-        cmd += ["--concurrency", str(concurrency), "--warmup", str(len(warmup or []))]
+        cmd += ["--concurrency", str(concurrency), "--warmup", str(min(len(warmup or []), len(specs)))]
         cmd += ["--temperature", repr(o.temperature), "--seed", str(o.seed), "--timeout-s", str(timeout_s)]
         if o.ignore_eos:
             cmd.append("--ignore-eos")
@@ -100,9 +101,8 @@ def measure_c(
     if not proc.stdout.strip():
         raise ClientUnavailable(f"{binary.name} exited with {proc.returncode}: {proc.stderr[-2000:]}")
     out = json.loads(proc.stdout)
-    measured = out["requests"][len(warmup or []) :] if len(out["requests"]) > len(specs) else out["requests"]
     records = []
-    for i, (spec, r) in enumerate(zip(specs, measured)):
+    for i, (spec, r) in enumerate(zip(specs, out["requests"], strict=True)):
         rec = RequestRecord(i, len(spec.prompt_ids), spec.max_tokens, send_t=r["send_t"])
         rec.chunk_t, rec.chunk_n = list(r["chunk_t"]), list(r["chunk_n"])
         rec.done_t, rec.finish_reason = r.get("done_t"), r.get("finish_reason")
