@@ -16,13 +16,20 @@ import traceback
 
 import torch
 
-from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
+from ringleader.device.backends.common import (
+    StepTimer,
+    describe_weights,
+    load_model,
+    model_info,
+    ring_config_for,
+    weight_fields,
+)
 from ringleader.device.backends.cpu_runtime import release_callers_openmp_team, return_freed_heap
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
-from ringleader.device.model import EagerStep, LlamaModel, StepLayout
+from ringleader.device.model import EagerStep, StepLayout
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.null_model import NullModel
 from ringleader.device.model.null_step import NullStep
@@ -45,11 +52,7 @@ class CpuBackend(Doorbells, Backend):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
-        self._model: LlamaModel | NullModel
-        if cfg.is_null_model:
-            self._model = NullModel(cfg.null_options(), "cpu")
-        else:
-            self._model = LlamaModel.from_spec(cfg.model, dtype, "cpu", cfg.seed, cfg.model_weights())
+        self._model = load_model(cfg, dtype, "cpu")
         assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
         self.kv_pool = plan_pool(
@@ -77,9 +80,7 @@ class CpuBackend(Doorbells, Backend):
             "scheduler": "host-thread",
             "launch": "none",
             "dtype": cfg.dtype,
-            "weights": "none" if isinstance(self._model, NullModel) else cfg.weights,
-            **self._model.weights_description(),
-            **(self._model.describe() if isinstance(self._model, NullModel) else {}),
+            **weight_fields(cfg, self._model),
             "n_slots": cfg.n_slots,
             "max_ctx": max_ctx,
             "token_budget": self._memory.config.token_budget,

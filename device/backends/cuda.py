@@ -29,7 +29,14 @@ import numpy as np
 import torch
 
 from ringleader.device.backends import cuda_driver as drv
-from ringleader.device.backends.common import StepTimer, describe_weights, model_info, ring_config_for
+from ringleader.device.backends.common import (
+    StepTimer,
+    describe_weights,
+    load_model,
+    model_info,
+    ring_config_for,
+    weight_fields,
+)
 from ringleader.device.backends.cq_poller import CqPoller
 from ringleader.device.backends.cuda_preflight import (
     MemoryPlan,
@@ -105,11 +112,7 @@ class CudaBackend(Doorbells, Backend):
         torch.cuda.init()
         if scheduler == "device":
             refuse_unsafe_environment(allocator_backend=torch.cuda.get_allocator_backend())
-        self._model: LlamaModel | NullModel
-        if cfg.is_null_model:
-            self._model = NullModel(cfg.null_options(), "cuda")
-        else:
-            self._model = LlamaModel.from_spec(cfg.model, dtype, "cuda", cfg.seed, cfg.model_weights())
+        self._model = load_model(cfg, dtype, "cuda")
         drv.check(drv.cu.cuInit(0), "cuInit")
         self._ctx = drv.current_context()  # torch's primary context, current after its first allocation
         self._memory_plan = self._plan_memory(cfg, dtype)
@@ -159,9 +162,7 @@ class CudaBackend(Doorbells, Backend):
             "launch": "host-loop",
             "launch_requested": launch,
             "dtype": cfg.dtype,
-            "weights": "none" if isinstance(self._model, NullModel) else cfg.weights,
-            **self._model.weights_description(),
-            **(self._model.describe() if isinstance(self._model, NullModel) else {}),
+            **weight_fields(cfg, self._model),
             "n_slots": n_slots,
             "max_ctx": max_ctx,
             "token_budget": ring_cfg.token_budget,
