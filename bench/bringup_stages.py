@@ -36,6 +36,7 @@ TESTS_STAGE_NODES = (
     "tests/test_gpu_backend.py::test_gpu_kernel_that_ends_on_its_own_becomes_engine_dead",
     "tests/test_gpu_backend.py::test_gpu_abort_and_shutdown_in_flight",
     "tests/test_gpu_backend.py::test_gpu_logprobs_and_choices_match_the_cpu_backend",
+    "tests/test_gpu_backend.py::test_gpu_null_model_in_every_mode",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )
 # Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this
