@@ -133,6 +133,7 @@ class NullStep:
             )
         self.kernel = kernel
         self._native_args: _NullStepArgs | None = None
+        self._bound: StepLayout | None = None  # the layout they point into (kept alive by this)
         if kernel == "native":
             _native_step()  # built now, not inside the first step
 
@@ -171,7 +172,7 @@ class NullStep:
         """The C step's arguments: pointers into the layout, which on the CPU are the scheduler's
         arrays themselves (made once: StepLayout.from_arrays), so they are bound once."""
         args = self._native_args
-        if args is None or args.next_token != layout.next_token.data_ptr():
+        if args is None or layout is not self._bound:  # per step: one identity check
             records, top_n = layout.step_logprobs, layout.params["logprobs"]
             if records.stride() != (LOGPROBS_WORDS, 1) or layout.token_ids.stride() != (1,):
                 raise ValueError("the native null step needs the layout's dense arrays")
@@ -184,7 +185,7 @@ class NullStep:
                 layout.next_token.data_ptr(), records.data_ptr(), LOGPROBS_WORDS, MAX_LOGPROBS,
                 token_lp, other_lp, self.step_ns,
             )  # fmt: skip
-            self._bound = layout  # keeps the arrays the pointers name alive
+            self._bound = layout
         return args
 
     def warmup(self, layout: StepLayout, buckets: Iterable[int]) -> None:
