@@ -37,6 +37,8 @@ TESTS_STAGE_NODES = (
     "tests/test_gpu_backend.py::test_gpu_abort_and_shutdown_in_flight",
     "tests/test_gpu_backend.py::test_gpu_logprobs_and_choices_match_the_cpu_backend",
     "tests/test_gpu_backend.py::test_gpu_null_model_in_every_mode",
+    "tests/test_triton_quant_matmul.py::test_compiled_kernel_on_the_gpu",
+    "tests/test_seeded_weights.py::test_the_same_preset_weights_on_the_gpu",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )
 # Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this
@@ -268,6 +270,8 @@ def list_stages(stages: list[Stage], as_json: bool) -> None:
         )
     for r, total in totals.items():
         n = sum(1 for s in stages if s.run == r)
-        print(f"run {r}: {n} stages, timeouts sum to {total:.0f} s (a run's limit: {RUN_LIMITS[r]:.0f} s)")
+        print(
+            f"run {r}: {n} stages, timeouts sum to {total:.0f} s (a run's limit: {RUN_LIMITS.get(r, RUN_LIMIT_S):.0f} s)"
+        )
     device = " ".join(f"{k}={v}" for k, v in DEVICE_ENV.items())
     print(f"every stage runs with {device} unless its line says otherwise")

@@ -133,6 +133,15 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
+def cache_blocks(cb, kv_tokens: int) -> int:
+    """Blocks of transformers' paged cache that hold kv_tokens: its tokens per block are
+    `page_size` in newer releases and `block_size` up to 5.17 (seen on the GPU image)."""
+    block_tokens = getattr(cb, "page_size", None) or getattr(cb, "block_size", None)
+    if not block_tokens:
+        raise ValueError(f"{type(cb).__name__} names no tokens per block (page_size or block_size)")
+    return -(-kv_tokens // block_tokens)
+
+
 class HfRunner:
     """Drives one ContinuousBatchingManager through runs shaped like the server runs."""
 
@@ -163,7 +172,7 @@ class HfRunner:
 
             cb = ContinuousBatchingConfig(max_requests_per_batch=slots, max_batch_tokens=token_budget)
             if kv_tokens:  # the cache's capacity in tokens (else sized from free memory)
-                cb.num_blocks = -(-kv_tokens // cb.page_size)
+                cb.num_blocks = cache_blocks(cb, kv_tokens)
         except (ImportError, TypeError):
             pass
         kwargs = {"generation_config": gen}

@@ -468,6 +468,22 @@ def test_hf_baseline_copies_the_preset_weights():
     assert logits_gap(hf, ours, list(range(3, 40))) < 1e-3
 
 
+def test_hf_cache_blocks_read_either_name_of_the_block_size():
+    """transformers 5.17 (the GPU image's) names the tokens per cache block `block_size`, newer
+    releases `page_size`: the H200 run of 2026-11-28 failed on the older name."""
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    from ringleader.bench.hf_baseline import cache_blocks
+
+    if hasattr(transformers, "ContinuousBatchingConfig"):  # the installed release, as it is
+        assert cache_blocks(transformers.ContinuousBatchingConfig(), 4096) >= 1
+    assert cache_blocks(SimpleNamespace(page_size=256), 1000) == 4
+    assert cache_blocks(SimpleNamespace(block_size=128, page_size=None), 1000) == 8
+    with pytest.raises(ValueError, match="page_size or block_size"):
+        cache_blocks(SimpleNamespace(), 1000)
+
+
 def test_hf_loads_a_gguf_file_with_transformers(monkeypatch):
     """A .gguf spec goes to from_pretrained(dir, gguf_file=name) in float32 on the CPU."""
     transformers = pytest.importorskip("transformers")

@@ -342,7 +342,8 @@ def test_gpu_null_model_in_every_mode(scheduler, launch):
     """--model null on CUDA: its step graph is one kernel node per bucket (device scheduler), its
     tokens follow the pattern in every mode with the CPU backend's logprobs records, 256 streams
     each end once, and --null-step-us holds each step at least that long on the device."""
-    from ringleader.device.model.null_model import record_logprobs
+    from ringleader.device.model.null_model import pattern_table, record_logprobs
+    from ringleader.device.text.tokenizer import ByteTokenizer
     from ringleader.ipc.client import Client
 
     with _serve(model="null", scheduler=scheduler, launch=launch, null_step_us=50.0) as bg:
@@ -355,9 +356,18 @@ def test_gpu_null_model_in_every_mode(scheduler, launch):
                 list(s)
             probe = c.complete(prompt_ids=[300], max_tokens=4, logprobs=3)
             stats = c.stats()
+    vocab = stats["model_info"]["vocab_size"]
+    follows = pattern_table("next", vocab, [ByteTokenizer.EOS]).tolist()  # t+1, skipping the EOS id
+    skips = 0
     for i, s in enumerate(streams):
-        assert s.done.ok and s.token_ids == [11 + i + k for k in range(8 + i % 24)], i
-    token_lp, _ = record_logprobs(stats["model_info"]["vocab_size"])
+        want, last = [], 10 + i
+        for _ in range(8 + i % 24):
+            last = follows[last]
+            want.append(last)
+        assert s.done.ok and s.token_ids == want, i
+        skips += want[-1] - want[0] >= len(want)  # this stream stepped over the EOS id
+    assert skips > 0
+    token_lp, _ = record_logprobs(vocab)
     assert probe.token_ids == [301, 302, 303, 304] and probe.logprobs[0].top_ids == [301, 0, 1]
     assert probe.logprobs[0].logprob == pytest.approx(token_lp, abs=1e-6)
     backend = stats["backend"]

@@ -186,14 +186,16 @@ def _tolerance(dtype: torch.dtype, ref: torch.Tensor) -> dict:
     return dict(rtol=rel, atol=rel * scale)
 
 
-def check_matmul(shape, n_digits, m, dtype, n_splits=None, strided=False):
+def check_matmul(shape, n_digits, m, dtype, n_splits=None, strided=False, device="cpu"):
     n, k, group = shape
     digits = random_digits(n, k, group, n_digits, seed=n * 7 + k + n_digits)
-    weight = TritonInt4Weight.from_digits(digits, group, "cpu")
+    weight = TritonInt4Weight.from_digits(digits, group, device)
     x = torch.randn(m, 2 * k if strided else k, generator=torch.Generator().manual_seed(m)).to(dtype)
     if strided:
         x = x[:, ::2]  # a column stride of 2
-    got = weight.matmul(x, n_splits=n_splits)
+    got = weight.matmul(x.to(device), n_splits=n_splits)
+    assert got.device.type == device
+    got = got.cpu()
     ref = reference_matmul(x, digits, group)
     assert got.dtype == dtype and got.shape == (m, n)
     what = f"N={n} K={k} G={group} digits={n_digits} M={m} {dtype} splits={n_splits}"
@@ -223,19 +225,30 @@ def run_interpreted_checks() -> None:
     _interpreter_dots_bf16()
     assert _interpreter_rounds_bf16_to_nearest(), "this triton's interpreter has no cast hook"
     t0 = time.perf_counter()
+    check_every_case("cpu")
+    print(f"quant matmul interpreted checks passed in {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA device and triton")
+def test_compiled_kernel_on_the_gpu():
+    """The same cases as the interpreted child, compiled and run on the GPU (its tensor-core dots
+    and real split-K partials) against the dense float32 reference on the CPU."""
+    check_every_case("cuda")
+
+
+def check_every_case(device: str) -> None:
     for shape in SHAPES:
         for n_digits in (1, 2):
             for m in (1, 3, 16, 33):
                 for dtype in (torch.float32, torch.bfloat16):
-                    check_matmul(shape, n_digits, m, dtype)
-    check_matmul(SHAPES[0], 2, 5, torch.float16)
-    check_matmul(SHAPES[0], 1, 2, torch.float32, strided=True)
+                    check_matmul(shape, n_digits, m, dtype, device=device)
+    check_matmul(SHAPES[0], 2, 5, torch.float16, device=device)
+    check_matmul(SHAPES[0], 1, 2, torch.float32, strided=True, device=device)
     # split-K: each split a run of K tiles (fp32 partials summed), as close as one launch; K of
     # 24 groups is 6 decode tiles in bf16 (2 per split at 3 splits) and 12 in fp32
     for n_splits in (2, 3, 6):
         for dtype in (torch.float32, torch.bfloat16):
-            whole = check_matmul(SPLIT_SHAPE, 2, 3, dtype, n_splits=1)
-            split = check_matmul(SPLIT_SHAPE, 2, 3, dtype, n_splits=n_splits)
+            whole = check_matmul(SPLIT_SHAPE, 2, 3, dtype, n_splits=1, device=device)
+            split = check_matmul(SPLIT_SHAPE, 2, 3, dtype, n_splits=n_splits, device=device)
             torch.testing.assert_close(split.float(), whole.float(), **_tolerance(dtype, whole))
             assert splits_launched(SPLIT_SHAPE, 3, dtype, n_splits) == n_splits
-    print(f"quant matmul interpreted checks passed in {time.perf_counter() - t0:.1f} s")

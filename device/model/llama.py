@@ -31,6 +31,7 @@ from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.ops import rope_tables
 from ringleader.device.model.presets import LOGIT_STD, PRESETS, preset_config
 from ringleader.device.model.quant_weights import GGUFMatrix, Weight
+from ringleader.device.model.seeded_weights import fill_uniform_
 from ringleader.device.model.step_batch import StepBatch
 from ringleader.device.model.weight_kernels import (
     KernelLinear,
@@ -188,10 +189,11 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def _init_random(self, seed: int) -> None:
         c = self.config
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        counter = 0  # the next free counter of the seeded stream (the same weights on every device)
 
         def fill(p: torch.Tensor, std: float) -> None:
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
+            nonlocal counter
+            counter = fill_uniform_(p, std, seed, counter)
 
         out_std = LOGIT_STD / math.sqrt(c.hidden_size)
         fill(self.embed.weight, out_std)
