@@ -102,3 +102,21 @@ def test_n_and_logprobs_together(tiny):
 def test_logprobs_is_judged_by_its_declaration(tiny):
     with pytest.raises(ValueError, match="logprobs"):
         tiny.generate(prompt_ids=[1, 2], logprobs=21)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_every_chunk_of_a_request_that_asked_carries_a_list(n):
+    """A stream that ends inside a UTF-8 sequence gets a last chunk of text with no token ids
+    (one per choice with n > 1): its logprobs are an empty list, not missing, so a client may
+    write `[e for chunk in stream for e in chunk.logprobs]`. The null model makes the ending
+    certain: after 193 come 194 (a lead byte, shown as U+FFFD) and 195 (a lead byte, held)."""
+    with running_server("null", n_slots=4) as bg, Client(bg.address, timeout=60) as client:
+        stream = client.generate(prompt_ids=[193], max_tokens=2, logprobs=1, n=n, ignore_eos=True)
+        chunks = list(stream)
+        assert stream.done.ok
+        tails = [c for c in chunks if not c.token_ids]
+        assert len(tails) == n and all(c.text == "\ufffd" and c.logprobs == [] for c in tails)
+        for index in range(n):  # the choices' chunks interleave
+            assert [e.top_ids[0] for c in chunks if c.index == index for e in c.logprobs] == [194, 195]
+        plain = list(client.generate(prompt_ids=[193], max_tokens=2, ignore_eos=True))
+        assert all(c.logprobs is None for c in plain)  # a request that did not ask gets none

@@ -207,7 +207,8 @@ class CompletionRouter:
             if not ended:
                 continue
             if tail and req.family is None:  # a choice's tail travels in its last chunk instead
-                frames.append((req.client, protocol.encode(protocol.token_msg(req.id, [], tail))))
+                msg = protocol.token_msg(req.id, [], tail, logprobs=protocol.no_logprobs(req.sampling))
+                frames.append((req.client, protocol.encode(msg)))
             frames += ended
         if n_tokens:
             self._metrics.routed(n_tokens, n_prompt, ttft, itl)

@@ -139,7 +139,10 @@ class Finisher:
             return [done_frame(req, reason, code, message, timing=timing)]
         if req.index == 0:
             family.open_gate()  # its prompt is as cached as it will be: the others go ahead
-        last = protocol.token_msg(req.id, [], tail or None, index=req.index, finish_reason=reason)
+        no_tokens = protocol.no_logprobs(req.sampling)
+        last = protocol.token_msg(
+            req.id, [], tail or None, index=req.index, logprobs=no_tokens, finish_reason=reason
+        )
         frames = [(req.client, protocol.encode(last))]
         if len(family.ends) == family.n:  # the table recorded every choice's end
             frames.append(family_done_frame(family))
