@@ -527,12 +527,6 @@ def token_msg(
     return msg
 
 
-def no_logprobs(sampling: Any) -> list[dict] | None:
-    """The logprobs of a token frame that carries no token ids (a text tail, a choice's last
-    chunk): an empty list for a request that asked, so every one of its frames has a list."""
-    return [] if getattr(sampling, "logprobs", None) is not None else None
-
-
 def done_msg(
     id: RequestId | None,  # None only for a bad request whose id could not be read
     finish_reason: str,

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ringleader.hostctl.serving.finisher import Finisher, Frame
+from ringleader.hostctl.serving.finisher import Finisher, Frame, no_logprobs
 from ringleader.hostctl.serving.inflight import RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
 from ringleader.ipc import layout, protocol
@@ -207,7 +207,7 @@ class CompletionRouter:
             if not ended:
                 continue
             if tail and req.family is None:  # a choice's tail travels in its last chunk instead
-                msg = protocol.token_msg(req.id, [], tail, logprobs=protocol.no_logprobs(req.sampling))
+                msg = protocol.token_msg(req.id, [], tail, logprobs=no_logprobs(req))
                 frames.append((req.client, protocol.encode(msg)))
             frames += ended
         if n_tokens:

@@ -99,6 +99,12 @@ def reject_frame(request_id: protocol.RequestId | None, code: str, message: str)
     )
 
 
+def no_logprobs(req: InFlight) -> list[dict] | None:
+    """The logprobs of a token frame that carries no token ids (a text tail, a choice's last
+    chunk): an empty list for a request that asked, so every one of its frames has a list."""
+    return [] if req.sampling.logprobs is not None else None
+
+
 class Finisher:
     """Ends accepted requests; used by both threads (the table and the metrics lock)."""
 
@@ -139,7 +145,7 @@ class Finisher:
             return [done_frame(req, reason, code, message, timing=timing)]
         if req.index == 0:
             family.open_gate()  # its prompt is as cached as it will be: the others go ahead
-        no_tokens = protocol.no_logprobs(req.sampling)
+        no_tokens = no_logprobs(req)
         last = protocol.token_msg(
             req.id, [], tail or None, index=req.index, logprobs=no_tokens, finish_reason=reason
         )
