@@ -20,7 +20,14 @@ import threading
 import time
 from pathlib import Path
 
-from ringleader.bench.loadgen import Load, RunResult, SendOptions, cpu_seconds_self, read_stats
+from ringleader.bench.loadgen import (
+    Load,
+    RunResult,
+    SendOptions,
+    cpu_seconds_self,
+    read_stats,
+    timeline_after_seq,
+)
 from ringleader.bench.metrics import RequestRecord
 from ringleader.bench.workloads import RequestSpec
 from ringleader.ipc.client import AsyncClient, Client
@@ -66,7 +73,8 @@ def _closed(load: Load) -> int:
 
 
 def _result(address: str, records, before, cpu_s, wall_s, warmup_failed) -> RunResult:
-    return RunResult(records, before, read_stats(address, 30.0), cpu_s, wall_s, {}, warmup_failed)
+    after = read_stats(address, 30.0, timeline_after_seq(before))
+    return RunResult(records, before, after, cpu_s, wall_s, {}, warmup_failed)
 
 
 # ---- the C client ----------------------------------------------------------------------------
@@ -223,7 +231,7 @@ def measure_python_async(
             cpu0, t0 = cpu_seconds_self(), time.perf_counter()
             records = await asyncio.wait_for(_async_run(client, specs, concurrency, options), timeout_s)
             wall, cpu = time.perf_counter() - t0, cpu_seconds_self() - cpu0
-            after = await client.stats()
+            after = await client.stats(timeline_after_seq=timeline_after_seq(before))
         return RunResult(records, before, after, cpu, wall, {}, sum(1 for r in warm if not r.ok))
 
     return asyncio.run(go())

@@ -54,6 +54,7 @@ from ringleader.bench.loadgen import (
     SendOptions,
     cpu_seconds_self,
     run_schedule,
+    timeline_after_seq,
 )
 from ringleader.bench.metrics import RequestRecord, summarize
 from ringleader.bench.workloads import RequestSpec
@@ -153,12 +154,12 @@ class HttpLoadGenerator:
 
         await asyncio.gather(*(one() for _ in range(min(k, self.connections))))
 
-    async def stats(self) -> dict:
+    async def stats(self, timeline_after_seq: int | None = None) -> dict:
         """The ringleader server's stats over ZeroMQ when stats_address is set, else {}."""
         if not self.stats_address:
             return {}
         async with LoadGenerator(self.stats_address) as gen:
-            return await gen.stats()
+            return await gen.stats(timeline_after_seq=timeline_after_seq)
 
     # ---- a measured run -------------------------------------------------------------------------
     async def measure(
@@ -182,7 +183,7 @@ class HttpLoadGenerator:
         records = await self.run(specs, load)
         wall = time.perf_counter() - t0
         cpu = cpu_seconds_self() - cpu0
-        after = await self.stats()
+        after = await self.stats(timeline_after_seq(before))
         lag = summarize(self._lags, scale=1e3) if load.concurrency is None else {}
         if self.chunks_with_ids:
             counted = TOKEN_IDS if not self.chunks_by_text else f"{TOKEN_IDS}+{TEXT_CHUNKS}"

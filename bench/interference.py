@@ -2,8 +2,9 @@
 
 Each one is a pure-Python spin loop in its own process (multiprocessing, spawn start method so
 it inherits none of this process's threads or sockets). They are started before a run and
-stopped after it; the CPU time they got is read back from the operating system, so a report
-can show that they really were busy.
+stopped after it; the CPU time they got is read back from the operating system (each one's CPU
+clock, in nanoseconds: hostctl.serving.metrics.pid_cpu_seconds), so a report can show that they
+really were busy.
 
     with CpuInterference(2) as busy:
         ...run...
@@ -16,6 +17,8 @@ import atexit
 import multiprocessing as mp
 import os
 import time
+
+from ringleader.hostctl.serving.metrics import pid_cpu_seconds
 
 _CHECK_EVERY = 200_000  # spin iterations between looks at the stop flag (~10 ms of CPU)
 
@@ -36,16 +39,6 @@ _live: set[CpuInterference] = set()
 def _stop_all() -> None:
     for busy in list(_live):
         busy.stop()
-
-
-def _proc_cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process from /proc (Linux); None elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class CpuInterference:
@@ -87,7 +80,7 @@ class CpuInterference:
         if not self._procs:
             return
         self.wall_s = time.perf_counter() - self._t0
-        cpu = [_proc_cpu_seconds(p.pid) for p in self._procs]
+        cpu = [pid_cpu_seconds(p.pid) for p in self._procs]
         self.cpu_s = sum(c for c in cpu if c is not None) if all(c is not None for c in cpu) else None
         self._stop.set()
         for p in self._procs:

@@ -4,7 +4,8 @@ It is deliberately thin so that it is never the bottleneck: request frames are e
 the clock starts, replies are decoded with plain msgpack on one receive loop that stamps each
 frame with time.perf_counter() as it is taken off the socket, and the closed loop sends the
 next request straight from the `done` handler (no task per request). Its own CPU time
-(getrusage of this process, all threads, so zmq's I/O thread too) is measured over the run.
+(time.process_time: this process, all threads, so zmq's I/O thread too, in nanoseconds) is
+measured over the run.
 
 Two ways to load the server:
 - closed loop: `concurrency` requests in flight at all times until all are sent;
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import resource
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,9 +69,9 @@ class SendOptions:
 
 
 def cpu_seconds_self() -> float:
-    """CPU time of this process (all threads, not child processes)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+    """CPU time of this process (all threads, not child processes): CLOCK_PROCESS_CPUTIME_ID,
+    what getrusage(RUSAGE_SELF) user + system adds up to, at nanosecond resolution."""
+    return time.process_time()
 
 
 async def run_schedule(
@@ -176,10 +176,10 @@ class LoadGenerator:
             self._ctx.term()
 
     # ---- control messages -----------------------------------------------------------------
-    async def _control(self, op: str, timeout: float) -> dict:
+    async def _control(self, op: str, timeout: float, **fields) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
-        self._send_frame(self._pack({"op": op}))
+        self._send_frame(self._pack({"op": op, **fields}))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -190,8 +190,11 @@ class LoadGenerator:
         await self._control("ping", timeout)
         return time.perf_counter() - t0
 
-    async def stats(self, timeout: float = 30.0) -> dict:
-        reply = await self._control("stats", timeout)
+    async def stats(self, timeout: float = 30.0, timeline_after_seq: int | None = None) -> dict:
+        """timeline_after_seq (protocol 1.6): the device timeline's figures over the steps after
+        it only (timeline_after_seq() of the reply read before a run); a 1.5 server ignores it."""
+        fields = {"timeline_after_seq": timeline_after_seq} if timeline_after_seq else {}
+        reply = await self._control("stats", timeout, **fields)
         reply.pop("op", None)
         return reply
 
@@ -210,7 +213,7 @@ class LoadGenerator:
         records = await self.run(specs, load)
         wall = time.perf_counter() - t0
         cpu = cpu_seconds_self() - cpu0
-        after = await self.stats()
+        after = await self.stats(timeline_after_seq=timeline_after_seq(before))
         lag = summarize(self._lags, scale=1e3) if load.concurrency is None else {}
         return RunResult(records, before, after, cpu, wall, lag, warmup_failed)
 
@@ -341,10 +344,19 @@ def measure(
     return asyncio.run(go())
 
 
-def read_stats(address: str, timeout: float = 10.0) -> dict:
+def timeline_after_seq(stats_before: dict) -> int | None:
+    """What the `stats` read after a run asks for as timeline_after_seq: the device's `steps`
+    counter read before it, so the device timeline's figures (bubble, step, scheduler phases)
+    cover exactly the run's steps (their seq, step + 1, is above it), not the load points
+    before; None where the reply has no such counter (an HTTP endpoint, hf)."""
+    steps = (stats_before.get("device") or {}).get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else None
+
+
+def read_stats(address: str, timeout: float = 10.0, timeline_after_seq: int | None = None) -> dict:
     async def go() -> dict:
         async with LoadGenerator(address) as gen:
-            return await gen.stats(timeout)
+            return await gen.stats(timeout, timeline_after_seq)
 
     return asyncio.run(go())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ringleader.bench.report import loadgen_warnings, run_label, write_json
+from ringleader.bench.report import loadgen_warnings, run_label, timeline_warnings, write_json
 from ringleader.bench.report_markdown import markdown_summary
 from ringleader.bench.report_tables import (
     format_client_costs,
@@ -45,7 +45,7 @@ def say_run(say: Console, entry: dict) -> None:
 
 def say_results(say: Console, doc: dict) -> None:
     """The final tables (even with --quiet): every run, the ratios, overhead, prefix caching on /
-    off and degradation there are, and the load generator's warnings."""
+    off and degradation there are, and the warnings (the load generator's, the device timeline's)."""
     runs = doc["runs"]
     say()
     say(format_table(runs), always=True)
@@ -64,7 +64,7 @@ def say_results(say: Console, doc: dict) -> None:
     deg = format_degradation(doc["degradation"])
     if deg:
         say(deg, always=True)
-    for w in loadgen_warnings(runs):
+    for w in loadgen_warnings(runs) + timeline_warnings(runs):
         say(w, always=True)
 
 

@@ -92,6 +92,10 @@ def make_run_entry(
         "bubble_us_p50": dev.get("bubble_us_p50"),
         "bubble_us_p99": dev.get("bubble_us_p99"),
         "step_us_p50": dev.get("step_us_p50"),
+        # the run's steps (the counter's delta) and how many of them the device timeline's
+        # figures above summarise: fewer when the trace ring no longer held the first ones
+        "device_steps": dev.get("steps"),
+        "timeline_steps": dev.get("timeline_steps"),
         "device_stats": dev,
         "loadgen_cpu_s": result.loadgen_cpu_s,
         "loadgen_cpu_frac": frac,
@@ -133,6 +137,19 @@ def loadgen_warnings(runs: list[dict]) -> list[str]:
         lag = (r.get("send_lag_ms") or {}).get("p99")
         if lag is not None and lag > 10.0:
             out.append(f"warning: {run_label(r)}: open-loop sends lagged their schedule (p99 {lag:.1f} ms)")
+    return out
+
+
+def timeline_warnings(runs: list[dict]) -> list[str]:
+    """Runs whose device-timeline figures (bubble, step) cover only part of their steps."""
+    out = []
+    for r in runs:
+        covered, steps = r.get("timeline_steps"), r.get("device_steps")
+        if covered is not None and steps and covered < steps:
+            out.append(
+                f"warning: {run_label(r)}: the device timeline held {covered} of the run's {steps} "
+                f"steps (the trace ring's length); its bubble and step figures are the last {covered}'s"
+            )
     return out
 
 

@@ -41,7 +41,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from ringleader.bench.loadgen import read_stats, wait_ready
+from ringleader.bench.loadgen import read_stats, timeline_after_seq, wait_ready
 from ringleader.device.engine_config import (
     WEIGHTS,
     EngineConfig,
@@ -363,8 +363,13 @@ DEVICE_TIMINGS = (
 def device_deltas(before: dict, after: dict) -> dict:
     """The backend's counters over the run, and its step timings as of the end of the run.
 
-    The timings are the backend's own percentiles over its recent steps (the CPU backend keeps
-    the last 4096), so for long runs they describe the end of the run. Absent keys stay absent.
+    The device timeline's figures (CUDA: bubble_*, step_us_*, device_sched_*, ...) cover the
+    run's own steps: `after` was read with timeline_after_seq = the `steps` counter of `before`
+    (loadgen.timeline_after_seq), recorded here with `timeline_steps`, the rows they summarise;
+    fewer than `steps` (the counter's delta) means the trace ring (trace_len rows) no longer held
+    the run's first steps, so the figures are its last timeline_steps steps'. The other timings
+    are the backend's own percentiles over its recent passes (the CPU backend keeps the last
+    4096), so for long runs they describe the end of the run. Absent keys stay absent.
     """
     db, da = before.get("device") or {}, after.get("device") or {}
     out: dict = {}
@@ -377,6 +382,9 @@ def device_deltas(before: dict, after: dict) -> dict:
     for key in DEVICE_TIMINGS:
         if da.get(key) is not None:
             out[key] = float(da[key])
+    if isinstance(da.get("timeline_steps"), int):
+        out["timeline_steps"] = da["timeline_steps"]
+        out["timeline_after_seq"] = timeline_after_seq(before)
     return out
 
 

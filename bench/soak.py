@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import random
-import resource
 import sys
 import time
 from collections import Counter
@@ -51,10 +50,10 @@ from ringleader.bench.workloads import (
     sample_lengths,
 )
 from ringleader.device.engine_config import DEVICES, EngineConfig
+from ringleader.hostctl.serving.metrics import pid_cpu_seconds
 from ringleader.ipc.client import AsyncClient
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_duration(text: str) -> float:
@@ -78,17 +77,13 @@ def proc_rss_mb(pid: int) -> float | None:
 
 
 def proc_cpu_s(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TCK
-    except (OSError, IndexError, ValueError):
-        return None
+    """CPU of the server process it started (its CPU clock, ns; /proc ticks as a fallback)."""
+    return pid_cpu_seconds(pid)
 
 
 def self_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+    """CPU of this process (the load generator), every thread, not its children."""
+    return time.process_time()
 
 
 def slope_per_1k(xs: list[float], ys: list[float]) -> float | None:

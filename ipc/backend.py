@@ -75,8 +75,11 @@ class Backend(abc.ABC):
         """None while healthy; otherwise why the engine is dead."""
 
     @abc.abstractmethod
-    def stats(self) -> dict:
-        """Device-side figures: counters, heartbeat age, step time and bubbles where measured."""
+    def stats(self, timeline_after_seq: int = 0) -> dict:
+        """Device-side figures: counters, heartbeat age, step time and bubbles where measured.
+        timeline_after_seq: a backend with a device timeline (CUDA's trace ring) summarises only
+        the steps whose seq (step + 1) is above it, so a reader that passes the `steps` counter
+        it read earlier gets the figures of the steps since; one without a timeline ignores it."""
 
     @abc.abstractmethod
     def stop(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from ringleader.ipc.chat_turns import CHAT_ROLES, ChatTurnsError, chat_turns  # noqa: F401 (CHAT_ROLES: P.CHAT_ROLES)
 from ringleader.ipc.sampling_params import (
     WIRE_FIELDS,
     SamplingError,
@@ -29,8 +30,8 @@ PROTOCOL_VERSION = 1
 # and refuses a generate field the server does not know rather than ignore it; 1.5 added logprobs
 # (each token frame's `logprobs`) and n (several choices: token frames carry `index`, a choice
 # ends with a token frame carrying its finish_reason, `done` sums the usage and lists the choices;
-# abort.index ends one choice)
-PROTOCOL_REVISION = 5
+# abort.index ends one choice); 1.6 added stats.timeline_after_seq
+PROTOCOL_REVISION = 6
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -115,7 +116,7 @@ class AbortRequest:
 
 @dataclass(slots=True)
 class StatsRequest:
-    pass
+    timeline_after_seq: int = 0  # 1.6: the device timeline summarises the steps after this one
 
 
 @dataclass(slots=True)
@@ -326,7 +327,10 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
             "one of prompt (str), prompt_ids (array of ints) or messages (array of maps) is required",
         )
     if messages is not None:
-        messages = _messages(messages, rid, limits)
+        try:
+            messages = chat_turns(messages, limits.max_messages, limits.max_prompt_chars)
+        except ChatTurnsError as err:
+            raise BadRequest(rid, err.field, err.reason) from None
     elif prompt is not None:
         if not isinstance(prompt, str):
             raise BadRequest(rid, "prompt", f"must be a str, got {type(prompt).__name__}")
@@ -344,48 +348,6 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     if timeout_ms is not None:
         timeout_ms = _int_field(timeout_ms, rid, "timeout_ms", 1, limits.max_timeout_ms)
     return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages)
-
-
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-
-
-def _messages(value: Any, rid: RequestId, limits: Limits) -> list[dict[str, str]]:
-    """Chat turns: a non-empty array of {role, content} maps (and an optional name); the model's
-    template, on the server, judges their order."""
-    if not isinstance(value, list) or not 1 <= len(value) <= limits.max_messages:
-        raise BadRequest(
-            rid, "messages", f"must be an array of 1..{limits.max_messages} maps, got {clipped_repr(value)}"
-        )
-    out: list[dict[str, str]] = []
-    chars = 0
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(rid, where, f"must be a map with role and content, got {clipped_repr(m)}")
-        unknown = sorted(str(k) for k in m if k not in ("role", "content", "name"))
-        if unknown:
-            raise BadRequest(rid, where, f"unknown field {unknown[0]!r} (allowed: role, content, name)")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            raise BadRequest(
-                rid, f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {clipped_repr(role)}"
-            )
-        if not isinstance(content, str):
-            raise BadRequest(rid, f"{where}.content", f"must be a str, got {clipped_repr(content)}")
-        turn = {"role": role, "content": content}
-        if "name" in m:
-            if not isinstance(m["name"], str) or not 1 <= len(m["name"]) <= 256:
-                raise BadRequest(
-                    rid, f"{where}.name", f"must be a str of 1..256 characters, got {clipped_repr(m['name'])}"
-                )
-            turn["name"] = m["name"]
-        chars += len(content)
-        out.append(turn)
-    if chars > limits.max_prompt_chars:
-        raise BadRequest(
-            rid, "messages", f"hold {chars} characters of content, limit is {limits.max_prompt_chars}"
-        )
-    return out
 
 
 def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
@@ -407,6 +369,14 @@ def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
             f"(the abort of id {clipped_repr(rid)} was not applied)"
         )
     return AbortRequest(rid, reason, index)
+
+
+def _timeline_after_seq(value: Any) -> int:
+    """stats.timeline_after_seq (1.6), nil counting as absent (0).  A stats has no id to answer,
+    so a bad value is a FrameError: the `error` op names the field, and nothing else changes."""
+    if value is not None and (not _is_int(value) or not 0 <= value <= INT64_MAX):
+        raise FrameError(f"stats: timeline_after_seq: must be an int in [0, 2^63), got {clipped_repr(value)}")
+    return value or 0
 
 
 def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
@@ -431,7 +401,7 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
     if op == OP_ABORT:
         return _decode_abort(obj, limits)
     if op == OP_STATS:
-        return StatsRequest()
+        return StatsRequest(_timeline_after_seq(obj.get("timeline_after_seq")))
     if op == OP_PING:
         return PingRequest()
     raise FrameError(f"unknown op {clipped_repr(op)}")
@@ -483,8 +453,12 @@ def abort_msg(id: RequestId, finish_reason: str = FINISH_ABORT, index: int | Non
     return msg
 
 
-def stats_request_msg() -> dict:
-    return {"op": OP_STATS}
+def stats_request_msg(timeline_after_seq: int | None = None) -> dict:
+    """timeline_after_seq (1.6): the device timeline's figures cover only the steps whose seq
+    (step + 1) is above it; None or 0 leaves the field out (the frame of every revision)."""
+    if not timeline_after_seq:
+        return {"op": OP_STATS}
+    return {"op": OP_STATS, "timeline_after_seq": timeline_after_seq}
 
 
 def ping_msg() -> dict:
@@ -498,7 +472,7 @@ def encode_request(req: Request) -> bytes:
     if isinstance(req, AbortRequest):
         return encode(abort_msg(req.id, req.finish_reason, req.index))
     if isinstance(req, StatsRequest):
-        return encode(stats_request_msg())
+        return encode(stats_request_msg(req.timeline_after_seq))
     if isinstance(req, PingRequest):
         return encode(ping_msg())
     raise TypeError(f"not a request: {type(req).__name__}")

@@ -269,7 +269,7 @@ def test_abort_mid_stream(cbin, server, reason):
 def test_stats_and_ping(cbin, server):
     events = run_c(cbin, "ringleader-c-check", "stats", "--address", server)
     stats, ping = events
-    assert stats["code"] == "ok" and stats["protocol"] == "1.5"
+    assert stats["code"] == "ok" and stats["protocol"] == "1.6"
     assert stats["vocab_size"] == 264 and stats["max_context"] == MAX_CTX
     assert ping["code"] == "ok" and 0 < ping["rtt"] < 5
 

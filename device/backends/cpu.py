@@ -114,7 +114,9 @@ class CpuBackend(Doorbells, Backend):
             return "engine thread exited"
         return self._failure
 
-    def stats(self) -> dict:
+    def stats(self, timeline_after_seq: int = 0) -> dict:
+        """timeline_after_seq: ignored, there is no device timeline (the step timings are the
+        last 4096 passes', StepTimer)."""
         out = self.rings.counters()
         out.update(self._timer.summary())
         out["heartbeat_age_s"] = max(0.0, (time.monotonic_ns() - out["heartbeat_ns"]) / 1e9)

@@ -247,7 +247,7 @@ class Server:
                 if request.index is None or request.index == req.index:
                     self._abort(req, finish_reason=request.finish_reason)
         elif isinstance(request, protocol.StatsRequest):
-            self._send(client, protocol.encode(protocol.stats_msg(self.stats())))
+            self._send(client, protocol.encode(protocol.stats_msg(self.stats(request.timeline_after_seq))))
         elif isinstance(request, protocol.PingRequest):
             self._send(client, protocol.encode(protocol.pong_msg()))
 
@@ -465,7 +465,8 @@ class Server:
         self._gone = {c for c in self._gone if self.table.count_of(c)}
 
     # ---- stats, the exporter's snapshot and shutdown -----------------------------------------
-    def stats(self) -> dict:
+    def stats(self, timeline_after_seq: int = 0) -> dict:
+        """timeline_after_seq: the backend's device timeline covers the steps after it (1.6)."""
         s = self.metrics.snapshot()
         s.update(
             in_flight=len(self.table),
@@ -479,7 +480,7 @@ class Server:
             engine_dead=self.router.dead_reason,  # None while the engine lives
             protocol=f"{protocol.PROTOCOL_VERSION}.{protocol.PROTOCOL_REVISION}",
             backend=dict(self.backend.description),
-            device=self.backend.stats(),
+            device=self.backend.stats(timeline_after_seq=timeline_after_seq),
         )
         s["device"].pop("threads", None)  # named in thread_cpu_s instead
         s["thread_cpu_s"] = self.thread_cpu_seconds()

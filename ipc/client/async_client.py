@@ -190,10 +190,11 @@ class AsyncClient(CoreView):
         await stream.wait()
         return stream
 
-    async def stats(self, timeout: float | None = None) -> dict:
+    async def stats(self, timeout: float | None = None, *, timeline_after_seq: int | None = None) -> dict:
+        """As Client.stats."""
         self._ensure_started()
         fut = asyncio.get_running_loop().create_future()
-        frame = self._core.add_stats_waiter(fut)
+        frame = self._core.add_stats_waiter(fut, timeline_after_seq)
         self._kick.set()
         await self._send_frame(frame)
         reply = await self._wait(fut, timeout, "stats")

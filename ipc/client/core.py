@@ -445,9 +445,14 @@ class ClientCore(Generic[S, W]):
         """Abort frames for every request in flight (on close)."""
         return [P.encode(P.abort_msg(rid)) for rid in self.streams]
 
-    def add_stats_waiter(self, waiter: W) -> bytes:
+    def add_stats_waiter(self, waiter: W, timeline_after_seq: int | None = None) -> bytes:
+        """timeline_after_seq (protocol 1.6) is judged here: the server's refusal, an `error` op,
+        would answer no waiter (a 1.5 server ignores the field)."""
+        n = timeline_after_seq
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= P.INT64_MAX):
+            raise ValueError(f"timeline_after_seq: must be an int in [0, 2^63), got {P.clipped_repr(n)}")
         self.stats_waiters.append(waiter)
-        return P.encode(P.stats_request_msg())
+        return P.encode(P.stats_request_msg(n))
 
     def add_ping_waiter(self, waiter: W, sent: float) -> bytes:
         self.ping_waiters.append((waiter, sent))

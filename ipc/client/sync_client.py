@@ -235,11 +235,13 @@ class Client(CoreView):
         stream.wait()
         return stream
 
-    def stats(self, timeout: float | None = None) -> dict:
+    def stats(self, timeout: float | None = None, *, timeline_after_seq: int | None = None) -> dict:
+        """The server's stats (docs/protocol.md); timeline_after_seq (1.6): its device timeline's
+        figures cover only the steps after that one (the `steps` counter read earlier)."""
         waiter = _Waiter()
         with self._lock:
             self._check_open()
-            self._outgoing.append(self._core.add_stats_waiter(waiter))
+            self._outgoing.append(self._core.add_stats_waiter(waiter, timeline_after_seq))
         self._wake()
         reply = self._wait(waiter, timeout, "stats")
         reply.pop("op", None)
