@@ -160,11 +160,41 @@ def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
     assert f["launch_running"] == ("host-loop" if scheduler == "host" else launch), f["description"]
     assert f["parity"], f"greedy tokens differ from the eager reference for prompts {f['mismatched_prompts']}"
     assert f["streams_one_done_each"] and f["streams_tokens_ok"], f
+    timed = ["bubble_us_p50", "bubble_us_p99", "step_us_p50"]  # host mode: its stamp kernels
     if scheduler == "device":
         assert f["exit_reason"] == "shutdown" and f["state"] == "exited", f
-        for k in ("bubble_us_p50", "bubble_us_p99", "step_us_p50", "device_sched_us_p50"):
-            assert f["device"][k] is not None and f["device"][k] >= 0, (k, f["device"])
+        timed.append("device_sched_us_p50")
+    else:  # the CPU's phases and the device's stamps are on two clocks: no mixed figure
+        assert f["device"]["handoff_us_p50"] is None and f["device"]["launch_us_p50"] is None, f
+    for k in timed:
+        assert f["device"][k] is not None and f["device"][k] >= 0, (k, f["device"])
     assert f["stop_s"] < 5.0, f
+
+
+@gpu
+@pytest.mark.parametrize("scheduler", ["device", "host"])
+def test_gpu_prefix_caching_serves_the_cpu_backends_tokens_and_hits(scheduler):
+    """Prefix caching on the device: requests sharing a 48-token prefix, one after another so the
+    later ones can reuse the first one's pages, get the greedy tokens of the CPU backend with
+    prefix caching off, and the device counts the shared pages as hits."""
+    from ringleader.ipc.client import Client
+    from tests.conftest import running_server
+
+    prefix = list(range(7, 55))
+    asks = [dict(prompt_ids=prefix + [60 + i, 61 + i], max_tokens=8, ignore_eos=True) for i in range(4)]
+
+    def answers(bg):
+        with Client(bg.address, timeout=120) as c:
+            return [c.complete(**a) for a in asks], c.stats()
+
+    with _serve(dtype="float32", scheduler=scheduler, prefix_caching=True) as bg:
+        (gpu_streams, stats) = answers(bg)
+    with running_server("tiny", dtype="float32", n_slots=8, max_ctx=1024, prefix_caching=False) as bg:
+        cpu_streams, _ = answers(bg)
+    for got, want in zip(gpu_streams, cpu_streams):
+        assert got.done.ok and got.choices[0].token_ids == want.choices[0].token_ids
+    hits = stats["device"]["prefix_cache_hits"]
+    assert hits >= 16 * (len(asks) - 1), stats["device"]  # at least a full page each after the first
 
 
 @gpu

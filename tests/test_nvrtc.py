@@ -14,7 +14,14 @@ from ringleader.device.sched.build import NVRTC_ENV, CpuScheduler, scheduler_sou
 from ringleader.ipc import layout
 from tests.conftest import fetched
 
-KERNEL_FUNCTIONS = {"rl_scheduler_persistent", "rl_step_wait", "rl_step_begin", "rl_step_signal"}
+KERNEL_FUNCTIONS = {
+    "rl_scheduler_persistent",
+    "rl_step_wait",
+    "rl_step_begin",
+    "rl_step_signal",
+    "rl_host_step_begin",
+    "rl_host_step_end",
+}
 
 
 @pytest.fixture(params=["installed", gpu_image_toolchain.NVRTC])

@@ -2,8 +2,8 @@
 or the CPU build on a host thread with the layout copied every step (`--scheduler host`, the
 baseline); the model step as CUDA graphs captured per token-count bucket before anything starts.
 
-UNVERIFIED until the bring-up (bench/gpu_bringup.py) has run on a GPU: written and compiled
-(NVRTC) on machines without one.
+Written and compiled (NVRTC) on machines without a GPU; every mode proven on an H100 and an
+H200 by the bring-up (bench/gpu_bringup.py, bench/results/).
 
 Construction does everything that can fail or synchronise: refuses settings that break a
 persistent kernel, sizes the KV page pool from free memory, captures, checks, instantiates and
@@ -47,13 +47,14 @@ from ringleader.device.backends.device_memory import DeviceMemory, PackedLayoutC
 from ringleader.device.backends.device_timeline import (
     TimelineFeed,
     TimelineReader,
+    host_mode_rows,
     timeline_summary,
     write_chrome_trace,
 )
 from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
-from ringleader.device.backends.launch_graph import LaunchGraph
+from ringleader.device.backends.launch_graph import HostStampedGraphs, LaunchGraph
 from ringleader.device.backends.step_graphs import StepGraphs
 from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reason
 from ringleader.device.model import LlamaModel
@@ -175,6 +176,8 @@ class CudaBackend(Doorbells, Backend):
         }
         if scheduler == "device":
             self._prepare_device_scheduler(launch)
+        else:
+            self._prepare_host_stamps()
         self._failure: str | None = None
         self._timer = StepTimer()
         self._timeline_feed = TimelineFeed()  # device scheduler: its step histograms, at scrape time
@@ -216,12 +219,24 @@ class CudaBackend(Doorbells, Backend):
         )
         return plan
 
-    def _prepare_device_scheduler(self, launch: str) -> None:
-        """Module, kernels, streams and the launch graph: everything but the launches."""
-        self._graphs.check_embeddable()  # raises naming the bucket and node type; no mode can embed it
+    def _load_scheduler_module(self) -> str:
+        """The scheduler module's kernels into self._fn; returns how the module loaded."""
         build = compile_kernel(device_arch(), threads=SCHED_THREADS)
         module, loaded_as = drv.load_module(build)
         self._fn = {name: drv.get_function(module, name) for name in KERNELS}
+        return loaded_as
+
+    def _prepare_host_stamps(self) -> None:
+        """Host mode: each bucket's graph between the two stamp kernels, so its GPU idle time
+        between steps is read from the device trace like device mode's (device_timeline.py)."""
+        self.description["module"] = self._load_scheduler_module()
+        self._stamped = HostStampedGraphs(self._graphs, self._fn, self._mem.context_bytes(), self._compute_cu)
+        self._timeline = TimelineReader(self._mem)
+
+    def _prepare_device_scheduler(self, launch: str) -> None:
+        """Module, kernels, streams and the launch graph: everything but the launches."""
+        self._graphs.check_embeddable()  # raises naming the bucket and node type; no mode can embed it
+        loaded_as = self._load_scheduler_module()
         self._sched_stream = drv.create_stream(highest_priority=True)
         self._graph_stream = drv.create_stream(highest_priority=False)
         self._sched_args = drv.KernelArgs(self._mem.context_bytes())
@@ -372,7 +387,7 @@ class CudaBackend(Doorbells, Backend):
                 # 2. layout up, step graph, next_token down: all queued, none waited for
                 if built:
                     io.upload(stream)
-                    self._graphs.replay(int(a["step"][0]["bucket"]))
+                    self._stamped.replay(int(a["step"][0]["bucket"]), stream)
                     io.download(stream)
                 t2 = time.perf_counter()
                 # 3. the overlapped phase on the CPU while the GPU computes
@@ -400,17 +415,24 @@ class CudaBackend(Doorbells, Backend):
 
     def device_timeline(self) -> np.ndarray:
         """[trace_len, RL_TRACE_FIELDS] stamps, copied on a stream of our own into pinned memory allocated
-        at start-up (no allocation, no device-wide synchronisation)."""
+        at start-up (no allocation, no device-wide synchronisation).  Host mode: the CPU
+        scheduler's rows (host clock) with each step's start and end from the device trace."""
         if self._scheduler_mode == "host":
-            return np.zeros((0, layout.TRACE_FIELDS), dtype=np.uint64)
+            return host_mode_rows(
+                self._host_mem.arrays["trace"].reshape(-1, layout.TRACE_FIELDS), self._timeline.read()
+            )
         return self._timeline.read()
 
-    def stats(self) -> dict:
+    def stats(self, timeline_after_seq: int = 0) -> dict:
         out = self.rings.counters()
         out.update(self._timer.summary())
-        out.update(timeline_summary(self.device_timeline()))
-        if self._scheduler_mode == "device":  # reads whose copy did not land within its bounded wait
-            out["timeline_stalled_reads"] = self._timeline.stalled_reads if self._timeline else 0
+        out.update(
+            timeline_summary(
+                self.device_timeline(), timeline_after_seq, one_clock=self._scheduler_mode == "device"
+            )
+        )
+        # reads whose copy did not land within its bounded wait
+        out["timeline_stalled_reads"] = self._timeline.stalled_reads if self._timeline else 0
         out["threads"] = {t.name: t.native_id for t in self._threads}
         return out
 
@@ -454,7 +476,7 @@ class CudaBackend(Doorbells, Backend):
             )
             log.error(self._failure)
             raise EngineDead(self._failure)
-        if self._trace_path:
+        if self._trace_path and self._scheduler_mode == "device":  # host mode's rows mix two clocks
             write_chrome_trace(self._trace_path, self.device_timeline())
         self._release()
 
@@ -481,9 +503,11 @@ class CudaBackend(Doorbells, Backend):
             ev.destroy()
         if getattr(self, "_launch_graph", None) is not None:
             self._launch_graph.destroy()
+        if getattr(self, "_stamped", None) is not None:
+            self._stamped.destroy()
         if getattr(self, "_timeline", None) is not None:
             self._timeline.close()  # before the buffer it copies from is freed
-        self._graphs = self._step = self._layout = self._kv = self._launch_graph = None
+        self._graphs = self._step = self._layout = self._kv = self._launch_graph = self._stamped = None
         self._model = None
         self._mem.release_device()
         gc.collect()

@@ -80,8 +80,27 @@ def complete_rows(trace: np.ndarray) -> np.ndarray:
     return rows[np.argsort(rows[:, layout.TraceField.SEQ])]
 
 
-def timeline_summary(trace: np.ndarray) -> dict:
-    """The device timeline's figures, in microseconds.
+def host_mode_rows(host_trace: np.ndarray, device_trace: np.ndarray) -> np.ndarray:
+    """Host-scheduled mode's timeline: the CPU scheduler's rows (its phases on the host's clock,
+    flags, seq) with each step's start and end from the device trace row of the same seq (the
+    stamp kernels around each replay, on the device's clock); a row whose device stamps are
+    missing or belong to another step keeps zeros there, so complete_rows leaves it out."""
+    f = layout.TraceField
+    rows = host_trace.astype(np.uint64, copy=True)
+    if len(device_trace) != len(rows):  # no device rows (the buffer is gone): no step stamps
+        rows[:, [f.STEP_BEGIN, f.STEP_END]] = 0
+        return rows
+    same_step = (device_trace[:, f.SEQ] == rows[:, f.SEQ]) & (rows[:, f.SEQ] != 0)
+    for field in (f.STEP_BEGIN, f.STEP_END):
+        rows[:, field] = np.where(same_step, device_trace[:, field], 0)
+    return rows
+
+
+def timeline_summary(trace: np.ndarray, after_seq: int = 0, one_clock: bool = True) -> dict:
+    """The device timeline's figures, in microseconds, over the rows whose SEQ (step + 1) is
+    above `after_seq`: a load point's own steps when it is the `steps` counter read before it.
+    one_clock=False (host mode's rows, host_mode_rows): the phases and the step are stamped on
+    two clocks, so only the bubble and the step (both device stamps) are given.
 
     Bubble: the GPU's idle time between two consecutive steps while work was ready, from the
     previous step's end (its signal kernel) to the next step's start (the first kernel of its
@@ -92,6 +111,7 @@ def timeline_summary(trace: np.ndarray) -> dict:
     kernel).  overlap_overruns counts steps whose overlapped phase ended after the step did,
     which delays the next critical phase."""
     rows = complete_rows(trace)
+    rows = rows[rows[:, layout.TraceField.SEQ] > after_seq]
     out: dict = {}
     if len(rows) == 0:
         return out
@@ -113,21 +133,23 @@ def timeline_summary(trace: np.ndarray) -> dict:
     bubble = (c[:, f.TraceField.STEP_BEGIN] - p[:, f.TraceField.STEP_END]) / 1e3
     handoff = (c[:, f.TraceField.SCHED_BEGIN] - p[:, f.TraceField.STEP_END]) / 1e3
     launch = (c[:, f.TraceField.STEP_BEGIN] - c[:, f.TraceField.SCHED_END]) / 1e3
-    for name, values in (
-        ("bubble_us", bubble),
-        ("step_us", step),
-        ("device_sched_us", sched),
-        ("device_overlap_us", overlap),
-        ("handoff_us", handoff),
-        ("launch_us", launch),
-    ):
+    figures = [("bubble_us", bubble), ("step_us", step)]
+    if one_clock:  # a difference across the host's and the device's clocks means nothing
+        figures += [
+            ("device_sched_us", sched),
+            ("device_overlap_us", overlap),
+            ("handoff_us", handoff),
+            ("launch_us", launch),
+        ]
+    for name, values in figures:
         out[name + "_p50"], out[name + "_p99"] = pct(values, 50), pct(values, 99)
     out.update(
         bubble_gaps=int(chained.sum()),
         idle_gaps=int((consecutive & ~chained).sum()),
-        overlap_overruns=overruns,
         timeline_steps=len(rows),
     )
+    if one_clock:
+        out["overlap_overruns"] = overruns
     return out
 
 

@@ -5,6 +5,8 @@ rl_step_signal }, launched once; the wait kernel ends the loop on exit.  rl_step
 the step's start inside the branch, so the bubble includes the SWITCH and the branch launch.
 pump: the same three nodes unrolled PUMP_STEPS_PER_LAUNCH times; a host thread keeps two
 launches queued.
+HostStampedGraphs, the host-scheduled baseline's: [rl_host_step_begin -> step graph ->
+rl_host_step_end] per bucket, one launch a step, so its bubble is stamped on the device as well.
 
 Both are instantiated and uploaded here, before the scheduler kernel starts: a first launch that
 still has upload or lazy-loading work to do could otherwise wait on a device that the
@@ -76,3 +78,32 @@ class LaunchGraph:
         """Only once no launch of it can still run."""
         drv.destroy_graph_exec(self.exec)
         drv.destroy_graph(self._graph)
+
+
+class HostStampedGraphs:
+    """Host-scheduled mode's step graphs, each between two one-thread stamp kernels that write
+    the step's device-clock start and end into the device trace (the same kernels and the same
+    launch count per step as a plain replay: the measurement adds two tiny nodes, as in device
+    mode)."""
+
+    def __init__(self, graphs: StepGraphs, functions: dict, ctx_arg: bytes, stream):
+        self._ctx_args = drv.KernelArgs(ctx_arg)  # kernel node parameters must outlive the graphs
+        self._graphs: dict[int, object] = {}
+        self._execs: dict[int, object] = {}
+        for bucket in graphs.buckets:
+            g = drv.create_graph()
+            begin = drv.add_kernel_node(g, [], functions["rl_host_step_begin"], self._ctx_args)
+            step = drv.add_child_graph_node(g, [begin], drv.cu.CUgraph(int(graphs.raw(bucket))))
+            drv.add_kernel_node(g, [step], functions["rl_host_step_end"], self._ctx_args)
+            self._graphs[bucket], self._execs[bucket] = g, drv.instantiate_graph(g)
+            drv.upload_graph(self._execs[bucket], stream)
+
+    def replay(self, bucket: int, stream) -> None:
+        drv.launch_graph(self._execs[bucket], stream)
+
+    def destroy(self) -> None:
+        """Only once no launch of them can still run."""
+        for bucket, exec_ in self._execs.items():
+            drv.destroy_graph_exec(exec_)
+            drv.destroy_graph(self._graphs[bucket])
+        self._execs.clear()

@@ -70,7 +70,7 @@ class CpuScheduler:
         lib.rl_sched_persistent.restype = None
         lib.rl_step_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
         lib.rl_step_wait.restype = ctypes.c_uint32
-        for name in ("rl_step_begin", "rl_step_signal"):
+        for name in ("rl_step_begin", "rl_step_signal", "rl_host_step_begin", "rl_host_step_end"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
             getattr(lib, name).restype = None
         if lib.rl_layout_fingerprint() != layout.fingerprint():
@@ -105,6 +105,10 @@ class CpuScheduler:
     def step_signal(self, context_address: int) -> None:
         self._lib.rl_step_signal(context_address)
 
+    def host_step_stamp(self, context_address: int, end: bool) -> None:
+        """The host-scheduled graph's stamp kernels (rl_host_step_begin/end), on the CPU."""
+        (self._lib.rl_host_step_end if end else self._lib.rl_host_step_begin)(context_address)
+
     def page_key(self, config_address: int, parent: int, tokens_address: int) -> int:
         """rl_page_key: the key of the page_size int32 tokens at tokens_address under the
         RlConfig at config_address, whose parent page's key is `parent`."""
@@ -125,7 +129,14 @@ def cpu_scheduler() -> CpuScheduler:
     return CpuScheduler()
 
 
-KERNELS = (KERNEL_NAME, "rl_step_wait", "rl_step_begin", "rl_step_signal")
+KERNELS = (
+    KERNEL_NAME,
+    "rl_step_wait",
+    "rl_step_begin",
+    "rl_step_signal",
+    "rl_host_step_begin",
+    "rl_host_step_end",
+)
 
 
 @dataclass

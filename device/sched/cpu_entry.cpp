@@ -59,6 +59,15 @@ void rl_step_signal(const RlContext* ctx) {
   rl_signal_step_done(*ctx);
 }
 
+// The host-scheduled graph's stamps (kernel.cu), to test the shared text on the CPU.
+void rl_host_step_begin(const RlContext* ctx) {
+  rl_stamp_host_step(*ctx, RL_TRACE_STEP_BEGIN);
+}
+
+void rl_host_step_end(const RlContext* ctx) {
+  rl_stamp_host_step(*ctx, RL_TRACE_STEP_END);
+}
+
 // This thread's host-shared accesses since its last reset: acquire loads, release stores,
 // system fences, plain loads, plain stores.
 void rl_host_access_counts(uint64_t* out) {

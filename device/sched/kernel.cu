@@ -38,3 +38,13 @@ extern "C" __global__ void rl_step_begin(RlContext ctx) {
 extern "C" __global__ void rl_step_signal(RlContext ctx) {
   rl_signal_step_done(ctx);
 }
+
+// Host-scheduled mode's graph per bucket: [rl_host_step_begin -> step graph -> rl_host_step_end]
+// (launch_graph.HostStampedGraphs), the step's device-clock start and end.
+extern "C" __global__ void rl_host_step_begin(RlContext ctx) {
+  rl_stamp_host_step(ctx, RL_TRACE_STEP_BEGIN);
+}
+
+extern "C" __global__ void rl_host_step_end(RlContext ctx) {
+  rl_stamp_host_step(ctx, RL_TRACE_STEP_END);
+}

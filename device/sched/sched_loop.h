@@ -120,6 +120,20 @@ RL_FN void rl_stamp_step(const RlContext& ctx, uint32_t field) {
   ctx.trace[(ctx.step->seq & (cfg.trace_len - 1)) * RL_TRACE_FIELDS + field] = rl_now_ns();
 }
 
+// Host-scheduled mode's stamps around each replayed step.  The CPU scheduler writes its row of
+// the host's trace on the host's clock; these write the device trace's row of the same step on
+// the device's, so both modes' bubbles are one definition on one clock (device_timeline.py).
+RL_FN void rl_stamp_host_step(const RlContext& ctx, uint32_t field) {
+  const RlConfig& cfg = *ctx.cfg;
+  uint32_t seq = ctx.step->seq;
+  uint64_t* t = ctx.trace + (seq & (cfg.trace_len - 1)) * RL_TRACE_FIELDS;
+  if (field == RL_TRACE_STEP_BEGIN) {  // a row an older step left: its end is not this step's
+    t[RL_TRACE_STEP_END] = 0;
+    t[RL_TRACE_SEQ] = (uint64_t)seq + 1;
+  }
+  t[field] = rl_now_ns();
+}
+
 // Hands the turn back once the step has written next_token.  It never ends the loop itself:
 // only the wait does, on the scheduler's EXIT, so a stop that lands mid-step cannot leave the
 // scheduler holding a built step that nobody will run.
