@@ -11,7 +11,12 @@ measures, side by side in one process:
 
 and reports floor = (weight bytes + KV bytes) / bandwidth and ratio = step time / floor.
 
+With --profile, after all the timing, each rows value's step is profiled (bench/step_profile.py):
+its kernels by name over --profile-steps graph replays, the GPU idle gaps between them, the
+captured graph's nodes by type; in the JSON under each step's "profile".
+
     python -m ringleader.bench.roofline --model llama-1b --dtype bfloat16 --rows 1,32 --ctx 512 --json PATH
+    python -m ringleader.bench.roofline --model llama-1b --rows 1,32 --ctx 512 --json PATH --profile
     ringleader bench --roofline --model llama-1b --device cuda --out DIR
 """
 
@@ -21,6 +26,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +35,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ringleader.bench import step_profile
 from ringleader.bench.report import save_json
 from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
@@ -99,33 +107,74 @@ def decode_layout(rows: int, ctx: int, vocab: int, pages_per_slot: int, device: 
     return layout
 
 
-def step_seconds(
-    model: LlamaModel, rows: int, ctx: int, attention: str, repeats: int
-) -> tuple[float, dict[str, float]]:
-    """Median seconds of one decode step of `rows` rows at context `ctx` (a CUDA graph replay
-    on CUDA), and the spread."""
+@dataclass
+class DecodeStep:
+    """One rows value's step, ready to run: `run` as it is timed (a graph replay on CUDA),
+    `eager` the same step launched op by op, `graph` the captured graph (None on the CPU)."""
+
+    run: Callable[[], object]
+    eager: Callable[[], object]
+    graph: torch.cuda.CUDAGraph | None
+
+
+def _new_graph(keep: bool) -> torch.cuda.CUDAGraph:
+    """keep: the cudaGraph_t stays readable (raw_cuda_graph) after capture; a torch without
+    keep_graph gives a plain graph, whose nodes are then not read."""
+    if keep:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:
+            pass
+    return torch.cuda.CUDAGraph()
+
+
+def decode_step(
+    model: LlamaModel, rows: int, ctx: int, attention: str, keep_graph: bool = False
+) -> DecodeStep:
+    """The static step of `rows` decode rows at context `ctx`, captured as a CUDA graph on CUDA."""
     device = model.device
     max_ctx = max(ctx, PAGE_SIZE)
     pages_per_slot = -(-max_ctx // PAGE_SIZE)
     kv = StaticStep.new_kv_cache(model, rows * pages_per_slot, PAGE_SIZE)
     step = StaticStep(model, kv, rows, max_ctx, token_budget=rows, attention=attention)
     layout = decode_layout(rows, ctx, model.config.vocab_size, pages_per_slot, device)
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            step.run(rows, layout)  # compiles the kernels, initialises cuBLAS
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                step.run(rows, layout)
-        fn = graph.replay
-    else:
 
-        def fn() -> None:
+    def eager() -> None:
+        step.run(rows, layout)
+
+    if device.type != "cuda":
+        return DecodeStep(eager, eager, None)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        step.run(rows, layout)  # compiles the kernels, initialises cuBLAS
+        stream.synchronize()
+        graph = _new_graph(keep_graph)
+        with torch.cuda.graph(graph, stream=stream):
             step.run(rows, layout)
+    if keep_graph and hasattr(graph, "instantiate"):
+        graph.instantiate()  # a kept graph is otherwise instantiated by its first replay
+    return DecodeStep(graph.replay, eager, graph)
 
+
+def step_seconds(
+    model: LlamaModel, rows: int, ctx: int, attention: str, repeats: int
+) -> tuple[float, dict[str, float]]:
+    """Median seconds of one decode step of `rows` rows at context `ctx` (a CUDA graph replay
+    on CUDA), and the spread."""
+    return _step_time(decode_step(model, rows, ctx, attention).run, model.device, repeats)
+
+
+def _step_time(fn, device: torch.device, repeats: int) -> tuple[float, dict[str, float]]:
     times = _timed(fn, device, repeats)
     return statistics.median(times), {"min_s": min(times), "max_s": max(times)}
+
+
+def profile_step(step: DecodeStep, device: torch.device, n_steps: int) -> dict:
+    """The step's per-kernel profile (bench/step_profile.py): graph replays on CUDA, the eager
+    step's ops on the CPU."""
+    if device.type == "cuda":
+        return step_profile.profile_cuda_step(step.run, step.eager, step.graph, n_steps)
+    return step_profile.profile_cpu_step(step.eager, n_steps)
 
 
 def measure(
@@ -137,6 +186,8 @@ def measure(
     attention: str = "triton",
     repeats: int = 50,
     copy_bytes: int = 1 << 30,
+    profile: bool = False,
+    profile_steps: int = 20,
 ) -> dict:
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
@@ -154,11 +205,11 @@ def measure(
         "weight_bytes": weights,
         "steps": steps,
     }
+    kept: list[tuple[dict, DecodeStep]] = []
     for rows in rows_list:
         kv = kv_bytes_per_step(model, rows, ctx, torch_dtype)
-        seconds, spread = step_seconds(
-            model, rows, ctx, attention if dev.type == "cuda" else "torch", repeats
-        )
+        step = decode_step(model, rows, ctx, attention if dev.type == "cuda" else "torch", keep_graph=profile)
+        seconds, spread = _step_time(step.run, dev, repeats)
         floor = (weights + kv) / bandwidth
         steps.append(
             {
@@ -172,6 +223,12 @@ def measure(
                 "step_max_us": round(spread["max_s"] * 1e6, 1),
             }
         )
+        if profile:
+            kept.append((steps[-1], step))
+        del step
+    # after all timing and capture: no profiler overhead in the timed figures, no session before a capture
+    for entry, step in kept:
+        entry["profile"] = profile_step(step, dev, profile_steps)
     return out
 
 
@@ -185,6 +242,9 @@ def format_table(r: dict) -> str:
         lines.append(
             f"{s['rows']:5d} {s['step_us']:9.1f} {s['floor_us']:9.1f} {s['ratio']:6.2f} {s['achieved_GBps']:8.1f}"
         )
+    for s in r["steps"]:
+        if "profile" in s:
+            lines += ["", step_profile.format_profile(s["rows"], s["profile"])]
     return "\n".join(lines)
 
 
@@ -199,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth copy")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timing, each step's kernels by name (torch.profiler)",
+    )
+    ap.add_argument("--profile-steps", type=int, default=20, help="steps (graph replays) the profile records")
     return ap
 
 
@@ -213,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         args.attention,
         args.repeats,
         args.copy_mib << 20,
+        profile=args.profile,
+        profile_steps=args.profile_steps,
     )
     print(format_table(result))
     if args.json:
