@@ -1,5 +1,5 @@
 """The bring-up's stages: each run's stages in their order (A and B: the first GPU run; C and D:
-the second pass), what each runs, its timeout and what it needs; a JSON stage table in their place
+the second pass; E and F: every goal in one 15-minute window), what each runs, its timeout and what it needs; a JSON stage table in their place
 (tests, custom runs); the selection of one run's stages, and the table `--list` prints."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ REPO = Path(__file__).resolve().parents[1]  # every stage runs here, with it on 
 # No lazy module loading beside a spinning kernel on a first run, and 32 hardware queues so no
 # stream lands behind the never-ending persistent-kernel launch.
 DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
-RUNS = ("A", "B", "C", "D")
+RUNS = ("A", "B", "C", "D", "E", "F")
 RUN_LIMIT_S = 540.0  # each run's stage timeouts sum to at most this (a device call: 600 s)
 # The second pass (C, D) fits a session's 15 minutes of device time: two calls back to back on one
 # warm machine, the SmolLM2 GGUF carried half in each (bench/gpu_model_pieces.py).
-RUN_LIMITS = {"A": RUN_LIMIT_S, "B": RUN_LIMIT_S, "C": 330.0, "D": 330.0}
+# E and F likewise: the goals measured in one window, nothing carried between them but the wheels.
+RUN_LIMITS = {"A": RUN_LIMIT_S, "B": RUN_LIMIT_S, "C": 330.0, "D": 330.0, "E": 330.0, "F": 330.0}
 CARRY_STASH = "/tmp/ringleader-carry"  # outside the working tree: kept from call C to call D
 CARRY_MODELS = "/tmp/ringleader-models"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,6 +40,7 @@ TESTS_STAGE_NODES = (
     "tests/test_gpu_backend.py::test_gpu_null_model_in_every_mode",
     "tests/test_triton_quant_matmul.py::test_compiled_kernel_on_the_gpu",
     "tests/test_seeded_weights.py::test_the_same_preset_weights_on_the_gpu",
+    "tests/test_gpu_backend.py::test_gpu_prefix_caching_serves_the_cpu_backends_tokens_and_hits",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )
 # Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this
@@ -79,11 +81,20 @@ class StageResult:
     timeout_s: float | None = None  # the timeout it was given (the budget may cut it)
 
 
-def tests_stage_argv() -> list[str]:
+# Run E's tests: every GPU test in one process (the stages' own checks of runs A/B included), so
+# one window proves the device path and everything that landed since; the cudaFree test last.
+ALL_GPU_TESTS_NODES = (
+    "tests/test_gpu_graphs.py::test_the_scheduler_module_loads_with_every_kernel",
+    *(n for n in COVERED_BY_STAGE if "test_gpu_mode_parity_timeline_and_stop" in n),
+    *TESTS_STAGE_NODES,
+)
+
+
+def tests_stage_argv(nodes=TESTS_STAGE_NODES) -> list[str]:
     argv = ["{py}", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--junitxml", "{dir}/junit.xml"]
     if importlib.util.find_spec("pytest_timeout") is not None:  # on the GPU image; maybe not here
         argv += ["--timeout", "45", "--timeout-method", "thread"]  # a stuck CUDA call ends the process
-    return argv + list(TESTS_STAGE_NODES)
+    return argv + list(nodes)
 
 
 def builtin_stages() -> list[Stage]:
@@ -208,6 +219,73 @@ def builtin_stages() -> list[Stage]:
             ],
             65,
             run="D",
+        ),
+        # ---- run E (every goal, call 1): the GPU tests, the goals bench device then host at 1,
+        # 32 and 256 streams (per-run timelines, both modes' bubbles), the step's kernels ----------
+        stage(
+            "doctor",
+            ["{py}", "-m", "ringleader.hostctl.cli", "doctor", "--json", "{dir}/doctor.json"],
+            20,
+            run="E",
+        ),
+        stage("tests-all", tests_stage_argv(ALL_GPU_TESTS_NODES), 140, run="E"),
+        measured(
+            "goals-e",
+            "--compare device,host --concurrency 1,32,256 --slots 256 --requests 16,128,512",
+            100,
+            run="E",
+        ),
+        stage(
+            "roofline-profile",
+            [
+                "{py}",
+                "-m",
+                "ringleader.bench.roofline",
+                "--model",
+                "llama-1b",
+                "--rows",
+                "1,32",
+                "--ctx",
+                "512",
+            ]
+            + ["--profile", "--json", "{dir}/result.json"],
+            70,
+            run="E",
+        ),
+        # ---- run F (call 2, the same warm machine): the null model's bubbles in both modes, CPU
+        # interference in both, open loop at 256 slots, prefix caching on the device, the goals
+        # bench again in the other order (the spread between E and F is part of the result) ----
+        stage(
+            "null-both",
+            bench[:-1]
+            + ["null", "--compare", "device,host", "--concurrency", "1,256", "--slots", "256"]
+            + ["--requests", "64,1024", "--output-len", "128", "--no-plots", *budget, "--out", "{dir}"],
+            50,
+            run="F",
+        ),
+        measured(
+            "interference-both",
+            "--compare device,host --concurrency 32 --requests 128 --cpu-interference 16",
+            70,
+            run="F",
+        ),
+        measured(
+            "open-loop-256",
+            "--compare device,host --request-rate 200,800 --slots 256 --requests 256,512",
+            70,
+            run="F",
+        ),
+        measured(
+            "prefix-device",
+            "--compare device --concurrency 32 --requests 128 --shared-prefix-len 384 --prefix-groups 4",
+            60,
+            run="F",
+        ),
+        measured(
+            "goals-f",
+            "--compare host,device --concurrency 1,32,256 --slots 256 --requests 16,128,512",
+            80,
+            run="F",
         ),
     ]
 

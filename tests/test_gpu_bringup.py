@@ -22,6 +22,7 @@ import tomllib
 
 from ringleader.bench.bringup_machine import versions_line
 from ringleader.bench.bringup_stages import (
+    ALL_GPU_TESTS_NODES,
     CARRY_MODELS,
     CARRY_STASH,
     COVERED_BY_STAGE,
@@ -46,7 +47,9 @@ RUN_A = [
 RUN_B = ["backend-host", "perf", "backend-pump", "tests", "gpu-limits"]
 RUN_C = ["model-stash", "parity", "compare-256", "interference"]
 RUN_D = ["model-join", "parity-smollm2", "compare-hf", "sweep", "gpu-limits-rest"]
-ALL_RUNS = {"A": RUN_A, "B": RUN_B, "C": RUN_C, "D": RUN_D}
+RUN_E = ["doctor", "tests-all", "goals-e", "roofline-profile"]
+RUN_F = ["null-both", "interference-both", "open-loop-256", "prefix-device", "goals-f"]
+ALL_RUNS = {"A": RUN_A, "B": RUN_B, "C": RUN_C, "D": RUN_D, "E": RUN_E, "F": RUN_F}
 DEVICE_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 THREE = ["artifacts.tar.gz", "bringup.json", "bringup.log"]
 
@@ -425,6 +428,7 @@ def test_the_builtin_table_as_json():
     assert sums == RUN_LIMITS, sums  # each run uses its call to the full
     # the second pass in one session's 15 device minutes: two calls, a start, the transfers
     assert sums["C"] + sums["D"] + 2 * 30 + 90 <= 15 * 60
+    assert sums["E"] + sums["F"] + 2 * 30 + 90 <= 15 * 60
     assert all(row["env"] == DEVICE_ENV for row in rows)
     seen = set()
     for row in rows:  # needs name a stage that comes earlier (in its run, or in run A)
@@ -509,6 +513,9 @@ def test_every_gpu_only_test_runs_in_some_stage(tmp_path):
     assert not set(TESTS_STAGE_NODES) & set(COVERED_BY_STAGE)
     stage_names = {s.name for s in builtin_stages()}
     assert set(COVERED_BY_STAGE.values()) <= stage_names
+    every = list(ALL_GPU_TESTS_NODES)  # run E's one pytest process: the three modes' parity too
+    assert set(TESTS_STAGE_NODES) <= set(every) and every[-1] == TESTS_STAGE_NODES[-1]
+    assert all(listed(n, every) for n in gpu_only if "parity_timeline_and_stop" in n)
 
 
 def test_list_and_no_gpu(tmp_path):
