@@ -104,6 +104,19 @@ def builtin_stages() -> list[Stage]:
     lengths = ["--input-len", "128", "--output-len", "128", "--ignore-eos", "--no-plots"]
     pieces = ["{py}", "-m", "ringleader.bench.gpu_model_pieces"]
     parity = ["{py}", "-m", "ringleader.bench.parity", "--device", "cuda", "--json", "{dir}/parity.json"]
+    # llama-1b bf16 decode steps (1 and 32 rows) against the memory roofline
+    roofline = [
+        "{py}",
+        "-m",
+        "ringleader.bench.roofline",
+        "--model",
+        "llama-1b",
+        "--rows",
+        "1,32",
+        "--ctx",
+        "512",
+    ]
+    roofline += ["--json", "{dir}/result.json"]
 
     def bubble(c: int, n: int) -> Stage:  # resident mode at c streams, with its raw device timeline
         argv = bench + ["--compare", "device", "--launch", "resident", "--concurrency", str(c)]
@@ -128,18 +141,7 @@ def builtin_stages() -> list[Stage]:
         # llama-1b bf16 decode steps (1 and 32 rows) against the memory roofline
         stage(
             "roofline",
-            [
-                "{py}",
-                "-m",
-                "ringleader.bench.roofline",
-                "--model",
-                "llama-1b",
-                "--rows",
-                "1,32",
-                "--ctx",
-                "512",
-            ]
-            + ["--json", "{dir}/result.json"],
+            roofline,
             40,
             ["graphs-bf16"],
         ),
@@ -237,18 +239,7 @@ def builtin_stages() -> list[Stage]:
         ),
         stage(
             "roofline-profile",
-            [
-                "{py}",
-                "-m",
-                "ringleader.bench.roofline",
-                "--model",
-                "llama-1b",
-                "--rows",
-                "1,32",
-                "--ctx",
-                "512",
-            ]
-            + ["--profile", "--json", "{dir}/result.json"],
+            roofline + ["--profile"],
             70,
             run="E",
         ),

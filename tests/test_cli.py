@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.conftest import RawPeer
+from tests.test_nvrtc import KERNEL_FUNCTIONS
 
 CLI = [sys.executable, "-m", "ringleader.hostctl.cli"]
 
@@ -148,14 +149,7 @@ def test_doctor_reports_versions_kernel_and_why_cuda_would_fail(tmp_path):
     report = json.loads(out.read_text())
     assert report["versions"]["torch"] and report["kernel"]["arch"]
     fns = report["kernel"]["functions"]
-    assert set(fns) == {
-        "rl_scheduler_persistent",
-        "rl_step_wait",
-        "rl_step_begin",
-        "rl_step_signal",
-        "rl_host_step_begin",
-        "rl_host_step_end",
-    }
+    assert set(fns) == KERNEL_FUNCTIONS
     assert all(f["registers"] and f["spill_bytes"] == 0 for f in fns.values())
     assert "rl_scheduler_persistent:" in r.stdout and "registers" in r.stdout
     if torch.cuda.is_available():

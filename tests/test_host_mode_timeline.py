@@ -9,19 +9,9 @@ import numpy as np
 from ringleader.device.backends.device_timeline import host_mode_rows, timeline_summary
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.ipc import layout
-from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import Driver, scheduler
+from tests.test_persistent_loop import CFG  # the kernel loop's own tests' rings
 
-CFG = RingConfig(
-    n_slots=4,
-    max_ctx=128,
-    token_budget=16,
-    sq_size=16,
-    cq_size=256,
-    arena_size=1024,
-    pending_cap=32,
-    buckets=(1, 2, 4, 8, 16),
-)
 F = layout.TraceField
 
 
