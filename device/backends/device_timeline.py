@@ -104,7 +104,7 @@ def timeline_summary(trace: np.ndarray, after_seq: int = 0, one_clock: bool = Tr
 
     Bubble: the GPU's idle time between two consecutive steps while work was ready, from the
     previous step's end (its signal kernel) to the next step's start (the first kernel of its
-    SWITCH branch).  A gap counts only when the next step's row is chained: the scheduler built
+    SWITCH branch; in host mode, the stamp kernels around each replay).  A gap counts only when the next step's row is chained: the scheduler built
     a step, and no pass since found nothing to do, so idle time and client think time are never
     counted (they show as idle_gaps).  Its parts: handoff (step end -> the critical phase
     starts), device_sched (the critical phase) and launch (critical end -> the step's first
