@@ -431,8 +431,7 @@ class CudaBackend(Doorbells, Backend):
                 self.device_timeline(), timeline_after_seq, one_clock=self._scheduler_mode == "device"
             )
         )
-        # reads whose copy did not land within its bounded wait
-        out["timeline_stalled_reads"] = self._timeline.stalled_reads if self._timeline else 0
+        out["timeline_stalled_reads"] = self._timeline.stalled_reads  # copies that missed their bounded wait
         out["threads"] = {t.name: t.native_id for t in self._threads}
         return out
 
