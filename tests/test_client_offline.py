@@ -255,6 +255,24 @@ def test_close_ends_open_streams_and_aborts_on_server(server):
     client.close()  # idempotent
 
 
+class LateCloseClient(Client):
+    """Holds its I/O thread between sending (step 4) and the stop check (step 8) until close() has run."""
+
+    def _check_liveness(self) -> None:
+        super()._check_liveness()
+        if self._core.poll_interval() is not None:  # a request is in flight: wait here for close()
+            wait_until(lambda: self._stopping, timeout=5)
+
+
+def test_close_that_lands_after_the_send_step_still_sends_its_aborts(server):
+    client = LateCloseClient(server.address, timeout=5)
+    stream = client.generate(prompt_ids=[999], max_tokens=4)
+    assert wait_until(lambda: any(isinstance(r, P.GenerateRequest) for r in server.received))
+    client.close()
+    assert stream.wait().error_code == ERR_CLIENT_CLOSED
+    assert wait_until(lambda: stream.id in server.aborts, timeout=5)
+
+
 def test_server_disconnect_fails_in_flight_streams():
     server = EchoServer()
     with Client(server.address, timeout=5) as client:

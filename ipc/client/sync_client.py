@@ -373,8 +373,9 @@ class Client(CoreView):
                     self._drain_monitor()
                 # 7. liveness: a keep-alive ping, or giving the server up
                 self._check_liveness()
-                # 8. close() asked us to stop (its aborts went out in step 4)
+                # 8. close() asked us to stop; it may have queued its aborts after step 4 ran, so send them now
                 if self._stopping:
+                    self._flush_outgoing()
                     break
         except Exception:
             log.exception("ringleader client I/O thread failed")
