@@ -117,6 +117,7 @@ def builtin_stages() -> list[Stage]:
         "512",
     ]
     roofline += ["--json", "{dir}/result.json"]
+    gpu_limits = ["{py}", "-m", "ringleader.bench.gpu_limits", "--quick", "--out-dir", "{dir}"]
 
     def bubble(c: int, n: int) -> Stage:  # resident mode at c streams, with its raw device timeline
         argv = bench + ["--compare", "device", "--launch", "resident", "--concurrency", str(c)]
@@ -243,39 +244,43 @@ def builtin_stages() -> list[Stage]:
             70,
             run="E",
         ),
-        # ---- run F (call 2, the same warm machine): the null model's bubbles in both modes, CPU
-        # interference in both, open loop at 256 slots, prefix caching on the device, the goals
-        # bench again in the other order (the spread between E and F is part of the result) ----
+        # ---- run F (call 2, the same warm machine): the launch probes (devices launching graphs,
+        # two WHILE graphs taking turns, a WHILE around the real step; each its own process), the
+        # null model's bubbles in both modes, CPU interference in both, open loop at 256 slots,
+        # prefix caching on the device, the goals bench again in the other order (the spread
+        # between E and F is part of the result) ----
+        stage("launch-probes", gpu_limits + ["--only", "8,9", "--max-seconds", "15"], 18, run="F"),
+        stage("step-while", gpu_limits + ["--only", "10", "--max-seconds", "27"], 30, run="F"),
         stage(
             "null-both",
             bench[:-1]
             + ["null", "--compare", "device,host", "--concurrency", "1,256", "--slots", "256"]
             + ["--requests", "64,1024", "--output-len", "128", "--no-plots", *budget, "--out", "{dir}"],
-            50,
+            42,
             run="F",
         ),
         measured(
             "interference-both",
             "--compare device,host --concurrency 32 --requests 128 --cpu-interference 16",
-            70,
+            60,
             run="F",
         ),
         measured(
             "open-loop-256",
             "--compare device,host --request-rate 200,800 --slots 256 --requests 256,512",
-            70,
+            62,
             run="F",
         ),
         measured(
             "prefix-device",
             "--compare device --concurrency 32 --requests 128 --shared-prefix-len 384 --prefix-groups 4",
-            60,
+            50,
             run="F",
         ),
         measured(
             "goals-f",
             "--compare host,device --concurrency 1,32,256 --slots 256 --requests 16,128,512",
-            80,
+            68,
             run="F",
         ),
     ]

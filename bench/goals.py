@@ -3,11 +3,12 @@ missed or not measured, from the files a bring-up window returned.
 
     python -m ringleader.bench.goals E F --out DIR     # E, F: bring-up OUT folders (or any folders)
 
-Each argument is a folder (searched for the benchmark's results.json and the roofline's
-result.json, inside artifacts.tar.gz too) or one of those files.  Where a goal was measured more
+Each argument is a folder (searched for the benchmark's results.json, the roofline's
+result.json and the gpu_limits probes' JSON, inside artifacts.tar.gz too) or one of those files.  Where a goal was measured more
 than once (runs E and F measure the same loads in opposite orders), every value is shown and the
-verdict needs all of them: the spread between the runs is part of the result.  Writes
-DIR/summary.md and DIR/goals.json; a goal with no figure says "not measured".
+verdict needs all of them: the spread between the runs is part of the result.  Beside the goals,
+the bubble's design choices that run F's launch probes measured (bench/launch_designs.py).
+Writes DIR/summary.md and DIR/goals.json; a goal with no figure says "not measured".
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ringleader.bench.launch_designs import LIMITS_SCHEMA, design_rows, designs_markdown
 
 LOADS = (1, 32, 256)  # the closed-loop concurrencies every goal is asked at
 BUBBLE_P50_US, BUBBLE_P99_US = 3.0, 10.0
@@ -34,8 +37,8 @@ class Goal:
     verdict: str  # met | missed | not measured | met where measured (some loads did not run)
 
 
-def load_documents(paths: list[Path]) -> tuple[list[dict], list[dict]]:
-    """(benchmark documents, roofline documents) found under paths."""
+def load_documents(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(benchmark documents, roofline documents, gpu_limits documents) found under paths."""
     docs: list[dict] = []
     for p in paths:
         if p.is_file() and p.suffix == ".json":
@@ -52,7 +55,8 @@ def load_documents(paths: list[Path]) -> tuple[list[dict], list[dict]]:
                         docs.append(json.loads(fh.read()))
     bench = [d for d in docs if isinstance(d, dict) and isinstance(d.get("runs"), list)]
     roofline = [d for d in docs if isinstance(d, dict) and "copy_bandwidth_GBps" in d and "steps" in d]
-    return bench, roofline
+    limits = [d for d in docs if isinstance(d, dict) and d.get("schema") == LIMITS_SCHEMA]
+    return bench, roofline, limits
 
 
 def runs_of(bench: list[dict], model: str | None = "llama-1b") -> list[dict]:
@@ -243,13 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="*", type=Path, help="bring-up OUT folders, result folders or JSON files")
     ap.add_argument("--out", type=Path, required=True, help="folder for summary.md and goals.json")
     args = ap.parse_args(argv)
-    bench, roofline = load_documents(args.inputs)
+    bench, roofline, limits = load_documents(args.inputs)
     rows = goals(bench, roofline)
+    designs = design_rows(limits, BUBBLE_P50_US)
+    text = summary_markdown(rows) + "\n" + designs_markdown(designs, BUBBLE_P50_US)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.md").write_text(summary_markdown(rows))
-    doc = {"inputs": [str(p) for p in args.inputs], "goals": [asdict(g) for g in rows]}
+    (args.out / "summary.md").write_text(text)
+    doc = {
+        "inputs": [str(p) for p in args.inputs],
+        "goals": [asdict(g) for g in rows],
+        "designs": [asdict(d) for d in designs],
+    }
     (args.out / "goals.json").write_text(json.dumps(doc, indent=2) + "\n")
-    sys.stdout.write(summary_markdown(rows))
+    sys.stdout.write(text)
     return 0
 
 

@@ -110,11 +110,13 @@ def decode_layout(rows: int, ctx: int, vocab: int, pages_per_slot: int, device: 
 @dataclass
 class DecodeStep:
     """One rows value's step, ready to run: `run` as it is timed (a graph replay on CUDA),
-    `eager` the same step launched op by op, `graph` the captured graph (None on the CPU)."""
+    `eager` the same step launched op by op, `graph` the captured graph (None on the CPU),
+    `layout` the buffers it reads and writes (next_token: what it sampled)."""
 
     run: Callable[[], object]
     eager: Callable[[], object]
     graph: torch.cuda.CUDAGraph | None
+    layout: StepLayout | None = None
 
 
 def _new_graph(keep: bool) -> torch.cuda.CUDAGraph:
@@ -143,7 +145,7 @@ def decode_step(
         step.run(rows, layout)
 
     if device.type != "cuda":
-        return DecodeStep(eager, eager, None)
+        return DecodeStep(eager, eager, None, layout)
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         step.run(rows, layout)  # compiles the kernels, initialises cuBLAS
@@ -153,7 +155,7 @@ def decode_step(
             step.run(rows, layout)
     if keep_graph and hasattr(graph, "instantiate"):
         graph.instantiate()  # a kept graph is otherwise instantiated by its first replay
-    return DecodeStep(graph.replay, eager, graph)
+    return DecodeStep(graph.replay, eager, graph, layout)
 
 
 def step_seconds(

@@ -103,6 +103,8 @@ class FakeDriver(FakeKernels):
         self._nodes: dict = {}
         self._execs: dict = {}
         self._handles: dict = {}
+        self._device_execs: set = set()
+        self._tls = threading.local()  # the graph run a stream's thread is executing, if any
         self.errors: list = []
         self.sticky = None
         self._streams[0] = _FStream(self, 0)
@@ -439,23 +441,65 @@ class FakeDriver(FakeKernels):
     def f_cuGraphInstantiate(self, g, flags):
         xid = self._id()
         self._execs[xid] = self._graphs[int(g)]
+        if int(flags) & int(self._real.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH):
+            self._device_execs.add(xid)
         return (self.S, self._real.CUgraphExec(xid))
 
     def f_cuGraphUpload(self, ge, s):
         return (self.S,)
 
     def f_cuGraphLaunch(self, ge, s):
-        g = self._execs[int(ge)]
+        self._execs[int(ge)]  # a known exec
+        self._enqueue(s, lambda: self._run_graph(int(ge)), "GRAPH")
+        return (self.S,)
 
-        def op():
+    def _run_graph(self, xid):
+        """One graph launch: its nodes, then the graphs its kernels launched fire-and-forget
+        (their threads joined), then its tail launches, each in turn (iteratively: a graph may
+        tail-launch itself thousands of times)."""
+        pending = [xid]
+        while pending:
+            xid = pending.pop(0)
+            g = self._execs[xid]
             tree = self._graph_tree(g.nodes, {g.id})
             for h in self._handles.values():
                 if h["assign"] and h["graph"] in tree:
                     h["value"] = h["default"]
-            self._exec_nodes(g.nodes)
+            run: dict = {"exec": xid, "tails": [], "children": []}
+            outer = getattr(self._tls, "run", None)
+            self._tls.run = run
+            try:
+                self._exec_nodes(g.nodes)
+            finally:
+                self._tls.run = outer
+            for child in run["children"]:
+                child.join()
+            pending.extend(run["tails"])
 
-        self._enqueue(s, op, "GRAPH")
-        return (self.S,)
+    def _run_child(self, xid):
+        try:
+            self._run_graph(xid)
+        except KernelTrap:
+            self.sticky = "CUDA_ERROR_LAUNCH_FAILED"
+        except Exception:
+            self.sticky = "CUDA_ERROR_ILLEGAL_ADDRESS"
+            self.errors.append(traceback.format_exc())
+
+    def device_launch(self, xid: int, tail: bool) -> int:
+        """cudaGraphLaunch in a kernel. Assumed, as the probe measures: only a kernel running in
+        a graph may launch, and only a graph instantiated for device launch; else an error code."""
+        run = getattr(self._tls, "run", None)
+        if xid == 0:
+            xid = run["exec"] if run else 0
+        if run is None or xid not in self._device_execs:
+            return 1  # cudaErrorInvalidValue
+        if tail:
+            run["tails"].append(xid)
+        else:
+            child = threading.Thread(target=self._run_child, args=(xid,), daemon=True)
+            child.start()
+            run["children"].append(child)
+        return 0
 
     def _graph_tree(self, nodes, acc):
         for n in nodes:

@@ -47,7 +47,16 @@ class FakeKernels:
         "rl_while_body": "QQQI",
         "rl_switch_ctl": "QQQQI",
         "rl_branch": "QI",
+        "rl_pp_gate": "QIQQIQQ",
+        "rl_pp_work": "QQIQ",
+        "rl_pp_release": "QQIQQI",
+        "rl_dl_launch": "QIQQQI",
+        "rl_dl_target": "QQI",
+        "rl_dl_tail_loop": "QQQI",
+        "rl_dl_persistent": "QQQQIQQQQQQ",
     }
+    PP_SOLO = 2
+    MODE_TAIL = 1
 
     def _run_kernel(self, name, args):
         getattr(self, "k_" + name)(*args)
@@ -158,3 +167,92 @@ class FakeKernels:
 
     def _set_cond(self, h, v):
         self._handles[int(h)]["value"] = v
+
+    # -- two WHILE graphs taking turns (rl_pp_*)
+    def k_rl_pp_gate(self, flag, role, state, stamps, cap, ctl, wait_ns):
+        i = read_u32(state)
+        if read_u32(state + 8):
+            return
+        want, t0 = 2 * i + role, now_ns()
+        while ((read_u32(flag) - want) & 0xFFFFFFFF) >= 0x80000000:
+            if read_u32(ctl + 4 * self._gl.CTL_SHUTDOWN):
+                write_u32(state + 8, self._gl.EXIT_SHUTDOWN)
+                return
+            if now_ns() - t0 > wait_ns:
+                write_u32(state + 8, self._gl.EXIT_DEADLINE)
+                return
+            time.sleep(0)
+        if i < cap:
+            write_u64(stamps + 24 * i, now_ns())
+
+    def k_rl_pp_work(self, state, stamps, cap, work_ns):
+        i, t0 = read_u32(state), now_ns()
+        if i < cap:
+            write_u64(stamps + 24 * i + 8, t0)
+        while not read_u32(state + 8) and now_ns() - t0 < work_ns:
+            pass
+
+    def k_rl_pp_release(self, h, flag, role, state, stamps, cap):
+        i = read_u32(state)
+        if i < cap:
+            write_u64(stamps + 24 * i + 16, now_ns())
+        c = i + 1
+        write_u32(state, c)
+        if role != self.PP_SOLO:
+            write_u32(flag, 2 * i + role + 1)
+        self._set_cond(h, 1 if c < read_u32(state + 4) and c < cap and not read_u32(state + 8) else 0)
+
+    # -- device-side graph launch (rl_dl_*): FakeDriver.device_launch runs the launched graph
+    def k_rl_dl_launch(self, target, mode, state, stamps, errs, cap):
+        i = read_u32(state)
+        if i >= cap:
+            return
+        write_u32(state, i + 1)
+        write_u64(stamps + 16 * i, now_ns())
+        write_u32(errs + 4 * i, self.device_launch(target, mode == self.MODE_TAIL))
+
+    def k_rl_dl_target(self, state, stamps, cap):
+        t, j = now_ns(), read_u32(state + 4)
+        if j < cap:
+            write_u64(stamps + 16 * j + 8, t)
+        write_u32(state + 4, j + 1)
+
+    def k_rl_dl_tail_loop(self, state, stamps, errs, cap):
+        t, c = now_ns(), read_u32(state) + 1
+        write_u32(state, c)
+        if c <= cap:
+            write_u64(stamps + 8 * (c - 1), t)
+        if c < read_u32(state + 4) and c < cap:
+            e = self.device_launch(0, True)  # 0: the graph running this kernel
+            if e and not read_u32(errs):
+                write_u32(errs, e)
+                write_u32(errs + 4, c)
+
+    def k_rl_dl_persistent(self, g0, g1, g2, g3, n, state, stamps, errs, ctl, wait_ns, budget_ns):
+        gl, t_start = self._gl, now_ns()
+        done, reason = 0, gl.EXIT_DONE
+        for i in range(n):
+            t0 = now_ns()
+            write_u64(stamps + 16 * i, t0)
+            write_u32(state, i + 1)
+            e = self.device_launch((g0, g1, g2, g3)[i % 4], False)
+            write_u32(errs + 4 * i, e)
+            if e:
+                reason = gl.EXIT_LAUNCH_ERROR
+                break
+            while read_u32(state + 4) < i + 1:
+                now = now_ns()
+                if now - t0 > wait_ns:
+                    reason = gl.EXIT_NOT_RUN
+                elif now - t_start > budget_ns:
+                    reason = gl.EXIT_DEADLINE
+                elif read_u32(ctl + 4 * gl.CTL_SHUTDOWN):
+                    reason = gl.EXIT_SHUTDOWN
+                if reason != gl.EXIT_DONE:
+                    break
+                time.sleep(0)
+            if reason != gl.EXIT_DONE:
+                break
+            done = i + 1
+        write_u32(ctl + 4 * gl.CTL_DONE0, done)
+        write_u32(ctl + 4 * gl.CTL_EXIT, reason)

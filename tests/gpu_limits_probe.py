@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-N_KERNELS = 8
+N_KERNELS = 15
 
 
 def load(name: str):

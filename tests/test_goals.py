@@ -91,8 +91,8 @@ def test_documents_are_found_in_folders_and_archives_and_the_cli_writes_both_fil
         info = tarfile.TarInfo("roofline-profile/result.json")
         info.size = len(data)
         t.addfile(info, io.BytesIO(data))
-    bench, roofline = load_documents([tmp_path / "E"])
-    assert len(bench) == 1 and roofline == [ROOFLINE]
+    bench, roofline, limits = load_documents([tmp_path / "E"])
+    assert len(bench) == 1 and roofline == [ROOFLINE] and limits == []
     out = tmp_path / "report"
     r = subprocess.run(
         [sys.executable, "-m", "ringleader.bench.goals", str(tmp_path / "E"), "--out", str(out)],
@@ -104,3 +104,5 @@ def test_documents_are_found_in_folders_and_archives_and_the_cli_writes_both_fil
     doc = json.loads((out / "goals.json").read_text())
     assert [g["verdict"] for g in doc["goals"]] == ["met"] * 7
     assert (out / "summary.md").read_text().count("**met**") == 7
+    # no gpu_limits document: every design row says so
+    assert doc["designs"] and {d["verdict"] for d in doc["designs"]} == {"not measured"}

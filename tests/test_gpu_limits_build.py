@@ -82,7 +82,7 @@ def test_quick_probe_on_gpu(tmp_path):
     res = json.loads(files[0].read_text())
     assert res["kernels"]["ok"], res["kernels"]
     probes = res["probes"]
-    assert len(probes) == 7
+    assert len(probes) == 10
     for key, p in probes.items():
         assert p["status"] in ("ok", "partial", "skipped"), (key, p.get("error"), p.get("where"))
     assert probes["1_doorbell"]["status"] == "ok", probes["1_doorbell"]

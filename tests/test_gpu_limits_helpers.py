@@ -82,8 +82,21 @@ def test_helpers():
     assert common.summarize([]) == {"n": 0}
     assert cli.parse_args(["--only", "4,1,3-4"]).selected == [1, 3, 4]
     everything = cli.parse_args([]).selected
-    assert sorted(everything) == [1, 2, 3, 4, 5, 6, 7] and everything == list(common.RUN_ORDER)
-    # the probes that depend on cudaGraphSetConditional run last
-    assert everything[-2:] == [3, 4]
+    assert sorted(everything) == list(range(1, 11)) and everything == list(common.RUN_ORDER)
+    # the probes that depend on a graph builtin run last, device-side cudaGraphLaunch the very last
+    assert set(everything[-5:]) == {3, 4, 9, 10, 8} and everything[-1] == 8
     with pytest.raises(SystemExit):
-        cli.parse_args(["--only", "9"])
+        cli.parse_args(["--only", "11"])
+    assert cli.parse_args(["--only", "8-10"]).selected == [9, 10, 8]
+
+
+def test_idle_gaps_put_two_graphs_steps_in_turn():
+    import numpy as np
+
+    graphpair = load("graphpair")
+    # [wake, work start, release] per step, ns
+    one = np.array([[0, 10, 50], [0, 53, 90], [0, 97, 120]])
+    assert graphpair.idle_gaps([one]).tolist() == [3, 7]
+    a = np.array([[0, 10, 50], [0, 130, 170]])  # role 0: steps 0 and 2
+    b = np.array([[0, 60, 120], [0, 175, 200]])  # role 1: steps 1 and 3
+    assert graphpair.idle_gaps([a, b]).tolist() == [10, 10, 5]

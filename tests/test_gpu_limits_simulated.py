@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from ringleader.bench.launch_designs import design_rows
 from tests.gpu_limits_probe import N_KERNELS, ROOT, libcuda_present
 
 FAKE_RUN = [sys.executable, str(ROOT / "tests" / "fake_cuda_driver.py"), "--fake-run"]
@@ -44,6 +45,9 @@ def test_every_probe_against_fake_driver(tmp_path):
         "5_blocking",
         "6_roofline",
         "7_memops",
+        "8_devlaunch",
+        "9_graphpair",
+        "10_stepwhile",
     }
     assert not res["meta"]["tainted"]
     assert res["kernels"]["ok"] and len(res["kernels"]["kernels"]) == N_KERNELS
@@ -51,7 +55,7 @@ def test_every_probe_against_fake_driver(tmp_path):
     def ok(key):
         assert probes[key]["status"] == "ok", json.dumps(probes[key], indent=1)[:6000]
 
-    for key in ("1_doorbell", "2_handoff", "3_launch", "7_memops"):
+    for key in ("1_doorbell", "2_handoff", "3_launch", "7_memops", "8_devlaunch", "9_graphpair"):
         ok(key)
     db = probes["1_doorbell"]["variants"]
     assert set(db) == {"spin", "nanosleep_0", "nanosleep_100", "nanosleep_1000"}
@@ -67,7 +71,37 @@ def test_every_probe_against_fake_driver(tmp_path):
     cap = mo["capture"]
     assert cap["node_types"].count("CU_GRAPH_NODE_TYPE_BATCH_MEM_OP") == 2
     assert cap["captured_graph_runs"]["ok"] and cap["mem_op_graph_in_while_body"]["ok"]
-    for key in ("4_torchgraph", "6_roofline"):  # torch has no CUDA here
+    dl = probes["8_devlaunch"]
+    for mode in ("fire_and_forget", "tail", "sibling"):
+        r = dl[f"launch_{mode}"]
+        assert r["check"]["ok"] and r["launches"] == r["targets_ran"] == 200, r
+        assert r["launch_to_first_kernel"]["n"] > 100 and r["launch_to_first_kernel"]["min_us"] >= 0, r
+    assert dl["tail_self_loop"]["count"] == 1000 and dl["tail_self_loop"]["first_relaunch_error"] is None
+    assert dl["tail_self_loop"]["per_iteration_from_stamps"]["n"] > 900
+    in_graph, plain = dl["persistent_in_graph"], dl["persistent_plain"]
+    assert in_graph["exit"] == "done" and in_graph["ran_while_launcher_waited"] == 200, in_graph
+    # the simulated driver refuses a launch from a kernel outside any graph: read back as a finding
+    assert plain["status"] == "ok" and plain["exit"] == "launch_error", plain
+    assert plain["first_error"] == {"index": 0, "code": 1} and plain["ran_by_the_end"] == 0, plain
+    gp = probes["9_graphpair"]
+    for key in ("one_work_0us", "pair_work_0us", "one_work_20us", "pair_work_20us"):
+        r = gp[key]
+        assert r["check"]["ok"] and r["steps"] == 1000 * r["graphs"], (key, r)
+        assert r["idle_between_steps"]["n"] > 500 and r["idle_between_steps"]["min_us"] >= 0, (key, r)
+    assert gp["pair_work_20us"]["flag_handover"]["n"] > 1000
+    assert gp["pair_work_20us"]["cadence_per_step_us"] >= 20  # each stand-in step holds 20 us
+    # the goals report's design rows read this document as run F's stage returns it
+    designs = {d.design: d for d in design_rows([res], 3.0)}
+    assert len(designs) == 11
+    plain = next(d for name, d in designs.items() if "plain launch" in name)
+    assert plain.verdict == "refused" and "returned error 1" in plain.measured, plain
+    in_graph = next(d for name, d in designs.items() if "a graph's node" in name)
+    assert in_graph.measured.startswith("200/200 launches ran"), in_graph
+    step = next(d for name, d in designs.items() if "real 1-row step" in name)
+    assert step.verdict == "not measured" and "torch" in step.measured, step
+    timed = [d for d in designs.values() if d not in (plain, in_graph, step)]
+    assert all(d.verdict in ("under the goal", "over the goal") and "p50" in d.measured for d in timed), timed
+    for key in ("4_torchgraph", "6_roofline", "10_stepwhile"):  # torch has no CUDA here
         assert probes[key]["status"] == "skipped", probes[key]
     bl = probes["5_blocking"]
     for name in (

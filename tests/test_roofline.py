@@ -28,6 +28,19 @@ def test_decode_layout_samples_every_row():
     assert int(lay.n_samples[0]) == 4 and all(0 <= t < 100 for t in lay.token_ids.tolist())
 
 
+def test_a_decode_step_writes_the_same_token_each_run_into_its_layout():
+    # gpu_limits probe 10 compares the token a WHILE graph's runs sample with the host replays'
+    model = LlamaModel.from_preset("tiny", torch.float32)
+    step = roofline.decode_step(model, rows=1, ctx=12, attention="torch")
+    assert step.graph is None and step.layout is not None  # the CPU: no graph, the eager step
+    step.layout.next_token.fill_(-1)
+    step.run()
+    first = int(step.layout.next_token[0])
+    step.layout.next_token.fill_(-1)
+    step.run()
+    assert 0 <= first < model.config.vocab_size and int(step.layout.next_token[0]) == first
+
+
 def test_measured_on_the_cpu(tmp_path):
     out = tmp_path / "r.json"
     code = bench_main(

@@ -1,7 +1,7 @@
 """gpu_limits: measure the floors under ringleader's scheduler targets.
 
 Needs numpy, cuda-python (``cuda.bindings``: driver and NVRTC) and, for
-probes 4-6, torch; every driver call goes through the runtime's own helpers
+probes 4-6 and 10, torch; every driver call goes through the runtime's own helpers
 (``device/backends/cuda_driver.py``). The kernels live in ``kernels.cu`` next
 to this file; NVRTC compiles them to a CUBIN for the device's own arch (sm_90
 when there is no GPU) and the driver API loads and launches them.
@@ -11,7 +11,7 @@ Modules: __main__ (CLI, run loop), common (budget, records, statistics,
 rescue), report (tee, JSON, table), kernels (control block, NVRTC), device
 (context, memory, streams, Probe), then one module per probe: doorbell (1),
 handoff (2), launch + conditional (3), torchgraph (4), blocking (5),
-roofline (6), memops (7).
+roofline (6), memops (7), devlaunch (8), graphpair (9), stepwhile (10).
 
 Probes (``--only 1,3`` runs a subset):
   1 doorbell    host -> device doorbell round trip through pinned host words,
@@ -28,6 +28,15 @@ Probes (``--only 1,3`` runs a subset):
   6 roofline    device-to-device copy bandwidth, bf16 matmul TFLOP/s
   7 memops      cuStreamWaitValue32/WriteValue32 handoff latency across two
                 streams; does stream capture turn them into graph nodes
+  8 devlaunch   graphs launched from the device: launch -> first kernel in the
+                fire-and-forget, tail and sibling modes; a graph that
+                tail-launches itself; a persistent kernel launching graphs,
+                as a graph node and plain (may it, how soon, how many)
+  9 graphpair   two resident WHILE graphs on two streams taking turns through
+                a device flag vs one WHILE graph: idle time between steps
+ 10 stepwhile   a WHILE (no SWITCH) around the real 1-row decode step graph
+                (--step-model, default llama-1b): per iteration vs the step's
+                own device time, same sampled token
 
 Output: a table on stdout, and in --out-dir (default bench/results)
 ``<date>-<device>-gpu-limits.json`` and ``.log`` (a tee of stdout/stderr).

@@ -32,7 +32,9 @@ from ringleader.bench.gpu_limits.common import (
     shutdown_all,
 )
 from ringleader.bench.gpu_limits.device import Probe, health_check, init_torch, run_in_thread, try_init_device
+from ringleader.bench.gpu_limits.devlaunch import probe_devlaunch
 from ringleader.bench.gpu_limits.doorbell import probe_doorbell
+from ringleader.bench.gpu_limits.graphpair import probe_graphpair
 from ringleader.bench.gpu_limits.handoff import probe_handoff
 from ringleader.bench.gpu_limits.kernels import (
     COMPILE_TAG,
@@ -52,6 +54,7 @@ from ringleader.bench.gpu_limits.report import (
     save_json,
 )
 from ringleader.bench.gpu_limits.roofline import probe_roofline
+from ringleader.bench.gpu_limits.stepwhile import probe_stepwhile
 from ringleader.bench.gpu_limits.torchgraph import probe_torchgraph
 
 HERE = Path(__file__).resolve().parent
@@ -64,6 +67,9 @@ PROBE_FUNCS = {
     5: probe_blocking,
     6: probe_roofline,
     7: probe_memops,
+    8: probe_devlaunch,
+    9: probe_graphpair,
+    10: probe_stepwhile,
 }
 
 
@@ -73,7 +79,7 @@ def parse_args(argv=None):
         description=gpu_limits.__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--only", default="", help="comma-separated probe numbers (1-7) to run")
+    ap.add_argument("--only", default="", help="comma-separated probe numbers (1-10) to run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
     ap.add_argument(
         "--compile-only",
@@ -82,6 +88,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--arch", default=None, help="override the target arch, e.g. sm_90")
     ap.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    ap.add_argument("--step-model", default="llama-1b", help="probe 10's model preset (its 1-row step graph)")
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where the JSON and log go")
     ap.add_argument("--no-save", action="store_true", help="print only; write no files")
     ap.add_argument(

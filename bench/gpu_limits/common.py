@@ -25,12 +25,16 @@ PROBE_NAMES = {
     5: "blocking",
     6: "roofline",
     7: "memops",
+    8: "devlaunch",
+    9: "graphpair",
+    10: "stepwhile",
 }
-TORCH_PROBES = {4, 5, 6}
+TORCH_PROBES = {4, 5, 6, 10}
 # Execution order: a broken conditional-graph builtin would end in a trap (a
 # sticky error that ends the context), so the probes that rely on
-# cudaGraphSetConditional (3, 4 and the end of 7) run last.
-RUN_ORDER = (1, 2, 6, 5, 7, 3, 4)
+# cudaGraphSetConditional (3, 9, 4, 10 and the end of 7) run late, and the one
+# that relies on device-side cudaGraphLaunch, the least proven builtin, last.
+RUN_ORDER = (1, 2, 6, 5, 7, 3, 9, 4, 10, 8)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -72,10 +76,17 @@ class Budget:
         self.mm_reps = 4 if q else 10
         self.memop_batch = 100
         self.memop_batches = 4 if q else 20
+        self.dl_reps = 200 if q else 1000  # device launches per mode
+        self.dl_loop_n = 1000 if q else 10000  # iterations of the tail self-loop
+        self.dl_persistent_n = 200  # beyond the documented cap on fire-and-forget launches per graph run
+        self.pair_n = 1000 if q else 5000  # steps per role in the ping-pong graphs
+        self.pair_work_ns = 20_000  # a stand-in step long enough to hide a WHILE re-arm
+        self.step_iters = 50 if q else 200
+        self.step_ctx = 512
         # a persistent kernel's own deadline: it exits by itself after this
         self.kernel_budget_s = 30.0 if q else 60.0
         # probe thread timeouts
-        self.probe_timeout = {1: 60, 2: 60, 3: 90, 4: 90, 5: 150, 6: 90, 7: 60}
+        self.probe_timeout = {1: 60, 2: 60, 3: 90, 4: 90, 5: 150, 6: 90, 7: 60, 8: 60, 9: 60, 10: 120}
         self.total_s = 240 if q else 330
 
     def t(self, seconds: float) -> float:
@@ -102,11 +113,13 @@ def errdict(e: BaseException, tb: bool = True) -> dict:
 
 
 def sub(fn, *args, **kw) -> dict:
-    """Run one measurement; an exception becomes an error record."""
+    """Run one measurement; an exception becomes an error record, a failed check "failed_check"."""
     try:
         r = fn(*args, **kw)
         if isinstance(r, dict):
-            r.setdefault("status", "ok")
+            check = r.get("check")
+            failed = isinstance(check, dict) and check.get("ok") is False
+            r.setdefault("status", "failed_check" if failed else "ok")
         return r
     except SkipProbe as e:
         return {"status": "skipped", "reason": str(e)}

@@ -201,8 +201,8 @@ class Graphs:
         self.graphs.append(g)
         return g
 
-    def instantiate(self, g):
-        ge = drv.instantiate_graph(g)
+    def instantiate(self, g, *, device_launch: bool = False):
+        ge = drv.instantiate_graph(g, device_launch=device_launch)
         self.execs.append(ge)
         return ge
 

@@ -6,8 +6,9 @@
 // runs. Two translation units are made from this one file:
 //   -DRL_GROUP_CORE   doorbell, ping-pong, stamps, timer resolution, empty
 //   -DRL_GROUP_GRAPH  conditional-graph bodies (use cudaGraphSetConditional)
-// so that a problem with the conditional-node builtin cannot take the core
-// probes down with it.
+//   -DRL_GROUP_DEVLAUNCH  device-side graph launch (use cudaGraphLaunch)
+// so that a problem with either graph builtin cannot take the other probes
+// down with it.
 //
 // The control-block word offsets (RL_CTL_*) and exit codes (RL_EXIT_*) are
 // passed in as -D options by gpu_limits.py, which owns their values; the
@@ -32,6 +33,8 @@
 #define RL_EXIT_DEADLINE 2
 #define RL_EXIT_STOPWORD 3
 #define RL_EXIT_DONE 4
+#define RL_EXIT_LAUNCH_ERROR 5
+#define RL_EXIT_NOT_RUN 6
 #endif
 
 typedef unsigned int rl_u32;
@@ -43,8 +46,6 @@ static __device__ __forceinline__ rl_u64 gtimer() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-
-#ifdef RL_GROUP_CORE
 
 // acquire/release at system scope (pinned host words) and gpu scope (device flags)
 static __device__ __forceinline__ rl_u32 ld_acquire_sys(const rl_u32 *p) {
@@ -63,6 +64,8 @@ static __device__ __forceinline__ rl_u32 ld_acquire_gpu(const rl_u32 *p) {
 static __device__ __forceinline__ void st_release_gpu(rl_u32 *p, rl_u32 v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+
+#ifdef RL_GROUP_CORE
 
 extern "C" __global__ void rl_empty() {}
 
@@ -221,4 +224,157 @@ extern "C" __global__ void rl_branch(rl_u32 *counters, rl_u32 k) {
     counters[k] += 1u;
 }
 
+// Two resident WHILE graphs on two streams taking turns (ping-pong), and the
+// one-graph baseline. Each body is gate -> work -> release:
+//   gate     spins until the shared flag says it is this role's turn
+//            (flag == 2i + role), then stamps its wake-up;
+//   work     stamps its start and holds the SM for work_ns (a stand-in step);
+//   release  stamps, hands the turn over (flag = 2i + role + 1) and re-arms
+//            the loop while iterations remain.
+// The baseline body is work -> release with role RL_PP_SOLO (no flag, no gate).
+// state (u32, per role): [0] iterations done, [1] iterations wanted, [2] the
+// reason a gate gave up (0 = none); stamps: 3 per iteration (wake, work start,
+// release). A gate gives up after wait_ns without its turn or on the shutdown
+// word; the loop then ends instead of spinning forever.
+#define RL_PP_SOLO 2u
+
+extern "C" __global__ void rl_pp_gate(rl_u32 *flag, rl_u32 role, rl_u32 *state, rl_u64 *stamps, rl_u32 cap,
+                                      rl_u32 *ctl, rl_u64 wait_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u32 i = state[0];
+    if (state[2] != 0u) return;
+    const rl_u32 want = 2u * i + role;
+    const rl_u64 t0 = gtimer();
+    rl_u32 spins = 0;
+    while ((int)(ld_acquire_gpu(flag) - want) < 0) {
+        if ((++spins & 255u) == 0u) {
+            if (ld_acquire_sys(ctl + RL_CTL_SHUTDOWN) != 0u) { state[2] = RL_EXIT_SHUTDOWN; return; }
+            if (gtimer() - t0 > wait_ns) { state[2] = RL_EXIT_DEADLINE; return; }
+        }
+    }
+    if (i < cap) stamps[3u * i] = gtimer();
+}
+
+extern "C" __global__ void rl_pp_work(rl_u32 *state, rl_u64 *stamps, rl_u32 cap, rl_u64 work_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u32 i = state[0];
+    const rl_u64 t0 = gtimer();
+    if (i < cap) stamps[3u * i + 1u] = t0;
+    if (state[2] != 0u) return;
+    while (gtimer() - t0 < work_ns) {
+    }
+}
+
+extern "C" __global__ void rl_pp_release(cudaGraphConditionalHandle h, rl_u32 *flag, rl_u32 role, rl_u32 *state,
+                                         rl_u64 *stamps, rl_u32 cap) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u32 i = state[0];
+    if (i < cap) stamps[3u * i + 2u] = gtimer();
+    const rl_u32 c = i + 1u;
+    state[0] = c;
+    if (role != RL_PP_SOLO) st_release_gpu(flag, 2u * i + role + 1u);
+    cudaGraphSetConditional(h, (c < state[1] && c < cap && state[2] == 0u) ? 1u : 0u);
+}
+
 #endif  // RL_GROUP_GRAPH
+
+#ifdef RL_GROUP_DEVLAUNCH
+
+// Device-side graph launch. Declared by hand like cudaGraphSetConditional: the
+// driver resolves it at load; NVRTC's built-in header has the types. The
+// stream handles are the device runtime's named launch modes.
+extern "C" __device__ __cudart_builtin__ cudaError_t cudaGraphLaunch(cudaGraphExec_t graph, cudaStream_t stream);
+#define RL_MODE_FIRE_AND_FORGET 0u
+#define RL_MODE_TAIL 1u
+#define RL_MODE_SIBLING 2u
+
+static __device__ __forceinline__ cudaStream_t launch_stream(rl_u32 mode) {
+    const unsigned long long named = mode == RL_MODE_TAIL      ? 0x0100000000000000ull
+                                     : mode == RL_MODE_SIBLING ? 0x0300000000000000ull
+                                                               : 0x0200000000000000ull;
+    return (cudaStream_t)named;
+}
+
+static __device__ __forceinline__ cudaGraphExec_t current_graph_exec() {
+    rl_u64 g;
+    asm volatile("mov.u64 %0, %%current_graph_exec;" : "=l"(g));
+    return (cudaGraphExec_t)g;
+}
+
+// state (u32): [0] launches made, [1] target runs seen. stamps: 2 per launch
+// (the launcher's clock just before cudaGraphLaunch, the target's first read).
+// errs: cudaGraphLaunch's result per launch.
+extern "C" __global__ void rl_dl_launch(cudaGraphExec_t target, rl_u32 mode, rl_u32 *state, rl_u64 *stamps,
+                                        int *errs, rl_u32 cap) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u32 i = state[0];
+    if (i >= cap) return;
+    state[0] = i + 1u;
+    stamps[2u * i] = gtimer();
+    errs[i] = (int)cudaGraphLaunch(target, launch_stream(mode));
+}
+
+// The launched graph's only node: stamps the launch it belongs to.
+extern "C" __global__ void rl_dl_target(rl_u32 *state, rl_u64 *stamps, rl_u32 cap) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u64 t = gtimer();
+    const rl_u32 j = state[1];
+    if (j < cap) stamps[2u * j + 1u] = t;
+    st_release_gpu(state + 1, j + 1u);
+}
+
+// A graph that tail-launches itself until state[0] reaches state[1]: a step
+// loop with no WHILE node and no host. stamps[c - 1] = iteration c's start;
+// errs[0] = the first failed relaunch's result, errs[1] = its iteration.
+extern "C" __global__ void rl_dl_tail_loop(rl_u32 *state, rl_u64 *stamps, int *errs, rl_u32 cap) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u64 t = gtimer();
+    const rl_u32 c = state[0] + 1u;
+    state[0] = c;
+    if (c <= cap) stamps[c - 1u] = t;
+    if (c < state[1] && c < cap) {
+        const int e = (int)cudaGraphLaunch(current_graph_exec(), launch_stream(RL_MODE_TAIL));
+        if (e != 0 && errs[0] == 0) { errs[0] = e; errs[1] = (int)c; }
+    }
+}
+
+// A persistent launcher: launches a target fire-and-forget n times, each time
+// waiting (up to wait_ns) until that launch has run before the next. Launched
+// plainly or as a graph's node, it answers whether a kernel that never returns
+// can start step graphs, how soon they start, and how many launches one run of
+// its graph allows. Four instantiations of the target take turns, so that a
+// launch never finds its graph still finishing the previous run (one instance
+// of a graph runs at a time). ctl: DONE0 = launches that ran, EXIT = why it stopped.
+extern "C" __global__ void rl_dl_persistent(cudaGraphExec_t g0, cudaGraphExec_t g1, cudaGraphExec_t g2,
+                                            cudaGraphExec_t g3, rl_u32 n, rl_u32 *state, rl_u64 *stamps,
+                                            int *errs, rl_u32 *ctl, rl_u64 wait_ns, rl_u64 budget_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const rl_u64 t_start = gtimer();
+    rl_u32 done = 0, reason = RL_EXIT_DONE;
+    for (rl_u32 i = 0; i < n; ++i) {
+        const rl_u64 t0 = gtimer();
+        stamps[2u * i] = t0;
+        state[0] = i + 1u;
+        const cudaGraphExec_t target = (i & 3u) == 0u ? g0 : (i & 3u) == 1u ? g1 : (i & 3u) == 2u ? g2 : g3;
+        const int e = (int)cudaGraphLaunch(target, launch_stream(RL_MODE_FIRE_AND_FORGET));
+        errs[i] = e;
+        if (e != 0) { reason = RL_EXIT_LAUNCH_ERROR; break; }
+        rl_u32 spins = 0;
+        bool bail = false;
+        while (ld_acquire_gpu(state + 1) < i + 1u) {
+            if ((++spins & 255u) == 0u) {
+                const rl_u64 now = gtimer();
+                if (now - t0 > wait_ns) { reason = RL_EXIT_NOT_RUN; bail = true; break; }
+                if (now - t_start > budget_ns) { reason = RL_EXIT_DEADLINE; bail = true; break; }
+                if (ld_acquire_sys(ctl + RL_CTL_SHUTDOWN) != 0u) { reason = RL_EXIT_SHUTDOWN; bail = true; break; }
+            }
+        }
+        if (bail) break;
+        done = i + 1u;
+    }
+    st_release_sys(ctl + RL_CTL_DONE0, done);
+    __threadfence_system();
+    st_release_sys(ctl + RL_CTL_EXIT, reason);
+}
+
+#endif  // RL_GROUP_DEVLAUNCH

@@ -27,17 +27,21 @@ CTL_DONE1 = 10
 CTL_WORDS = 64  # 256 bytes per block: no two blocks share a 128-byte line
 DOORBELL_STOP = 0xFFFFFFFF
 EXIT_SHUTDOWN, EXIT_DEADLINE, EXIT_STOPWORD, EXIT_DONE = 1, 2, 3, 4
+EXIT_LAUNCH_ERROR, EXIT_NOT_RUN = 5, 6  # a device-side graph launch failed / never ran in time
 EXIT_NAMES = {
     0: "still_running",
     EXIT_SHUTDOWN: "shutdown_word",
     EXIT_DEADLINE: "own_deadline",
     EXIT_STOPWORD: "stop_word",
     EXIT_DONE: "done",
+    EXIT_LAUNCH_ERROR: "launch_error",
+    EXIT_NOT_RUN: "launched_graph_never_ran",
 }
 
 KERNEL_GROUPS = {
     "core": ("rl_empty", "rl_doorbell", "rl_pingpong", "rl_stamp", "rl_timer_res"),
-    "graph": ("rl_while_body", "rl_switch_ctl", "rl_branch"),
+    "graph": ("rl_while_body", "rl_switch_ctl", "rl_branch", "rl_pp_gate", "rl_pp_work", "rl_pp_release"),
+    "devlaunch": ("rl_dl_launch", "rl_dl_target", "rl_dl_tail_loop", "rl_dl_persistent"),
 }
 ALL_KERNELS = tuple(k for g in KERNEL_GROUPS.values() for k in g)
 KERNEL_GROUP_OF = {k: g for g, ks in KERNEL_GROUPS.items() for k in ks}
@@ -60,6 +64,8 @@ def kernel_defines() -> list[str]:
         "RL_EXIT_DEADLINE": EXIT_DEADLINE,
         "RL_EXIT_STOPWORD": EXIT_STOPWORD,
         "RL_EXIT_DONE": EXIT_DONE,
+        "RL_EXIT_LAUNCH_ERROR": EXIT_LAUNCH_ERROR,
+        "RL_EXIT_NOT_RUN": EXIT_NOT_RUN,
     }
     out = [f"-D{k}={v}" for k, v in d.items()]
     out.append(f"-DRL_DOORBELL_STOP={DOORBELL_STOP:#x}u")
@@ -192,7 +198,7 @@ def print_kernel_table(summary: dict, loaded: dict | None = None) -> None:
         + ("; driver attributes after load" if loaded else "")
         + ")"
     )
-    hdr = f"  {'kernel':<16}{'group':<7}{'ok':<4}{'regs':>5}{'smem':>6}{'stack':>6}{'spill_st':>9}{'spill_ld':>9}"
+    hdr = f"  {'kernel':<18}{'group':<11}{'ok':<4}{'regs':>5}{'smem':>6}{'stack':>6}{'spill_st':>9}{'spill_ld':>9}"
     if loaded:
         hdr += f"  {'drv_regs':>8}{'local':>6}{'smem':>6}"
     print(hdr)
@@ -203,7 +209,7 @@ def print_kernel_table(summary: dict, loaded: dict | None = None) -> None:
             return "-" if x is None else str(x)
 
         line = (
-            f"  {name:<16}{k.get('group', '?'):<7}{'yes' if k.get('ok') else 'NO':<4}{f(k.get('regs')):>5}"
+            f"  {name:<18}{k.get('group', '?'):<11}{'yes' if k.get('ok') else 'NO':<4}{f(k.get('regs')):>5}"
             f"{f(k.get('smem_bytes')):>6}{f(k.get('stack_bytes')):>6}{f(k.get('spill_store_bytes')):>9}"
             f"{f(k.get('spill_load_bytes')):>9}"
         )

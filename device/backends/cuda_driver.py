@@ -273,8 +273,11 @@ def create_graph():
     return check(cu.cuGraphCreate(0), "cuGraphCreate")
 
 
-def instantiate_graph(graph):
-    return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+def instantiate_graph(graph, *, device_launch: bool = False):
+    """device_launch: a kernel may launch the result too (cudaGraphLaunch in device code); it
+    must be uploaded before the device launches it."""
+    flags = int(cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) if device_launch else 0
+    return check(cu.cuGraphInstantiate(graph, flags), "cuGraphInstantiate")
 
 
 def launch_graph(graph_exec, stream) -> None:
