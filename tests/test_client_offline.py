@@ -243,18 +243,6 @@ def test_late_stats_reply_goes_to_its_own_waiter(server):
         assert client.stats()["n"] == 2
 
 
-def test_close_ends_open_streams_and_aborts_on_server(server):
-    client = Client(server.address, timeout=5)
-    stream = client.generate(prompt_ids=[999], max_tokens=4)
-    assert wait_until(lambda: any(isinstance(r, P.GenerateRequest) for r in server.received))
-    client.close()
-    assert stream.wait().error_code == ERR_CLIENT_CLOSED
-    assert wait_until(lambda: stream.id in server.aborts)
-    with pytest.raises(RuntimeError):
-        client.generate("x")
-    client.close()  # idempotent
-
-
 class LateCloseClient(Client):
     """Holds its I/O thread between sending (step 4) and the stop check (step 8) until close() has run."""
 
@@ -264,13 +252,18 @@ class LateCloseClient(Client):
             wait_until(lambda: self._stopping, timeout=5)
 
 
-def test_close_that_lands_after_the_send_step_still_sends_its_aborts(server):
-    client = LateCloseClient(server.address, timeout=5)
+# LateCloseClient: a close() that lands after the I/O thread's send step still sends its aborts
+@pytest.mark.parametrize("client_class", [Client, LateCloseClient])
+def test_close_ends_open_streams_and_aborts_on_server(server, client_class):
+    client = client_class(server.address, timeout=5)
     stream = client.generate(prompt_ids=[999], max_tokens=4)
     assert wait_until(lambda: any(isinstance(r, P.GenerateRequest) for r in server.received))
     client.close()
     assert stream.wait().error_code == ERR_CLIENT_CLOSED
     assert wait_until(lambda: stream.id in server.aborts, timeout=5)
+    with pytest.raises(RuntimeError):
+        client.generate("x")
+    client.close()  # idempotent
 
 
 def test_server_disconnect_fails_in_flight_streams():
