@@ -3,12 +3,13 @@ missed or not measured, from the files a bring-up window returned.
 
     python -m ringleader.bench.goals E F --out DIR     # E, F: bring-up OUT folders (or any folders)
 
-Each argument is a folder (searched for the benchmark's results.json, the roofline's
-result.json and the gpu_limits probes' JSON, inside artifacts.tar.gz too) or one of those files.  Where a goal was measured more
-than once (runs E and F measure the same loads in opposite orders), every value is shown and the
-verdict needs all of them: the spread between the runs is part of the result.  Beside the goals,
-the bubble's design choices that run F's launch probes measured (bench/launch_designs.py).
-Writes DIR/summary.md and DIR/goals.json; a goal with no figure says "not measured".
+Each argument is a folder (searched for the benchmark's results.json, the roofline's result.json
+and the gpu_limits probes' JSON, inside artifacts.tar.gz too) or one of those files.  Where a goal
+was measured more than once (runs E and F measure the same loads in opposite orders), every value
+is shown and the verdict needs all of them: the spread between the runs is part of the result.
+Beside the goals, one row per step-boundary design that run F's launch probes measured
+(bench/launch_designs.py).  Writes DIR/summary.md and DIR/goals.json; a goal with no figure says
+"not measured".
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ tests/test_gpu_limits_simulated.py's.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,6 +61,30 @@ def test_compile_only_builds_every_kernel():
         # one-thread control kernels: nothing may go to local memory
         assert k["stack_bytes"] == 0 and k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, (name, k)
     assert f"compiled {N_KERNELS} of {N_KERNELS} kernels for sm_90" in r.stdout
+
+
+def test_every_kernel_compiles_with_the_gpu_images_nvrtc():
+    """The device machine compiles with NVRTC 13.0: the hand-declared graph builtins
+    (cudaGraphSetConditional, cudaGraphLaunch) and %current_graph_exec must compile there too."""
+    pytest.importorskip("cuda.bindings")
+    from ringleader.bench import gpu_image_toolchain
+    from ringleader.device.sched.build import NVRTC_ENV
+    from tests.conftest import fetched
+
+    toolchain = gpu_image_toolchain
+    library = fetched(f"NVRTC {toolchain.NVRTC}", toolchain.cached_nvrtc, toolchain.fetch_nvrtc)
+    r = subprocess.run(
+        [*COMMAND, "--compile-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, NVRTC_ENV: str(library)},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = _compile_line(r.stdout)
+    assert info["nvrtc"] == ".".join(toolchain.NVRTC.split(".")[:2]), info["nvrtc"]
+    assert info["ok"] and info["n_compiled"] == N_KERNELS, {k: v for k, v in info.items() if k != "kernels"}
 
 
 @pytest.mark.skipif(libcuda_present(), reason="a CUDA driver is installed here")

@@ -3,7 +3,7 @@
 // Compiled at run time by NVRTC to a CUBIN for the device's own arch (sm_90 on
 // H100/H200; sm_90 when there is no GPU). Header-free on purpose: no #include,
 // memory ordering through inline PTX, so the same text compiles anywhere NVRTC
-// runs. Two translation units are made from this one file:
+// runs. Three translation units are made from this one file:
 //   -DRL_GROUP_CORE   doorbell, ping-pong, stamps, timer resolution, empty
 //   -DRL_GROUP_GRAPH  conditional-graph bodies (use cudaGraphSetConditional)
 //   -DRL_GROUP_DEVLAUNCH  device-side graph launch (use cudaGraphLaunch)
