@@ -99,6 +99,19 @@ def engine_pids(replica: str) -> list[int]:
     return pids
 
 
+def live_replicas() -> set[str]:
+    """The replica ids of the engines running now (each engine's socket is named for its replica)."""
+    ids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmdline:
+            ids.update(Path(arg.decode(errors="replace")).stem for arg in cmdline if arg.endswith(b".sock"))
+    return ids
+
+
 def engine_address(replica: str) -> str:
     """The ZeroMQ address `replica`'s engine serves at (its --bind)."""
     (pid,) = engine_pids(replica)
@@ -361,7 +374,19 @@ def test_metrics_reach_rays_export_with_the_replica_label(app_url):
         return values
 
     assert wait_until(lambda: len(series("ray_ringleader_kv_cache_usage_perc")) >= 2, 60, 1.0)
-    assert set(series("ray_ringleader_kv_cache_usage_perc")) <= SEEN_REPLICAS  # the label: the replica's id
+
+    # the label: the id of a replica of this app, one that answered or one running now (Ray may have
+    # replaced a replica that failed a health check on a busy machine; its successor may not have answered yet)
+    def labels() -> set[str]:
+        return set(series("ray_ringleader_kv_cache_usage_perc"))
+
+    assert wait_until(lambda: len(live_replicas()) >= 2, 30, 1.0), live_replicas()  # both engines are found
+
+    assert wait_until(lambda: labels() <= SEEN_REPLICAS | live_replicas(), 30, 1.0), (
+        labels(),
+        SEEN_REPLICAS,
+        live_replicas(),
+    )
     # counters follow the engines' totals: every replica generated tokens by now
     assert wait_until(lambda: len(series("ray_ringleader_generation_tokens_total")) >= 2, 30, 1.0)
     assert all(v > 0 for v in series("ray_ringleader_generation_tokens_total").values())
