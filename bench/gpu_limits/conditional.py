@@ -12,6 +12,25 @@ from ringleader.bench.gpu_limits.device import Graphs, Probe
 from ringleader.device.backends import cuda_driver as drv
 
 
+def new_while(P: Probe, G: Graphs):
+    """A graph holding one WHILE node (its handle reset to 1 at each launch): (graph, handle, body)."""
+    g = G.create()
+    h = drv.conditional_handle(g, P.dev.ctx, 1, True)
+    WHILE = drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+    _, (body,) = drv.add_conditional_node(g, [], h, WHILE, 1, P.dev.ctx)
+    return g, h, body
+
+
+def counted_while_around(P: Probe, G: Graphs, child, state: int, stamps: int, cap: int):
+    """Instantiated: a WHILE whose body runs `child` (a graph, cloned) then rl_while_body, which
+    counts the iterations in state (run_counted_graph sets how many) and stamps up to cap."""
+    g, h, body = new_while(P, G)
+    node = drv.add_child_graph_node(body, [], child)
+    counter = drv.KernelArgs(U64(int(h)), PTR(state), PTR(stamps), U32(cap))
+    drv.add_kernel_node(body, [node], P.fn("rl_while_body"), counter)
+    return G.instantiate(g)
+
+
 def run_counted_graph(P: Probe, ge, state: int, n: int, stream, extra=None) -> tuple[float, int]:
     """Launch a WHILE graph whose body counts to n; returns (ms, count)."""
     dev, B = P.dev, P.B
@@ -77,11 +96,7 @@ def while_graph(P: Probe, G: Graphs) -> dict:
     cap = B.while_n
     stamps = dev.malloc(8 * cap)
     try:
-        g = G.create()
-        h = drv.conditional_handle(g, dev.ctx, 1, True)
-        _, (body,) = drv.add_conditional_node(
-            g, [], h, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1, dev.ctx
-        )
+        g, h, body = new_while(P, G)
         drv.add_kernel_node(body, [], f, drv.KernelArgs(U64(int(h)), PTR(state), PTR(stamps), U32(cap)))
         ge = G.instantiate(g)
         r = while_stats(P, ge, state, stamps, cap, s)
@@ -117,9 +132,7 @@ def switch_graph(P: Probe, G: Graphs) -> dict:
     stamps = dev.malloc(8 * cap)
     CT = drv.cu.CUgraphConditionalNodeType
     try:
-        g = G.create()
-        hw = drv.conditional_handle(g, dev.ctx, 1, True)
-        _, (body,) = drv.add_conditional_node(g, [], hw, CT.CU_GRAPH_COND_TYPE_WHILE, 1, dev.ctx)
+        g, hw, body = new_while(P, G)
         hs = drv.conditional_handle(body, dev.ctx, 0, False)
         k = drv.add_kernel_node(
             body, [], f_ctl, drv.KernelArgs(U64(int(hw)), U64(int(hs)), PTR(state), PTR(stamps), U32(cap))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringleader.bench.gpu_limits.common import PTR, U32, U64, Timeout, sub, summarize, trow
+from ringleader.bench.gpu_limits.conditional import new_while
 from ringleader.bench.gpu_limits.device import Graphs, Probe
 from ringleader.device.backends import cuda_driver as drv
 
@@ -27,10 +28,7 @@ WAKE, WORK, RELEASE = range(STAMPS)
 def _body_graph(
     P: Probe, G: Graphs, role: int, flag: int, state: int, stamps: int, n: int, work_ns: int, ctl
 ):
-    g = G.create()
-    h = drv.conditional_handle(g, P.dev.ctx, 1, True)
-    WHILE = drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-    _, (body,) = drv.add_conditional_node(g, [], h, WHILE, 1, P.dev.ctx)
+    g, h, body = new_while(P, G)
     deps: list = []
     if role != SOLO:
         gate_args = drv.KernelArgs(

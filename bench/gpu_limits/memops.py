@@ -10,7 +10,6 @@ import numpy as np
 from ringleader.bench.gpu_limits.common import (
     PTR,
     U32,
-    U64,
     Timeout,
     add_rescuer,
     remove_rescuer,
@@ -18,7 +17,7 @@ from ringleader.bench.gpu_limits.common import (
     summarize,
     trow,
 )
-from ringleader.bench.gpu_limits.conditional import run_counted_graph
+from ringleader.bench.gpu_limits.conditional import counted_while_around, run_counted_graph
 from ringleader.bench.gpu_limits.device import Graphs, Probe
 from ringleader.bench.gpu_limits.kernels import CTL_DOORBELL
 from ringleader.device.backends import cuda_driver as drv
@@ -204,20 +203,10 @@ def _memop_capture(P: Probe) -> dict:
 
         # can such a graph sit inside a WHILE body (as a child graph)?
         def in_while():
-            fw = P.fn("rl_while_body")
             state = dev.malloc(256)
             stamps = dev.malloc(64)
             try:
-                outer = G.create()
-                h = drv.conditional_handle(outer, dev.ctx, 1, True)
-                _, (wb,) = drv.add_conditional_node(
-                    outer, [], h, drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1, dev.ctx
-                )
-                child = drv.add_child_graph_node(wb, [], graph)
-                drv.add_kernel_node(
-                    wb, [child], fw, drv.KernelArgs(U64(int(h)), PTR(state), PTR(stamps), U32(8))
-                )
-                ge2 = G.instantiate(outer)
+                ge2 = counted_while_around(P, G, graph, state, stamps, 8)
                 drv.memset_d32(buf, 0, 1, s)
                 ms, cnt = run_counted_graph(P, ge2, state, 3, s)
                 return {"ok": cnt == 3, "count": cnt, "status": "ok"}

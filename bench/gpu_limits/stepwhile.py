@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringleader.bench.gpu_limits.common import PTR, U32, U64, summarize, trow
-from ringleader.bench.gpu_limits.conditional import run_counted_graph
+from ringleader.bench.gpu_limits.common import summarize, trow
+from ringleader.bench.gpu_limits.conditional import counted_while_around, run_counted_graph
 from ringleader.bench.gpu_limits.device import Graphs, Probe
 from ringleader.device.backends import cuda_driver as drv
 
@@ -79,14 +79,7 @@ def _measure(P: Probe, torch, step, out: dict) -> dict:
     stamps = dev.malloc(8 * n)
     s = P.work_stream
     try:
-        outer = G.create()
-        h = drv.conditional_handle(outer, dev.ctx, 1, True)
-        WHILE = drv.cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        _, (body,) = drv.add_conditional_node(outer, [], h, WHILE, 1, dev.ctx)
-        child = drv.add_child_graph_node(body, [], tg)
-        counter = drv.KernelArgs(U64(int(h)), PTR(state), PTR(stamps), U32(n))
-        drv.add_kernel_node(body, [child], P.fn("rl_while_body"), counter)
-        ge = G.instantiate(outer)
+        ge = counted_while_around(P, G, tg, state, stamps, n)
         drv.upload_graph(ge, s)
         run_counted_graph(P, ge, state, 1, s)  # warm-up
         while_ms, count = run_counted_graph(P, ge, state, n, s)
