@@ -126,8 +126,8 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     from ringleader.device.backends.cuda_graph_rules import GraphNotEmbeddable, check_conditional_body
     from ringleader.device.backends.step_graphs import StepGraphs
     from ringleader.device.model import LlamaModel
-    from ringleader.device.model.static_step import StaticStep
-    from ringleader.device.model.step_layout import StepLayout
+    from ringleader.device.step.static_step import StaticStep
+    from ringleader.device.step.step_layout import StepLayout
     from ringleader.ipc import layout as L
     from ringleader.ipc.rings import RingConfig
     from tests.sched_driver import Driver, scheduler

@@ -92,8 +92,8 @@ def build_hf_model(spec: str, device: str, seed: int = 0, dtype: str | None = No
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from ringleader.device.model import LlamaModel
-    from ringleader.device.model.gguf_checkpoint import is_gguf
     from ringleader.device.model.presets import PRESETS
+    from ringleader.device.weights.gguf_checkpoint import is_gguf
 
     dtype = getattr(torch, dtype or DTYPES.get(device, "float32"))
     if spec not in PRESETS:

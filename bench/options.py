@@ -9,7 +9,7 @@ from ringleader.bench import servers as S
 from ringleader.bench.load_plan import load_points
 from ringleader.bench.workloads import parse_rate
 from ringleader.device.engine_config import EngineConfig
-from ringleader.device.null_options import NULL_MODEL
+from ringleader.device.null.null_options import NULL_MODEL
 from ringleader.hostctl.serving.config import ServerConfig
 
 DEFAULT_COMPARE = "device,host,static"

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ringleader.device.model import LlamaModel, StepBatch
+from ringleader.device.model import LlamaModel
 from ringleader.device.model.presets import tokenizer_for
+from ringleader.device.step.step_batch import StepBatch
 
 RAW_PROMPTS = [
     "The history of the printing press begins",

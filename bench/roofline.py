@@ -37,10 +37,10 @@ if __package__ in (None, ""):
 
 from ringleader.bench import step_profile
 from ringleader.bench.report import save_json
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
-from ringleader.device.model.static_step import StaticStep
-from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.step_layout import StepLayout
 
 PAGE_SIZE = 16  # KV-cache positions per page, the engine's default
 

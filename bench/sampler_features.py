@@ -1,4 +1,4 @@
-"""What each sampling feature costs the sampler (device/model/sampling.py), side by side in one
+"""What each sampling feature costs the sampler (device/sampling/sampler.py), side by side in one
 process: the same rows and logits sampled plain, with min_p, with the penalties; the penalties and
 temperature division alone (penalize_and_scale, and on a GPU its one-launch Triton form, with the
 penalties on and with none, beside the bare division); the logprobs records (store_logprobs, and
@@ -26,7 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringleader.bench.report import save_json
-from ringleader.device.model.sampling import (
+from ringleader.device.sampling.sampler import (
     LOGPROBS_WORDS,
     SamplingTensors,
     penalize_and_scale,
@@ -110,7 +110,7 @@ def _measure(m: int, vocab: int, n_slots: int, repeats: int, device: str) -> dic
             lambda top=top: store_logprobs(table, slot, logits, tokens, top), repeats, device
         )
     if device == "cuda":
-        from ringleader.device.model.triton_sampling import penalize_and_scale_triton, store_logprobs_triton
+        from ringleader.device.sampling.triton_sampler import penalize_and_scale_triton, store_logprobs_triton
 
         row["penalize_scale_triton_ms"] = _median_ms(
             lambda: penalize_and_scale_triton(logits, penalized, divisor), repeats, device

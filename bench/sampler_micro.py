@@ -3,7 +3,7 @@
 Before, every step sampled all n_slots entries with a full sort of the vocabulary
 (`sorted_reference`, kept here as the specification the candidate sampler is tested against).
 Now a step samples min(bucket, n_slots) entries (a step never samples more entries than it has
-rows) and sorts nothing (device/model/sampling.py). Timed side by side in one process, median
+rows) and sorts nothing (device/sampling/sampler.py). Timed side by side in one process, median
 of repeats after a warm-up, on random llama-3-sized logits (vocab 128256), mixing greedy rows
 with top-k / top-p / plain temperature rows.
 
@@ -25,7 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringleader.bench.report import save_json
-from ringleader.device.model.sampling import SamplingTensors, counter_uniform, sample
+from ringleader.device.sampling.sampler import SamplingTensors, counter_uniform, sample
 
 
 def sorted_reference(logits, temperature, top_k, top_p, seed, counter):

@@ -2,7 +2,7 @@
 
 The step is walked on the meta device, where nothing is computed: a TorchDispatchMode counts
 every aten operator that launches a kernel (views and bare allocations launch none), and
-device/model/triton_launch.py records each Triton launch instead of running it. Forward hooks
+device/step/triton_launch.py records each Triton launch instead of running it. Forward hooks
 on the decoder layers split the count into what each layer costs and what the step costs
 around them (embedding, final norm, lm_head, sampling). In a captured graph each counted launch
 is one kernel node, paying launch and tail time inside the graph, which is why the decode step
@@ -32,9 +32,9 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from ringleader.bench.report import save_json
 from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.presets import preset_config
-from ringleader.device.model.static_step import StaticStep
-from ringleader.device.model.step_layout import StepLayout
-from ringleader.device.model.triton_launch import LaunchRecorder
+from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_launch import LaunchRecorder
 
 PAGE_SIZE = 16  # KV-cache positions per page, the engine's default
 

@@ -6,7 +6,7 @@ has is found there, late. Here the product step (StaticStep.run with Triton atte
 fused pointwise kernels, as the CUDA backend builds it) is walked on the meta device for every
 shape the product and the bring-up run, and so is the int4 matmul of GGUF weights kept
 quantized for each model's projections (triton_step_shapes.quant_matmul_shapes); each Triton
-launch is intercepted (device/model/triton_launch.py), and the specialization the importable
+launch is intercepted (device/step/triton_launch.py), and the specialization the importable
 Triton's launcher would compile for it is derived with Triton's own code (written against 3.6,
 the GPU image's; 3.9 gives the same derivation):
 
@@ -56,7 +56,7 @@ from ringleader.bench.report import save_json
 from ringleader.bench.triton_compile import compile_all
 from ringleader.bench.triton_specializations import Specialization, collect_specializations
 from ringleader.bench.triton_step_shapes import AotShape, NullStepShape, StepShape, aot_shapes
-from ringleader.device.model import triton_attention
+from ringleader.device.step import triton_attention
 
 HAVE_TRITON = triton_attention.HAVE_TRITON
 if HAVE_TRITON:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ringleader.bench.triton_specializations import WARP_SIZE, Specialization
-from ringleader.device.model import triton_attention
+from ringleader.device.step import triton_attention
 
 if triton_attention.HAVE_TRITON:
     import triton

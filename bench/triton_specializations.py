@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringleader.bench.triton_step_shapes import AotShape, walk
-from ringleader.device.model import triton_attention
-from ringleader.device.model.triton_launch import Launch, kernel_name
+from ringleader.device.step import triton_attention
+from ringleader.device.step.triton_launch import Launch, kernel_name
 
 if triton_attention.HAVE_TRITON:
     from triton import knobs

@@ -2,7 +2,7 @@
 at their CUDA defaults, SmolLM2), and the walk of one shape's StaticStep on the meta device that
 records its Triton launches (bench/triton_aot.py compiles what the walk launches).
 
-The int4 matmul of GGUF weights kept quantized (device/model/triton_quant_matmul.py) is walked
+The int4 matmul of GGUF weights kept quantized (device/weights/triton_quant_matmul.py) is walked
 on its own, per model's projections (`QuantMatmulShape`): every bucket of the CUDA default
 budget through every projection, 1 and 2 digits, in each activation dtype."""
 
@@ -17,18 +17,18 @@ import torch
 from ringleader.device.backends.cuda import default_buckets
 from ringleader.device.backends.cuda_preflight import GIB, plan_model_kv_cache
 from ringleader.device.engine_config import EngineConfig
-from ringleader.device.model import triton_attention
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
-from ringleader.device.model.null_model import NullModel
-from ringleader.device.model.null_step import NullStep
 from ringleader.device.model.presets import PRESETS, preset_config
-from ringleader.device.model.static_step import StaticStep
-from ringleader.device.model.step_layout import StepLayout
-from ringleader.device.model.triton_launch import Launch, LaunchRecorder
-from ringleader.device.model.triton_quant_matmul import TritonInt4Weight
-from ringleader.device.null_options import NullOptions
+from ringleader.device.null.null_model import NullModel
+from ringleader.device.null.null_options import NullOptions
+from ringleader.device.null.null_step import NullStep
+from ringleader.device.step import triton_attention
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_launch import Launch, LaunchRecorder
+from ringleader.device.weights.triton_quant_matmul import TritonInt4Weight
 
 # the device the CUDA defaults' KV pages are planned on (max_ctx None: the model's, cut to the
 # pool); the context reaches a specialization through the block table's row stride (pages per
@@ -205,7 +205,7 @@ class QuantMatmulShape:
 
 @dataclass(frozen=True)
 class NullStepShape:
-    """The null model's one-launch step (device/model/triton_null_step.py) at `n_slots` slots,
+    """The null model's one-launch step (device/null/triton_null_step.py) at `n_slots` slots,
     with and without its busy time."""
 
     name: str

@@ -10,7 +10,7 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from ringleader.device.null_options import NULL_MODEL, NullOptions
+from ringleader.device.null.null_options import NULL_MODEL, NullOptions
 from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,7 +53,7 @@ class EngineConfig:
     run_budget_s: float | None = None  # CUDA: the scheduler kernel exits on its own after this long
     # a Jinja chat template (a file, or the template text) that replaces the model's own (None: the model's)
     chat_template: str | None = None
-    # --model null (device/null_options.py): its vocabulary, the step's busy time in microseconds
+    # --model null (device/null/null_options.py): its vocabulary, the step's busy time in microseconds
     # and its output pattern (None: the null model's default; refused with any other model)
     null_vocab: int | None = None
     null_step_us: float | None = None

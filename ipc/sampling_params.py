@@ -13,10 +13,10 @@ from it:
   the server (top_k and token ids against the vocabulary, max_tokens against the server's cap);
 - `RING_FIELDS` is the `RlSampling` struct the SQ entry, the slot and the step's per-sample array
   hold (ipc/layout.py), so the scheduler copies the struct whole and never names a field, and the
-  step layout views one tensor per field (device/model/step_layout.py);
+  step layout views one tensor per field (device/step/step_layout.py);
 - `ringleader generate`'s options, the native clients' keywords and docs/protocol.md's table.
 
-Adding a sampling field: declare it here, read it in the sampler (device/model/sampling.py),
+Adding a sampling field: declare it here, read it in the sampler (device/sampling/sampler.py),
 test it.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # top_k's upper bound: the device sampler draws top-k and top-p from this many candidates
-# (device/model/sampling.py), so its cost does not grow with the vocabulary
+# (device/sampling/sampler.py), so its cost does not grow with the vocabulary
 MAX_TOP_K = 1024
 # stop_token_ids carried in one SQ entry (ipc/layout.py sizes RlSqEntry.stop_ids with it)
 MAX_STOP_TOKEN_IDS = 8

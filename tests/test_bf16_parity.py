@@ -15,9 +15,10 @@ import copy
 import pytest
 import torch
 
-from ringleader.device.model import LlamaModel, StepBatch
-from ringleader.device.model.static_step import StaticStep
-from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.model import LlamaModel
+from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.step_batch import StepBatch
+from ringleader.device.step.step_layout import StepLayout
 
 PROMPT = list(range(100, 120))
 STEPS, MAX_CTX, PAGE_SIZE = 32, 64, 16

@@ -12,15 +12,15 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from ringleader.device.model import LlamaModel  # noqa: E402
-from ringleader.device.model.gguf_checkpoint import (  # noqa: E402
+from ringleader.device.model.ops import rope_inv_freq  # noqa: E402
+from ringleader.device.weights.gguf_checkpoint import (  # noqa: E402
     GGUFError,
     config_from_gguf,
     gguf_metadata,
     load_gguf,
     open_gguf,
 )
-from ringleader.device.model.gguf_quants import UnsupportedQuantization  # noqa: E402
-from ringleader.device.model.ops import rope_inv_freq  # noqa: E402
+from ringleader.device.weights.gguf_quants import UnsupportedQuantization  # noqa: E402
 
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",

@@ -1,11 +1,11 @@
-"""device/model/gguf_quants.py against the `gguf` package's numpy reference dequantizer."""
+"""device/weights/gguf_quants.py against the `gguf` package's numpy reference dequantizer."""
 
 import numpy as np
 import pytest
 import torch
 
-from ringleader.device.model import gguf_quants
-from ringleader.device.model.gguf_quants import SUPPORTED, UnsupportedQuantization, dequantize
+from ringleader.device.weights import gguf_quants
+from ringleader.device.weights.gguf_quants import SUPPORTED, UnsupportedQuantization, dequantize
 
 gguf = pytest.importorskip("gguf")
 

@@ -372,7 +372,7 @@ def test_gpu_null_model_in_every_mode(scheduler, launch):
     """--model null on CUDA: its step graph is one kernel node per bucket (device scheduler), its
     tokens follow the pattern in every mode with the CPU backend's logprobs records, 256 streams
     each end once, and --null-step-us holds each step at least that long on the device."""
-    from ringleader.device.model.null_model import pattern_table, record_logprobs
+    from ringleader.device.null.null_model import pattern_table, record_logprobs
     from ringleader.device.text.tokenizer import ByteTokenizer
     from ringleader.ipc.client import Client
 

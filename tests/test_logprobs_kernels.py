@@ -1,6 +1,6 @@
 """The sampler's logprobs (sampling.token_logprobs, store_logprobs) and its out-of-place penalties
 and temperature (sampling.penalize_and_scale), in torch and as Triton launches
-(device/model/triton_sampling.py).
+(device/sampling/triton_sampler.py).
 
 torch: a record is log_softmax and topk of the raw logits, and store_logprobs writes only the
 rows that asked (and are valid) into their slots. Triton: the kernels run under the interpreter
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from ringleader.device.model.sampling import (
+from ringleader.device.sampling.sampler import (
     LOGPROBS_WORD,
     LOGPROBS_WORDS,
     SamplingTensors,
@@ -28,8 +28,8 @@ from ringleader.device.model.sampling import (
     store_logprobs,
     token_logprobs,
 )
-from ringleader.device.model.triton_launch import LaunchRecorder
-from ringleader.device.model.triton_sampling import HAVE_TRITON
+from ringleader.device.sampling.triton_sampler import HAVE_TRITON
+from ringleader.device.step.triton_launch import LaunchRecorder
 from ringleader.ipc.layout import PROMPT_MARK
 from ringleader.ipc.sampling_params import MAX_LOGPROBS
 from tests.triton_interpreter import run_interpreted_checks_of
@@ -160,7 +160,7 @@ def test_sample_leaves_the_logits_raw():
 def test_each_triton_form_is_one_launch_on_meta():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_sampling import penalize_and_scale_triton, store_logprobs_triton
+    from ringleader.device.sampling.triton_sampler import penalize_and_scale_triton, store_logprobs_triton
 
     n, vocab, n_slots = 5, 128256, 9
     meta = dict(device="meta")
@@ -192,7 +192,7 @@ def test_triton_forms_under_interpreter():
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_sampling as ts
+    from ringleader.device.sampling import triton_sampler as ts
 
     assert type(ts._store_logprobs_kernel).__name__ == "InterpretedFunction", "triton imported too early"
     t0 = time.perf_counter()
@@ -211,7 +211,7 @@ def run_interpreted_checks() -> None:
 def check_penalize_and_scale(vocab: int) -> None:
     """Bit for bit penalize_and_scale, with a count table (mixed rows: penalized and not, greedy
     divisor 1) and without one (the division alone); the logits are left as they were."""
-    from ringleader.device.model.triton_sampling import penalize_and_scale_triton
+    from ringleader.device.sampling.triton_sampler import penalize_and_scale_triton
 
     gen = torch.Generator().manual_seed(vocab)
     n = 8
@@ -246,7 +246,7 @@ def _assert_records_agree(got: torch.Tensor, want: torch.Tensor, logits: torch.T
 def check_store_logprobs(vocab: int) -> None:
     """store_logprobs_triton writes what store_logprobs writes, for the rows that asked and are
     below n_valid, and only the record's first n_top entries; other slots stay as they were."""
-    from ringleader.device.model.triton_sampling import store_logprobs_triton
+    from ringleader.device.sampling.triton_sampler import store_logprobs_triton
 
     gen = torch.Generator().manual_seed(vocab + 1)
     table, slot, logits, tokens, top_n = _store_case(gen, vocab=vocab)
@@ -279,7 +279,7 @@ def check_store_logprobs_ties() -> None:
     """Integer logits (many exact ties): the alternatives in (logit descending, id ascending)
     order, a stable sort's, and the logprobs those of store_logprobs; top_n as a strided view
     (the step layout's sample entries) and int64 tokens."""
-    from ringleader.device.model.triton_sampling import store_logprobs_triton
+    from ringleader.device.sampling.triton_sampler import store_logprobs_triton
 
     gen = torch.Generator().manual_seed(7)
     n, vocab = 4, 90
@@ -303,7 +303,7 @@ def check_store_logprobs_ties() -> None:
 def check_sample_with_triton_scale() -> None:
     """sample() draws the same tokens with the Triton scale as with the torch one, with and
     without a count table, and with stale rows (valid False)."""
-    from ringleader.device.model.triton_sampling import penalize_and_scale_triton
+    from ringleader.device.sampling.triton_sampler import penalize_and_scale_triton
 
     gen = torch.Generator().manual_seed(11)
     n, vocab = 15, 200

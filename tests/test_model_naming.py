@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ringleader.device.model.checkpoint import load_config
+from ringleader.device.weights.checkpoint import load_config
 from ringleader.ipc.client import Client
 from tests.conftest import running_server
 

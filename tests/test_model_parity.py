@@ -8,8 +8,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ringleader.device.model import KVCache, LlamaModel, ModelConfig, StepBatch, generate_greedy  # noqa: E402
-from ringleader.device.model.checkpoint import iter_safetensors  # noqa: E402
+from ringleader.device.model import LlamaModel, ModelConfig, generate_greedy  # noqa: E402
+from ringleader.device.step.kv_cache import KVCache  # noqa: E402
+from ringleader.device.step.step_batch import StepBatch  # noqa: E402
+from ringleader.device.weights.checkpoint import iter_safetensors  # noqa: E402
 
 PROMPTS = [[1, 5, 17, 200, 33], [1, 250, 3, 3, 90, 91, 92, 7], [1, 42]]
 N_NEW = 16

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ringleader.device.engine_config import EngineConfig
-from ringleader.device.model.null_model import NULL_LOGIT, NullModel, pattern_table, record_logprobs
-from ringleader.device.model.null_step import NullStep
-from ringleader.device.model.sampling import LOGPROBS_WORD
-from ringleader.device.model.step_layout import StepLayout
-from ringleader.device.null_options import NullOptions
+from ringleader.device.null.null_model import NULL_LOGIT, NullModel, pattern_table, record_logprobs
+from ringleader.device.null.null_options import NullOptions
+from ringleader.device.null.null_step import NullStep
+from ringleader.device.sampling.sampler import LOGPROBS_WORD
+from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.text.tokenizer import ByteTokenizer
 from ringleader.ipc.client import Client
 from tests.conftest import running_server

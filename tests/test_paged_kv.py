@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringleader.device.model import KVCache, LlamaModel, StepBatch, preset_config
+from ringleader.device.model import LlamaModel, preset_config
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_batch import StepBatch
 
 PS, N_SLOTS, MAX_CTX = 4, 3, 40
 M = MAX_CTX // PS
@@ -127,7 +129,7 @@ def test_decode_rows_of_very_different_lengths_attend_in_groups_and_match_alone(
     """Decode rows at contexts 3, 5, 90 and 7: one batch padded to 90 would read over four times
     what they need, so the plan groups them by length (powers of two); each row's logits equal
     the row decoded alone."""
-    from ringleader.device.model.step_batch import StepPlan
+    from ringleader.device.step.step_batch import StepPlan
 
     lengths = [3, 5, 90, 7]
     kv = model.new_kv_cache(len(lengths), 96)

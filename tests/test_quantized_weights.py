@@ -12,10 +12,10 @@ gguf = pytest.importorskip("gguf")
 
 from ringleader.device.engine_config import EngineConfig  # noqa: E402
 from ringleader.device.model import LlamaModel  # noqa: E402
-from ringleader.device.model.gguf_quants import BLOCK_LAYOUTS  # noqa: E402
-from ringleader.device.model.quant_weights import DIGIT_FORMS, GGUFMatrix, RowBands, cat_rows  # noqa: E402
-from ringleader.device.model.triton_quant_matmul import dense_digits  # noqa: E402 - the digits' reference
-from ringleader.device.model.weight_kernels import (  # noqa: E402
+from ringleader.device.weights.gguf_quants import BLOCK_LAYOUTS  # noqa: E402
+from ringleader.device.weights.quant_weights import DIGIT_FORMS, GGUFMatrix, RowBands, cat_rows  # noqa: E402
+from ringleader.device.weights.triton_quant_matmul import dense_digits  # noqa: E402 - the digits' reference
+from ringleader.device.weights.weight_kernels import (  # noqa: E402
     CpuInt4Matmul,
     KernelLinear,
     dense_matmul,

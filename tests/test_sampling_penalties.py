@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ringleader.device.model.sampling import (
+from ringleader.device.sampling.sampler import (
     SamplingTensors,
     any_penalty,
     apply_penalties,

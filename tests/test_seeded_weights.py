@@ -1,5 +1,5 @@
 """The presets' random weights are one model on every device: a counter hash in integer
-arithmetic (device/model/seeded_weights.py), not a device generator. On the H200 (2026-11-28)
+arithmetic (device/weights/seeded_weights.py), not a device generator. On the H200 (2026-11-28)
 `tiny` seeded 0 drew different weights on the GPU than on the CPU, so the CPU backend and
 transformers-on-CUDA disagreed at the first token; these tests hold what makes that impossible."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringleader.device.model import LlamaModel
-from ringleader.device.model import seeded_weights as sw
+from ringleader.device.weights import seeded_weights as sw
 
 
 def hash_in_python(values: np.ndarray) -> np.ndarray:

@@ -21,14 +21,14 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ringleader.device.model.triton_attention import (
+from ringleader.device.step.triton_attention import (
     DEFAULT_SM_COUNT,
     HAVE_TRITON,
     MAX_SPLITS,
     choose_splits,
     ragged_attention_reference,
 )
-from ringleader.device.model.triton_launch import LaunchRecorder
+from ringleader.device.step.triton_launch import LaunchRecorder
 from tests.triton_interpreter import run_interpreted_checks_of
 
 
@@ -180,7 +180,7 @@ def rows_for(max_ctx):
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_attention as ta
+    from ringleader.device.step import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
     for case in CASES:
@@ -312,7 +312,7 @@ def _meta_inputs(T=3, H=32, KV=8, D=128, S=5, max_ctx=4096, page_size=16, n_page
 def test_launches_recorded_on_meta_tensors(n_splits, kernels):
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.step.triton_attention import ragged_attention_triton
 
     q, k, v, table, slot_of, positions = _meta_inputs()
     with LaunchRecorder() as rec:
@@ -324,7 +324,7 @@ def test_launches_recorded_on_meta_tensors(n_splits, kernels):
 def test_auto_splits_on_a_full_bucket_is_the_single_launch():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.step.triton_attention import ragged_attention_triton
 
     T = -(-DEFAULT_SM_COUNT // 8)  # T x 8 kv heads programs fill the SMs on their own
     q, k, v, table, slot_of, positions = _meta_inputs(T=T)
@@ -338,7 +338,7 @@ def test_auto_splits_plan_for_the_block_tables_reach(max_ctx, page_size):
     """choose_splits sees max_ctx = pages per slot * page size, not the pool's size."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_attention import launch_config, ragged_attention_triton
+    from ringleader.device.step.triton_attention import launch_config, ragged_attention_triton
 
     seen = []
     q, k, v, table, slot_of, positions = _meta_inputs(T=1, max_ctx=max_ctx, page_size=page_size, n_pages=4096)
@@ -356,7 +356,7 @@ def test_auto_splits_plan_for_the_block_tables_reach(max_ctx, page_size):
 def test_rejects_zero_splits():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.step.triton_attention import ragged_attention_triton
 
     with pytest.raises(ValueError, match="n_splits"):
         ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=0)
@@ -365,7 +365,7 @@ def test_rejects_zero_splits():
 def test_rejects_a_page_size_not_a_power_of_two():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_attention import ragged_attention_triton
+    from ringleader.device.step.triton_attention import ragged_attention_triton
 
     q, k, v, _, slot_of, positions = _meta_inputs(max_ctx=4800, page_size=48)
     table = torch.empty(5, 100, dtype=torch.int32, device="meta")

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from ringleader.device.model import EagerStep, KVCache, LlamaModel, StepBatch
-from ringleader.device.model.static_step import StaticStep
-from ringleader.device.model.step_layout import StepLayout
-from ringleader.device.model.triton_attention import ragged_attention_reference
+from ringleader.device.model import LlamaModel
+from ringleader.device.step.eager_step import EagerStep
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.step_batch import StepBatch
+from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_attention import ragged_attention_reference
 from ringleader.ipc import layout as L
 from ringleader.ipc.rings import RingConfig
 from tests.sched_driver import Driver, scheduler
@@ -30,7 +33,7 @@ def test_triton_under_interpreter():
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_attention as ta
+    from ringleader.device.step import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
     model = LlamaModel.from_preset("tiny", torch.float32, "cpu", seed=0)
@@ -45,7 +48,7 @@ def run_interpreted_checks() -> None:
 
 
 def test_reference_matches_eager_ragged_attention():
-    from ringleader.device.model.eager_attention import ragged_attention
+    from ringleader.device.step.eager_attention import ragged_attention
 
     gen = torch.Generator().manual_seed(1)
     n_pages, ps, m = 40, 4, 10

@@ -1,7 +1,7 @@
 """The decode step's kernel count (bench/step_kernels.py), so a regression shows in CI.
 
 The count walks the static step on the meta device: aten operators through a dispatch mode,
-Triton launches through device/model/triton_launch.py. The issue's bar is at most 12 kernels
+Triton launches through device/step/triton_launch.py. The issue's bar is at most 12 kernels
 per decoder layer; today's product path is 4 GEMMs and 6 Triton kernels.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from ringleader.bench import step_kernels
 from ringleader.bench.step_kernels import KernelCounter, count_step
-from ringleader.device.model.triton_attention import HAVE_TRITON
+from ringleader.device.step.triton_attention import HAVE_TRITON
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 

@@ -33,15 +33,12 @@ from ringleader.bench import (
 )
 from ringleader.bench.step_kernels import count_step
 from ringleader.bench.triton_compile import max_warps_for_registers, parse_res_usage
-from ringleader.device.model import (
-    triton_attention,
-    triton_fused,
-    triton_null_step,
-    triton_quant_matmul,
-    triton_sampling,
-)
-from ringleader.device.model.triton_attention import HAVE_TRITON
-from ringleader.device.model.triton_launch import Launch, LaunchRecorder, launch
+from ringleader.device.null import triton_null_step
+from ringleader.device.sampling import triton_sampler as triton_sampling
+from ringleader.device.step import triton_attention, triton_fused
+from ringleader.device.step.triton_attention import HAVE_TRITON
+from ringleader.device.step.triton_launch import Launch, LaunchRecorder, launch
+from ringleader.device.weights import triton_quant_matmul
 from tests.conftest import fetched
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +103,7 @@ def test_the_recorder_hands_over_each_launch():
 
 
 def test_smollm2_shapes_are_the_files(smollm2_gguf):
-    from ringleader.device.model.gguf_checkpoint import config_from_gguf, open_gguf
+    from ringleader.device.weights.gguf_checkpoint import config_from_gguf, open_gguf
 
     real = config_from_gguf(open_gguf(smollm2_gguf))
     ours = triton_step_shapes.SMOLLM2_CONFIG

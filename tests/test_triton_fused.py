@@ -1,4 +1,4 @@
-"""The fused pointwise kernels (device/model/triton_fused.py) against the torch ops of ops.py.
+"""The fused pointwise kernels (device/step/triton_fused.py) against the torch ops of ops.py.
 
 As in test_static_step.py, the kernels run under the Triton interpreter in a child process
 started with TRITON_INTERPRET=1 (`run_interpreted_checks`); the test skips without triton.
@@ -21,8 +21,8 @@ import torch
 
 from ringleader.device.model import ops
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.model.triton_fused import HAVE_TRITON
-from ringleader.device.model.triton_launch import LaunchRecorder
+from ringleader.device.step.triton_fused import HAVE_TRITON
+from ringleader.device.step.triton_launch import LaunchRecorder
 from tests.triton_interpreter import run_interpreted_checks_of
 
 
@@ -32,7 +32,7 @@ def test_fused_kernels_under_interpreter():
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_fused as tf
+    from ringleader.device.step import triton_fused as tf
 
     global BF16_TRUNCATES
     assert type(tf._silu_mul_kernel).__name__ == "InterpretedFunction", "triton imported too early"
@@ -60,8 +60,8 @@ def run_interpreted_checks() -> None:
 def check_counter_uniform() -> None:
     """The sampler's hash as one Triton launch: bit for bit sampling.counter_uniform, over seeds
     at the int64 edges and counters of either width (so a seed draws the same on every path)."""
-    from ringleader.device.model.sampling import counter_uniform
-    from ringleader.device.model.triton_sampling import counter_uniform_triton
+    from ringleader.device.sampling.sampler import counter_uniform
+    from ringleader.device.sampling.triton_sampler import counter_uniform_triton
 
     gen = torch.Generator().manual_seed(9)
     seed = torch.randint(-(2**63), 2**63 - 1, (3000,), generator=gen, dtype=torch.int64)
@@ -79,9 +79,9 @@ def check_penalize_and_scale() -> None:
     clamped into it), the penalties as strided views of the step layout's sample entries, into a
     new tensor (the logits stay raw); a row without a penalty is only divided, whatever its
     counts hold."""
-    from ringleader.device.model.sampling import SamplingTensors, penalize_and_scale
-    from ringleader.device.model.step_layout import StepLayout
-    from ringleader.device.model.triton_sampling import penalize_and_scale_triton
+    from ringleader.device.sampling.sampler import SamplingTensors, penalize_and_scale
+    from ringleader.device.sampling.triton_sampler import penalize_and_scale_triton
+    from ringleader.device.step.step_layout import StepLayout
     from ringleader.ipc.layout import PROMPT_MARK
 
     gen = torch.Generator().manual_seed(4)
@@ -193,7 +193,7 @@ def _rows(T: int, n: int, dtype: torch.dtype, gen: torch.Generator, strided: boo
 
 
 def check_add_rms_norm(dtype: torch.dtype, T: int, hidden: int, strided: bool) -> None:
-    from ringleader.device.model.triton_fused import add_rms_norm
+    from ringleader.device.step.triton_fused import add_rms_norm
 
     gen = torch.Generator().manual_seed(hidden + T)
     eps = 1e-5
@@ -217,7 +217,7 @@ def check_add_rms_norm(dtype: torch.dtype, T: int, hidden: int, strided: bool) -
 
 
 def check_silu_mul(dtype: torch.dtype, T: int, inter: int, strided: bool) -> None:
-    from ringleader.device.model.triton_fused import silu_mul
+    from ringleader.device.step.triton_fused import silu_mul
 
     gen = torch.Generator().manual_seed(inter + T)
     if strided:  # column stride T: a transposed buffer
@@ -308,7 +308,7 @@ def check_rope_store_kv(
 ) -> None:
     """layout: "contiguous"; "transposed" (qkv column stride T, pages stored [P, KV, PS, D]);
     "padded" (qkv a column slice of a wider buffer, pages layer 1 of a [2, P, PS, KV, D] pair)."""
-    from ringleader.device.model.triton_fused import rope_store_kv
+    from ringleader.device.step.triton_fused import rope_store_kv
 
     cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(H * 100 + D + page_size)
@@ -407,7 +407,7 @@ def check_rope_store_kv(
 def test_each_wrapper_is_one_launch_on_meta():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+    from ringleader.device.step.triton_fused import add_rms_norm, rope_store_kv, silu_mul
 
     meta = dict(device="meta", dtype=torch.bfloat16)
     T, hidden, inter, H, KV, D, S, C, PS = 7, 4096, 14336, 32, 8, 128, 9, 64, 16
@@ -445,7 +445,7 @@ def test_each_wrapper_is_one_launch_on_meta():
 def test_shape_errors():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from ringleader.device.model.triton_fused import add_rms_norm, rope_store_kv, silu_mul
+    from ringleader.device.step.triton_fused import add_rms_norm, rope_store_kv, silu_mul
 
     meta = dict(device="meta", dtype=torch.float16)
     with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""The int4 dequantize-in-the-matmul kernel (device/model/triton_quant_matmul.py) against the
+"""The int4 dequantize-in-the-matmul kernel (device/weights/triton_quant_matmul.py) against the
 dense float32 reference, and the packing, the digit checks and the launch plan on their own.
 
 The kernel runs under the Triton interpreter in a child process started with TRITON_INTERPRET=1
@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from ringleader.device.model import triton_attention
-from ringleader.device.model.triton_launch import Launch, LaunchRecorder
-from ringleader.device.model.triton_quant_matmul import (
+from ringleader.device.step import triton_attention
+from ringleader.device.step.triton_launch import Launch, LaunchRecorder
+from ringleader.device.weights.triton_quant_matmul import (
     HAVE_TRITON,
     MAX_SPLITS,
     TritonInt4Weight,
@@ -218,7 +218,7 @@ def splits_launched(shape, m: int, dtype: torch.dtype, n_splits: int) -> int:
 
 def run_interpreted_checks() -> None:
     """Entry point of the child process (TRITON_INTERPRET=1 set before anything imported triton)."""
-    from ringleader.device.model import triton_quant_matmul as tq
+    from ringleader.device.weights import triton_quant_matmul as tq
     from tests.test_triton_fused import _interpreter_rounds_bf16_to_nearest
 
     assert type(tq._int4_matmul_kernel).__name__ == "InterpretedFunction", "triton imported too early"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ringleader.device.model.triton_attention import HAVE_TRITON
+from ringleader.device.step.triton_attention import HAVE_TRITON
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ from ringleader.device.backends.kv_pool import KvPool
 from ringleader.device.engine_config import POLICIES as POLICY_NAMES
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.model import LlamaModel
-from ringleader.device.model.null_model import NullModel
 from ringleader.device.model.presets import tokenizer_for
+from ringleader.device.null.null_model import NullModel
 from ringleader.device.text.chat_template import load_template_override
 from ringleader.device.text.tokenizer import IncrementalDetokenizer
 from ringleader.ipc import layout

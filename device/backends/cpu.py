@@ -29,11 +29,12 @@ from ringleader.device.backends.doorbells import Doorbells
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
-from ringleader.device.model import EagerStep, StepLayout
-from ringleader.device.model.kv_cache import KVCache
-from ringleader.device.model.null_model import NullModel
-from ringleader.device.model.null_step import NullStep
+from ringleader.device.null.null_model import NullModel
+from ringleader.device.null.null_step import NullStep
 from ringleader.device.sched.build import CpuScheduler
+from ringleader.device.step.eager_step import EagerStep
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_layout import StepLayout
 from ringleader.ipc import layout
 from ringleader.ipc.backend import Backend, EngineDead
 from ringleader.ipc.histogram import HistogramSnapshot

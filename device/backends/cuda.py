@@ -58,10 +58,10 @@ from ringleader.device.backends.launch_graph import HostStampedGraphs, LaunchGra
 from ringleader.device.backends.step_graphs import StepGraphs
 from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reason
 from ringleader.device.model import LlamaModel
-from ringleader.device.model.kv_cache import KVCache
-from ringleader.device.model.null_model import NullModel
-from ringleader.device.model.null_step import NullStep
+from ringleader.device.null.null_model import NullModel
+from ringleader.device.null.null_step import NullStep
 from ringleader.device.sched.build import KERNEL_NAME, KERNELS, CpuScheduler, compile_kernel
+from ringleader.device.step.kv_cache import KVCache
 from ringleader.ipc import layout
 from ringleader.ipc.backend import Backend, EngineDead
 from ringleader.ipc.histogram import HistogramSnapshot
@@ -96,8 +96,8 @@ class CudaBackend(Doorbells, Backend):
     def __init__(self, config: EngineConfig | str | None = None, /, **fields):
         """config: an EngineConfig, or a model spec; fields: EngineConfig fields by name
         (CudaBackend("tiny", scheduler="host")).  threads is not used here."""
-        from ringleader.device.model.static_step import StaticStep
-        from ringleader.device.model.step_layout import StepLayout
+        from ringleader.device.step.static_step import StaticStep
+        from ringleader.device.step.step_layout import StepLayout
 
         cfg = self.config = EngineConfig.of(config, **fields).resolved("cuda")  # validated there
         scheduler, launch, n_slots = cfg.scheduler, cfg.launch, cfg.n_slots

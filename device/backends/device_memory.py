@@ -9,7 +9,7 @@ import torch
 
 from ringleader.device.backends import cuda_driver as drv
 from ringleader.device.backends.host_memory import HostMemory, context_table
-from ringleader.device.model.step_layout import SOURCE_ARRAYS, STEP_OUTPUTS
+from ringleader.device.step.step_layout import SOURCE_ARRAYS, STEP_OUTPUTS
 from ringleader.ipc import layout
 from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 

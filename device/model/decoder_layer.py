@@ -5,7 +5,7 @@ The body is shared by the eager step (`LlamaModel.step`, the CPU backend) and th
 in: the KV-cache side as a `CacheAttention` (RoPE with the k/v write into the cache, and
 attention reading it back: `EagerAttention` with a Python-side plan, or `StaticAttention` with
 fixed shapes and index tensors), and the pointwise kernels as `PointwiseKernels` (torch's
-device/model/ops.py, or the fused Triton kernels of device/model/triton_fused.py). The matrix
+device/model/ops.py, or the fused Triton kernels of device/step/triton_fused.py). The matrix
 products and the order of everything are written here once.
 
 The residual stream travels as (x, delta): each block's output is added by the next block's
@@ -39,7 +39,7 @@ class CacheAttention(Protocol):
 
 
 class PointwiseKernels(Protocol):
-    """device/model/ops.py (torch) or device/model/triton_fused.py (one launch each)."""
+    """device/model/ops.py (torch) or device/step/triton_fused.py (one launch each)."""
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

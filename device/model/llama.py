@@ -6,7 +6,7 @@ that slot's cached prefix.
 
 `LlamaModel.forward` is the trunk both steps share (embedding, the layers, final norm and
 lm_head on the sampled rows); each step passes in its own KV-cache side (`CacheAttention`):
-`step` (a StepBatch through the eager one, device/model/eager_attention.py; `EagerStep.run`
+`step` (a StepBatch through the eager one, device/step/eager_attention.py; `EagerStep.run`
 calls it), `StaticStep.run` the capturable one, and its pointwise kernels (torch's ops, or the
 fused Triton ones on the GPU).
 """
@@ -22,18 +22,18 @@ import torch
 from torch import nn
 
 from ringleader.device.model import ops
-from ringleader.device.model.checkpoint import hf_to_internal, load_config, load_state_dict
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.decoder_layer import CacheAttention, DecoderLayer, PointwiseKernels, RMSNorm
-from ringleader.device.model.eager_attention import EagerAttention
-from ringleader.device.model.gguf_checkpoint import is_gguf, load_gguf
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.ops import rope_tables
 from ringleader.device.model.presets import LOGIT_STD, PRESETS, preset_config
-from ringleader.device.model.quant_weights import GGUFMatrix, Weight
-from ringleader.device.model.seeded_weights import fill_uniform_
-from ringleader.device.model.step_batch import StepBatch
-from ringleader.device.model.weight_kernels import (
+from ringleader.device.step.eager_attention import EagerAttention
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_batch import StepBatch
+from ringleader.device.weights.checkpoint import hf_to_internal, load_config, load_state_dict
+from ringleader.device.weights.gguf_checkpoint import is_gguf, load_gguf
+from ringleader.device.weights.quant_weights import GGUFMatrix, Weight
+from ringleader.device.weights.seeded_weights import fill_uniform_
+from ringleader.device.weights.weight_kernels import (
     KernelLinear,
     Matmul,
     StoredEmbedding,
@@ -45,7 +45,7 @@ from ringleader.device.model.weight_kernels import (
 Device = str | torch.device
 
 # how the weight matrices are stored: in the model's dtype, in bf16 (beside fp32 activations),
-# or as the GGUF file's quantization (device/model/weight_kernels.py)
+# or as the GGUF file's quantization (device/weights/weight_kernels.py)
 WEIGHT_FORMS = ("dense", "bfloat16", "quantized")
 
 
@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
         weights: str = "dense",
     ) -> LlamaModel:
         """A Llama-family GGUF file: dequantized to `dtype` at load, or with weights="quantized"
-        its quantized matrices kept as they are in the file (device/model/quant_weights.py)."""
+        its quantized matrices kept as they are in the file (device/weights/quant_weights.py)."""
         config, state = load_gguf(path, dtype, device, keep_quantized=weights == "quantized")
         internal = hf_to_internal(state, config)
         stored = {k: v for k, v in internal.items() if not isinstance(v, torch.Tensor)}
@@ -149,7 +149,7 @@ class LlamaModel(nn.Module):
     def use_weight_kernels(
         self, weights: str = "dense", stored: dict[str, Weight] | None = None
     ) -> LlamaModel:
-        """Puts each matrix behind its kernel (device/model/weight_kernels.py): the `stored` ones
+        """Puts each matrix behind its kernel (device/weights/weight_kernels.py): the `stored` ones
         (GGUF matrices kept quantized, by internal name) through theirs; on the CPU every dense
         one through the thread-split matmul, in bf16 with weights="bfloat16". On CUDA dense
         matrices stay nn.Linear. Returns self."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ringleader.device.model.gguf_checkpoint import is_gguf
 from ringleader.device.model.presets import PRESETS
-from ringleader.device.null_options import NULL_MODEL
+from ringleader.device.null.null_options import NULL_MODEL
+from ringleader.device.weights.gguf_checkpoint import is_gguf
 
 GGUF_MAGIC = b"GGUF"
 

@@ -2,7 +2,7 @@
 RoPE and the SwiGLU gate.
 
 These are the reference and the CPU path. The CUDA-graph step runs the fused Triton kernels of
-device/model/triton_fused.py instead (one launch each, the same contract): the layer body
+device/step/triton_fused.py instead (one launch each, the same contract): the layer body
 takes either as its `PointwiseKernels` (this module, or that one), and RoPE reaches it through
 the step's `CacheAttention.rope_and_store`. The op order inside each function is what the
 bit-identity tests pin down: keep it here.

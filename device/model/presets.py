@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.model.gguf_checkpoint import gguf_metadata, is_gguf
-from ringleader.device.null_options import NULL_MODEL
+from ringleader.device.null.null_options import NULL_MODEL
 from ringleader.device.text.tokenizer import ByteTokenizer, load_tokenizer
+from ringleader.device.weights.gguf_checkpoint import gguf_metadata, is_gguf
 
 _BYTE = ByteTokenizer
 

@@ -18,7 +18,7 @@ from ringleader.device.engine_config import (
     WEIGHTS,
     EngineConfig,
 )
-from ringleader.device.null_options import NULL_DEFAULT_VOCAB, NULL_PATTERNS
+from ringleader.device.null.null_options import NULL_DEFAULT_VOCAB, NULL_PATTERNS
 from ringleader.hostctl.serving.config import ServerConfig
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ringleader.device.model.step_layout import StepLayout
+    from ringleader.device.step.step_layout import StepLayout
 
 
 @dataclass

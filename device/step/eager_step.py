@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
-from ringleader.device.model.sampling import any_penalty, sample, store_logprobs
-from ringleader.device.model.step_batch import StepBatch
-from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.sampling.sampler import any_penalty, sample, store_logprobs
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_batch import StepBatch
+from ringleader.device.step.step_layout import StepLayout
 
 
 class EagerStep:

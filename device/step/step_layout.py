@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ringleader.device.model.sampling import RING_DTYPES, SamplingTensors
+from ringleader.device.sampling.sampler import RING_DTYPES, SamplingTensors
 from ringleader.ipc import layout
 from ringleader.ipc.sampling_params import FIELD
 

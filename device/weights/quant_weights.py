@@ -5,7 +5,7 @@ be reordered and concatenated without decoding: llama.cpp's Q/K row permutation 
 the bytes, and q|k|v or gate|up fuse by stacking rows). A fused projection whose parts differ in
 type (a Q4_K_M file's attn_v in Q6_K beside Q4_K q and k) is a `RowBands`: parts stacked by row.
 
-The matmul kernels (torch's int4 CPU kernel; device/model/triton_quant_matmul.py on CUDA) take
+The matmul kernels (torch's int4 CPU kernel; device/weights/triton_quant_matmul.py on CUDA) take
 weights as int4 *digits*, each
     W[n, k] = codes[n, k] * scale[n, k // G] + zero[n, k // G]     codes in [0, 15], float32
 and a weight is the sum of one or two digits. Every GGUF type whose codes span at most 256 values
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringleader.device.model.gguf_quants import BLOCK_LAYOUTS, block_codes, dequantize
+from ringleader.device.weights.gguf_quants import BLOCK_LAYOUTS, block_codes, dequantize
 
 # ggml type -> (the lowest code, digits): codes span [base, base + 16 ** digits)
 DIGIT_FORMS: dict[str, tuple[int, int]] = {

@@ -1,4 +1,4 @@
-"""The null model's options (`--model null`; device/model/null_model.py is the model), apart from
+"""The null model's options (`--model null`; device/null/null_model.py is the model), apart from
 it so that EngineConfig checks them without importing torch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The null model's step (device/model/null_model.py): `run(bucket, layout)` with the contract of
+"""The null model's step (device/null/null_model.py): `run(bucket, layout)` with the contract of
 EagerStep.run on the CPU and of StaticStep.run for capture on CUDA, and no arithmetic.
 
 For each live sample entry i: next_token[sample_slot[i]] = table[token_ids[sample_row[i]]], and
@@ -22,9 +22,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ringleader.device.model.null_model import NullModel, record_logprobs
-from ringleader.device.model.sampling import LOGPROBS_WORDS
-from ringleader.device.model.step_layout import StepLayout
+from ringleader.device.null.null_model import NullModel, record_logprobs
+from ringleader.device.sampling.sampler import LOGPROBS_WORDS
+from ringleader.device.step.step_layout import StepLayout
 from ringleader.ipc.sampling_params import MAX_LOGPROBS
 
 _NATIVE_SOURCE = r"""
@@ -143,7 +143,7 @@ class NullStep:
         returns an empty tensor (there are no logits). On the CPU bucket is n_tokens; on CUDA
         the entries are the first min(bucket, n_slots), live below n_samples."""
         if self.kernel == "triton":
-            from ringleader.device.model.triton_null_step import null_step_triton
+            from ringleader.device.null.triton_null_step import null_step_triton
 
             null_step_triton(self.table, self.n_slots, self.step_ns, bucket, layout)
         elif self.kernel == "native":

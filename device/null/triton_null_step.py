@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.model.null_model import record_logprobs
-from ringleader.device.model.sampling import LOGPROBS_WORD, LOGPROBS_WORDS
-from ringleader.device.model.triton_launch import launch
+from ringleader.device.null.null_model import record_logprobs
+from ringleader.device.sampling.sampler import LOGPROBS_WORD, LOGPROBS_WORDS
+from ringleader.device.step.triton_launch import launch
 from ringleader.ipc.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
-    from ringleader.device.model.step_layout import StepLayout
+    from ringleader.device.step.step_layout import StepLayout
 
 try:
     import triton

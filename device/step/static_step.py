@@ -36,12 +36,12 @@ import torch
 
 from ringleader.device.model import ops
 from ringleader.device.model.decoder_layer import PointwiseKernels
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.ops import rope_split
-from ringleader.device.model.sampling import counter_uniform, penalize_and_scale, sample, store_logprobs
-from ringleader.device.model.step_layout import StepLayout
-from ringleader.device.model.triton_attention import ragged_attention_reference
+from ringleader.device.sampling.sampler import counter_uniform, penalize_and_scale, sample, store_logprobs
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_attention import ragged_attention_reference
 
 
 class StaticAttention:
@@ -90,7 +90,7 @@ class FusedStaticAttention(StaticAttention):
         pass  # the kernel does it per row
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        from ringleader.device.model.triton_fused import rope_store_kv
+        from ringleader.device.step.triton_fused import rope_store_kv
 
         kv, step = self.kv, self.step
         return rope_store_kv(
@@ -129,7 +129,7 @@ class StaticStep:
         ops; None: with attention="triton"."""
         self._attend: Callable[..., torch.Tensor]
         if attention == "triton":
-            from ringleader.device.model.triton_attention import HAVE_TRITON, ragged_attention_triton
+            from ringleader.device.step.triton_attention import HAVE_TRITON, ragged_attention_triton
 
             if not HAVE_TRITON:
                 raise RuntimeError("attention='triton' needs triton; use attention='torch'")
@@ -142,12 +142,12 @@ class StaticStep:
             raise ValueError(f"attention must be 'triton' or 'torch', got {attention!r}")
         self.fused = attention == "triton" if fused is None else fused
         if self.fused:
-            from ringleader.device.model import triton_fused
-            from ringleader.device.model.triton_sampling import (
+            from ringleader.device.sampling.triton_sampler import (
                 counter_uniform_triton,
                 penalize_and_scale_triton,
                 store_logprobs_triton,
             )
+            from ringleader.device.step import triton_fused
 
             self._kernels: PointwiseKernels = triton_fused
             self._cache_side: type[StaticAttention] = FusedStaticAttention

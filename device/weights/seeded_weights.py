@@ -7,7 +7,7 @@ token). Here each element is a counter hash in integer arithmetic, exact on ever
 into a uniform float32 by an exact conversion and one rounded multiply; the uniform's bounds are
 ±√3·std, so the std is what the caller asked for.
 
-Not the sampler's `counter_uniform` (device/model/sampling.py), which is as device-exact: its four
+Not the sampler's `counter_uniform` (device/sampling/sampler.py), which is as device-exact: its four
 finalisers with 16-bit split products cost x2.2 this hash's time per element on the CPU, which a
 1.2B-parameter preset pays at every start; this one keeps its products under 2^63 by its choice of
 multipliers instead.

@@ -6,7 +6,7 @@ back by gathering only the pages it needs: the decode rows in the plan's groups,
 the pages of its longest context (one SDPA call per group), each prefill chunk its slot's first
 ceil(ctx_end / PS) pages (one SDPA call each). Which pages and which mask are the same in every
 layer: `StepGathers` builds them once per step. Shapes follow the step's content, so this is fast on the CPU but
-not capturable; the CUDA backend uses `StaticAttention` (device/model/static_step.py) instead.
+not capturable; the CUDA backend uses `StaticAttention` (device/step/static_step.py) instead.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ringleader.device.model.kv_cache import KVCache
 from ringleader.device.model.ops import rope_split
-from ringleader.device.model.step_batch import StepBatch, StepPlan
+from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.step_batch import StepBatch, StepPlan
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.model.quant_weights import Weight, cat_rows
+from ringleader.device.weights.quant_weights import Weight, cat_rows
 
 _DTYPES = {
     "F32": torch.float32,

@@ -30,7 +30,7 @@ by up to ~1.5 ulps of the inputs' magnitude max(|x1|, |x2|)). fp32 matches torch
 
 Everything is static: grids depend on shapes only, the cache page and offset are computed on the
 device from slot_of / positions and the block table, nothing syncs with the host, so all three
-are capturable. Every launch goes through ringleader.device.model.triton_launch.launch, so under
+are capturable. Every launch goes through ringleader.device.step.triton_launch.launch, so under
 a LaunchRecorder the wrappers run on meta-device tensors and are counted instead of launched.
 The first call per dtype / shape / page size compiles (do it before capturing). Under
 TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors.
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ringleader.device.model.triton_launch import launch
+from ringleader.device.step.triton_launch import launch
 
 try:
     import triton

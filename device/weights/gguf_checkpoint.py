@@ -1,9 +1,9 @@
 """Loading Llama-family GGUF files (the llama.cpp format) into HF-named tensors.
 
 The file is read with the `gguf` package (the `gguf` extra). Every tensor is dequantized to the
-serving dtype at load (device/model/gguf_quants.py), so the step runs on the same dense weights
+serving dtype at load (device/weights/gguf_quants.py), so the step runs on the same dense weights
 as a safetensors checkpoint; or, with keep_quantized (`--weights quantized`), the quantized
-matrices stay as their bytes (device/model/quant_weights.py) for the int4 kernels. Two things differ from HF's layout and are undone here:
+matrices stay as their bytes (device/weights/quant_weights.py) for the int4 kernels. Two things differ from HF's layout and are undone here:
 - names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on;
 - llama.cpp's converter interleaves the two RoPE halves of every Q and K head (it permutes rows
   so that its rotate-adjacent-pairs kernel computes HF's rotate-half); `_unpermute` restores HF's
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.model.gguf_quants import dequantize
-from ringleader.device.model.quant_weights import DIGIT_FORMS, GGUFMatrix
+from ringleader.device.weights.gguf_quants import dequantize
+from ringleader.device.weights.quant_weights import DIGIT_FORMS, GGUFMatrix
 from ringleader.ipc.install_hint import install_hint
 
 SUPPORTED_ARCHITECTURES = ("llama",)

@@ -3,7 +3,7 @@ runtime itself: the wire, the rings, the scheduler, the completion path and, on 
 between steps.
 
 Each sampled row's next token is a lookup of the row's input token in the pattern's table, one
-gather per step (device/model/null_step.py); the step can also hold its device busy for a fixed,
+gather per step (device/null/null_step.py); the step can also hold its device busy for a fixed,
 stated time (`step_us`), to stand in for a model of that cost. Its tokens are deterministic:
 sampling settings (temperature, seed, penalties) do not change them. Its "logits", which its
 logprobs report, are NULL_LOGIT at the pattern's token and 0 at every other id.
@@ -25,7 +25,7 @@ import math
 import torch
 
 from ringleader.device.model.config import ModelConfig
-from ringleader.device.null_options import NULL_MAX_CONTEXT, NULL_MODEL, NullOptions
+from ringleader.device.null.null_options import NULL_MAX_CONTEXT, NULL_MODEL, NullOptions
 from ringleader.device.text.tokenizer import ByteTokenizer
 
 NULL_LOGIT = 20.0  # the pattern token's logit; every other id's is 0

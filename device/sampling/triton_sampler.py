@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.model.sampling import LOGPROBS_WORD, LOGPROBS_WORDS
-from ringleader.device.model.triton_launch import launch
+from ringleader.device.sampling.sampler import LOGPROBS_WORD, LOGPROBS_WORDS
+from ringleader.device.step.triton_launch import launch
 from ringleader.ipc.layout import PROMPT_MARK
 from ringleader.ipc.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
-    from ringleader.device.model.sampling import SamplingTensors
+    from ringleader.device.sampling.sampler import SamplingTensors
 
 try:
     import triton

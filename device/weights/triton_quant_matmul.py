@@ -1,6 +1,6 @@
 """y = x @ W.T on CUDA for W kept as int4 digits (GGUF-derived), dequantized inside the matmul.
 
-A weight is one or two int4 *digits* (device/model/quant_weights.py maps the GGUF types onto
+A weight is one or two int4 *digits* (device/weights/quant_weights.py maps the GGUF types onto
 them), each
     W_d[n, k] = codes_d[n, k] * scale_d[n, k // G] + zero_d[n, k // G]      codes in [0, 15]
 and W = W_0 (+ W_1). The dense W never exists in global memory: `_int4_matmul_kernel` loads a
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ringleader.device.model.triton_attention import sm_count
-from ringleader.device.model.triton_launch import launch
+from ringleader.device.step.triton_attention import sm_count
+from ringleader.device.step.triton_launch import launch
 
 try:
     import triton

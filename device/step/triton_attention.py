@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ringleader.device.model.triton_launch import launch
+from ringleader.device.step.triton_launch import launch
 
 try:
     import triton

@@ -1,13 +1,13 @@
 """The matmul kernels of the weights, chosen at load, and the layers that call them.
 
 `KernelLinear` is nn.Linear's forward, y = x @ W.T (+ b), over W's row bands
-(device/model/quant_weights.py), each band computed by its own kernel and the outputs set side
+(device/weights/quant_weights.py), each band computed by its own kernel and the outputs set side
 by side:
 - `CpuInt4Matmul`: a GGUF matrix with int4 digits on the CPU, torch's int4 weight-only kernel
   (`_weight_int4pack_mm_for_cpu`), one call per digit (Q4_x: one; Q5_x, Q8_0: two). Its fast
   path takes bf16 activations (fp32 ones run a scalar loop ~30x slower), so activations, scales
   and zeros enter it in bf16 and the result leaves in fp32; it accumulates in fp32.
-- the Triton kernel of device/model/triton_quant_matmul.py for the same digits on CUDA.
+- the Triton kernel of device/weights/triton_quant_matmul.py for the same digits on CUDA.
 - `dense_matmul`: a dense weight. On the CPU its rows are split into one batch entry per torch
   thread and run as one bmm: torch runs a 1-row GEMM (a decode step at concurrency 1) on a
   single core, but a bmm's batch entries on all of them (measured: bench/results/
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringleader.device.model.quant_weights import GROUP, Digit, GGUFMatrix, RowBands, Weight
+from ringleader.device.weights.quant_weights import GROUP, Digit, GGUFMatrix, RowBands, Weight
 
 CPU_ROWS_PER_PACK = 4096  # rows packed at once: the packing takes int32 codes (4 B each)
 CPU_N_MULTIPLE = 16  # torch's CPU int4 packing wants N a multiple of 16: rows are padded
@@ -116,7 +116,7 @@ def band_matmul(
         return DenseMatmul(part.dense(dtype, device), splits)
     digits = part.digits()
     if device.type == "cuda":
-        from ringleader.device.model.triton_quant_matmul import TritonInt4Weight
+        from ringleader.device.weights.triton_quant_matmul import TritonInt4Weight
 
         kernel = TritonInt4Weight.from_digits(digits, GROUP, device)  # takes Digit as it is
         return kernel.matmul

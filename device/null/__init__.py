@@ -1,0 +1,1 @@
+"""The null model (`--model null`): no weights and no arithmetic, to measure the runtime itself."""

@@ -1,0 +1,1 @@
+"""Sampling: the counter-based RNG, penalties and temperature, in torch and in Triton."""
