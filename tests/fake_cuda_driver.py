@@ -5,7 +5,7 @@ conversion runs before it finds no libcuda, so a wrong argument type for the ins
 fails the run. Streams are threads; the kernels are tests/fake_gpu_kernels.py's.
 
 Run as a script, ``python tests/fake_cuda_driver.py --fake-run OUT_DIR`` runs
-ringleader.bench.gpu_limits.__main__.main --quick under FakeDriver
+ringleader.bench.lab.gpu_limits.__main__.main --quick under FakeDriver
 (tests/test_gpu_limits_simulated.py does so in a subprocess).
 """
 
@@ -87,7 +87,7 @@ class FakeDriver(FakeKernels):
 
     VALIDATE_CALLS = 4
 
-    def __init__(self, gl):  # gl: ringleader.bench.gpu_limits.kernels (the control-block layout)
+    def __init__(self, gl):  # gl: ringleader.bench.lab.gpu_limits.kernels (the control-block layout)
         from cuda.bindings import driver as real
 
         self._real = real

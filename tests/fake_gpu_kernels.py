@@ -1,4 +1,4 @@
-"""The kernels of bench/gpu_limits/kernels.cu as FakeDriver (tests/fake_cuda_driver.py) runs them:
+"""The kernels of bench/lab/gpu_limits/kernels.cu as FakeDriver (tests/fake_cuda_driver.py) runs them:
 the same protocols (doorbell echo, ping-pong flag, WHILE/SWITCH counting) on host memory, each on
 a fake stream's thread, so the probe's host side checks and measures realistic data."""
 
@@ -35,7 +35,7 @@ class KernelTrap(Exception):
 
 class FakeKernels:
     """FakeDriver's kernels: k_<name> is kernel <name>, called with the arguments its launch
-    decoded by SIGS (Q: 64-bit, I: 32-bit). self._gl is ringleader.bench.gpu_limits.kernels (the
+    decoded by SIGS (Q: 64-bit, I: 32-bit). self._gl is ringleader.bench.lab.gpu_limits.kernels (the
     control-block layout), self._handles the graphs' conditional handles."""
 
     SIGS: ClassVar[dict[str, str]] = {

@@ -1,4 +1,4 @@
-"""What the gpu_limits tests share: the probe's modules (bench/gpu_limits/), its kernel count,
+"""What the gpu_limits tests share: the probe's modules (bench/lab/gpu_limits/), its kernel count,
 and whether this machine has a CUDA driver."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ N_KERNELS = 15
 
 def load(name: str):
     """A module of the package: "__main__" (the CLI), "common", "kernels", ..."""
-    return importlib.import_module(f"ringleader.bench.gpu_limits.{name}")
+    return importlib.import_module(f"ringleader.bench.lab.gpu_limits.{name}")
 
 
 def cuda_driver():

@@ -1,11 +1,11 @@
-"""The bring-up's own checks (bench/bringup_checks.py) run their whole logic on the CPU, so a
+"""The bring-up's own checks (bench/lab/bringup_checks.py) run their whole logic on the CPU, so a
 GPU run does not spend its minutes on a Python mistake.  A CUDA graph cannot exist here: the
 stand-in below replays the static step eagerly and reports the node list a plain step graph has."""
 
 import pytest
 import torch
 
-from ringleader.bench import bringup_checks
+from ringleader.bench.lab import bringup_checks
 from ringleader.device.backends.cpu import CpuBackend
 from ringleader.device.backends.cuda_graph_rules import GraphNode
 

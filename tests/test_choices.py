@@ -149,7 +149,7 @@ def test_the_books_balance_with_choices(client):
 
 
 def test_the_choices_bench_runs_and_counts_the_shared_prefill(tmp_path):
-    from ringleader.bench import choices
+    from ringleader.bench.lab import choices
 
     out = tmp_path / "choices.json"
     assert (

@@ -132,7 +132,7 @@ def test_it_returns_once_the_scheduler_has_ended_even_when_idle():
 def test_the_benchmark_runs_both_pollers_against_a_real_process_and_each_sees_every_event(tmp_path):
     import json
 
-    from ringleader.bench import cq_poll_micro
+    from ringleader.bench.lab import cq_poll_micro
 
     out = tmp_path / "cq.json"
     assert (

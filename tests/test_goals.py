@@ -1,4 +1,4 @@
-"""The goals report (bench/goals.py): one row per goal from the files a GPU window returns,
+"""The goals report (bench/lab/goals.py): one row per goal from the files a GPU window returns,
 met / missed / not measured, read from folders, JSON files and the bring-up's archives."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tarfile
 
-from ringleader.bench.goals import goals, load_documents
+from ringleader.bench.lab.goals import goals, load_documents
 
 
 def run(
@@ -95,7 +95,7 @@ def test_documents_are_found_in_folders_and_archives_and_the_cli_writes_both_fil
     assert len(bench) == 1 and roofline == [ROOFLINE] and limits == []
     out = tmp_path / "report"
     r = subprocess.run(
-        [sys.executable, "-m", "ringleader.bench.goals", str(tmp_path / "E"), "--out", str(out)],
+        [sys.executable, "-m", "ringleader.bench.lab.goals", str(tmp_path / "E"), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -2,7 +2,7 @@
 mode asserted, parity with an eager reference, the device timeline filled, a bounded stop,
 256 streams, abort, shutdown in flight, allocation and free while the persistent kernel runs,
 and a kernel that ends on its own becoming engine_dead.  On a CPU only the timeline arithmetic
-is checked.  Run each test in a process of its own on a first GPU run (bench/gpu_bringup.py
+is checked.  Run each test in a process of its own on a first GPU run (bench/lab/gpu_bringup.py
 does): a kernel left behind would hang the next test's device-wide synchronisation."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _serve(**kw):
     ids=["device-resident", "device-pump", "host-loop"],
 )
 def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
-    from ringleader.bench.bringup_checks import check_backend
+    from ringleader.bench.lab.bringup_checks import check_backend
 
     f = check_backend(scheduler, launch)
     assert f["launch_running"] == ("host-loop" if scheduler == "host" else launch), f["description"]

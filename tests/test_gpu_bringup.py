@@ -1,4 +1,4 @@
-"""The bring-up runner (bench/gpu_bringup.py) with real processes and tiny stand-in stages:
+"""The bring-up runner (bench/lab/gpu_bringup.py) with real processes and tiny stand-in stages:
 order, dependencies, a hanging stage killed with everything it started, figures, logs, the two
 runs (A, then B with --previous), the time budget, OUT holding three files after every stage and
 after a SIGKILL, what a stage is told (its timeout, {run_budget_s}), the versions line; the
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from ringleader.bench.bringup_machine import versions_line
-from ringleader.bench.bringup_stages import (
+from ringleader.bench.lab.bringup_machine import versions_line
+from ringleader.bench.lab.bringup_stages import (
     ALL_GPU_TESTS_NODES,
     CARRY_MODELS,
     CARRY_STASH,
@@ -33,7 +33,7 @@ from ringleader.bench.bringup_stages import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNER = [sys.executable, str(REPO / "bench" / "gpu_bringup.py")]
+RUNNER = [sys.executable, str(REPO / "bench" / "lab" / "gpu_bringup.py")]
 RUN_A = [
     "env",
     "module",
@@ -510,7 +510,7 @@ def test_every_gpu_only_test_runs_in_some_stage(tmp_path):
     missing = [n for n in gpu_only if not listed(n, listed_ids)]
     assert not missing, f"GPU-only tests no bring-up stage runs (add them to TESTS_STAGE_NODES): {missing}"
     gone = [i for i in listed_ids if not any(listed(n, [i]) for n in collected)]
-    assert not gone, f"listed in bench/bringup_stages.py, no longer collected: {gone}"
+    assert not gone, f"listed in bench/lab/bringup_stages.py, no longer collected: {gone}"
     assert not set(TESTS_STAGE_NODES) & set(COVERED_BY_STAGE)
     stage_names = {s.name for s in builtin_stages()}
     assert set(COVERED_BY_STAGE.values()) <= stage_names
@@ -556,7 +556,7 @@ def test_the_wheel_list_covers_every_dependency_the_image_lacks():
     wanted = {_requirement_name(r) for r in project["dependencies"]}
     for extra in ("test", "bench", "cuda"):
         wanted |= {_requirement_name(r) for r in extras.get(extra, [])}
-    image, wheels = _listed("bench/gpu_image_packages.txt"), _listed("bench/gpu_wheels.txt")
+    image, wheels = _listed("bench/lab/gpu_image_packages.txt"), _listed("bench/lab/gpu_wheels.txt")
     assert "pyzmq" in wheels and "pyzmq" not in image
     # Ray Serve's tests run in CI on the CPU; no GPU stage runs them, and ray's wheels would not fit
     # a device call's carry
@@ -570,13 +570,13 @@ def test_the_wheel_list_covers_every_dependency_the_image_lacks():
     assert not missing, f"neither on the GPU image nor carried: {missing}"
     assert all(
         "==" in ln
-        for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
+        for ln in (REPO / "bench/lab/gpu_wheels.txt").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
     ), "carried wheels are pinned"
 
 
 def test_gpu_wheels_script_dry_run_and_usage(tmp_path):
-    script = str(REPO / "bench" / "gpu_wheels.sh")
+    script = str(REPO / "bench" / "lab" / "gpu_wheels.sh")
     r = subprocess.run(["bash", script, "--dry-run", str(tmp_path / "w")], capture_output=True, text=True)
     assert r.returncode == 0
     for flag in (
@@ -591,7 +591,7 @@ def test_gpu_wheels_script_dry_run_and_usage(tmp_path):
         assert flag in r.stdout, flag
     pins = [
         ln
-        for ln in (REPO / "bench/gpu_wheels.txt").read_text().splitlines()
+        for ln in (REPO / "bench/lab/gpu_wheels.txt").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
     ]
     assert pins and all(p in r.stdout for p in pins)

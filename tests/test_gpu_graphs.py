@@ -1,13 +1,13 @@
 """On a GPU (skipped without one, or without cuda-bindings): the scheduler module loads, and each
 bucket's captured step graph may sit in a conditional body, replays alone, and matches the eager
-static step, fp32 near-exactly and bf16 within ringleader.bench.bringup_checks.LOGIT_TOLERANCE."""
+static step, fp32 near-exactly and bf16 within ringleader.bench.lab.bringup_checks.LOGIT_TOLERANCE."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from ringleader.bench.bringup_checks import LOGIT_TOLERANCE, check_graphs, check_module
+from ringleader.bench.lab.bringup_checks import LOGIT_TOLERANCE, check_graphs, check_module
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,

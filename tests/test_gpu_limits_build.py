@@ -1,4 +1,4 @@
-"""The GPU-limits probe's command (``python -m ringleader.bench.gpu_limits``, bench/gpu_limits/).
+"""The GPU-limits probe's command (``python -m ringleader.bench.lab.gpu_limits``, bench/lab/gpu_limits/).
 
 On any machine (CI has no GPU):
   * --compile-only compiles every kernel with NVRTC for sm_90 and says so;
@@ -23,7 +23,7 @@ import pytest
 
 from tests.gpu_limits_probe import N_KERNELS, ROOT, libcuda_present, load
 
-COMMAND = [sys.executable, "-m", "ringleader.bench.gpu_limits"]  # run from ROOT
+COMMAND = [sys.executable, "-m", "ringleader.bench.lab.gpu_limits"]  # run from ROOT
 
 
 def run_probe(*args: str, timeout: int):
@@ -67,7 +67,7 @@ def test_every_kernel_compiles_with_the_gpu_images_nvrtc():
     """The device machine compiles with NVRTC 13.0: the hand-declared graph builtins
     (cudaGraphSetConditional, cudaGraphLaunch) and %current_graph_exec must compile there too."""
     pytest.importorskip("cuda.bindings")
-    from ringleader.bench import gpu_image_toolchain
+    from ringleader.bench.lab import gpu_image_toolchain
     from ringleader.device.sched.build import NVRTC_ENV
     from tests.conftest import fetched
 

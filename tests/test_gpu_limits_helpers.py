@@ -36,7 +36,7 @@ def test_check_names_the_failing_call():
 
 def test_probe_reuses_the_runtime_driver_helpers():
     """The package makes no driver binding of its own: every call goes through cuda_driver."""
-    for path in (ROOT / "bench" / "gpu_limits").glob("*.py"):
+    for path in (ROOT / "bench" / "lab" / "gpu_limits").glob("*.py"):
         text = path.read_text()
         assert "import driver" not in text and "from cuda import cuda" not in text, path.name
         assert "cuda.bindings.driver" not in text, path.name

@@ -1,7 +1,7 @@
 """Every GPU-limits probe end to end against FakeDriver (tests/fake_cuda_driver.py), a simulation
 of the CUDA driver set as ``ringleader.device.backends.cuda_driver.cu``: each driver call is first
 made on the real cuda-python binding, so a wrong argument type for the installed bindings fails,
-and the simulated kernels follow the protocols of bench/gpu_limits/kernels.cu, so the host
+and the simulated kernels follow the protocols of bench/lab/gpu_limits/kernels.cu, so the host
 side's checks and statistics run on realistic data. torch has no CUDA here, so probes 4 and 6
 and the torch half of probe 5 are not exercised.
 """
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ringleader.bench.launch_designs import design_rows
+from ringleader.bench.lab.launch_designs import design_rows
 from tests.gpu_limits_probe import N_KERNELS, ROOT, libcuda_present
 
 FAKE_RUN = [sys.executable, str(ROOT / "tests" / "fake_cuda_driver.py"), "--fake-run"]

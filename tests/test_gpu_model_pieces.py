@@ -1,4 +1,4 @@
-"""bench/gpu_model_pieces.py: a model file carried in pieces over two device calls, checked whole."""
+"""bench/lab/gpu_model_pieces.py: a model file carried in pieces over two device calls, checked whole."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ringleader.bench import gpu_model_pieces as gmp
+from ringleader.bench.lab import gpu_model_pieces as gmp
 
 
 @pytest.fixture

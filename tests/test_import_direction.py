@@ -1,7 +1,8 @@
 """docs/architecture.md: everything is spelled ringleader.*; imports flow hostctl -> ipc <- device;
 the server and the gateway never load the device's code (a backend reaches the server through
-ringleader.ipc.backend.Backend, opened by a command), the engine never imports zmq, and the
-product reaches the bench only when `ringleader bench` runs.
+ringleader.ipc.backend.Backend, opened by a command), the engine never imports zmq, the server or
+the gateway, the product reaches the bench only when `ringleader bench` runs, and nothing shipped
+reaches the lab (bench/lab/, which is not in the wheel).
 
 The static checks read every file's imports (deferred ones included); the dynamic ones import a
 module in a fresh interpreter and look at what sys.modules holds afterwards, so an import made
@@ -60,6 +61,31 @@ def test_device_never_imports_hostctl_or_zmq():
     for path in _sources("device"):
         names = _import_names(path)
         assert not [n for n in names if n.startswith("ringleader.hostctl") or n.split(".")[0] == "zmq"], path
+
+
+def test_nothing_shipped_imports_the_lab():
+    """bench/lab/ is not in the wheel: ipc, hostctl, device and the shipped bench never name it
+    (the lab imports whatever it measures; nothing imports the lab but the lab and the tests)."""
+    shipped = [p for p in _sources(*FOLDERS) if "lab" not in p.relative_to(ROOT).parts]
+    users = {
+        _module_name(p): n for p in shipped for n in _import_names(p) if n.startswith("ringleader.bench.lab")
+    }
+    assert shipped and not users, users
+
+
+def test_the_engine_never_imports_the_server_the_gateway_or_the_command_line():
+    """device/ reaches hostctl not at all (test above); and nothing below the server, in ipc/,
+    imports the command line either: a library does not depend on the CLI."""
+    cli_users = {
+        _module_name(p)
+        for p in _sources("ipc", "device", "hostctl")
+        if any(
+            n.startswith("ringleader.hostctl.commands") or n == "ringleader.hostctl.cli"
+            for n in _import_names(p)
+        )
+        and not _module_name(p).startswith(("ringleader.hostctl.commands", "ringleader.hostctl.cli"))
+    }
+    assert not cli_users, cli_users
 
 
 def test_only_commands_reach_into_the_device():

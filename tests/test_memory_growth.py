@@ -12,7 +12,7 @@ idle again:
   attributes, so it needs no private names), which points at the culprit when the heap grows.
 
 RSS is printed but not asserted: it moves with the allocator, not only with live objects (see
-bench/soak.py for the long-run view). `test_detects_a_per_request_leak` injects a leak and
+bench/lab/soak.py for the long-run view). `test_detects_a_per_request_leak` injects a leak and
 checks that the heap measure catches it, so the bound below is known to be tight enough.
 """
 

@@ -14,7 +14,7 @@ from tests.conftest import running_server
 
 pytest.importorskip("transformers")
 
-from ringleader.bench.parity import make_hf_checkpoint
+from ringleader.bench.lab.parity import make_hf_checkpoint
 
 
 def test_a_checkpoint_directory_is_served_by_its_name(tmp_path):

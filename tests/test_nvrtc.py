@@ -1,5 +1,5 @@
 """The scheduler source compiles with NVRTC for sm_90 as device code (no GPU needed), with the
-installed NVRTC and with the GPU image's older one (bench/gpu_image_toolchain.py), and the CPU
+installed NVRTC and with the GPU image's older one (bench/lab/gpu_image_toolchain.py), and the CPU
 build of the same text agrees with the layout."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ringleader.bench import gpu_image_toolchain
+from ringleader.bench.lab import gpu_image_toolchain
 from ringleader.device.sched.build import NVRTC_ENV, CpuScheduler, scheduler_source
 from ringleader.ipc import layout
 from tests.conftest import fetched

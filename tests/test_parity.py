@@ -1,4 +1,4 @@
-"""bench/parity.py on the CPU: ringleader's CPU backend against transformers, on a preset and on a
+"""bench/lab/parity.py on the CPU: ringleader's CPU backend against transformers, on a preset and on a
 checkpoint transformers wrote itself; and the check can fail."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from ringleader.bench import parity
+from ringleader.bench.lab import parity
 
 
 def test_cpu_backend_matches_transformers_on_tiny_and_a_transformers_checkpoint(tmp_path):

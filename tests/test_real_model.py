@@ -15,7 +15,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
 
-from ringleader.bench.quant_agreement import CHATS, RAW_PROMPTS  # noqa: E402 - the real prompts, one list
+from ringleader.bench.lab.quant_agreement import CHATS, RAW_PROMPTS  # noqa: E402 - the real prompts, one list
 from ringleader.device.model import LlamaModel  # noqa: E402
 from ringleader.device.model.presets import tokenizer_for  # noqa: E402
 from ringleader.ipc.client import Client  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ringleader.bench.sampler_micro import sorted_reference
+from ringleader.bench.lab.sampler_micro import sorted_reference
 from ringleader.device.sampling.sampler import SamplingTensors, _mul32, counter_uniform, sample
 from ringleader.ipc.sampling_params import MAX_TOP_K
 

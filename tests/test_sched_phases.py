@@ -1,4 +1,4 @@
-"""The scheduler's two phases, through bench/sched_micro.py's harness: the critical phase never
+"""The scheduler's two phases, through bench/lab/sched_micro.py's harness: the critical phase never
 touches host-shared memory, the overlapped phase does the host traffic, and the benchmark's
 scenarios are correct runs (every request ends with exactly one DONE)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringleader.bench import sched_micro
-from ringleader.bench.sched_micro import SCENARIOS, Harness
+from ringleader.bench.lab import sched_micro
+from ringleader.bench.lab.sched_micro import SCENARIOS, Harness
 from ringleader.device.sched.build import HOST_ACCESS_KINDS as KINDS
 from ringleader.ipc import layout
 
@@ -95,7 +95,15 @@ def test_whole_step_mode_drives_the_serial_step():
 def test_null_host_check_builds_the_same_layouts_without_host_pointers():
     # a subprocess: a host access in the critical phase is a segfault, which must fail the test
     proc = subprocess.run(
-        [sys.executable, "bench/sched_micro.py", "--null-host-check", "--steps", "30", "--sizes", "1,4,32"],
+        [
+            sys.executable,
+            "bench/lab/sched_micro.py",
+            "--null-host-check",
+            "--steps",
+            "30",
+            "--sizes",
+            "1,4,32",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""The decode step's kernel count (bench/step_kernels.py), so a regression shows in CI.
+"""The decode step's kernel count (bench/lab/step_kernels.py), so a regression shows in CI.
 
 The count walks the static step on the meta device: aten operators through a dispatch mode,
 Triton launches through device/step/triton_launch.py. The issue's bar is at most 12 kernels
@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from ringleader.bench import step_kernels
-from ringleader.bench.step_kernels import KernelCounter, count_step
+from ringleader.bench.lab import step_kernels
+from ringleader.bench.lab.step_kernels import KernelCounter, count_step
 from ringleader.device.step.triton_attention import HAVE_TRITON
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

@@ -1,10 +1,10 @@
-"""The model step's Triton kernels compiled ahead of time for sm_90 (bench/triton_aot.py), no GPU.
+"""The model step's Triton kernels compiled ahead of time for sm_90 (bench/lab/triton_aot.py), no GPU.
 
 Every product step shape (and the int4 matmul of GGUF weights, per model's projections, and the
 null model's one-launch step) is
 walked on the meta device, each launch's specialization derived with Triton's own binder, and
 every distinct specialization compiled for sm_90, with the installed Triton and with the GPU
-image's (3.6.0, bench/gpu_image_toolchain.py): the test fails
+image's (3.6.0, bench/lab/gpu_image_toolchain.py): the test fails
 on a compile error, a spill or a block that does not fit the SM. The derivation is checked
 against Triton's launcher itself (JITFunction.run up to its compile hook, with a stand-in
 driver), and the register / spill numbers against the -v log of Triton's own ptxas run.
@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringleader.bench import (
+from ringleader.bench.lab import (
     gpu_image_toolchain,
     triton_aot,
     triton_compile,
     triton_specializations,
     triton_step_shapes,
 )
-from ringleader.bench.step_kernels import count_step
-from ringleader.bench.triton_compile import max_warps_for_registers, parse_res_usage
+from ringleader.bench.lab.step_kernels import count_step
+from ringleader.bench.lab.triton_compile import max_warps_for_registers, parse_res_usage
 from ringleader.device.null import triton_null_step
 from ringleader.device.sampling import triton_sampler as triton_sampling
 from ringleader.device.step import triton_attention, triton_fused
@@ -234,7 +234,7 @@ def test_every_product_kernel_compiles_for_sm90_with_the_gpu_images_triton(tmp_p
     )
     out = tmp_path / "aot.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
-    cmd = [sys.executable, "-m", "ringleader.bench.triton_aot", "--arch", "sm_90", "--json", str(out)]
+    cmd = [sys.executable, "-m", "ringleader.bench.lab.triton_aot", "--arch", "sm_90", "--json", str(out)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     data = json.loads(out.read_text()) if out.exists() else {}
     assert data.get("triton_version") == gpu_image_toolchain.TRITON, r.stdout[-2000:] + r.stderr[-4000:]

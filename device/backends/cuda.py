@@ -3,7 +3,7 @@ or the CPU build on a host thread with the layout copied every step (`--schedule
 baseline); the model step as CUDA graphs captured per token-count bucket before anything starts.
 
 Written and compiled (NVRTC) on machines without a GPU; every mode proven on an H100 and an
-H200 by the bring-up (bench/gpu_bringup.py, bench/results/).
+H200 by the bring-up (bench/lab/gpu_bringup.py, bench/results/).
 
 Construction does everything that can fail or synchronise: refuses settings that break a
 persistent kernel, sizes the KV page pool from free memory, captures, checks, instantiates and

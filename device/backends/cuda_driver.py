@@ -1,5 +1,5 @@
 """Checked cuda-python driver calls: pinned and device memory, streams, events, modules, launches,
-graphs and graph nodes; the runtime and bench/gpu_limits both use these (none written twice).
+graphs and graph nodes; the runtime and bench/lab/gpu_limits both use these (none written twice).
 
 Every call's result goes through check(), which raises with the function's name and the
 driver's error string.  Kernel arguments are passed in the driver's raw form (an array of

@@ -164,7 +164,7 @@ def plan_model_kv_cache(
     fraction: float,
 ) -> MemoryPlan:
     """plan_kv_cache for a model (its ModelConfig), its step's workspace estimated from its
-    shapes: what CudaBackend sizes at start, and what bench/triton_aot.py plans ahead."""
+    shapes: what CudaBackend sizes at start, and what bench/lab/triton_aot.py plans ahead."""
     workspace = step_workspace_bytes(
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,

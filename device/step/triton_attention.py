@@ -452,7 +452,7 @@ _planned_sm_count: int | None = None  # set by planning_for_sms: the GPU a meta-
 @contextlib.contextmanager
 def planning_for_sms(n_sms: int) -> Iterator[None]:
     """While inside, a step off the GPU (the meta device) plans split-K for a GPU of `n_sms` SMs
-    instead of DEFAULT_SM_COUNT (bench/triton_aot walks the step for each arch's GPUs)."""
+    instead of DEFAULT_SM_COUNT (bench/lab/triton_aot walks the step for each arch's GPUs)."""
     global _planned_sm_count
     saved, _planned_sm_count = _planned_sm_count, n_sms
     try:

@@ -1,11 +1,11 @@
 """Where every Triton kernel of the model step is launched, so the launches can be counted.
 
 `launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)`. While a
-`LaunchRecorder` is installed (bench/step_kernels.py, bench/triton_aot.py, tests), the launch is
+`LaunchRecorder` is installed (bench/lab/step_kernels.py, bench/lab/triton_aot.py, tests), the launch is
 recorded by the kernel's name instead: a step can then be walked on the meta device, where no
 kernel can run, and its aten operators and Triton launches counted together without a GPU.
 A recorder given `on_launch` also hands each launch over whole (kernel object, grid, args,
-meta), which is what bench/triton_specializations.py needs to derive the specialization Triton
+meta), which is what bench/lab/triton_specializations.py needs to derive the specialization Triton
 would compile for it.
 """
 

@@ -31,7 +31,7 @@ dot on the FMA units takes every register); bfloat16 / float16 x: W's tile is ro
 dtype. Meant for the decode sizes; the blocks are untuned (picked to compile without spills).
 
 `reference_matmul` is the same function in plain torch (dense float32 W): the reference in
-tests. Launches go through triton_launch.launch (bench/triton_aot.py compiles them ahead of
+tests. Launches go through triton_launch.launch (bench/lab/triton_aot.py compiles them ahead of
 time). Under TRITON_INTERPRET=1 (set before triton is imported) the kernel runs on CPU tensors.
 """
 
@@ -133,7 +133,7 @@ def _check_digits(digits: Sequence[Any], group_size: int) -> tuple[int, int]:
 
 def launch_config(m: int, k: int, group_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """Block sizes for m rows of x in `dtype` (compiled ahead of time without spills for
-    sm_80-90: bench/triton_aot.py).
+    sm_80-90: bench/lab/triton_aot.py).
 
     16-row blocks (tl.dot's least) up to 16 rows, 32 up to 32, then 64 (32 on 8 warps for
     float32, whose three-pass dot holds more registers). BLOCK_K is whole groups and divides K

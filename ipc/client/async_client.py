@@ -303,7 +303,7 @@ class AsyncClient(CoreView):
                 fut.set_exception(error)
 
     def _dispatch(self, frame: bytes) -> None:
-        """One frame from the server (a hook: bench/soak.py counts the frames it sees here)."""
+        """One frame from the server (a hook: bench/lab/soak.py counts the frames it sees here)."""
         self._apply(self._core.on_frame(frame, time.monotonic()))
 
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
