@@ -140,10 +140,23 @@ def test_the_command_line_reaches_the_bench_and_torch_only_when_asked():
     assert not {m for m in loaded if m.startswith("ringleader.bench") or m.split(".")[0] == "torch"}
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never run: an annotation's
+    import is no dependency (a step names the model class it is built by only as a type)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def _imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The project modules a file imports (anywhere in it, deferred imports included)."""
+    """The project modules a file imports at run time (anywhere in it, deferred imports included)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -8,6 +8,7 @@ import time
 from collections import Counter, defaultdict
 
 from ringleader.device.backends.cpu import CpuBackend
+from ringleader.device.backends.eager_runner import EagerStepRunner
 from ringleader.device.text.tokenizer import ByteTokenizer
 from ringleader.ipc.client import Client
 from tests.conftest import RawPeer, running_server
@@ -176,16 +177,20 @@ def test_overload_rejects_with_overloaded_and_everyone_gets_one_done():
             assert len(tokens[rid]) == 30
 
 
-class FailingBackend(CpuBackend):
+class FailingStepRunner(EagerStepRunner):
     """Fault injection: the model step raises after a few steps, as a device fault would."""
 
     fail_after = 5
 
-    def _run_model_step(self):
+    def finish(self):
         self.fail_after -= 1
         if self.fail_after < 0:
             raise RuntimeError("injected device fault")
-        super()._run_model_step()
+        super().finish()
+
+
+class FailingBackend(CpuBackend):
+    runner_class = FailingStepRunner
 
 
 def test_engine_death_ends_every_request_with_engine_dead():
@@ -219,16 +224,20 @@ def test_shutdown_with_requests_in_flight_gives_each_one_done():
     assert {d[0]["error"]["code"] for d in dones.values()} == {"shutdown"}
 
 
-class HangingBackend(CpuBackend):
+class HangingStepRunner(EagerStepRunner):
     """Fault injection: the step stops making progress (a hung device), past the watchdog."""
 
     hang_after = 3
 
-    def _run_model_step(self):
+    def finish(self):
         self.hang_after -= 1
         if self.hang_after == 0:
             time.sleep(3.0)
-        super()._run_model_step()
+        super().finish()
+
+
+class HangingBackend(CpuBackend):
+    runner_class = HangingStepRunner
 
 
 def test_a_stalled_heartbeat_ends_every_request_with_engine_dead():

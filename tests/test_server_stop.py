@@ -80,7 +80,7 @@ def test_a_failed_start_stops_what_it_started_and_raises_its_own_error(stuck):
     with pytest.raises(RuntimeError, match="rejected its configuration") as info:
         server.serve_forever()
     assert not isinstance(info.value, EngineDead)  # the start's error, not the stop's
-    assert not backend._thread.is_alive()  # the engine thread was told to stop, and did
+    assert not backend.thread_ids()  # the engine thread was told to stop, and did
     assert int(backend.rings.control[0]["shutdown"]) == 1
     assert_port_free(server.address)
 
@@ -92,4 +92,4 @@ def test_background_server_returns_once_serving_or_raises_the_start_error():
     backend = FailsAfterStarting("tiny", n_slots=2, max_ctx=128)
     with pytest.raises(RuntimeError, match="rejected its configuration"):
         BackgroundServer(Server(backend, "tcp://127.0.0.1:0")).__enter__()
-    assert not backend._thread.is_alive()
+    assert not backend.thread_ids()

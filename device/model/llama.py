@@ -227,6 +227,29 @@ class LlamaModel(nn.Module):
         """A cache of n_slots slots of max_ctx positions each, with its fixed slot_table."""
         return KVCache.for_slots(self.config, n_slots, max_ctx, dtype=dtype or self.dtype, device=self.device)
 
+    # ---- what a backend builds around the model (NullModel answers the same calls) ------------
+
+    def eager_step(self, n_slots: int, n_pages: int, page_size: int, kv_dtype: torch.dtype):
+        """The CPU backend's step over a paged KV cache of n_pages pages (n_slots: the step's
+        sampling rows, which the eager step sizes per call)."""
+        from ringleader.device.step.eager_step import EagerStep  # the steps read this module's types
+
+        return EagerStep(self, KVCache.for_model(self.config, n_pages, page_size, kv_dtype, self.device))
+
+    def static_step(
+        self, n_slots: int, n_pages: int, page_size: int, max_ctx: int, token_budget: int, attention: str
+    ):
+        """CUDA's step in static shapes, to capture per bucket, over the pool's pages and the
+        scratch page pad rows write into."""
+        from ringleader.device.step.static_step import StaticStep
+
+        kv = StaticStep.new_kv_cache(self, n_pages, page_size)
+        return StaticStep(self, kv, n_slots, max_ctx, token_budget, attention=attention)
+
+    def description_fields(self, weights: str) -> dict:
+        """A backend description's fields about the weights (`weights`: the --weights form)."""
+        return {"weights": weights, **self.weights_description()}
+
     def prepare(self, max_ctx: int) -> None:
         """Precomputes the RoPE cos/sin tables for positions [0, max_ctx) (once; step calls it
         too, but call it up front before capturing CUDA graphs)."""

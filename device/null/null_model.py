@@ -20,15 +20,13 @@ work and the ids above 263 decode to nothing.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ringleader.device.model.config import ModelConfig
+from ringleader.device.null.null_logits import NULL_LOGIT as NULL_LOGIT  # the model's logits, re-exported
+from ringleader.device.null.null_logits import record_logprobs as record_logprobs
 from ringleader.device.null.null_options import NULL_MAX_CONTEXT, NULL_MODEL, NullOptions
 from ringleader.device.text.tokenizer import ByteTokenizer
-
-NULL_LOGIT = 20.0  # the pattern token's logit; every other id's is 0
 
 
 def null_config(options: NullOptions) -> ModelConfig:
@@ -60,12 +58,6 @@ def pattern_table(pattern: str, vocab_size: int, eos_ids: list[int]) -> torch.Te
     return out.to(torch.int32)
 
 
-def record_logprobs(vocab_size: int) -> tuple[float, float]:
-    """(the pattern token's logprob, every other id's) under the null model's logits."""
-    token = -math.log1p((vocab_size - 1) * math.exp(-NULL_LOGIT))
-    return token, token - NULL_LOGIT
-
-
 class NullModel:
     """What the backends read of a model, for `--model null`: its config, its pattern's table on
     `device`, and that it keeps no weights."""
@@ -82,6 +74,24 @@ class NullModel:
 
     def weights_description(self) -> dict:
         return {"weight_mib": 0.0, "matrices": {}}
+
+    # ---- what a backend builds around the model (LlamaModel answers the same calls) ----------
+
+    def eager_step(self, n_slots: int, n_pages: int, page_size: int, kv_dtype: torch.dtype):
+        """The gather step: no KV cache (the pages are ids only)."""
+        from ringleader.device.null.null_step import NullStep  # the step reads this module's types
+
+        return NullStep(self, n_slots)
+
+    def static_step(
+        self, n_slots: int, n_pages: int, page_size: int, max_ctx: int, token_budget: int, attention: str
+    ):
+        """The same step on CUDA: one Triton launch, so a one-node graph per bucket."""
+        return self.eager_step(n_slots, n_pages, page_size, self.dtype)
+
+    def description_fields(self, weights: str) -> dict:
+        """A backend description's weights fields: none, whatever --weights says, and the options."""
+        return {"weights": "none", **self.weights_description(), **self.describe()}
 
     def describe(self) -> dict:
         """The backend description's null-model fields (serve's start-up line, stats)."""

@@ -11,7 +11,9 @@ inside the step's kernel.
 On the CPU the step is one call into C (a few microseconds, where the same in torch ops took
 about twenty); on CUDA one Triton launch (triton_null_step.py), so its graph is one kernel node
 and what the device scheduler's gap between steps measures is the runtime's. The torch form here
-is the reference both are tested against.
+is the reference both are tested against. The C step's argument struct is declared once, as
+NULL_STEP_ARGS, and both its C text and the record Python fills are generated from it
+(ipc/native_struct.py).
 """
 
 from __future__ import annotations
@@ -19,16 +21,37 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from ringleader.device.null.null_model import NullModel, record_logprobs
+from ringleader.device.null.null_logits import record_logprobs
 from ringleader.device.sampling.sampler import LOGPROBS_WORDS
 from ringleader.device.step.step_layout import StepLayout
+from ringleader.ipc.layout import Field, Struct
+from ringleader.ipc.native_struct import Pointer, host_c_text, struct_record
 from ringleader.ipc.sampling_params import MAX_LOGPROBS
 
-_NATIVE_SOURCE = r"""
-#include <stdint.h>
+if TYPE_CHECKING:  # NullModel builds its step (eager_step): no import back at run time
+    from ringleader.device.null.null_model import NullModel
+
+# The C step's arguments: the layout's arrays (bound once, fixed for the engine's life), the
+# logprobs records' shape and values, and the busy time. The C struct and the record NullStep
+# fills are both generated from this table, so neither side can drift from the other.
+NULL_STEP_ARGS = Struct("NullStepArgs", (
+    Pointer("table", "i32", const=True), Field("vocab", "i32"), Field("n_slots", "i32"),
+    Pointer("token_ids", "i32", const=True), Pointer("n_tokens", "i32", const=True),
+    Pointer("n_samples", "i32", const=True),
+    Pointer("sample_row", "i32", const=True), Pointer("sample_slot", "i32", const=True),
+    Pointer("top_n", "i32", const=True), Field("top_n_stride", "i64"),  # in int32 words
+    Pointer("next_token", "i32"), Pointer("records", "i32"),
+    Field("record_words", "i32"), Field("max_top", "i32"),
+    Field("token_lp", "f32"), Field("other_lp", "f32"), Field("spin_ns", "u64"),
+))  # fmt: skip
+
+# The step itself; it follows the generated NullStepArgs (host_c_text) in the library's source.
+_NATIVE_STEP = r"""
 #include <string.h>
 #include <time.h>
 
@@ -39,15 +62,6 @@ static uint64_t now_ns(void) {
 }
 
 static int32_t clamp(int32_t x, int32_t lo, int32_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
-struct NullStepArgs {  // NullStep._native_args: the layout's arrays, fixed for the engine's life
-  const int32_t* table; int32_t vocab; int32_t n_slots;
-  const int32_t* token_ids; const int32_t* n_tokens; const int32_t* n_samples;
-  const int32_t* sample_row; const int32_t* sample_slot;
-  const int32_t* top_n; int64_t top_n_stride;  // in int32 words
-  int32_t* next_token; int32_t* records; int32_t record_words; int32_t max_top;
-  float token_lp; float other_lp; uint64_t spin_ns;
-};
 
 // NullStep's step on the CPU (its torch form is the reference), then the busy time; ctypes
 // drops the GIL around the call, as a model step's torch ops do.
@@ -78,24 +92,12 @@ extern "C" void rl_null_step(const NullStepArgs* a) {
 """
 
 
-class _NullStepArgs(ctypes.Structure):
-    _fields_ = [
-        ("table", ctypes.c_void_p), ("vocab", ctypes.c_int32), ("n_slots", ctypes.c_int32),
-        ("token_ids", ctypes.c_void_p), ("n_tokens", ctypes.c_void_p), ("n_samples", ctypes.c_void_p),
-        ("sample_row", ctypes.c_void_p), ("sample_slot", ctypes.c_void_p),
-        ("top_n", ctypes.c_void_p), ("top_n_stride", ctypes.c_int64),
-        ("next_token", ctypes.c_void_p), ("records", ctypes.c_void_p),
-        ("record_words", ctypes.c_int32), ("max_top", ctypes.c_int32),
-        ("token_lp", ctypes.c_float), ("other_lp", ctypes.c_float), ("spin_ns", ctypes.c_uint64),
-    ]  # fmt: skip
-
-
 @functools.cache
 def _native_step() -> ctypes._CFuncPtr:
     from ringleader.ipc.native import load_library
 
-    fn = load_library("rlnullstep", _NATIVE_SOURCE).rl_null_step
-    fn.argtypes, fn.restype = [ctypes.POINTER(_NullStepArgs)], None
+    fn = load_library("rlnullstep", host_c_text(NULL_STEP_ARGS) + _NATIVE_STEP).rl_null_step
+    fn.argtypes, fn.restype = [ctypes.c_void_p], None  # the address of a NULL_STEP_ARGS record
     return fn
 
 
@@ -132,7 +134,8 @@ class NullStep:
                 f"kernel on {model.device.type} must be one of {', '.join(allowed)}, got {kernel!r}"
             )
         self.kernel = kernel
-        self._native_args: _NullStepArgs | None = None
+        self._native_args: np.ndarray | None = None  # a NULL_STEP_ARGS record, alive while bound
+        self._native_address = 0  # where it lies, for the call
         self._bound: StepLayout | None = None  # the layout they point into (kept alive by this)
         if kernel == "native":
             _native_step()  # built now, not inside the first step
@@ -147,7 +150,7 @@ class NullStep:
 
             null_step_triton(self.table, self.n_slots, self.step_ns, bucket, layout)
         elif self.kernel == "native":
-            _native_step()(ctypes.byref(self._bind(layout)))
+            _native_step()(self._bind(layout))
         else:
             self._run_torch(bucket, layout)
         return self.table[:0]
@@ -166,27 +169,31 @@ class NullStep:
                 records = null_records(tokens[asked], top_n[asked], self.vocab)
                 layout.step_logprobs.index_copy_(0, slots[asked], records)
         if self.step_ns:
-            _native_step()(ctypes.byref(_NullStepArgs(spin_ns=self.step_ns)))  # the busy time alone
+            spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns)  # the busy time alone
+            _native_step()(spin_only.ctypes.data)
 
-    def _bind(self, layout: StepLayout) -> _NullStepArgs:
-        """The C step's arguments: pointers into the layout, which on the CPU are the scheduler's
-        arrays themselves (made once: StepLayout.from_arrays), so they are bound once."""
-        args = self._native_args
-        if args is None or layout is not self._bound:  # per step: one identity check
+    def _bind(self, layout: StepLayout) -> int:
+        """The address of the C step's arguments: pointers into the layout, which on the CPU are
+        the scheduler's arrays themselves (made once: StepLayout.from_arrays), so bound once."""
+        if self._native_args is None or layout is not self._bound:  # per step: one identity check
             records, top_n = layout.step_logprobs, layout.params["logprobs"]
             if records.stride() != (LOGPROBS_WORDS, 1) or layout.token_ids.stride() != (1,):
                 raise ValueError("the native null step needs the layout's dense arrays")
             token_lp, other_lp = record_logprobs(self.vocab)
-            args = self._native_args = _NullStepArgs(
-                self.table.data_ptr(), self.vocab, self.n_slots,
-                layout.token_ids.data_ptr(), layout.n_tokens.data_ptr(), layout.n_samples.data_ptr(),
-                layout.sample_row.data_ptr(), layout.sample_slot.data_ptr(),
-                top_n.data_ptr(), top_n.stride(0),
-                layout.next_token.data_ptr(), records.data_ptr(), LOGPROBS_WORDS, MAX_LOGPROBS,
-                token_lp, other_lp, self.step_ns,
+            self._native_args = struct_record(
+                NULL_STEP_ARGS,
+                table=self.table.data_ptr(), vocab=self.vocab, n_slots=self.n_slots,
+                token_ids=layout.token_ids.data_ptr(), n_tokens=layout.n_tokens.data_ptr(),
+                n_samples=layout.n_samples.data_ptr(),
+                sample_row=layout.sample_row.data_ptr(), sample_slot=layout.sample_slot.data_ptr(),
+                top_n=top_n.data_ptr(), top_n_stride=top_n.stride(0),
+                next_token=layout.next_token.data_ptr(), records=records.data_ptr(),
+                record_words=LOGPROBS_WORDS, max_top=MAX_LOGPROBS,
+                token_lp=token_lp, other_lp=other_lp, spin_ns=self.step_ns,
             )  # fmt: skip
+            self._native_address = self._native_args.ctypes.data
             self._bound = layout
-        return args
+        return self._native_address
 
     def warmup(self, layout: StepLayout, buckets: Iterable[int]) -> None:
         """One run per bucket with no sample entries (compiles the kernel), as StaticStep.warmup."""

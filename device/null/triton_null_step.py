@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.null.null_model import record_logprobs
+from ringleader.device.null.null_logits import record_logprobs
 from ringleader.device.sampling.sampler import LOGPROBS_WORD, LOGPROBS_WORDS
 from ringleader.device.step.triton_launch import launch
 from ringleader.ipc.sampling_params import MAX_LOGPROBS

@@ -11,13 +11,17 @@ is the form for CUDA graphs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ringleader.device.model.llama import LlamaModel
 from ringleader.device.sampling.sampler import any_penalty, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
 from ringleader.device.step.step_layout import StepLayout
+
+if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_step, static_step)
+    from ringleader.device.model.llama import LlamaModel
 
 
 class EagerStep:

@@ -31,17 +31,20 @@ Capture on CUDA (the capturing code's side):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ringleader.device.model import ops
 from ringleader.device.model.decoder_layer import PointwiseKernels
-from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.ops import rope_split
 from ringleader.device.sampling.sampler import counter_uniform, penalize_and_scale, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_attention import ragged_attention_reference
+
+if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_step, static_step)
+    from ringleader.device.model.llama import LlamaModel
 
 
 class StaticAttention:
