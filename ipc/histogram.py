@@ -9,6 +9,9 @@ under the same lock, so a snapshot's buckets, sum and count always agree.
 `observe` is a bisect and three adds; `observe_array` does a numpy array at once (the device
 timeline's rows, fed at scrape time).  Buckets follow Prometheus: bucket i counts the values
 <= bounds[i] and > bounds[i - 1]; the last bucket (+Inf) counts the values above every bound.
+
+TTFT_BUCKETS are the bounds of every time-to-first-token histogram: the server's
+(hostctl/serving/metrics.py), the HTTP gateway's and each Ray Serve replica's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+# Seconds: vLLM's TTFT bounds, so vLLM's dashboards read the server's series, and the gateway's
+# and the Ray replicas' TTFT compare with the server's bucket for bucket (what HTTP adds).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Every struct below is declared here and only here: `numpy_dtype()` gives the hos
 `c_header()` gives the text both C++ compilers (host g++ and NVRTC) include.  The header carries
 static_asserts on every size and offset (offsets where the compiler can take them: the host build
 always, NVRTC from 13.4), and a fingerprint of the layout that the scheduler library reports back,
-so a stale build can never read the rings with the wrong offsets.
+so a stale build can never read the rings with the wrong offsets.  Two field lists come from
+their own declarations: RlSampling's (ipc/sampling_params.py) and the control block's counters
+(ipc/counters.py, which also gives the device's copy of them, RL_MIRROR_COUNTERS).
 
 Ownership (one writer per index; payload first, index last; release/acquire at system scope):
   Control.sq_tail        host writes (release) after the SQ entry and its prompt tokens; device reads (acquire)
@@ -24,8 +26,8 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.run_budget_ns  host writes before the scheduler starts; device reads once at sched_init
   Control.exit_reason    device writes once, before state = EXITED (release); host reads after
   Control counters,
-  heartbeat, error_code  device writes (plain stores mirroring RlSchedState, see rl_mirror_counters);
-                         host reads (monitoring only, no ordering attached)
+  heartbeat, error_code  device writes (plain stores mirroring RlSchedState, see rl_mirror_counters
+                         and ipc/counters.py); host reads (monitoring only, no ordering attached)
 Every device access to these arrays is in the scheduler's overlapped phase (or init and exit):
 the critical phase, which the GPU waits for between two steps, touches device memory only.
 The SQ carries only GENERATE entries.  Aborts travel in their own ring (aq), which the device
@@ -55,6 +57,7 @@ from enum import Enum, IntEnum, IntFlag
 
 import numpy as np
 
+from ringleader.ipc.counters import COUNTERS, c_mirror_macro
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
@@ -204,17 +207,8 @@ CONTROL = Struct("RlControl", (
     _f("sq_head", "u32"), _f("cq_tail", "u32"), _f("error_code", "u32"), _f("state", "u32"),
     _f("exit_reason", "u32"), _f("aq_head", "u32"),
     _f("heartbeat_ns", "u64"), _f("_dev_pad", "u64", 4),
-    # line 2-3: device writes, counters
-    _f("steps", "u64"), _f("step_tokens", "u64"), _f("generated", "u64"),
-    _f("admitted", "u64"), _f("finished", "u64"), _f("idle_polls", "u64"),
-    _f("cq_stalls", "u64"), _f("pending", "u64"), _f("active_slots", "u64"),
-    _f("last_step_tokens", "u64"),
-    _f("aborts", "u64"),  # requests ended by an abort (each also counts in finished)
-    _f("preemptions", "u64"),  # decode ran out of KV pages: a request gave its pages back to recompute later
-    _f("kv_pages_free", "u64"),  # free pages, counting cached pages no request holds (evictable)
-    _f("kv_pages_cached", "u64"),  # of those, the ones that hold a cached prefix
-    # prompt tokens of admitted requests, and of those the ones whose KV the prefix cache held
-    _f("prefix_cache_queries", "u64"), _f("prefix_cache_hits", "u64"),
+    # line 2 on: device writes, the counters (ipc/counters.py)
+    *(_f(c.name, c.kind) for c in COUNTERS),
 ), align=64)
 
 # Submission queue entry (host -> device): a GENERATE; the device reuses `op` for its pending state.
@@ -580,6 +574,7 @@ def c_header() -> str:
             "#endif",
             f"#define RL_LAYOUT_FINGERPRINT 0x{fingerprint():016X}ull",
             _header_body(),
+            c_mirror_macro(),  # device code, not the layout the host reads: not in the fingerprint
             "",
         ]
     )

@@ -26,11 +26,14 @@ import numpy as np
 
 from ringleader.ipc import layout
 from ringleader.ipc.atomics import AtomicU32
+from ringleader.ipc.counters import COUNTERS
 from ringleader.ipc.limits import MAX_SLOTS
 from ringleader.ipc.prefix_keys import mix64, page_keys
 from ringleader.ipc.sampling_params import SamplingParams
 
 ALIGN = 128
+# the control block's liveness fields HostRings.counters() reports after the counters
+LIVENESS_FIELDS = ("heartbeat_ns", "error_code", "state", "exit_reason")
 
 
 def _pow2(n: int) -> bool:
@@ -420,29 +423,10 @@ class HostRings:
         return self.arena.allocate(prompt)
 
     def counters(self) -> dict:
+        """The control block's counters (ipc/counters.py) and liveness fields, and what follows
+        from them: the KV pool's use and the state and exit reason in words."""
         c = self.control[0]
-        names = (
-            "steps",
-            "step_tokens",
-            "generated",
-            "admitted",
-            "finished",
-            "idle_polls",
-            "cq_stalls",
-            "pending",
-            "active_slots",
-            "last_step_tokens",
-            "aborts",
-            "preemptions",
-            "kv_pages_free",
-            "kv_pages_cached",
-            "prefix_cache_queries",
-            "prefix_cache_hits",
-            "heartbeat_ns",
-            "error_code",
-            "state",
-            "exit_reason",
-        )
+        names = (*(counter.name for counter in COUNTERS), *LIVENESS_FIELDS)
         out: dict[str, int | str | float] = {n: int(c[n]) for n in names}
         total, free = self.config.n_pages, int(c["kv_pages_free"])
         out["kv_pages_total"] = total

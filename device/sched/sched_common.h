@@ -26,22 +26,7 @@ RL_FN void rl_mirror_counters(const RlContext& c, uint64_t now) {
   RlSchedState& st = *c.sched;
   RlControl* ctl = c.ctl;
   rl_host_write(&ctl->heartbeat_ns, now);
-  rl_host_write(&ctl->steps, st.step);
-  rl_host_write(&ctl->step_tokens, st.step_tokens);
-  rl_host_write(&ctl->generated, st.generated);
-  rl_host_write(&ctl->admitted, st.admitted);
-  rl_host_write(&ctl->finished, st.finished);
-  rl_host_write(&ctl->idle_polls, st.idle_polls);
-  rl_host_write(&ctl->cq_stalls, st.cq_stalls);
-  rl_host_write(&ctl->aborts, st.aborts);
-  rl_host_write(&ctl->pending, (uint64_t)st.n_pending);
-  rl_host_write(&ctl->active_slots, (uint64_t)st.n_active);
-  rl_host_write(&ctl->last_step_tokens, (uint64_t)st.last_step_tokens);
-  rl_host_write(&ctl->preemptions, st.preemptions);
-  rl_host_write(&ctl->kv_pages_free, (uint64_t)(st.n_free_pages + st.n_cached_free));
-  rl_host_write(&ctl->kv_pages_cached, (uint64_t)st.n_cached_free);
-  rl_host_write(&ctl->prefix_cache_queries, st.prefix_queries);
-  rl_host_write(&ctl->prefix_cache_hits, st.prefix_hits);
+  RL_MIRROR_COUNTERS(ctl, st);  // each counter of ipc/counters.py (generated, the layout header)
   st.mirrored_ns = now;
   st.mirrored_step = st.step;
   st.mirrored_finished = st.finished;

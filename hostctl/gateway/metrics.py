@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from ringleader.hostctl.serving.prometheus import MetricFamilies, load_prometheus_client
-from ringleader.ipc.histogram import Histogram
+from ringleader.ipc.histogram import TTFT_BUCKETS, Histogram
 
 # seconds; the upper ones catch long generations
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 
 
 class GatewayMetrics:

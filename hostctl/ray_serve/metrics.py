@@ -15,7 +15,8 @@ from typing import Any
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from ringleader.hostctl.gateway.metrics import TTFT_BUCKETS, GatewayMetrics
+from ringleader.hostctl.gateway.metrics import GatewayMetrics
+from ringleader.ipc.histogram import TTFT_BUCKETS
 
 # the engine's cumulative totals mirrored as counters: (name, description, stats path)
 _TOTALS = (

@@ -24,7 +24,7 @@ import threading
 import time
 
 from ringleader.ipc import protocol
-from ringleader.ipc.histogram import Histogram, HistogramSnapshot, buckets_125
+from ringleader.ipc.histogram import TTFT_BUCKETS, Histogram, HistogramSnapshot, buckets_125
 
 __all__ = [
     "Histogram",
@@ -36,12 +36,8 @@ __all__ = [
     "thread_cpu_seconds",
 ]
 
-# Bucket bounds in seconds: vLLM's, with finer ones below its smallest where a GPU server lands
-# (a dashboard's histogram_quantile works on any bounds).
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+# Bucket bounds in seconds (TTFT's are ipc/histogram.py's, shared with the gateway): vLLM's, with
+# finer ones below its smallest where a GPU server lands (histogram_quantile works on any bounds).
 TOKEN_LATENCY_BUCKETS = (  # inter-token latency and time per output token
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,

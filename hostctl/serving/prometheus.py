@@ -30,7 +30,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ringleader.hostctl.serving.snapshot import ServerSnapshot
-from ringleader.ipc import protocol
+from ringleader.ipc import counters, protocol
 from ringleader.ipc.install_hint import install_hint
 
 log = logging.getLogger("ringleader.metrics")
@@ -219,9 +219,10 @@ class ServerCollector:
             )
         if "tokens_per_step" in steps:
             out.histogram("tokens_per_step", "Rows computed per step.", steps["tokens_per_step"])
-        out.counter("steps", "Model steps the scheduler built.", s.steps)
-        out.counter("step_tokens", "Rows (tokens) computed by those steps.", s.step_tokens)
-        out.counter("cq_stalls", "Times the device waited for room in the completion queue.", s.cq_stalls)
+        # the control block's counters that have a series, as ipc/counters.py declares them
+        for counter, series in counters.EXPORTED:
+            family = out.counter if series.type == "counter" else out.gauge
+            family(series.name, series.help, s.device_counters[counter.name])
         # the KV page pool, as vllm names it (routers such as llm-d read kv_cache_usage_perc)
         out.gauge(
             "kv_cache_usage_perc",
@@ -229,22 +230,6 @@ class ServerCollector:
             s.kv_cache_usage,
         )
         out.gauge("kv_cache_pages", "KV pages in the pool.", s.kv_pages)
-        out.counter(
-            "num_preemptions",
-            "Requests preempted when decode ran out of KV pages (each recomputes later).",
-            s.preemptions,
-        )
-        # in tokens, as vllm counts them: hits / queries is the prefix cache's hit rate
-        out.counter(
-            "prefix_cache_queries",
-            "Prompt tokens of admitted requests looked up in the prefix cache.",
-            s.prefix_cache_queries,
-        )
-        out.counter(
-            "prefix_cache_hits",
-            "Prompt tokens whose KV the prefix cache held (their prefill skipped).",
-            s.prefix_cache_hits,
-        )
 
         # what runs, and whether it lives
         d = s.description

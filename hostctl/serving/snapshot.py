@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ringleader.ipc.counters import COUNTERS
 from ringleader.ipc.histogram import HistogramSnapshot
 
 log = logging.getLogger("ringleader.server")
@@ -37,14 +38,9 @@ class ServerSnapshot:
     # the scheduler: the backend's step histograms (sched_critical_s, sched_overlapped_s, and where
     # measured bubble_s, tokens_per_step; empty if they could not be read) and the control block's counters
     step_histograms: dict[str, HistogramSnapshot]
-    steps: int
-    step_tokens: int
-    cq_stalls: int
+    device_counters: dict[str, int]  # every counter of ipc/counters.py, by name (as mirrored)
     kv_cache_usage: float  # share of the KV pages requests hold, 0..1 (mirrored with the counters)
     kv_pages: int  # the pool
-    preemptions: int  # requests that gave their pages back to recompute later
-    prefix_cache_queries: int  # prompt tokens of admitted requests
-    prefix_cache_hits: int  # of those, the ones whose KV the prefix cache held (prefill skipped)
     engine_dead: str | None  # why the engine was declared dead; None while it lives
 
 
@@ -53,7 +49,7 @@ def read_snapshot(server: Any) -> ServerSnapshot:
     (the server is not imported here: it imports this)."""
     counters, latencies = server.metrics.snapshot_with_histograms()
     ctl = server.backend.rings.control[0]
-    pages = server.backend.rings.counters()
+    device = server.backend.rings.counters()
     in_sq_ring = (int(ctl["sq_tail"]) - int(ctl["sq_head"])) & 0xFFFFFFFF
     try:
         steps = server.backend.step_histograms()
@@ -64,8 +60,8 @@ def read_snapshot(server: Any) -> ServerSnapshot:
         model_name=str(server.backend.model.name),
         description=dict(server.backend.description),
         batch_slots=server.backend.rings.config.n_slots,
-        running=int(ctl["active_slots"]),
-        waiting=server.admission.queued + in_sq_ring + int(ctl["pending"]),
+        running=int(device["active_slots"]),
+        waiting=server.admission.queued + in_sq_ring + int(device["pending"]),
         in_flight=len(server.table),
         accepted=counters["accepted"],
         prompt_tokens=counters["prompt_tokens"],
@@ -77,13 +73,8 @@ def read_snapshot(server: Any) -> ServerSnapshot:
         latencies=latencies,
         thread_cpu_s=server.thread_cpu_seconds(),
         step_histograms=steps,
-        steps=int(ctl["steps"]),
-        step_tokens=int(ctl["step_tokens"]),
-        cq_stalls=int(ctl["cq_stalls"]),
-        kv_cache_usage=float(pages["kv_cache_usage_perc"]),
-        kv_pages=int(pages["kv_pages_total"]),
-        preemptions=int(pages["preemptions"]),
-        prefix_cache_queries=int(pages["prefix_cache_queries"]),
-        prefix_cache_hits=int(pages["prefix_cache_hits"]),
+        device_counters={c.name: int(device[c.name]) for c in COUNTERS},
+        kv_cache_usage=float(device["kv_cache_usage_perc"]),
+        kv_pages=int(device["kv_pages_total"]),
         engine_dead=server.router.dead_reason,
     )
