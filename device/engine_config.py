@@ -1,7 +1,9 @@
 """EngineConfig: what shapes the engine (the backend), carried from the CLI to the backends and
 the bench.  Each default is written once, here: the field defaults, and the few that differ per
-device in EngineConfig.resolved(), which says why.  Light to import (no torch): the CLI builds its
-options from it on every invocation."""
+device in EngineConfig.resolved(), which says why.  Each field `ringleader serve` sets declares
+its flag and help too (option(), ringleader.ipc.config_options): the command line is generated
+from the fields.  Light to import (no torch): the CLI builds its options from it on every
+invocation."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from ringleader.device.null.null_options import NULL_MODEL, NullOptions
+from ringleader.device.null.null_options import NULL_DEFAULT_VOCAB, NULL_MODEL, NULL_PATTERNS, NullOptions
+from ringleader.ipc.config_options import option, options_of
 from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -20,44 +23,107 @@ POLICIES = ("fifo", "priority", "static")
 DTYPES = ("float32", "bfloat16", "float16")
 # how the weight matrices are stored: auto keeps a GGUF file's quantization (else the device's dtype)
 WEIGHTS = ("auto", "fp32", "bf16", "quantized")
+# the CPU's defaults where the field's is None (resolved()): the host has no free-memory probe
+CPU_MAX_CTX = 2048
+CPU_KV_CACHE_BYTES = 512 << 20
 
 
+# The fields with option() are `ringleader serve`'s options, in the order --help lists them.
+# fmt: off
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"  # a preset (tiny, llama-1b, llama-8b), a .gguf file or a checkpoint directory
-    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
-    scheduler: str | None = None  # where sched_step runs: device | host (None: per device, resolved())
-    launch: str = "auto"  # CUDA launch mode of the device scheduler: auto | resident | pump
-    policy: str = "fifo"  # admission: fifo | priority (with aging) | static batching
-    # batch slots: max concurrent sequences (cheap: a slot holds KV pages only for its tokens)
-    n_slots: int = 128
-    max_ctx: int | None = None  # the longest context of one request (None: per device, resolved())
-    # the KV page pool: bytes (an int, or text such as 512MiB, 2GB), or on CUDA a fraction (0, 1]
-    # of the memory free once the weights and the step's workspace are in (None: per device)
-    kv_cache_memory: int | float | str | None = None
-    page_size: int = 16  # token positions per KV page
-    # share the KV of full prompt pages between requests with the same prefix (the device's prefix cache)
-    prefix_caching: bool = True
-    token_budget: int = 256  # max token rows per step (raised to n_slots if below)
-    aging_steps: int = 64  # priority policy: a waiting request gains one level per this many steps
-    gpu_memory_fraction: float = 0.9  # CUDA: share of device memory for weights, KV cache, workspace
-    dtype: str | None = None  # weights and KV cache (None: per device, resolved()); a torch dtype is accepted
-    weights: str = "auto"  # the weight matrices: auto | fp32 | bf16 | quantized (resolved(); model_weights())
-    seed: int = 0  # seed of a preset's random weights
-    threads: int | None = None  # torch CPU threads (CPU backend; None: torch's default)
-    trace_path: str | None = None  # CUDA: the device timeline as Chrome-trace JSON, written at stop
+    model: str = option(
+        "tiny", flag="--model",
+        help="a preset (tiny, llama-1b, llama-8b: random weights; null: no weights, no arithmetic, "
+        "the runtime's own cost, see --null-*), a GGUF file (*.gguf: F32, F16, BF16, Q8_0, Q4_0, "
+        "Q4_1, Q5_x, Q2_K..Q6_K) or a local Hugging Face checkpoint directory (default: %(default)s)")
+    device: str = option(
+        "auto", flag="--device", choices=DEVICES, help="auto: cuda when torch sees a GPU, else cpu")
+    weights: str = option(
+        "auto", flag="--weights", choices=WEIGHTS,
+        help="how the weight matrices are stored and multiplied: quantized keeps a GGUF file's "
+        "Q4_0/Q4_1/Q4_K/Q5_x/Q8_0 matrices as they are (int4 kernels; Q2_K/Q3_K/Q6_K widened), "
+        "fp32 and bf16 widen them; auto: quantized for a .gguf file, else fp32 on cpu and bf16 "
+        "on cuda (on cuda, fp32 and bf16 also set the compute dtype)")
+    # weights and KV cache (None: per device, resolved()); a torch dtype is accepted
+    dtype: str | None = None
+    scheduler: str | None = option(  # None: per device, resolved()
+        None, flag="--scheduler", choices=SCHEDULERS,
+        help="CUDA: where sched_step runs (default device); the CPU backend is host-only")
+    launch: str = option(
+        "auto", flag="--launch", choices=LAUNCHES,
+        help="CUDA launch mode of the device scheduler: resident (one WHILE graph; fails start-up "
+        "if it cannot run), pump, or auto (resident, else pump; the mode that runs is in the log "
+        "and in stats)")
+    policy: str = option(
+        "fifo", flag="--policy", choices=POLICIES,
+        help="admission: fifo, priority with aging (which also decides who gives up its KV pages "
+        "first when they run out), or static batching (a baseline)")
+    n_slots: int = option(
+        128, flag="--slots", type=int,
+        help="batch slots (max concurrent sequences; a slot holds KV pages only for its tokens)")
+    max_ctx: int | None = option(  # None: per device, resolved()
+        None, flag="--max-ctx", type=int,
+        help=f"the longest context of one request, prompt and output (default: {CPU_MAX_CTX} on "
+        "cpu; on cuda the model's limit, cut to what the KV pages hold)")
+    # bytes (an int, or text such as 512MiB, 2GB) or a fraction; None: per device, resolved()
+    kv_cache_memory: int | float | str | None = option(
+        None, flag="--kv-cache-memory", metavar="BYTES|FRACTION",
+        help="memory for the KV page pool: bytes (512MiB, 2GB, 1073741824), or on cuda a fraction "
+        "(0, 1] of the memory free after the weights and the step's workspace (default: "
+        f"{CPU_KV_CACHE_BYTES >> 20}MiB on cpu; on cuda what --gpu-memory-fraction leaves)")
+    page_size: int = option(
+        16, flag="--page-size", type=int, help="token positions per KV page (a power of two)")
+    prefix_caching: bool = option(
+        True, flag="--prefix-caching", type=bool,
+        help="keep the KV of full prompt pages after a request ends, so later requests whose "
+        "prompts start with the same tokens (a system prompt, a conversation resent) skip their "
+        "prefill (default: on)")
+    gpu_memory_fraction: float = option(
+        0.9, flag="--gpu-memory-fraction", type=float,
+        help="CUDA: share of device memory for weights, KV cache and workspace")
+    token_budget: int = option(  # raised to n_slots if below
+        256, flag="--token-budget", type=int, help="max token rows per step")
+    aging_steps: int = option(
+        64, flag="--aging-steps", type=int,
+        help="priority policy: a waiting request gains one level per this many steps")
+    seed: int = option(0, flag="--seed", type=int, help="seed of the preset's random weights")
+    threads: int | None = option(  # the CPU backend's; None: torch's default
+        None, flag="--threads", type=int,
+        help="torch CPU threads (default: torch's, one per core it may use)")
+    trace_path: str | None = option(
+        None, flag="--trace",
+        help="CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown")
     sq_size: int = 1024  # submission ring entries
     pending_cap: int = 1024  # requests the scheduler holds beyond the slots
     attention: str = "triton"  # CUDA step attention kernel
     stop_grace_s: float = 2.0  # CUDA: the scheduler kernel's grace to finish a stop
-    run_budget_s: float | None = None  # CUDA: the scheduler kernel exits on its own after this long
-    # a Jinja chat template (a file, or the template text) that replaces the model's own (None: the model's)
-    chat_template: str | None = None
-    # --model null (device/null/null_options.py): its vocabulary, the step's busy time in microseconds
-    # and its output pattern (None: the null model's default; refused with any other model)
-    null_vocab: int | None = None
-    null_step_us: float | None = None
-    null_pattern: str | None = None
+    run_budget_s: float | None = option(
+        None, flag="--run-budget-s", type=float,
+        help="CUDA: the scheduler kernel exits on its own after this many seconds, and the server "
+        "reports engine_dead (default: no limit; for timed runs that must never leave a kernel "
+        "behind)")
+    chat_template: str | None = option(
+        None, flag="--chat-template", metavar="FILE",
+        help="a Jinja chat template (as tokenizer_config.json's chat_template is written) that "
+        "replaces the model's own, for a model whose template is missing or wrong; the template "
+        "text itself is taken too when it is no file and holds {{ or {%% (default: the model's "
+        "template)")
+    # --model null (device/null/null_options.py); None: the null model's default, refused with
+    # any other model
+    null_vocab: int | None = option(
+        None, flag="--null-vocab", type=int, metavar="N",
+        help=f"--model null: its vocabulary size (default {NULL_DEFAULT_VOCAB}; ids below 256 are "
+        "bytes)")
+    null_step_us: float | None = option(
+        None, flag="--null-step-us", type=float, metavar="US",
+        help="--model null: a fixed busy time per step, in microseconds, standing in for a "
+        "model's (default 0: the step costs nothing)")
+    null_pattern: str | None = option(
+        None, flag="--null-pattern", choices=NULL_PATTERNS,
+        help="--model null: its tokens: next (the input token + 1, never EOS; default), repeat "
+        "(the input token again), eos (end at once)")
+    # fmt: on
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(self.dtype, str):  # torch.float32 -> "float32"
@@ -73,13 +139,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        for name, flag, low, high in _INT_BOUNDS:
+        for name, low, high in _INT_BOUNDS:
             value = getattr(self, name)
             if value is None and name in ("max_ctx", "threads"):  # None: per device, or torch's own
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
-                named = f"{flag} ({name})" if flag else name
+                named = f"{_FLAGS[name]} ({name})" if name in _FLAGS else name
                 raise ValueError(f"{named} must be an integer {limits}, got {value!r}")
         if self.weights == "quantized" and not self._names_gguf:
             raise ValueError(
@@ -135,7 +201,7 @@ class EngineConfig:
                 device="cpu",
                 scheduler="host",  # the CPU build only: no device to run a persistent kernel on
                 # no free-memory probe on the host (CUDA has one): a fixed longest context
-                max_ctx=self.max_ctx or 2048,
+                max_ctx=self.max_ctx or CPU_MAX_CTX,
                 # a few hundred MB, not n_slots full contexts: pages follow the tokens, and a
                 # pool this size holds ~11k tokens of SmolLM2-135M (5 contexts of 2048) in fp32
                 kv_cache_memory=self.kv_cache_memory or CPU_KV_CACHE_BYTES,
@@ -205,21 +271,20 @@ class EngineConfig:
         return "dense"
 
 
-CPU_KV_CACHE_BYTES = 512 << 20
-
 _NO_LIMIT = 1 << 62
-# (field, its serve flag or None, lowest, highest): the integer options' ranges, checked once
-# here so a bad value is refused by name before any weights load
+# (field, lowest, highest): the integer fields' ranges, checked once here so a bad value is
+# refused by name (and by its serve flag, where it has one) before any weights load
 _INT_BOUNDS = (
-    ("n_slots", "--slots", 1, MAX_SLOTS),
-    ("max_ctx", "--max-ctx", 2, _NO_LIMIT),  # one prompt token and one generated
-    ("page_size", "--page-size", 1, _NO_LIMIT),
-    ("token_budget", "--token-budget", 1, _NO_LIMIT),
-    ("aging_steps", "--aging-steps", 1, _NO_LIMIT),
-    ("threads", "--threads", 1, _NO_LIMIT),
-    ("sq_size", None, 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
-    ("pending_cap", None, 1, _NO_LIMIT),
+    ("n_slots", 1, MAX_SLOTS),
+    ("max_ctx", 2, _NO_LIMIT),  # one prompt token and one generated
+    ("page_size", 1, _NO_LIMIT),
+    ("token_budget", 1, _NO_LIMIT),
+    ("aging_steps", 1, _NO_LIMIT),
+    ("threads", 1, _NO_LIMIT),
+    ("sq_size", 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
+    ("pending_cap", 1, _NO_LIMIT),
 )
+_FLAGS = {declared.name: declared.flag for declared in options_of(EngineConfig)}
 
 _UNITS = {
     "": 1, "b": 1,

@@ -90,13 +90,26 @@ def test_the_engine_never_imports_the_server_the_gateway_or_the_command_line():
 
 def test_only_commands_reach_into_the_device():
     """hostctl's server and gateway see a backend through ipc.backend.Backend; the commands that
-    open one (serve, doctor, build-kernel) are the only hostctl modules that name the device."""
+    open one (serve, doctor, build-kernel) are the only hostctl modules that name the device, but
+    for the engine's option declarations (device.engine_config, which loads no torch:
+    tests/test_config_options.py), which the Ray Serve app checks before it passes them to the engines it starts."""
     users = {
         _module_name(p)
         for p in _sources("hostctl")
-        if any(n.startswith("ringleader.device") for n in _import_names(p))
+        if any(
+            n.startswith("ringleader.device") and not n.startswith("ringleader.device.engine_config")
+            for n in _import_names(p)
+        )
     }
     assert users and all(m.startswith("ringleader.hostctl.commands.") for m in users), users
+    config_users = {
+        _module_name(p)
+        for p in _sources("hostctl")
+        if any(n.startswith("ringleader.device.engine_config") for n in _import_names(p))
+    }
+    assert {m for m in config_users if not m.startswith("ringleader.hostctl.commands.")} == {
+        "ringleader.hostctl.ray_serve.args"
+    }
 
 
 def test_the_product_names_the_bench_in_one_place():

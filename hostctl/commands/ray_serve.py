@@ -7,74 +7,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
-from typing import Any
 
 from ringleader.device.engine_config import EngineConfig
 from ringleader.hostctl.commands.gateway import add_http_options
 from ringleader.hostctl.commands.serve_flags import (
     ENGINE_FLAGS,
     SERVER_FLAGS,
+    add_config_options,
     add_engine_options,
     add_server_options,
 )
-from ringleader.hostctl.ray_serve.args import ROUTINGS, ArgsError, RayServeArgs
+from ringleader.hostctl.ray_serve.args import ArgsError, RayServeArgs
 from ringleader.hostctl.serving.config import ServerConfig
+from ringleader.ipc.config_options import options_by_name
 
 # engine options naming files: made absolute, since a replica's engine starts in Ray's folder
 PATH_OPTIONS = ("model", "chat_template", "trace_path")
 INSTALL_HINT = "pip install 'ringleader[ray]' (Ray Serve, CPU-only from PyPI)"
-_DEFAULTS = {f.name: f.default for f in fields(RayServeArgs)}
-
-# (flag, RayServeArgs field, argparse options, help)
-_OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
-    ("--replicas", "replicas", {"type": int}, "engine replicas (one engine, and on GPU nodes one GPU, each)"),
-    ("--min-replicas", "min_replicas", {"type": int}, "with --max-replicas: autoscale between the two"),
-    ("--max-replicas", "max_replicas", {"type": int}, "with --min-replicas: autoscale between the two"),
-    (
-        "--target-ongoing-requests",
-        "target_ongoing_requests",
-        {"type": float},
-        "autoscaling: requests per engine replica the autoscaler aims at",
-    ),
-    (
-        "--max-ongoing-requests",
-        "max_ongoing_requests",
-        {"type": int},
-        "requests one engine replica takes at once; beyond, Ray's proxy queues them",
-    ),
-    ("--ingress-replicas", "ingress_replicas", {"type": int}, "replicas of the HTTP ingress"),
-    (
-        "--routing",
-        "routing",
-        {"choices": ROUTINGS},
-        "prefix: requests sharing a prompt prefix prefer the replica that holds it (its prefix "
-        "cache), unless it is busier; pow2: power of two choices on queue length (as Ray's "
-        "default router); either way a request sent again avoids the replicas that refused it",
-    ),
-    ("--num-gpus", "num_gpus", {"type": float}, "GPUs per engine replica (default: 1 unless --device cpu)"),
-    ("--num-cpus", "num_cpus", {"type": float}, "Ray CPUs reserved per engine replica"),
-    (
-        "--health-check-period",
-        "health_check_period_s",
-        {"type": float},
-        "seconds between Ray's health checks of a replica (a replica whose engine died is replaced)",
-    ),
-    ("--health-check-timeout", "health_check_timeout_s", {"type": float}, "seconds a health check may take"),
-    (
-        "--engine-start-timeout",
-        "engine_start_timeout_s",
-        {"type": float},
-        "seconds a replica's engine may take to load its model",
-    ),
-    (
-        "--engine-address",
-        "engine_address",
-        {},
-        "attach every replica to this running engine (ZeroMQ address) instead of starting one each "
-        "(to measure the proxy against the gateway on one engine)",
-    ),
-)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -84,10 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_engine_options(p)
     add_server_options(p)
-    for flag, name, options, help in _OPTIONS:
-        if "choices" not in options:
-            options = {"metavar": flag[2:].upper().replace("-", "_"), **options}
-        p.add_argument(flag, dest=name, default=_DEFAULTS[name], help=help, **options)
+    add_config_options(p, RayServeArgs)
     p.add_argument(
         "--listen",
         default="127.0.0.1:8000",
@@ -125,7 +71,7 @@ def args_from_cli(args: argparse.Namespace) -> RayServeArgs:
         value = engine.get(name)
         if isinstance(value, str) and not os.path.isabs(value) and os.path.exists(value):
             engine[name] = os.path.abspath(value)
-    own = {name: getattr(args, name) for _, name, _, _ in _OPTIONS}
+    own = {name: getattr(args, name) for name in options_by_name(RayServeArgs)}
     return RayServeArgs(engine=engine, served_model_name=args.served_model_name, api_key=args.api_key, **own)
 
 

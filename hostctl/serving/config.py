@@ -1,8 +1,9 @@
 """ServerConfig: what shapes the host process's server (admission, limits, time-outs, the stop),
 beside the engine's EngineConfig (device/engine_config.py).  Each default is written once, here:
 the field defaults, and the one that differs per device in ServerConfig.resolved(), which says
-why.  `ringleader serve` generates its server flags from these fields
-(hostctl/commands/serve_flags.py); Server(backend, bind, config) takes one, or fields by name."""
+why.  Each field `ringleader serve` sets declares its flag and help too (option(),
+ringleader.ipc.config_options): the command line is generated from the fields
+(hostctl/commands/serve_flags.py).  Server(backend, bind, config) takes one, or fields by name."""
 
 from __future__ import annotations
 
@@ -10,24 +11,46 @@ import dataclasses
 from dataclasses import dataclass
 
 from ringleader.ipc import protocol
+from ringleader.ipc.config_options import option
+
+# the heartbeat stall that declares the engine dead where watchdog_s is None (resolved()): a CPU
+# step of a big model can take seconds; a GPU step cannot
+CPU_WATCHDOG_S = 60.0
+GPU_WATCHDOG_S = 2.0
 
 
+# The fields with option() are `ringleader serve`'s options, in the order --help lists them; the
+# others have no flag: a program that embeds the server sets them.
+# fmt: off
 @dataclass(frozen=True)
 class ServerConfig:
-    max_queued: int = 4096  # requests held on the host while the rings are full; beyond: overloaded
+    max_queued: int = option(
+        4096, flag="--max-queue", type=int,
+        help="requests held on the host when the rings are full; beyond: overloaded")
     max_queued_tokens: int = 1 << 22  # prompt tokens held on the host; beyond: overloaded
-    max_inflight_per_client: int = 1024  # accepted and not ended, per client; beyond: overloaded (0: no cap)
-    # a request without its first token this long after arrival ends with code timeout (0 or None: no limit)
-    max_queue_ms: float | None = 60_000
-    # a generate without max_tokens runs to the end of the context, at most this many tokens (None: no cap)
-    default_max_tokens: int | None = None
+    max_inflight_per_client: int = option(  # accepted and not ended, per client
+        1024, flag="--max-inflight-per-client", type=int,
+        help="requests one client may have in flight; beyond: overloaded (0: no cap)")
+    max_queue_ms: float | None = option(  # None too: no limit
+        60_000, flag="--max-queue-ms", type=float,
+        help="a request without its first token this long after arrival ends with error code "
+        "timeout (0: no limit)")
+    default_max_tokens: int | None = option(
+        None, flag="--default-max-tokens", type=int, metavar="N",
+        help="a request without max_tokens (an OpenAI chat request without it, too) generates up "
+        "to the rest of the model's context, at most N tokens (default: no cap)")
     # the largest max_tokens a request may ask for (None: the model's context)
     max_tokens_cap: int | None = None
     max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES  # the largest request frame: the wire's default
-    # heartbeat stall that declares the engine dead (None: per device, resolved())
-    watchdog_s: float | None = None
-    # at a stop, how long requests in flight may finish (the stop takes <= this + 5 s)
-    drain_timeout_s: float = 5.0
+    watchdog_s: float | None = option(  # None: per device, resolved()
+        None, flag="--watchdog-s", type=float,
+        help="heartbeat stall that declares the engine dead "
+        f"(default {GPU_WATCHDOG_S:g} on cuda, {CPU_WATCHDOG_S:g} on cpu)")
+    drain_timeout_s: float = option(
+        5.0, flag="--drain-timeout", type=float,
+        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish (the whole stop takes at "
+        "most this + 5 s)")
+    # fmt: on
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -45,5 +68,4 @@ class ServerConfig:
         the default that differs per device filled in.  The one place it is written."""
         if self.watchdog_s is not None:
             return self
-        # a CPU step of a big model can take seconds; a GPU step cannot
-        return dataclasses.replace(self, watchdog_s=60.0 if device == "cpu" else 2.0)
+        return dataclasses.replace(self, watchdog_s=CPU_WATCHDOG_S if device == "cpu" else GPU_WATCHDOG_S)
