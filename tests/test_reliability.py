@@ -195,7 +195,7 @@ def test_deadlines_end_requests_with_timeout():
         # an idle server keeps no deadline of an ended request (nor wakes up early for one)
         peer.send(generate("quick", 2, timeout_ms=600_000))
         assert dones_of(peer, ["quick"], timeout=30)["quick"]["finish_reason"] == "length"
-        assert wait_until(lambda: not bg.server._deadlines, timeout=5), bg.server._deadlines
+        assert wait_until(lambda: not bg.server.deadlines, timeout=5), bg.server.deadlines
         peer.close()
     # a started request past its own timeout_ms ends with what it produced
     with running_server(n_slots=2, server_options=dict(max_queue_ms=0)) as bg:
@@ -235,7 +235,7 @@ def test_many_short_lived_connections_leave_nothing_behind():
         with Client(bg.address, timeout=30) as c:
             assert c.complete(prompt_ids=[1], max_tokens=3).done.finish_reason == "length"
         assert wait_until(lambda: len(bg.server.table) == 0, 30)
-        assert wait_until(lambda: not bg.server._gone, 10)
+        assert wait_until(lambda: not bg.server.outbox.gone_clients, 10)
 
 
 def test_a_slow_reader_does_not_hold_up_others_and_loses_nothing():

@@ -51,6 +51,5 @@ def test_a_non_loopback_bind_without_keys_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="ringleader.server"):
         server = Server(backend, "tcp://0.0.0.0:0")
     server._socket.close(0)
-    server._wake_rx.close(0)
-    server._wake_tx.close(0)
+    server.wake.close()
     assert any("without CURVE keys" in r.message for r in caplog.records)

@@ -1,5 +1,6 @@
 """The completion thread: reads CQ events, turns them into wire frames per request, and hands
-the frames to the frontend thread (the only one that touches the ROUTER socket).
+the frames to the frontend thread through the Outbox (outbox.py: the frontend alone touches the
+ROUTER socket).
 
 Tokens of one request that arrive in one batch of events are coalesced into one `token` frame.
 A request's DONE ends it through Finisher.end; a request that is no longer in the table (ended
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 
 from ringleader.hostctl.serving.finisher import Finisher, Frame, no_logprobs
 from ringleader.hostctl.serving.inflight import RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
+from ringleader.hostctl.serving.outbox import Outbox
 from ringleader.ipc import layout, protocol
 from ringleader.ipc.backend import Backend
 
@@ -27,26 +27,6 @@ FINISH_NAMES: dict[int, str] = {
     layout.Finish.LENGTH: protocol.FINISH_LENGTH,
     layout.Finish.ABORT: protocol.FINISH_ABORT,
 }
-
-
-class Outbox:
-    """Frames from the completion thread (put_many) to the frontend thread (take_all); `notify`
-    wakes the frontend.  A deque's append and popleft are safe across threads."""
-
-    def __init__(self, notify: Callable[[], None]):
-        self._frames: deque[Frame] = deque()
-        self._notify = notify
-
-    def put_many(self, frames: list[Frame]) -> None:
-        if frames:
-            self._frames.extend(frames)
-            self._notify()
-
-    def take_all(self) -> list[Frame]:
-        out = []
-        while self._frames:
-            out.append(self._frames.popleft())
-        return out
 
 
 class CompletionRouter:

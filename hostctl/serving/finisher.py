@@ -5,10 +5,11 @@ and why: the completion thread for a DONE from the device and for engine_dead, t
 thread for a request the device does not hold (aborted while queued on the host, shut down).
 It removes the request from the table, and only the caller that wins that removal gets a frame
 back; so every accepted request gets exactly one `done`, counted once in ServerMetrics.  The
-completion thread appends the frame to the Outbox, the frontend sends it directly.
+completion thread hands the frame over through the Outbox (outbox.py), the frontend sends it at once.
 
 `reject_frame` is the `done` of a generate that was never accepted (bad request, duplicate id,
-overloaded, shutdown or engine dead at arrival): it has no table entry and zero usage.
+overloaded, shutdown or engine dead at arrival): it has no table entry and zero usage, and
+Intake.reject (intake.py) alone sends it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,18 @@
 """The host process: a ROUTER frontend, admission into the rings, completion routing, shutdown.
 
-Threads: the frontend thread owns the ROUTER socket, the SQ and the abort ring (decode, validate,
-tokenize, admit, abort, time out, send); the completion thread owns the CQ (see completions.py);
-the backend runs the scheduler.  Every accepted generate gets exactly one `done`, made by
-Finisher.end (finisher.py): from the device (stop, length, abort, or an abort the host turned into
-an error such as timeout), from the watchdog (engine_dead), or from the host for requests the
-device never saw.  A generate that is never accepted gets reject_frame's `done` instead.
+Threads: the frontend thread runs Server's loop and owns the ROUTER socket, the SQ and the abort
+ring (decode, validate, tokenize, admit, abort, time out, send); the completion thread owns the CQ
+(completions.py); the backend runs the scheduler.  Server.__init__ names the collaborators, each
+in its own file with the thread that uses it: WakePipe (wake.py), Outbox (outbox.py: per-client
+backlog, gone clients), Intake (intake.py: accept or refuse), Tokenization (tokenization.py),
+Families (families.py: n choices, prefix gating), Admission (admission.py), Deadlines
+(deadlines.py), the RequestTable (inflight.py) and CompletionRouter (completions.py).
+
+Every generate gets exactly one terminal `done`.  An accepted one gets it from Finisher.end
+(finisher.py), the one place an accepted request ends: from the device (stop, length, abort, or
+an abort the host turned into an error such as timeout), from the watchdog (engine_dead), or from
+the host for requests the device never saw.  A generate that is never accepted gets its `done`
+from Intake.reject (reject_frame) instead.
 
 Per-frame work is O(1) in the number of requests in flight: the request table indexes requests
 by client, a client found gone is handled once (its later frames are dropped, not re-examined),
@@ -14,42 +21,36 @@ and deadlines sit in a heap.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 import time
-from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import zmq
 
 from ringleader.hostctl.serving.admission import Admission
-from ringleader.hostctl.serving.completions import CompletionRouter, Outbox
+from ringleader.hostctl.serving.completions import CompletionRouter
 from ringleader.hostctl.serving.config import ServerConfig
 from ringleader.hostctl.serving.deadlines import Deadlines
-from ringleader.hostctl.serving.finisher import Finisher, Frame, reject_frame
+from ringleader.hostctl.serving.families import Families
+from ringleader.hostctl.serving.finisher import Finisher
 from ringleader.hostctl.serving.frontend_socket import FrontendSocket
-from ringleader.hostctl.serving.inflight import Ending, Family, InFlight, RequestTable
+from ringleader.hostctl.serving.inflight import Ending, InFlight, RequestTable
+from ringleader.hostctl.serving.intake import Intake
 from ringleader.hostctl.serving.metrics import ServerMetrics, thread_cpu_seconds
+from ringleader.hostctl.serving.outbox import Outbox
 from ringleader.hostctl.serving.snapshot import ServerSnapshot, read_snapshot
+from ringleader.hostctl.serving.tokenization import Tokenization
+from ringleader.hostctl.serving.wake import WakePipe
 from ringleader.ipc import protocol
 from ringleader.ipc.backend import Backend
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
-from ringleader.ipc.sampling_params import UINT64_MAX, SamplingParams
 
 log = logging.getLogger("ringleader.server")
 
 RECV_BATCH = 256  # frames taken per wake-up before admitting them together
-MAX_BACKLOG_FRAMES = 65536  # per client; beyond it the client is treated as gone
-GONE_SWEEP_S = 1.0  # how often clients marked gone with nothing left in flight are forgotten
 ABORT_WAIT_S = 1.5  # at shutdown: how long the device gets to end what was aborted
-
-
-def _random_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little")
 
 
 class Server:
@@ -88,49 +89,58 @@ class Server:
             max_tokens_cap=config.max_tokens_cap or model.max_context,
             default_max_tokens=config.default_max_tokens,
         )
+        # shared by both threads: the table and the metrics under their own locks; the finisher
+        # through them
         self.table = RequestTable()
         self.metrics = ServerMetrics()
         self.finisher = Finisher(self.table, self.metrics, backend.rings.arena)
+        # the frontend thread's alone, but for the wake pipe's notify, the outbox's put_many and
+        # a family's gate, which any thread may call
+        self._socket = frontend.socket
+        self.address = frontend.address
+        self.wake = WakePipe(frontend.context)
+        self.outbox = Outbox(self._socket, self.table, self.wake.notify, abort=self._abort)
         self.admission = Admission(
             backend.rings,
             self.table,
             max_queued=config.max_queued,
             max_queued_tokens=config.max_queued_tokens,
         )
-        self._deadlines = Deadlines(self.table, config.max_queue_ms)
-        self.timed_out = 0  # frontend thread only
-        self._ctx = frontend.context
-        self._socket = frontend.socket  # the frontend thread's alone
-        self.address = frontend.address
-        wake_addr = f"inproc://rl-wake-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
-        self._wake_pending = False  # under _wake_lock (both threads)
-        self.outbox = Outbox(self._notify_frontend)  # completion thread -> frontend thread
+        self.deadlines = Deadlines(self.table, config.max_queue_ms)
+        self.tokenization = Tokenization(model, self.limits)
+        cfg = backend.rings.config
+        self.families = Families(
+            self.table,
+            self.admission,
+            self.deadlines,
+            self.tokenization,
+            self.wake.notify,
+            shared_prefill_len=cfg.page_size if cfg.prefix_caching else 0,
+        )
+        # the completion thread's (it starts in serve_forever)
         assert config.watchdog_s is not None  # resolved() filled it in
         self.router = CompletionRouter(
             backend, self.table, self.finisher, self.outbox, self.metrics, config.watchdog_s
         )
+        self.intake = Intake(
+            self.table,
+            self.admission,
+            self.deadlines,
+            self.tokenization,
+            self.families,
+            self.metrics,
+            self.outbox,
+            lambda: self.router.dead_reason,
+            max_inflight_per_client=config.max_inflight_per_client,
+        )
+        # the loop's own state (frontend thread), but for the stop and the serving flag
+        self.timed_out = 0
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        # the rest is the frontend thread's alone
-        self._backlog: dict[bytes, deque[bytes]] = defaultdict(deque)  # frames zmq had no room for
-        self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
-        self._next_gone_sweep = 0.0
-        self._stop_requested = threading.Event()
-        # families whose later choices may now enter the queue (Family.gate; any thread appends)
-        self._gates_open: deque[Family] = deque()
-        cfg = backend.rings.config
-        # a prompt longer than a page shares its full pages' KV through the prefix cache (the
-        # page of its last token runs again: its row samples)
-        self._shared_prefill_len = cfg.page_size if cfg.prefix_caching else 0
+        self._poller.register(self.wake.receiver, zmq.POLLIN)
+        self._stop_requested = threading.Event()  # any thread, signal handlers included
         self.serving = threading.Event()  # the backend and the completion thread have started
         self._frontend_tid: int | None = None
-        self._accepting = True
 
     # ---- lifecycle -------------------------------------------------------------------------
     def serve_forever(self, on_serving: Callable[[], None] | None = None) -> None:
@@ -161,36 +171,20 @@ class Server:
         self._stop_requested.set()
 
     def _poll_timeout_ms(self) -> int:
-        if self.admission.waits_for_ring_space() or self._backlog:
+        if self.admission.waits_for_ring_space() or self.outbox.has_backlog:
             return 1
-        next_ns = self._deadlines.next_ns()
+        next_ns = self.deadlines.next_ns()
         if next_ns is not None:
             until = (next_ns - time.perf_counter_ns()) // 1_000_000
             return int(min(100, max(1, until + 1)))
         return 100
 
-    def _notify_frontend(self) -> None:
-        with self._wake_lock:
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-
     # ---- the frontend loop -----------------------------------------------------------------
     def _frontend_iteration(self, timeout_ms: int) -> None:
         # 1. poll the socket and the wake-up pipe; drain the wake-ups
         ready = dict(self._poller.poll(timeout_ms))
-        if self._wake_rx in ready:
-            with self._wake_lock:
-                self._wake_pending = False
-                while True:
-                    try:
-                        self._wake_rx.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+        if self.wake.receiver in ready:
+            self.wake.drain()
         # 2. receive and decode up to RECV_BATCH frames: admit, abort, reject, answer stats/ping
         if self._socket in ready:
             for _ in range(RECV_BATCH):
@@ -203,26 +197,24 @@ class Server:
         self._expire_deadlines()
         # 4. admission pump: choices whose first one's prompt is now cached join the queue;
         #    held-back aborts, then queued requests into the SQ
-        while self._gates_open:
-            for member in self._gates_open.popleft().members[1:]:
-                self.admission.release_gated(member)
+        self.families.release_opened()
         self.admission.pump()
         # 5. publish what was written to the rings, and wake the device if anything was
         if self.admission.publish():
             self.backend.wake()
         # 6. send what the completion thread put in the outbox
-        self._send_all(self.outbox.take_all())
+        self.outbox.send_routed()
         # 7. retry frames zmq had no room for
-        self._retry_backlog()
+        self.outbox.retry_backlog()
         # 8. forget gone clients with nothing left in flight
-        self._sweep_gone()
+        self.outbox.sweep_gone()
 
     def _handle_parts(self, parts: list[bytes]) -> None:
         client = parts[0]
-        self._gone.discard(client)  # it is back (a client may reconnect under its identity)
+        self.outbox.heard_from(client)
         if len(parts) != 2:
             self.metrics.bad_frames += 1
-            self._send(
+            self.outbox.send(
                 client,
                 protocol.encode(
                     protocol.error_msg(
@@ -235,148 +227,23 @@ class Server:
             request = protocol.decode_request(parts[1], self.limits)
         except protocol.FrameError as exc:
             self.metrics.bad_frames += 1
-            self._send(client, protocol.encode(protocol.error_msg(protocol.ERR_BAD_REQUEST, str(exc))))
+            self.outbox.send(client, protocol.encode(protocol.error_msg(protocol.ERR_BAD_REQUEST, str(exc))))
             return
         except protocol.BadRequest as exc:
-            self._reject(client, exc.id, protocol.ERR_BAD_REQUEST, exc.message)
+            self.intake.reject(client, exc.id, protocol.ERR_BAD_REQUEST, exc.message)
             return
         if isinstance(request, protocol.GenerateRequest):
-            self._on_generate(client, request)
+            self.intake.generate(client, request)
         elif isinstance(request, protocol.AbortRequest):
             for req in self.table.find(client, request.id):
                 if request.index is None or request.index == req.index:
                     self._abort(req, finish_reason=request.finish_reason)
         elif isinstance(request, protocol.StatsRequest):
-            self._send(client, protocol.encode(protocol.stats_msg(self.stats(request.timeline_after_seq))))
+            self.outbox.send(
+                client, protocol.encode(protocol.stats_msg(self.stats(request.timeline_after_seq)))
+            )
         elif isinstance(request, protocol.PingRequest):
-            self._send(client, protocol.encode(protocol.pong_msg()))
-
-    def _reject(self, client: bytes, request_id: protocol.RequestId | None, code: str, message: str) -> None:
-        """Answers a generate that is never accepted (it has no table entry): counts it, sends
-        reject_frame's `done`."""
-        self.metrics.rejected(code)
-        self._send(client, reject_frame(request_id, code, message))
-
-    def _on_generate(self, client: bytes, r: protocol.GenerateRequest) -> None:
-        if self.table.contains(client, r.id):
-            self._reject(
-                client, r.id, protocol.ERR_DUPLICATE_ID, f"id: {r.id!r} is already in flight for this client"
-            )
-            return
-        dead_reason = self.router.dead_reason
-        if not self._accepting:
-            self._reject(
-                client, r.id, protocol.ERR_SHUTDOWN, "server is not accepting requests: shutting down"
-            )
-            return
-        if dead_reason is not None:
-            message = f"server is not accepting requests: {dead_reason}"
-            self._reject(client, r.id, protocol.ERR_ENGINE_DEAD, message)
-            return
-        cap = self.config.max_inflight_per_client
-        if cap and self.table.count_of(client) >= cap:
-            self._reject(
-                client,
-                r.id,
-                protocol.ERR_OVERLOADED,
-                f"overloaded: this client already has {cap} requests in flight "
-                f"(the server's --max-inflight-per-client)",
-            )
-            return
-        try:
-            prompt_ids, field = self._prompt_ids(r)
-            # None (the rest of the context) becomes an int here: the ring holds one
-            max_tokens = protocol.resolve_max_tokens(
-                len(prompt_ids), r.sampling.max_tokens, self.limits, request_id=r.id, field=field
-            )
-        except protocol.BadRequest as exc:
-            self._reject(client, r.id, protocol.ERR_BAD_REQUEST, exc.message)
-            return
-        n = r.sampling.n
-        if not self.admission.can_accept(len(prompt_ids), n):
-            self._reject(
-                client,
-                r.id,
-                protocol.ERR_OVERLOADED,
-                f"overloaded: {self.admission.queued} requests already wait for a slot",
-            )
-            return
-        sampling = r.sampling
-        if sampling.max_tokens != max_tokens:
-            sampling = sampling.with_max_tokens(max_tokens)
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
-        if n == 1:
-            if sampling.seed is None:
-                sampling = sampling.with_seed(_random_seed())
-            req = self.table.add(
-                client,
-                r.id,
-                prompt_ids=prompt,
-                sampling=sampling,
-                priority=r.priority,
-                detokenizer=self._new_detokenizer(),
-            )
-            self._deadlines.arm(req, r.timeout_ms)
-            self.admission.submit(req)  # can_accept was checked just above
-        else:
-            self._submit_choices(client, r, prompt, sampling)
-        self.metrics.accepted += n  # a request of n choices counts as n, as each ends on its own
-
-    def _submit_choices(
-        self, client: bytes, r: protocol.GenerateRequest, prompt: np.ndarray, sampling: SamplingParams
-    ) -> None:
-        """A request with n > 1: n choices, choice i with seed + i (each its own random seed
-        when none was given), under the request's id.  Where the prefix cache can share the
-        prompt, choices 1..n-1 wait until the first one's prompt is cached, then prefill only
-        what the cache does not hold (the last partial page)."""
-        base = sampling.seed
-        seeds = [_random_seed() if base is None else (base + i) & UINT64_MAX for i in range(sampling.n)]
-        family = self.table.add_family(
-            client,
-            r.id,
-            [sampling.with_seed(seed) for seed in seeds],
-            prompt_ids=prompt,
-            priority=r.priority,
-        )
-        shared = 0 < self._shared_prefill_len < len(prompt)
-        if shared:
-            family.gate = self._open_gate
-        for member in family.members:
-            member.detokenizer = self._new_detokenizer()
-            self._deadlines.arm(member, r.timeout_ms)
-            if member.index == 0 or not shared:
-                self.admission.submit(member)  # can_accept counted all n
-            else:
-                self.admission.hold_gated(member)
-
-    def _open_gate(self, family: Family) -> None:
-        """Family.gate, from any thread: the frontend queues the family's later choices."""
-        self._gates_open.append(family)
-        self._notify_frontend()
-
-    def _new_detokenizer(self):
-        factory = self.backend.model.new_detokenizer
-        return factory() if factory is not None else None
-
-    def _prompt_ids(self, r: protocol.GenerateRequest) -> tuple[list[int], str]:
-        """(prompt token ids, the field they came from); BadRequest naming that field when the
-        model cannot turn it into tokens."""
-        model = self.backend.model
-        if r.prompt_ids is not None:
-            return r.prompt_ids, "prompt_ids"
-        if r.messages is not None:
-            if model.encode_chat is None:
-                raise protocol.BadRequest(
-                    r.id, "messages", "this model has no chat template; send prompt or prompt_ids"
-                )
-            try:
-                return model.encode_chat(r.messages), "messages"
-            except ValueError as exc:  # the template refused the conversation
-                raise protocol.BadRequest(r.id, "messages", str(exc)) from None
-        if model.tokenizer is None:
-            raise protocol.BadRequest(r.id, "prompt", "this model has no tokenizer; send prompt_ids")
-        assert r.prompt is not None  # the protocol accepts a generate with exactly one of the three
-        return model.tokenizer.encode(r.prompt), "prompt"
+            self.outbox.send(client, protocol.encode(protocol.pong_msg()))
 
     # ---- ending requests early ---------------------------------------------------------------
     def _abort(
@@ -397,72 +264,12 @@ class Server:
     ) -> None:
         """Sends the `done` of a request the device does not hold (or no longer answers for),
         unless the completion thread ended it first."""
-        self._send_all(self.finisher.end(req, reason, code, message))
+        self.outbox.send_all(self.finisher.end(req, reason, code, message))
 
     def _expire_deadlines(self) -> None:
-        for req, message in self._deadlines.expired():
+        for req, message in self.deadlines.expired():
             self.timed_out += 1
             self._abort(req, (protocol.ERR_TIMEOUT, message))
-
-    # ---- sending -----------------------------------------------------------------------------
-    def _send_all(self, frames: list[Frame]) -> None:
-        for client, frame in frames:
-            self._send(client, frame)
-
-    def _send(self, client: bytes, frame: bytes) -> None:
-        if client in self._gone:
-            return  # nobody is there to read it; its requests were aborted when it went
-        backlog = self._backlog.get(client)
-        if backlog:  # keep per-client order behind frames that are already waiting
-            backlog.append(frame)
-            if len(backlog) > MAX_BACKLOG_FRAMES:
-                self._client_gone(client, "client does not read its replies")
-            return
-        try:
-            self._socket.send_multipart([client, frame], zmq.NOBLOCK)
-        except zmq.Again:
-            self._backlog[client].append(frame)
-        except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
-                self._client_gone(client, "client disconnected")
-            else:
-                raise
-
-    def _retry_backlog(self) -> None:
-        for client in list(self._backlog):
-            q = self._backlog[client]
-            while q:
-                try:
-                    self._socket.send_multipart([client, q[0]], zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    self._client_gone(client, "client disconnected")
-                    break
-                q.popleft()
-            if not q:
-                self._backlog.pop(client, None)
-
-    def _client_gone(self, client: bytes, why: str) -> None:
-        """Aborts everything the client has in flight, once, so its slots go to others."""
-        self._backlog.pop(client, None)
-        self._gone.add(client)
-        reqs = self.table.of_client(client)
-        if reqs:
-            log.info("client %s: %s; aborting its %d requests", client.hex(), why, len(reqs))
-        for req in reqs:
-            self._abort(req)
-
-    def _sweep_gone(self) -> None:
-        """Forgets gone clients whose requests have all ended (bounds the set)."""
-        if self._gone and not len(self.table):
-            self._gone.clear()  # nothing in flight, so no frame is left to drop for any of them
-            return
-        now = time.monotonic()
-        if now < self._next_gone_sweep or not self._gone:
-            return
-        self._next_gone_sweep = now + GONE_SWEEP_S
-        self._gone = {c for c in self._gone if self.table.count_of(c)}
 
     # ---- stats, the exporter's snapshot and shutdown -----------------------------------------
     def stats(self, timeline_after_seq: int = 0) -> dict:
@@ -515,7 +322,7 @@ class Server:
         """Stop accepting, let in-flight requests finish for drain_timeout_s, then end the rest:
         those on the host at once, those on the device through the abort ring, and whatever the
         device has not ended ABORT_WAIT_S later on the host.  Every step is bounded."""
-        self._accepting = False
+        self.intake.stop_accepting()
         started = time.monotonic()
         deadline = started + self.config.drain_timeout_s
         if len(self.table):
@@ -544,8 +351,8 @@ class Server:
             self._frontend_iteration(timeout_ms=10)
         for req in self.table.all():  # the device did not answer: end them on the host
             self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_SHUTDOWN, "server shut down")
-        self._send_all(self.outbox.take_all())
-        self._retry_backlog()
+        self.outbox.send_routed()
+        self.outbox.retry_backlog()
         self.router.stop()
         try:
             self.backend.stop()  # raises EngineDead if the device did not stop: never silent
@@ -561,7 +368,7 @@ class Server:
         """backend.start() raised: whatever it had started (a kernel, a launch, an engine thread)
         is told to stop, bounded, so the process can exit; nothing was accepted yet.  A failure
         to stop is logged, and the start's own error is the one that propagates."""
-        self._accepting = False
+        self.intake.stop_accepting()
         try:
             self.backend.stop()
         except Exception:
@@ -570,6 +377,5 @@ class Server:
             self._close_sockets(linger_ms=0)
 
     def _close_sockets(self, linger_ms: int) -> None:
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        self.wake.close()
         self._frontend.close(linger_ms)
