@@ -172,13 +172,6 @@ def load_model(cfg: EngineConfig, dtype, device: str) -> LlamaModel | NullModel:
     return LlamaModel.from_spec(cfg.model, dtype, device, cfg.seed, cfg.model_weights())
 
 
-def weight_fields(cfg: EngineConfig, model: LlamaModel | NullModel) -> dict:
-    """A backend description's fields about the weights (and the null model's options)."""
-    if isinstance(model, NullModel):
-        return {"weights": "none", **model.weights_description(), **model.describe()}
-    return {"weights": cfg.weights, **model.weights_description()}
-
-
 def describe_weights(form: str, description: dict) -> str:
     """The start-up line's weights: "quantized, 73.2 MiB (matrices: 120 Q4_1, 1 Q8_0, 1 float32)",
     or "none" for a model without any (the null model)."""

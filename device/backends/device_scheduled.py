@@ -40,6 +40,56 @@ class LaunchUnavailable(RuntimeError):
     """The asked launch mode cannot run here; the message carries the CUDA error."""
 
 
+class ResidentLaunch:
+    """One WHILE/SWITCH graph launched once, which runs every step until EXIT: the host has
+    nothing to do after the launch."""
+
+    def __init__(self, graph: LaunchGraph, stream):
+        self.graph, self._stream = graph, stream
+
+    def first(self) -> None:
+        self.graph.launch(self._stream)  # nothing may be queued behind the endless launch
+
+    def host_threads(self, scheduler_ended) -> list[tuple[str, object]]:
+        return []
+
+    def release(self) -> None:
+        self.graph.destroy()
+
+
+class PumpedLaunch:
+    """A graph of a few steps, relaunched by a host thread that keeps at most two launches
+    queued; it never reads slot state, only whether the kernel exited (it keeps launching
+    through a stop, so a step the scheduler has handed over still runs)."""
+
+    def __init__(self, graph: LaunchGraph, stream):
+        self.graph, self._stream = graph, stream
+        self._events = [drv.BlockingEvent(), drv.BlockingEvent()]
+
+    def first(self) -> None:
+        self.graph.launch(self._stream)
+        self._events[0].record(self._stream)
+
+    def host_threads(self, scheduler_ended) -> list[tuple[str, object]]:
+        def pump() -> None:
+            """Launch k records event k % 2, and waits for launch k - 2 (the same event) first."""
+            k = 1  # first() made launch 0
+            while not scheduler_ended():
+                ev = self._events[k % 2]
+                if k >= 2:
+                    ev.synchronize()  # sleeps in the driver: blocking-sync event
+                self.graph.launch(self._stream)
+                ev.record(self._stream)
+                k += 1
+
+        return [("rl-pump", pump)]
+
+    def release(self) -> None:
+        for ev in self._events:
+            ev.destroy()
+        self.graph.destroy()
+
+
 class DeviceScheduled:
     def __init__(
         self,
@@ -69,13 +119,14 @@ class DeviceScheduled:
         self._graph_stream = drv.create_stream(highest_priority=False)
         self._sched_args = drv.KernelArgs(device_memory.context_bytes())
         self.description: dict = {}
-        self._launch_graph = self._build_launch_graph(launch, graphs, device_memory)
-        self._pump_events = [drv.BlockingEvent(), drv.BlockingEvent()]
+        graph = self._build_launch_graph(launch, graphs, device_memory)
+        launcher = ResidentLaunch if graph.mode == "resident" else PumpedLaunch
+        self._launch: ResidentLaunch | PumpedLaunch | None = launcher(graph, self._graph_stream)
         self._timeline = TimelineReader(device_memory)
         self._feed = TimelineFeed()  # its step histograms, at scrape time
         self._threads: list[threading.Thread] = []
         self.failure_of_threads: str | None = None
-        self.description.update(launch=self._launch_graph.mode, step_graph_nodes=graphs.describe())
+        self.description.update(launch=graph.mode, step_graph_nodes=graphs.describe())
 
     def _build_launch_graph(self, launch: str, graphs, device_memory) -> LaunchGraph:
         def build(mode):
@@ -103,17 +154,15 @@ class DeviceScheduled:
         ctl = self._rings.control[0]
         ctl["stop_grace_ns"] = int(self._stop_grace_s * 1e9)
         ctl["run_budget_ns"] = int((self._run_budget_s or 0) * 1e9)
-        pump = self._launch_graph.mode == "pump"
+        assert self._launch is not None, "start() after release()"
         # The graph first: its wait kernel spins until the scheduler hands over a step, and a
         # launch made beside a running persistent kernel is the one that risks waiting on it.
-        self._launch_graph.launch(self._graph_stream)
-        if pump:  # resident: nothing queued behind the endless launch
-            self._pump_events[0].record(self._graph_stream)
+        self._launch.first()
         drv.launch(self._fn[KERNEL_NAME], self._sched_args, self._sched_stream, block=self._sched_threads)
         self._wait_until_running(ctl)
-        log.info("device scheduler running: launch %s", self._launch_graph.mode)
-        if pump:
-            self._spawn(self._pump_loop, "rl-pump")
+        log.info("device scheduler running: launch %s", self._launch.graph.mode)
+        for name, loop in self._launch.host_threads(self._scheduler_ended):
+            self._spawn(loop, name)
         self._spawn(self._event_poller, "rl-cq-poll")
 
     def _wait_until_running(self, ctl) -> None:
@@ -147,20 +196,7 @@ class DeviceScheduled:
 
         return run
 
-    # ---- the host threads ------------------------------------------------------------------
-    def _pump_loop(self) -> None:
-        """At most two launches queued; never reads slot state, only whether the kernel exited
-        (it keeps launching through a stop, so a step the scheduler has handed over still runs).
-        Launch k records event k % 2, and waits for launch k - 2 (the same event) first."""
-        k = 1  # start() made launch 0
-        while not self._scheduler_ended():
-            ev = self._pump_events[k % 2]
-            if k >= 2:
-                ev.synchronize()  # sleeps in the driver: blocking-sync event
-            self._launch_graph.launch(self._graph_stream)
-            ev.record(self._graph_stream)
-            k += 1
-
+    # ---- the host thread ---------------------------------------------------------------------
     def _event_poller(self) -> None:
         """Wakes the completion thread when the kernel has published CQ events, polling only
         when one is due (cq_poller.py); the frontend's doorbell marks submissions."""
@@ -237,8 +273,7 @@ class DeviceScheduled:
 
     def release(self) -> None:
         """Only once nothing persistent runs."""
-        for ev in self._pump_events:
-            ev.destroy()
-        self._launch_graph.destroy()
+        if self._launch is not None:
+            self._launch.release()
+            self._launch = None  # the step graphs its graph holds go with the backend's
         self._timeline.close()  # before the buffer it copies from is freed
-        self._launch_graph = self._pump_events = None  # the step graphs it holds go with the backend's
