@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 if __name__ == "__main__":  # run as a script (--fake-run): the repository root holds tests/ and ringleader/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +47,8 @@ class _FStream:
     def _work(self):
         while True:
             op = self.q.get()
+            if op is None:  # FakeDriver.close(): the thread ends (after the ops queued before it)
+                return
             try:
                 op()
             except KernelTrap:
@@ -86,6 +89,7 @@ class FakeDriver(FakeKernels):
     """Stands in for ``cuda.bindings.driver`` as cuda_driver.cu (see module doc)."""
 
     VALIDATE_CALLS = 4
+    MAX_BLOCK: ClassVar[dict[str, int]] = {}  # kernels launched with more than one thread, and how many
 
     def __init__(self, gl):  # gl: ringleader.bench.lab.gpu_limits.kernels (the control-block layout)
         from cuda.bindings import driver as real
@@ -106,6 +110,7 @@ class FakeDriver(FakeKernels):
         self._device_execs: set = set()
         self._tls = threading.local()  # the graph run a stream's thread is executing, if any
         self.errors: list = []
+        self.destroyed_streams = 0
         self.sticky = None
         self._streams[0] = _FStream(self, 0)
         self.S = real.CUresult.CUDA_SUCCESS
@@ -140,6 +145,11 @@ class FakeDriver(FakeKernels):
         wrapper.__name__ = name
         return wrapper
 
+    def close(self):
+        """Ends every stream's thread once the work queued on it has run."""
+        for st in self._streams.values():
+            st.q.put(None)
+
     def _id(self):
         return next(self._ids)
 
@@ -151,12 +161,11 @@ class FakeDriver(FakeKernels):
         if not sig:
             return ()
         arr = (ctypes.c_void_p * len(sig)).from_address(int(kp))
-        out = []
-        for ch, p in zip(sig, arr):
-            out.append(
-                ctypes.c_uint64.from_address(p).value if ch == "Q" else ctypes.c_uint32.from_address(p).value
-            )
-        return tuple(out)
+        return tuple(self._decode_arg(ch, p) for ch, p in zip(sig, arr))
+
+    def _decode_arg(self, ch, p):
+        """One argument's value from its address (a subclass adds kinds: a struct by value)."""
+        return ctypes.c_uint64.from_address(p).value if ch == "Q" else ctypes.c_uint32.from_address(p).value
 
     def _enqueue(self, s, op, kind, **kw):
         st = self._stream(s)
@@ -288,8 +297,8 @@ class FakeDriver(FakeKernels):
         return (self.S, 16)
 
     def f_cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, s, kp, extra):
-        assert (gx, gy, gz, bx, by, bz) == (1, 1, 1, 1, 1, 1)
         name = self._funcs[int(f)]
+        assert (gx, gy, gz, by, bz) == (1, 1, 1, 1, 1) and 1 <= bx <= self.MAX_BLOCK.get(name, 1), (name, bx)
         args = self._decode(name, kp) if kp else ()
         assert len(args) == len(self.SIGS[name]), name
         self._enqueue(s, lambda: self._run_kernel(name, args), "KERNEL", name=name, args=args)
@@ -301,6 +310,12 @@ class FakeDriver(FakeKernels):
         sid = self._id()
         self._streams[sid] = _FStream(self, sid)
         return (self.S, self._real.CUstream(sid))
+
+    def f_cuStreamDestroy(self, s):
+        """As CUDA's: work already queued still runs, then the stream's resources go."""
+        self._streams.pop(int(s)).q.put(None)
+        self.destroyed_streams += 1
+        return (self.S,)
 
     def f_cuStreamQuery(self, s):
         return (self.S if self._stream(s).idle() else self._real.CUresult.CUDA_ERROR_NOT_READY,)

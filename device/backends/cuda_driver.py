@@ -108,6 +108,11 @@ def create_stream(highest_priority: bool = True):
     return check(cu.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
 
 
+def destroy_stream(stream) -> None:
+    """Work queued on it still runs; its resources go once that has ended."""
+    check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+
+
 def stream_done(stream) -> bool:
     err = cu.cuStreamQuery(stream)[0]
     if err == cu.CUresult.CUDA_ERROR_NOT_READY:

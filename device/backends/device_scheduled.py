@@ -233,6 +233,7 @@ class DeviceScheduled:
     def _wait_for_device_exit(self, deadline: float) -> list[str]:
         ctl = self._rings.control[0]
         streams = {"the scheduler kernel": self._sched_stream, "the step graph launch": self._graph_stream}
+        streams = {name: s for name, s in streams.items() if s is not None}  # none once released
         while time.monotonic() < deadline:
             busy = [n for n, s in streams.items() if not drv.stream_done(s)]
             if not busy and int(ctl["state"]) != layout.SchedulerState.RUNNING:
@@ -276,4 +277,7 @@ class DeviceScheduled:
         if self._launch is not None:
             self._launch.release()
             self._launch = None  # the step graphs its graph holds go with the backend's
+            drv.destroy_stream(self._sched_stream)
+            drv.destroy_stream(self._graph_stream)
+            self._sched_stream = self._graph_stream = None  # nothing runs on them any more
         self._timeline.close()  # before the buffer it copies from is freed

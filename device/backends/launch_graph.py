@@ -32,6 +32,15 @@ class LaunchGraph:
         self._graphs, self._fn, self._ctx_arg, self._cu_ctx = graphs, functions, ctx_arg, cu_ctx
         self._keep_args: list[drv.KernelArgs] = []  # kernel node parameters must outlive the graph
         self._graph = drv.create_graph()
+        try:
+            self._build(mode, cu_ctx)
+            self.exec = drv.instantiate_graph(self._graph)
+        except BaseException:  # a refused resident graph (auto falls back to pump): none half-built kept
+            drv.destroy_graph(self._graph)
+            raise
+        drv.upload_graph(self.exec, stream)
+
+    def _build(self, mode: str, cu_ctx) -> None:
         if mode == "resident":
             loop = drv.conditional_handle(self._graph, cu_ctx, 1)
             _, (body,) = drv.add_conditional_node(
@@ -42,8 +51,6 @@ class LaunchGraph:
             last = []
             for _ in range(PUMP_STEPS_PER_LAUNCH):
                 last = [self._step_body(self._graph, last, None, use_while=0)]
-        self.exec = drv.instantiate_graph(self._graph)
-        drv.upload_graph(self.exec, stream)
 
     def _step_body(self, graph, deps, while_handle, use_while: int):
         """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps`; returns the last node."""
