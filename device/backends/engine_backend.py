@@ -94,12 +94,6 @@ class EngineBackend(Doorbells, Backend):
     def step_histograms(self) -> dict[str, HistogramSnapshot]:
         return self._engine.step_histograms()
 
-    def device_timeline(self) -> np.ndarray | None:
-        """[trace_len, TRACE_FIELDS] rows of the recent steps (device_timeline.py); host mode's mix
-        the CPU scheduler's host clock with each step's device-stamped start and end; None on the
-        CPU."""
-        return self._engine.timeline()
-
     def stop(self) -> None:
         """Asks the scheduler to stop and waits, bounded, for everything of the engine to end.
         Raises EngineDead (and failure() says why) if any did not.  Once it has returned, calling
