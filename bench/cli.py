@@ -15,7 +15,7 @@ stats again. The `gateway` variant runs each point twice against one server: ove
 by default `--compare clients` at concurrency 1 and 256 with 256 slots, every load point run
 through the C client, the bundled sync and async Python clients, the raw pyzmq generator and the
 HTTP gateway, and a table of what each costs (client_costs in the JSON). Its options go to the
-server with --server-arg (--null-step-us, --null-vocab, --null-pattern).
+server with --server-arg (--null-step-us, --null-step-wait, --null-vocab, --null-pattern).
 
 `--shared-prefix-len N` puts one of `--prefix-groups G` shared prefixes before every prompt, and
 runs each server variant (default: device on CUDA, host on a CPU) twice, as two servers started

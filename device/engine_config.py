@@ -12,7 +12,13 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from ringleader.device.null.null_options import NULL_DEFAULT_VOCAB, NULL_MODEL, NULL_PATTERNS, NullOptions
+from ringleader.device.null.null_options import (
+    NULL_DEFAULT_VOCAB,
+    NULL_MODEL,
+    NULL_PATTERNS,
+    NULL_STEP_WAITS,
+    NullOptions,
+)
 from ringleader.ipc.config_options import option, options_of
 from ringleader.ipc.limits import MAX_SLOTS
 
@@ -123,6 +129,11 @@ class EngineConfig:
         None, flag="--null-pattern", choices=NULL_PATTERNS,
         help="--model null: its tokens: next (the input token + 1, never EOS; default), repeat "
         "(the input token again), eos (end at once)")
+    null_step_wait: str | None = option(
+        None, flag="--null-step-wait", choices=NULL_STEP_WAITS,
+        help="--model null on the CPU: how the step's busy time is spent: spin (holds a core, as a "
+        "CPU model's arithmetic; default) or sleep (gives the core back, as a host waiting on a "
+        "GPU's step); CUDA's step always spins on the GPU")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -240,6 +251,7 @@ class EngineConfig:
                 ("--null-vocab", self.null_vocab),
                 ("--null-step-us", self.null_step_us),
                 ("--null-pattern", self.null_pattern),
+                ("--null-step-wait", self.null_step_wait),
             )
             if value is not None
         }
@@ -250,6 +262,7 @@ class EngineConfig:
             vocab_size=defaults.vocab_size if self.null_vocab is None else self.null_vocab,
             step_us=defaults.step_us if self.null_step_us is None else self.null_step_us,
             pattern=defaults.pattern if self.null_pattern is None else self.null_pattern,
+            step_wait=defaults.step_wait if self.null_step_wait is None else self.null_step_wait,
         )
 
     @property

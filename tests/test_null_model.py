@@ -7,6 +7,7 @@ tests/test_gpu_backend.py; its ahead-of-time compile in tests/test_triton_aot.py
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ EOS = ByteTokenizer.EOS
         (dict(null_step_us=-1.0), "--null-step-us must be a number in [0,"),
         (dict(null_step_us=float("nan")), "--null-step-us must be a number"),
         (dict(null_pattern="zeros"), "--null-pattern must be one of next, repeat, eos"),
+        (dict(null_step_wait="nap"), "--null-step-wait must be one of spin, sleep"),
     ],
 )
 def test_bad_options_are_refused_by_name(fields, words):
@@ -123,6 +125,20 @@ def _check_forms_agree(kernels: tuple[str, ...]) -> None:
 
 def test_the_native_step_is_the_torch_step():
     _check_forms_agree(("native",))
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_a_sleeping_step_takes_its_time_but_not_a_core(kernel):
+    """--null-step-wait sleep: the step lasts its busy time on the wall clock, and the calling
+    thread's CPU time stays a small part of it (a spin would hold the core all along)."""
+    lay, n_tokens = _layout(3)
+    model = NullModel(NullOptions(500, 30_000.0, "next", step_wait="sleep"))
+    step = NullStep(model, lay.next_token.shape[0], kernel=kernel)
+    step.run(n_tokens, lay)  # built and bound
+    wall, cpu = time.perf_counter(), time.thread_time()
+    step.run(n_tokens, lay)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall >= 0.029 and cpu < 0.5 * wall, (wall, cpu)
 
 
 def run_interpreted_checks() -> None:

@@ -96,4 +96,9 @@ class NullModel:
     def describe(self) -> dict:
         """The backend description's null-model fields (serve's start-up line, stats)."""
         o = self.options
-        return {"null_vocab": o.vocab_size, "null_step_us": o.step_us, "null_pattern": o.pattern}
+        return {
+            "null_vocab": o.vocab_size,
+            "null_step_us": o.step_us,
+            "null_pattern": o.pattern,
+            "null_step_wait": o.step_wait,
+        }

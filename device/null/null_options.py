@@ -9,6 +9,7 @@ from ringleader.device.text.tokenizer import ByteTokenizer
 
 NULL_MODEL = "null"
 NULL_PATTERNS = ("next", "repeat", "eos")
+NULL_STEP_WAITS = ("spin", "sleep")
 NULL_DEFAULT_VOCAB = 32000
 NULL_VOCAB_RANGE = (ByteTokenizer.vocab_size, 1 << 24)  # the byte tokenizer's ids must fit
 NULL_STEP_US_MAX = 10_000_000.0  # 10 s: anything longer is no step
@@ -17,11 +18,15 @@ NULL_MAX_CONTEXT = 8192  # the model's "limit": the CUDA backend's default conte
 
 @dataclass(frozen=True)
 class NullOptions:
-    """What `--model null` takes (serve --null-vocab, --null-step-us, --null-pattern)."""
+    """What `--model null` takes (serve --null-vocab, --null-step-us, --null-pattern,
+    --null-step-wait)."""
 
     vocab_size: int = NULL_DEFAULT_VOCAB
     step_us: float = 0.0  # the step's fixed busy time (0: none)
     pattern: str = "next"
+    # how the CPU spends the busy time: "spin" holds a core, as a CPU model's arithmetic does;
+    # "sleep" gives it back, as a host waiting on a GPU's step does (CUDA always spins on the GPU)
+    step_wait: str = "spin"
 
     def __post_init__(self) -> None:
         low, high = NULL_VOCAB_RANGE
@@ -35,6 +40,10 @@ class NullOptions:
         if self.pattern not in NULL_PATTERNS:
             raise ValueError(
                 f"--null-pattern must be one of {', '.join(NULL_PATTERNS)}, got {self.pattern!r}"
+            )
+        if self.step_wait not in NULL_STEP_WAITS:
+            raise ValueError(
+                f"--null-step-wait must be one of {', '.join(NULL_STEP_WAITS)}, got {self.step_wait!r}"
             )
 
     @property

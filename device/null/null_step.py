@@ -5,7 +5,8 @@ For each live sample entry i: next_token[sample_slot[i]] = table[token_ids[sampl
 for an entry whose request asked for logprobs its RlLogprobs record in closed form (the pattern
 token first, then the lowest other ids, as the null logits rank them). Then the fixed busy time,
 if any: on the CPU a spin in C with the GIL released (a model step's torch ops release it too, so
-the server's other threads run beside it as they would); on CUDA a spin on the GPU's global timer
+the server's other threads run beside it as they would), or with --null-step-wait sleep a sleep
+(the host's share of a GPU's step: a wait that costs no CPU); on CUDA a spin on the GPU's global timer
 inside the step's kernel.
 
 On the CPU the step is one call into C (a few microseconds, where the same in torch ops took
@@ -48,6 +49,7 @@ NULL_STEP_ARGS = Struct("NullStepArgs", (
     Pointer("next_token", "i32"), Pointer("records", "i32"),
     Field("record_words", "i32"), Field("max_top", "i32"),
     Field("token_lp", "f32"), Field("other_lp", "f32"), Field("spin_ns", "u64"),
+    Field("sleep", "i32"),  # 1: the busy time is slept (a host waiting on a GPU), 0: spun
 ))  # fmt: skip
 
 # The step itself; it follows the generated NullStepArgs (host_c_text) in the library's source.
@@ -83,7 +85,11 @@ extern "C" void rl_null_step(const NullStepArgs* a) {
       memcpy(&rec[2 + a->max_top + j], j == 0 ? &a->token_lp : &a->other_lp, 4);
     }
   }
-  if (a->spin_ns) {
+  if (a->spin_ns && a->sleep) {
+    struct timespec t = {(time_t)(a->spin_ns / 1000000000u), (long)(a->spin_ns % 1000000000u)};
+    while (nanosleep(&t, &t) != 0) {  // interrupted by a signal: sleep the rest
+    }
+  } else if (a->spin_ns) {
     const uint64_t end = now_ns() + a->spin_ns;
     while (now_ns() < end) {
     }
@@ -126,6 +132,7 @@ class NullStep:
         self.model, self.n_slots = model, n_slots
         self.table, self.vocab = model.table, model.options.vocab_size
         self.step_ns = model.options.step_ns
+        self.sleeps = model.options.step_wait == "sleep"
         on_cpu = model.device.type == "cpu"
         kernel = kernel or ("native" if on_cpu else "triton")
         allowed = ("native", "torch", "triton") if on_cpu else ("triton",)
@@ -169,7 +176,7 @@ class NullStep:
                 records = null_records(tokens[asked], top_n[asked], self.vocab)
                 layout.step_logprobs.index_copy_(0, slots[asked], records)
         if self.step_ns:
-            spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns)  # the busy time alone
+            spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns, sleep=int(self.sleeps))  # busy time alone
             _native_step()(spin_only.ctypes.data)
 
     def _bind(self, layout: StepLayout) -> int:
@@ -189,7 +196,7 @@ class NullStep:
                 top_n=top_n.data_ptr(), top_n_stride=top_n.stride(0),
                 next_token=layout.next_token.data_ptr(), records=records.data_ptr(),
                 record_words=LOGPROBS_WORDS, max_top=MAX_LOGPROBS,
-                token_lp=token_lp, other_lp=other_lp, spin_ns=self.step_ns,
+                token_lp=token_lp, other_lp=other_lp, spin_ns=self.step_ns, sleep=int(self.sleeps),
             )  # fmt: skip
             self._native_address = self._native_args.ctypes.data
             self._bound = layout
