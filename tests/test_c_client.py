@@ -1,4 +1,6 @@
-"""The C client (clients/c) against the real server on `tiny` and against a hostile fake one.
+"""The C client (clients/c) against the real server on `tiny` (protocol 1.7: the client says
+`hello` first and reads per-request and batch frames alike; a 1.6 server answers the hello with
+an `error` op); against fake ones in test_c_client_fake_servers.py, which shares this harness.
 
 Built once with AddressSanitizer and UBSan (`make SANITIZE=1`, warnings as errors); every C
 process runs with the sanitizers made fatal and must leave nothing on stderr that they wrote.
@@ -10,25 +12,19 @@ bench tool (`ringleader-c-bench`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import pytest
-import zmq
 
-from ringleader.ipc import protocol as P
 from ringleader.ipc.client import Client
-from ringleader.ipc.sampling_params import WIRE_FIELDS, SamplingError, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 C_DIR = REPO / "clients" / "c"
@@ -58,20 +54,26 @@ def _toolchain_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def cbin(tmp_path_factory) -> Path:
-    """The C client built with the sanitizers; the folder of its programs."""
+def build_c_client(tmp_path_factory) -> Path:
+    """The C client built with the sanitizers, once per test session (make again is a no-op: the
+    batch frames' tests in test_c_client_batch.py share the build); the folder of its programs."""
     missing = _toolchain_missing()
     if missing:
         if os.environ.get("RINGLEADER_REQUIRE_FETCHED"):
             pytest.fail(f"C client toolchain missing: {missing}; {APT}")
         pytest.skip(f"C client toolchain missing: {missing}; {APT}")
-    build = tmp_path_factory.mktemp("c-build")
+    build = tmp_path_factory.getbasetemp() / "c-build"
+    build.mkdir(exist_ok=True)
     proc = subprocess.run(
         ["make", "-j1", "-C", str(C_DIR), "SANITIZE=1", f"BUILD={build}"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return build
+
+
+@pytest.fixture(scope="module")
+def cbin(tmp_path_factory) -> Path:
+    return build_c_client(tmp_path_factory)
 
 
 def start_server(address: str) -> subprocess.Popen:
@@ -111,6 +113,16 @@ def server() -> Iterator[str]:
     stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def batch_answer(server) -> int:
+    """What the C client's hello should come to on the real server: 1 (batch frames) from a 1.7
+    server, 0 from a 1.6 one (its `error` op, taken silently)."""
+    with Client(server, timeout=10) as c:
+        protocol = c.stats()["protocol"]
+    assert protocol in ("1.6", "1.7"), protocol
+    return 1 if protocol == "1.7" else 0
+
+
 def check_sanitizers(stderr: str) -> None:
     assert "runtime error" not in stderr, stderr
     assert "ERROR: AddressSanitizer" not in stderr, stderr
@@ -141,6 +153,16 @@ def check(cbin: Path, address: str, lines: list[str], *opts: str, timeout: float
         stdin="\n".join(lines) + "\n",
         timeout=timeout,
     )
+
+
+def hello_line(events: list[dict]) -> dict:
+    """The driver's closing "hello" line: how the server answered the client's hello."""
+    (hello,) = [e for e in events if e.get("event") == "hello"]
+    return hello
+
+
+def server_errors(events: list[dict]) -> list[str]:
+    return [e["message"] for e in events if e.get("event") == "server_error"]
 
 
 def by_request(events: list[dict]) -> dict[int, dict]:
@@ -205,9 +227,12 @@ def python_results(address: str, requests: list[dict]) -> list[tuple]:
 # ---------------------------------------------------------------- against the real server
 
 
-def test_tokens_match_the_python_client(cbin, server):
+def test_tokens_match_the_python_client(cbin, server, batch_answer):
     expected = python_results(server, REQUESTS)
-    got = by_request(check(cbin, server, [line_of(kw) for kw in REQUESTS]))
+    events = check(cbin, server, [line_of(kw) for kw in REQUESTS])
+    # the hello was answered (1.7: batch frames; 1.6: its error op) and nothing was reported
+    assert hello_line(events)["batch_frames"] == batch_answer and server_errors(events) == []
+    got = by_request(events)
     for i, (ids, text, lps, finish, completion) in enumerate(expected):
         assert got[i]["ids"] == ids, (i, REQUESTS[i])
         assert got[i]["text"] == text, i
@@ -233,7 +258,7 @@ def test_tokens_match_the_python_client(cbin, server):
         assert [e["event"] for e in events][-1] == "done"
 
 
-def test_many_in_flight_callbacks_and_blocking(cbin, server):
+def test_many_in_flight_callbacks_and_blocking(cbin, server, batch_answer):
     requests = [dict(prompt_ids=[i + 1, i + 2], max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
     lines = [line_of(kw) for kw in requests]
     callback = check(cbin, server, lines)
@@ -249,7 +274,9 @@ def test_many_in_flight_callbacks_and_blocking(cbin, server):
     assert blocking[0]["req"] == 5
     done5 = next(k for k, e in enumerate(blocking) if e["event"] == "done")
     assert blocking[done5]["req"] == 5
-    assert all(e["req"] != 5 for e in blocking[done5 + 1 :])
+    assert all(e.get("req") != 5 for e in blocking[done5 + 1 :])
+    for events in (callback, blocking):
+        assert hello_line(events)["batch_frames"] == batch_answer and server_errors(events) == []
 
 
 @pytest.mark.parametrize("reason", ["abort", "stop"])
@@ -266,15 +293,16 @@ def test_abort_mid_stream(cbin, server, reason):
     assert r[1]["done"]["finish_reason"] == "length"  # the other request went on
 
 
-def test_stats_and_ping(cbin, server):
+def test_stats_and_ping(cbin, server, batch_answer):
     events = run_c(cbin, "ringleader-c-check", "stats", "--address", server)
-    stats, ping = events
-    assert stats["code"] == "ok" and stats["protocol"] == "1.6"
+    stats, ping, hello = events
+    assert stats["code"] == "ok" and stats["protocol"] in ("1.6", "1.7")
+    assert hello["batch_frames"] == batch_answer
     assert stats["vocab_size"] == 264 and stats["max_context"] == MAX_CTX
     assert ping["code"] == "ok" and 0 < ping["rtt"] < 5
 
 
-def test_bench_tool(cbin, server, tmp_path):
+def test_bench_tool(cbin, server, batch_answer, tmp_path):
     reqs = tmp_path / "requests.txt"
     specs = [(5 + i, [1 + i, 2, 3 + i]) for i in range(8)]
     reqs.write_text("".join(f"{m} {' '.join(map(str, ids))}\n" for m, ids in specs))
@@ -292,6 +320,9 @@ def test_bench_tool(cbin, server, tmp_path):
     out = json.loads(proc.stdout)
     assert out["client"] == "c" and out["concurrency"] == 4
     assert out["wall_s"] > 0 and out["cpu_user_s"] >= 0 and out["cpu_sys_s"] >= 0
+    messages = sum(len(r["chunk_n"]) + 1 for r in out["requests"])  # token messages and dones
+    # 1.6: a frame each; 1.7: batch frames carry several (the measured run's frames only)
+    assert 0 < out["frames"] <= messages and (batch_answer or out["frames"] == messages)
     assert [r["index"] for r in out["requests"]] == list(range(8))
     for r, (m, ids) in zip(out["requests"], specs):
         assert r["error_code"] is None and r["error_message"] is None, r
@@ -335,230 +366,3 @@ def test_no_server_ends_disconnected_within_connect_timeout(cbin):
     (done,) = [e for e in events if e["event"] == "done"]
     assert done["error_code"] == "disconnected" and "no connection" in done["error_message"]
     assert 1.0 <= done["t"] - start < 3.5
-
-
-# ---------------------------------------------------------------- against a fake server
-
-
-def pk(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-class FakeServer:
-    """A ROUTER on 127.0.0.1 that records every frame and answers a generate with the raw frames
-    `answer(msg)` returns; a ping gets its pong unless `pong` is False."""
-
-    def __init__(self, answer: Callable[[dict], list[bytes]] = lambda msg: [], pong: bool = True):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.frames: list[bytes] = []
-        self.answer, self.pong = answer, pong
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, *rest = self.sock.recv_multipart()
-            frame = rest[-1] if rest else b""
-            self.frames.append(frame)
-            msg = msgpack.unpackb(frame)
-            if msg.get("op") == "ping" and self.pong:
-                self.sock.send_multipart([ident, pk({"op": "pong"})])
-            elif msg.get("op") == "generate":
-                for reply in self.answer(msg):
-                    self.sock.send_multipart([ident, reply])
-
-    def ops(self) -> list[str]:
-        return [msgpack.unpackb(f).get("op") for f in self.frames]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
-        self.ctx.term()
-
-
-def done_frame(rid: int, **fields) -> bytes:
-    return pk({"op": "done", "id": rid, "finish_reason": "length", **fields})
-
-
-def hostile_answer(msg: dict) -> list[bytes]:
-    """Scenario prompt_ids[0]: garbage around a request's replies (see test_malformed_replies)."""
-    rid, scenario = msg["id"], msg["prompt_ids"][0]
-    head = lambda n, op: bytes([0x80 + n]) + pk("op") + pk(op) + pk("id") + pk(rid)  # noqa: E731
-    claim = lambda n: b"\xdd" + n.to_bytes(4, "big")  # noqa: E731
-    token = lambda **f: pk({"op": "token", "id": rid, **f})  # noqa: E731
-    if scenario == 0:  # tokens: only the two good ones count
-        return [
-            b"\xc1\xc1 not msgpack",
-            pk(5),
-            pk([1, 2, 3]),
-            b"",
-            token(token_ids="abc"),
-            head(3, "token") + pk("token_ids") + claim(10**6) + pk(1) + pk(2),
-            token(token_ids=["1", "2"]),
-            token(token_ids=[1], text=5),
-            token(token_ids=[1], index=-1),
-            token(token_ids=[1], index=None),
-            token(token_ids=[-1]),
-            token(token_ids=[1 << 40]),
-            token(token_ids=[1], finish_reason="bored"),
-            token(token_ids=[1, 2], logprobs=[{"logprob": 0.0, "top_ids": [], "top_logprobs": []}]),
-            token(token_ids=[1], logprobs=[{"logprob": "x", "top_ids": [], "top_logprobs": []}]),
-            pk({"op": "token", "id": "x", "token_ids": [1]}),
-            pk({"op": "token", "id": rid + 1000, "token_ids": [1]}),
-            pk({"op": "token", "id": True, "token_ids": [1]}),
-            pk({"op": "token", "id": float(rid), "token_ids": [1]}),
-            pk({"op": "frobnicate", "id": rid}),
-            pk({"op": 7, "id": rid}),
-            head(3, "token") + pk("token_ids") + pk([3]) + pk("text") + b"\xa2\xff\xfe",  # bad UTF-8
-            head(3, "token") + pk("token_ids") + pk([1]) + pk("extra") + b"\x91" * 11000 + b"\x90",
-            token(token_ids=[1]) + b"\x00",  # trailing bytes
-            token(token_ids=[1], text=b"bin"),
-            token(token_ids=[7, 8], text="ok", future_field={"a": [1, 2]}),
-            token(token_ids=[9], text="x" * 300_000),
-            done_frame(rid, usage={"prompt_tokens": 1, "completion_tokens": 3}, timing={"queue_ms": 1.5}),
-            done_frame(rid, finish_reason="stop"),  # after the done: ignored
-            token(token_ids=[1]),
-        ]
-    bad_dones = {
-        1: done_frame(rid, usage={"prompt_tokens": "many", "completion_tokens": 1}),
-        2: done_frame(rid, usage=5),
-        3: head(3, "done") + pk("choices") + claim(10**6) + pk(1),
-        4: done_frame(rid, finish_reason=5),
-        5: done_frame(rid, choices=[{"index": "a", "finish_reason": "stop", "completion_tokens": 1}]),
-        6: done_frame(rid, usage={"prompt_tokens": -1}),
-        7: done_frame(rid, usage={"prompt_tokens": (1 << 64) - 1}),
-        8: done_frame(rid, error="string"),
-        9: done_frame(rid, finish_reason=None),
-        10: head(2, "done") + b"\xc1",
-        11: done_frame(rid, error={"code": 5, "message": "m"}),
-    }
-    if scenario in bad_dones:
-        return [bad_dones[scenario], done_frame(rid)]  # the second: after the done, ignored
-    if scenario == 20:
-        return [
-            pk({"op": "error", "id": None, "code": "bad_request", "message": "not a request"}),
-            done_frame(rid, finish_reason="error", error={"code": "overloaded", "message": "busy"}),
-        ]
-    if scenario == 21:
-        return [done_frame(rid, finish_reason="error", error={"code": "weird", "message": "m"})]
-    if scenario == 22:
-        ends = [{"index": i, "finish_reason": "length", "completion_tokens": 2} for i in range(2)]
-        return [done_frame(rid, choices=ends, timing={"queue_ms": math.nan})]
-    return [done_frame(rid)]
-
-
-@pytest.mark.parametrize("form", ["callback", "blocking"])
-def test_malformed_replies(cbin, form):
-    fake = FakeServer(hostile_answer)
-    scenarios = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21, 22]
-    try:
-        events = check(cbin, fake.address, [f"ids={s} max_tokens=4" for s in scenarios], "--form", form)
-    finally:
-        fake.close()
-    got = by_request(events)
-    ok = got[0]
-    assert ok["ids"] == [7, 8, 9] and ok["text"] == "ok" + "x" * 300_000
-    assert ok["done"]["finish_reason"] == "length" and ok["done"]["error_code"] is None
-    assert ok["done"]["queue_ms"] == 1.5 and ok["done"]["completion_tokens"] == 3
-    for k in range(1, 12):
-        d = got[k]["done"]
-        assert (d["finish_reason"], d["error_code"], d["local"]) == ("error", "bad_reply", True), (k, d)
-        assert d["error_message"] == "malformed done message from the server"
-    overloaded, weird, choices = got[12]["done"], got[13]["done"], got[14]["done"]
-    assert (overloaded["error_code"], overloaded["error_message"]) == ("overloaded", "busy")
-    assert (weird["error_code"], weird["error_code_str"]) == ("unknown", "weird")
-    assert choices["n_choices"] == 2 and choices["error_code"] is None and choices["queue_ms"] is None
-    assert {"event": "server_error", "message": "not a request"} in events
-
-
-BAD_FIELDS = [
-    ("temperature", "temperature=nan"),
-    ("temperature", "temperature=-1"),
-    ("temperature", "temperature=inf"),
-    ("temperature", "temperature=1e39"),
-    ("top_p", "top_p=0"),
-    ("top_p", "top_p=1.5"),
-    ("top_k", "top_k=2000"),
-    ("top_k", "top_k=-2"),
-    ("min_p", "min_p=1.5"),
-    ("presence_penalty", "presence_penalty=3"),
-    ("frequency_penalty", "frequency_penalty=-2.5"),
-    ("repetition_penalty", "repetition_penalty=0"),
-    ("max_tokens", "max_tokens=0"),
-    ("max_tokens", "max_tokens=4294967296"),
-    ("n", "n=0"),
-    ("n", "n=129"),
-    ("logprobs", "logprobs=21"),
-    ("priority", "priority=1001"),
-    ("timeout_ms", "timeout_ms=0"),
-    ("stop_token_ids", "stop=1,2,3,4,5,6,7,8,9"),
-    ("prompt_ids", "ids=-1"),
-    ("prompt", "text=Hello"),  # and prompt_ids too: exactly one of them
-]
-
-
-def py_number(text: str) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
-def test_local_validation_refuses_without_sending(cbin):
-    fake = FakeServer(lambda msg: [done_frame(msg["id"])])
-    try:
-        for field, setting in BAD_FIELDS:
-            refused, ping = run_c(cbin, "ringleader-c-check", "invalid", "--address", fake.address, setting)
-            assert refused["code"] == "invalid_argument" and refused["in_flight"] == 0, (setting, refused)
-            assert refused["message"].startswith(field + ": "), (setting, refused)
-            assert ping["code"] == "ok"
-            if field in WIRE_FIELDS:  # a sampling field: refused in the Python client's words
-                key, _, text = setting.partition("=")
-                value = [int(t) for t in text.split(",")] if key == "stop" else py_number(text)
-                with pytest.raises(SamplingError) as err:
-                    SamplingParams(**{field: value})
-                assert refused["message"] == str(err.value)
-    finally:
-        fake.close()
-    assert set(fake.ops()) == {"ping"}  # nothing refused ever left the client
-
-
-def test_generate_frames_equal_the_python_clients(cbin):
-    fake = FakeServer(lambda msg: [done_frame(msg["id"])])
-    requests = REQUESTS + [
-        dict(
-            prompt_ids=[1], max_tokens=3, priority=-5, timeout_ms=2500, stop_token_ids=[3, 4], n=2, logprobs=0
-        )
-    ]
-    try:
-        check(cbin, fake.address, [line_of(kw) for kw in requests])
-    finally:
-        fake.close()
-    sent = [f for f in fake.frames if msgpack.unpackb(f)["op"] == "generate"]
-    assert len(sent) == len(requests)
-    for i, (frame, kw) in enumerate(zip(sent, requests)):
-        kw = dict(kw)
-        prompt, prompt_ids = kw.pop("prompt", None), kw.pop("prompt_ids", None)
-        priority, timeout_ms = kw.pop("priority", 0), kw.pop("timeout_ms", None)
-        want = P.GenerateRequest(i + 1, prompt, prompt_ids, SamplingParams(**kw), priority, timeout_ms)
-        assert frame == P.encode(P.generate_msg(want)), (msgpack.unpackb(frame), P.generate_msg(want))
-
-
-def test_silent_server_keepalive_then_disconnected(cbin):
-    fake = FakeServer(pong=False)
-    start = time.monotonic()
-    try:
-        events = check(cbin, fake.address, ["ids=1 max_tokens=4"], "--reply-timeout-ms", "1500")
-    finally:
-        fake.close()
-    (done,) = [e for e in events if e["event"] == "done"]
-    assert done["error_code"] == "disconnected" and "no reply" in done["error_message"]
-    assert 1.5 <= done["t"] - start < 4.0
-    assert fake.ops() == ["generate", "ping"]  # one keep-alive ping, at a third of reply_timeout

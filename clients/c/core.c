@@ -117,8 +117,11 @@ static bool fifo_pop(rl_fifo* f, uint64_t* v) {
 
 void rl_flush_out(rl_client* c) {
   while (c->out_head) {
+    /* a hello goes only on a connection the monitor has reported, never into one going away */
+    if (c->out_head->hello && !c->connected) return;
     if (zmq_msg_send(&c->out_head->msg, c->sock, ZMQ_DONTWAIT) < 0) return; /* no connection yet */
     rl_node* n = c->out_head;
+    if (n->hello) c->hello_state = HELLO_SENT;
     c->out_head = n->next;
     if (!c->out_head) c->out_tail = NULL;
     rl_node_free(c, n);
@@ -134,8 +137,29 @@ void rl_drop_out(rl_client* c) {
   c->out_tail = NULL;
 }
 
+/* Puts a hello first in the queue, so that it is the first frame the next connection carries;
+ * nothing waits for its answer (the client reads per-request and batch frames alike). */
+void rl_queue_hello(rl_client* c) {
+  msgpack_sbuffer buf;
+  msgpack_sbuffer_init(&buf);
+  rl_encode_hello(&buf, true);
+  rl_node* n = buf.data ? rl_node_new(c) : NULL;
+  c->hello_state = HELLO_NONE;
+  if (n && zmq_msg_init_size(&n->msg, buf.size) == 0) {
+    memcpy(zmq_msg_data(&n->msg), buf.data, buf.size);
+    n->hello = true, n->next = c->out_head;
+    c->out_head = n;
+    if (!c->out_tail) c->out_tail = n;
+    c->hello_state = HELLO_QUEUED, c->batch_frames = false;
+  } else if (n) {
+    rl_node_free(c, n);
+  }
+  msgpack_sbuffer_destroy(&buf);
+}
+
 /* Sends c->sbuf now, or queues it until there is a connection (ZMQ_IMMEDIATE). */
 rl_code rl_send_sbuf(rl_client* c) {
+  if (c->out_head) rl_flush_out(c); /* what waits (the hello) goes first */
   if (!c->out_head && zmq_send(c->sock, c->sbuf.data, c->sbuf.size, ZMQ_DONTWAIT) >= 0)
     return RL_OK;
   if (!c->out_head && zmq_errno() != EAGAIN) return (rl_code)rl_fail_errno(c, "send");
@@ -184,7 +208,9 @@ static void buffer_node(rl_req* r, rl_node* n) {
  * ClientCore.fail_pending); the frames still waiting for a connection are dropped. */
 int rl_fail_pending(rl_client* c, rl_code code, const char* message, double now) {
   snprintf(c->fail_msg, sizeof c->fail_msg, "%s", message);
+  bool hello_unsent = c->hello_state == HELLO_QUEUED;
   rl_drop_out(c);
+  if (hello_unsent && !c->closing) rl_queue_hello(c); /* the connection to come still needs it */
   c->pings.len = c->stats.len = 0;
   c->user_waiters = 0;
   if (c->await_state == AWAIT_PENDING) c->await_state = AWAIT_FAILED;
@@ -260,41 +286,67 @@ static int tick(rl_client* c, double now) {
 
 /* ------------------------------------------------------------------ receiving */
 
+/* A token or done reply for its request: a frame of its own (`whole`, kept as it is by the
+ * blocking form) or a part of a batch (whole NULL: kept as the frame it means). Returns the events
+ * handled. */
+static int on_stream_reply(rl_client* c, const rl_reply* r, zmq_msg_t* whole, double now) {
+  rl_req* q = r->has_id ? rl_find(c, r->id) : NULL;
+  if (!q || q->finished) return 0; /* not ours, or already ended (locally) */
+  rl_token t;
+  if (r->op == RL_OP_TOKEN && !rl_decode_token(r, &c->cb_scratch, &t)) return 0; /* ignored */
+  if (r->op == RL_OP_TOKEN) q->tokens += (int64_t)t.n_token_ids;
+  if (!q->has_cb) { /* blocking form: keep the frame, decode it again in rl_next */
+    rl_node* n = rl_node_new(c);
+    if (!n) return 0;
+    if (whole) {
+      zmq_msg_move(&n->msg, whole);
+    } else if (!rl_batch_part_frame(r, &n->msg)) {
+      rl_node_free(c, n);
+      return 0;
+    }
+    n->t = now;
+    buffer_node(q, n);
+    if (r->op == RL_OP_DONE) q->finished = true, c->active--;
+    return 1;
+  }
+  if (r->op == RL_OP_TOKEN) {
+    t.recv_time = now;
+    if (q->cb.on_token) {
+      c->in_dispatch++;
+      q->cb.on_token(q->cb.user, &t);
+      c->in_dispatch--;
+    }
+  } else {
+    rl_done d;
+    d.recv_time = now;
+    rl_decode_done(r, &c->cb_scratch, &d);
+    dispatch_done(c, q, &d);
+  }
+  return 1;
+}
+
+typedef struct batch_ctx {
+  rl_client* c;
+  double now;
+} batch_ctx;
+
+static int on_batch_part(void* ctx, const rl_reply* part) {
+  batch_ctx* b = ctx;
+  return on_stream_reply(b->c, part, NULL, b->now);
+}
+
 static int on_frame(rl_client* c, double now) {
   const uint8_t* data = zmq_msg_data(&c->rx);
   rl_reply r;
   uint64_t serial = 0;
   heard(c, now);
+  c->frames_received++;
   rl_reply_scan(data, zmq_msg_size(&c->rx), &r);
-  if (r.op == RL_OP_TOKEN || r.op == RL_OP_DONE) {
-    rl_req* q = r.has_id ? rl_find(c, r.id) : NULL;
-    if (!q || q->finished) return 0; /* not ours, or already ended (locally) */
-    rl_token t;
-    if (r.op == RL_OP_TOKEN && !rl_decode_token(&r, &c->cb_scratch, &t)) return 0; /* ignored */
-    if (r.op == RL_OP_TOKEN) q->tokens += (int64_t)t.n_token_ids;
-    if (!q->has_cb) { /* blocking form: keep the frame, decode it again in rl_next */
-      rl_node* n = rl_node_new(c);
-      if (!n) return 0;
-      zmq_msg_move(&n->msg, &c->rx);
-      n->t = now;
-      buffer_node(q, n);
-      if (r.op == RL_OP_DONE) q->finished = true, c->active--;
-      return 1;
-    }
-    if (r.op == RL_OP_TOKEN) {
-      t.recv_time = now;
-      if (q->cb.on_token) {
-        c->in_dispatch++;
-        q->cb.on_token(q->cb.user, &t);
-        c->in_dispatch--;
-      }
-    } else {
-      rl_done d;
-      d.recv_time = now;
-      rl_decode_done(&r, &c->cb_scratch, &d);
-      dispatch_done(c, q, &d);
-    }
-    return 1;
+  if (r.op == RL_OP_TOKEN || r.op == RL_OP_DONE) return on_stream_reply(c, &r, &c->rx, now);
+  if (r.op == RL_OP_BATCH) {
+    batch_ctx ctx = {c, now};
+    int n = rl_batch_expand(&r, on_batch_part, &ctx);
+    return n < 0 ? 0 : n; /* a malformed batch is ignored, as a malformed token frame */
   }
   if (r.op == RL_OP_PONG && fifo_pop(&c->pings, &serial)) {
     if (serial) c->user_waiters--;
@@ -308,6 +360,10 @@ static int on_frame(rl_client* c, double now) {
       if (st->raw) memcpy(st->raw, data, r.len), st->raw_len = r.len;
       c->await_state = AWAIT_DONE;
     }
+  } else if (r.op == RL_OP_HELLO) {
+    c->hello_state = HELLO_ANSWERED, c->batch_frames = rl_decode_hello_batch(&r);
+  } else if (r.op == RL_OP_ERROR && !r.has_id && c->hello_state == HELLO_SENT) {
+    c->hello_state = HELLO_ANSWERED; /* a 1.6 server's answer (unknown op 'hello'): not news */
   } else if (r.op == RL_OP_ERROR) {
     rl_decode_error_message(&r, c->server_error, sizeof c->server_error);
     c->has_server_error = true;
@@ -338,6 +394,7 @@ static int drain_monitor(rl_client* c) {
     if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
       c->connected = true;
       heard(c, now);
+      rl_flush_out(c); /* the hello and what waits behind it */
     } else if (event == ZMQ_EVENT_DISCONNECTED || (event & MONITOR_EVENTS) != 0) {
       char msg[160];
       if (event == ZMQ_EVENT_DISCONNECTED)
@@ -348,6 +405,7 @@ static int drain_monitor(rl_client* c) {
       c->connected = false;
       heard(c, now);
       n += rl_fail_pending(c, RL_ERR_DISCONNECTED, msg, now);
+      if (c->hello_state != HELLO_QUEUED) rl_queue_hello(c); /* a new connection: hello again */
     }
   }
   zmq_msg_close(&m);

@@ -1,5 +1,5 @@
-/* internal.h: what ringleader.c (the client) and wire.c (frames in and out) share. Not installed.
- */
+/* internal.h: what ringleader.c (the client), core.c (state, I/O), wire.c and batch.c (frames in)
+ * and request.c (frames out) share. Not installed. */
 #ifndef RINGLEADER_INTERNAL_H
 #define RINGLEADER_INTERNAL_H
 
@@ -9,7 +9,16 @@
 #include "ringleader.h"
 
 /* The reply ops (protocol.md "Server to client"); RL_OP_NONE: not a reply map at all. */
-enum { RL_OP_NONE, RL_OP_TOKEN, RL_OP_DONE, RL_OP_STATS, RL_OP_PONG, RL_OP_ERROR };
+enum {
+  RL_OP_NONE,
+  RL_OP_TOKEN,
+  RL_OP_DONE,
+  RL_OP_STATS,
+  RL_OP_PONG,
+  RL_OP_ERROR,
+  RL_OP_BATCH,
+  RL_OP_HELLO
+};
 
 /* The top-level reply fields this client reads. */
 enum {
@@ -28,12 +37,18 @@ enum {
   RL_F_PROTOCOL,
   RL_F_MODEL_INFO,
   RL_F_ENGINE_DEAD,
+  RL_F_IDS,      /* batch: each chunk's request */
+  RL_F_N_TOKENS, /* batch: each chunk's count of token ids */
+  RL_F_DONE,     /* batch: the done maps */
+  RL_F_BATCH,    /* hello: what the server will send */
   RL_F_COUNT
 };
 
 /* What a first pass over a frame found: its op, its (int) id, where each known field's value
  * starts. broken: the frame is not one well-formed msgpack map within the limits (truncated,
- * trailing bytes, too many containers); op and id are still set when they came before the break. */
+ * trailing bytes, too many containers); op and id are still set when they came before the break.
+ * A chunk of a batch frame is read as a token reply too (batch.c): its fields point into the batch,
+ * and bare_ids says field[RL_F_TOKEN_IDS] holds n_bare_ids ids with no array header. */
 typedef struct rl_reply {
   int op;
   bool broken;
@@ -42,6 +57,8 @@ typedef struct rl_reply {
   const uint8_t* field[RL_F_COUNT]; /* NULL: absent */
   const uint8_t* end;
   size_t len;
+  bool bare_ids;
+  uint32_t n_bare_ids;
 } rl_reply;
 
 /* Growable buffers a decoded event points into; reused frame after frame (no allocation once
@@ -70,6 +87,20 @@ void rl_decode_done(const rl_reply* reply, rl_scratch* s, rl_done* done);
 void rl_decode_stats(const rl_reply* reply, rl_stats* stats);
 /* An error op's message, copied (clipped) into buf. */
 void rl_decode_error_message(const rl_reply* reply, char* buf, size_t cap);
+/* A hello answer's `batch`: true only for a bool true. */
+bool rl_decode_hello_batch(const rl_reply* reply);
+
+/* Called for each token chunk and done a batch frame means; returns the events it handled. */
+typedef int (*rl_batch_part_fn)(void* ctx, const rl_reply* part);
+/* Expands a batch frame (protocol 1.7) into what it means: every chunk as a token reply view
+ * (op RL_OP_TOKEN, bare_ids), then every done map as a done reply view (op RL_OP_DONE), in order.
+ * Returns the sum of fn's results, or -1 (fn never called) when the batch is malformed: a list
+ * that is not one entry per chunk, n_tokens not ints >= 0 summing to len(token_ids), a broken
+ * frame. A malformed chunk or done inside a well-formed batch is fn's to judge, as for a frame. */
+int rl_batch_expand(const rl_reply* batch, rl_batch_part_fn fn, void* ctx);
+/* A batch part as a frame of its own (a chunk: the token frame it means; a done: its map's bytes),
+ * for the blocking form, which keeps frames to decode them in rl_next. false: out of memory. */
+bool rl_batch_part_frame(const rl_reply* part, zmq_msg_t* msg);
 
 /* A local done (finish_reason "error") for `code`. */
 void rl_local_done(rl_done* done, int64_t id, rl_code code, const char* message,
@@ -78,6 +109,7 @@ void rl_local_done(rl_done* done, int64_t id, rl_code code, const char* message,
 rl_code rl_encode_generate(msgpack_sbuffer* buf, int64_t id, const rl_request* request);
 void rl_encode_abort(msgpack_sbuffer* buf, int64_t id, bool stop, int32_t index);
 void rl_encode_op(msgpack_sbuffer* buf, const char* op);
+void rl_encode_hello(msgpack_sbuffer* buf, bool batch);
 
 double rl_now(void);
 
@@ -94,6 +126,7 @@ typedef struct rl_node {
   zmq_msg_t msg;
   double t;
   bool local; /* a local done: code and message instead of a frame */
+  bool hello; /* an outgoing hello: sending it starts the wait for its answer */
   rl_code code;
   char* message; /* malloc'd */
 } rl_node;
@@ -112,6 +145,10 @@ typedef struct rl_fifo { /* the stats / ping callers in reply order; serial 0: o
 } rl_fifo;
 
 enum { AWAIT_NONE, AWAIT_PENDING, AWAIT_DONE, AWAIT_FAILED };
+
+/* The hello of the current connection: queued (the first frame it will carry), sent and not yet
+ * answered, answered; none only when it could not be queued (out of memory). */
+enum { HELLO_NONE, HELLO_QUEUED, HELLO_SENT, HELLO_ANSWERED };
 
 struct rl_client {
   void *ctx, *sock, *mon;
@@ -136,6 +173,9 @@ struct rl_client {
   rl_stats* await_stats;
   int in_dispatch;
   bool has_server_error;
+  int hello_state;
+  bool batch_frames; /* the server's answer to our hello: it sends batch frames */
+  uint64_t frames_received;
   char last_error[512], server_error[512], fail_msg[512];
 };
 
@@ -150,6 +190,7 @@ void rl_free_req(rl_client* c, rl_req* r);
 bool rl_fifo_push(rl_fifo* f, uint64_t v);
 void rl_flush_out(rl_client* c);
 void rl_drop_out(rl_client* c);
+void rl_queue_hello(rl_client* c);
 rl_code rl_send_sbuf(rl_client* c);
 int rl_fail_pending(rl_client* c, rl_code code, const char* message, double now);
 bool rl_busy(const rl_client* c);

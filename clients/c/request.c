@@ -307,3 +307,16 @@ void rl_encode_op(msgpack_sbuffer* buf, const char* op) {
   pack_str(&pk, "op");
   pack_str(&pk, op);
 }
+
+void rl_encode_hello(msgpack_sbuffer* buf, bool batch) {
+  msgpack_packer pk;
+  msgpack_packer_init(&pk, buf, msgpack_sbuffer_write);
+  msgpack_pack_map(&pk, 2);
+  pack_str(&pk, "op");
+  pack_str(&pk, "hello");
+  pack_str(&pk, "batch");
+  if (batch)
+    msgpack_pack_true(&pk);
+  else
+    msgpack_pack_false(&pk);
+}

@@ -40,6 +40,7 @@ rl_code rl_client_open(const char* address, const rl_options* options, rl_client
     code = RL_ERR_INVALID_ARGUMENT;
   } else {
     c->quiet_since = rl_now();
+    rl_queue_hello(c); /* the first frame on the connection: asks for batch frames (1.7) */
     *out = c;
     return RL_OK;
   }
@@ -103,6 +104,13 @@ const char* rl_client_last_error(const rl_client* c) {
 const char* rl_client_server_error(const rl_client* c) {
   return c && c->has_server_error ? c->server_error : NULL;
 }
+int rl_client_batch_frames(const rl_client* c) {
+  if (!c || c->hello_state != HELLO_ANSWERED) return -1;
+  return c->batch_frames ? 1 : 0;
+}
+uint64_t rl_client_frames_received(const rl_client* c) {
+  return c ? c->frames_received : 0;
+}
 
 /* ------------------------------------------------------------------ public: requests */
 
@@ -155,6 +163,11 @@ rl_code rl_abort(rl_client* c, int64_t id, const char* finish_reason, int32_t in
   return rl_send_sbuf(c);
 }
 
+/* Frames wait to be sent, other than a lone hello (which an idle client does not wait for). */
+static bool unsent_work(const rl_client* c) {
+  return c->out_head && !(c->out_head == c->out_tail && c->out_head->hello);
+}
+
 static bool refuse_in_dispatch(rl_client* c, const char* what) {
   if (!c) return true;
   if (!c->in_dispatch) return false;
@@ -167,7 +180,7 @@ int rl_client_poll(rl_client* c, int timeout_ms) {
   double deadline = timeout_ms < 0 ? -1.0 : rl_now() + timeout_ms / 1000.0;
   int n = 0;
   for (;;) {
-    if (timeout_ms < 0 && !rl_busy(c) && !c->out_head) return n; /* nothing to wait for */
+    if (timeout_ms < 0 && !rl_busy(c) && !unsent_work(c)) return n; /* nothing to wait for */
     int got = rl_pump(c, rl_remaining_ms(deadline));
     if (got < 0) return got;
     n += got;

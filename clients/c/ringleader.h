@@ -1,4 +1,4 @@
-/* ringleader.h: a C client of the ringleader wire protocol (docs/protocol.md, version 1.5).
+/* ringleader.h: a C client of the ringleader wire protocol (docs/protocol.md, revision 1.7).
  *
  * One client is one ZeroMQ DEALER socket (its own ZeroMQ context) connected to a server. Requests
  * are sent with rl_generate() and answered in either of two forms, chosen per request:
@@ -8,6 +8,10 @@
  *     of other requests that arrive meanwhile are buffered (or dispatched, for callback ones).
  * Every request gets exactly one done: the server's, or a local one (codes disconnected,
  * client_closed, bad_reply).
+ *
+ * On each connection the client first sends {"op": "hello", "batch": true} (1.7) and goes on at
+ * once; it reads per-request token/done frames and batch frames alike, a batch expanded into
+ * exactly the chunks and dones it means, delivered as token and done events: the same either way.
  *
  * Threads: a client has no thread of its own and no global state. One client is used from one
  * thread at a time (calls on one client must not overlap); different clients are independent.
@@ -29,7 +33,7 @@
 extern "C" {
 #endif
 
-#define RL_PROTOCOL_VERSION "1.5"
+#define RL_PROTOCOL_VERSION "1.7"
 #define RL_DEFAULT_ADDRESS "tcp://127.0.0.1:5555"
 #define RL_DEFAULT_CONNECT_TIMEOUT_MS 10000
 #define RL_DEFAULT_REPLY_TIMEOUT_MS 30000
@@ -90,8 +94,15 @@ void rl_client_close(rl_client* client);
 size_t rl_client_in_flight(const rl_client* client);
 /* Why the last failing call on this client failed ("" when none). */
 const char* rl_client_last_error(const rl_client* client);
-/* The message of the latest id-less `error` op the server sent, or NULL. */
+/* The message of the latest id-less `error` op the server sent, or NULL. (A 1.6 server's answer
+ * to the hello this client sends on connecting is not one: it is taken silently.) */
 const char* rl_client_server_error(const rl_client* client);
+/* How the server answered the hello of the current connection: 1 it sends batch frames (1.7), 0 it
+ * does not (an older server's error, or a refusal), -1 no answer yet. Replies read the same
+ * whatever it says: a batch frame is expanded into the token and done events it means. */
+int rl_client_batch_frames(const rl_client* client);
+/* Frames taken off the socket so far, every kind (a batch frame counts once). */
+uint64_t rl_client_frames_received(const rl_client* client);
 
 /* ------------------------------------------------------------------ requests */
 
@@ -216,7 +227,7 @@ rl_code rl_next(rl_client* client, int64_t id, int timeout_ms, rl_event* event);
 rl_code rl_ping(rl_client* client, int timeout_ms, double* rtt_s);
 
 typedef struct rl_stats {
-  char protocol[16];   /* "1.5"; "" when the server does not say (older than 1.4) */
+  char protocol[16];   /* "1.7"; "" when the server does not say (older than 1.4) */
   int64_t vocab_size;  /* model_info.vocab_size, -1 when absent */
   int64_t max_context; /* model_info.max_context, -1 when absent */
   bool engine_dead;    /* engine_dead is not nil */

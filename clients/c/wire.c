@@ -1,6 +1,5 @@
-/* wire.c: reading the server's frames. A small msgpack reader that checks every length against
- * the bytes that are left, so no claim in a frame (an array of 10^9 elements, a string longer
- * than the frame) can make it read out of bounds or allocate more than the frame justifies. */
+/* wire.c: reading the server's frames (token, done, stats, error) with the bounded msgpack reader
+ * of msgpack_reader.c; batch frames are walked in batch.c. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
@@ -9,31 +8,7 @@
 #include <time.h>
 
 #include "internal.h"
-
-#define MAX_CONTAINERS 10000 /* per frame, as the server's decoder (protocol.md "Limits") */
-
-typedef enum {
-  MP_NIL,
-  MP_BOOL,
-  MP_INT,
-  MP_UINT,
-  MP_FLOAT,
-  MP_STR,
-  MP_BIN,
-  MP_ARRAY,
-  MP_MAP,
-  MP_EXT
-} mp_kind;
-
-typedef struct mp_val {
-  mp_kind kind;
-  bool b;
-  int64_t i;        /* MP_INT */
-  uint64_t u;       /* MP_UINT: above INT64_MAX */
-  double f;         /* MP_FLOAT */
-  const uint8_t* s; /* MP_STR / MP_BIN / MP_EXT payload */
-  uint32_t n;       /* payload bytes, or elements (array) / pairs (map) */
-} mp_val;
+#include "msgpack_reader.h"
 
 double rl_now(void) {
   struct timespec ts;
@@ -41,216 +16,44 @@ double rl_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static uint64_t be(const uint8_t* p, int k) {
-  uint64_t v = 0;
-  for (int i = 0; i < k; i++) v = (v << 8) | p[i];
-  return v;
-}
-
-/* One value's header at *pp (with the payload of a str/bin/ext); false: truncated or invalid. */
-static bool mp_next(const uint8_t** pp, const uint8_t* end, mp_val* v) {
-  const uint8_t* p = *pp;
-  if (p >= end) return false;
-  uint8_t c = *p++;
-  int lenbytes = 0, fixed = -1; /* payload: a length of lenbytes, or `fixed` bytes */
-  memset(v, 0, sizeof *v);
-  if (c <= 0x7f || c >= 0xe0) {
-    v->kind = MP_INT;
-    v->i = c <= 0x7f ? c : (int64_t)(int8_t)c;
-  } else if (c <= 0x8f) {
-    v->kind = MP_MAP, v->n = c & 0x0fu;
-  } else if (c <= 0x9f) {
-    v->kind = MP_ARRAY, v->n = c & 0x0fu;
-  } else if (c <= 0xbf) {
-    v->kind = MP_STR, fixed = c & 0x1f;
-  } else {
-    static const uint8_t sizes[] = {1, 2, 4, 8};
-    size_t avail = (size_t)(end - p);
-    switch (c) {
-      case 0xc0:
-        v->kind = MP_NIL;
-        break;
-      case 0xc2:
-      case 0xc3:
-        v->kind = MP_BOOL, v->b = c == 0xc3;
-        break;
-      case 0xc4:
-      case 0xc5:
-      case 0xc6:
-        v->kind = MP_BIN, lenbytes = sizes[c - 0xc4];
-        break;
-      case 0xc7:
-      case 0xc8:
-      case 0xc9:
-        v->kind = MP_EXT, lenbytes = sizes[c - 0xc7];
-        break;
-      case 0xd9:
-      case 0xda:
-      case 0xdb:
-        v->kind = MP_STR, lenbytes = sizes[c - 0xd9];
-        break;
-      case 0xd4:
-      case 0xd5:
-      case 0xd6:
-      case 0xd7:
-      case 0xd8:
-        v->kind = MP_EXT, fixed = 1 + (1 << (c - 0xd4)); /* type byte + data */
-        break;
-      case 0xca:
-      case 0xcb: {
-        int k = c == 0xca ? 4 : 8;
-        if (avail < (size_t)k) return false;
-        uint64_t bits = be(p, k);
-        if (k == 4) {
-          uint32_t b32 = (uint32_t)bits;
-          float f;
-          memcpy(&f, &b32, sizeof f);
-          v->f = (double)f;
-        } else {
-          memcpy(&v->f, &bits, sizeof v->f);
-        }
-        v->kind = MP_FLOAT, p += k;
-        break;
-      }
-      case 0xcc:
-      case 0xcd:
-      case 0xce:
-      case 0xcf:
-      case 0xd0:
-      case 0xd1:
-      case 0xd2:
-      case 0xd3: {
-        int k = sizes[(c - 0xcc) & 3];
-        if (avail < (size_t)k) return false;
-        uint64_t raw = be(p, k);
-        p += k;
-        if (c >= 0xd0) { /* signed: sign-extend from k bytes */
-          int shift = 64 - 8 * k;
-          v->kind = MP_INT, v->i = shift ? (int64_t)(raw << shift) >> shift : (int64_t)raw;
-        } else if (raw > (uint64_t)INT64_MAX) {
-          v->kind = MP_UINT, v->u = raw;
-        } else {
-          v->kind = MP_INT, v->i = (int64_t)raw;
-        }
-        break;
-      }
-      case 0xdc:
-      case 0xdd:
-      case 0xde:
-      case 0xdf: {
-        int k = (c & 1) ? 4 : 2;
-        if (avail < (size_t)k) return false;
-        v->kind = c <= 0xdd ? MP_ARRAY : MP_MAP, v->n = (uint32_t)be(p, k), p += k;
-        break;
-      }
-      default:
-        return false; /* 0xc1 */
-    }
-  }
-  uint64_t payload = fixed >= 0 ? (uint64_t)fixed : 0;
-  if (lenbytes) {
-    if ((size_t)(end - p) < (size_t)lenbytes) return false;
-    payload = be(p, lenbytes) + (v->kind == MP_EXT), p += lenbytes; /* ext: its type byte too */
-  }
-  if (v->kind == MP_STR || v->kind == MP_BIN || v->kind == MP_EXT) {
-    if (payload > (uint64_t)(end - p)) return false;
-    v->s = p, v->n = (uint32_t)payload, p += payload;
-  }
-  if ((v->kind == MP_ARRAY || v->kind == MP_MAP) && (uint64_t)v->n > (uint64_t)(end - p))
-    return false; /* every element takes a byte at least */
-  *pp = p;
-  return true;
-}
-
-/* Skips one whole value; counts its containers into *containers (NULL: no limit). */
-static bool mp_skip(const uint8_t** pp, const uint8_t* end, size_t* containers) {
-  uint64_t pending = 1;
-  mp_val v;
-  while (pending) {
-    if (!mp_next(pp, end, &v)) return false;
-    pending--;
-    if (v.kind == MP_ARRAY || v.kind == MP_MAP) {
-      pending += v.kind == MP_MAP ? 2 * (uint64_t)v.n : v.n;
-      if (containers && ++*containers > MAX_CONTAINERS) return false;
-      if (pending > (uint64_t)(end - *pp)) return false;
-    }
-  }
-  return true;
-}
-
-static bool str_is(const mp_val* v, const char* lit) {
-  size_t n = strlen(lit);
-  return v->kind == MP_STR && v->n == n && memcmp(v->s, lit, n) == 0;
-}
-
-static bool utf8_valid(const uint8_t* s, size_t n) {
-  size_t i = 0;
-  while (i < n) {
-    uint8_t c = s[i];
-    if (c < 0x80) {
-      i++;
-      continue;
-    }
-    size_t k;
-    uint32_t cp;
-    if (c >= 0xc2 && c <= 0xdf)
-      k = 1, cp = c & 0x1fu;
-    else if (c >= 0xe0 && c <= 0xef)
-      k = 2, cp = c & 0x0fu;
-    else if (c >= 0xf0 && c <= 0xf4)
-      k = 3, cp = c & 0x07u;
-    else
-      return false;
-    if (n - i <= k) return false;
-    for (size_t j = 1; j <= k; j++) {
-      if ((s[i + j] & 0xc0) != 0x80) return false;
-      cp = (cp << 6) | (s[i + j] & 0x3fu);
-    }
-    if ((k == 2 && cp < 0x800) || (k == 3 && (cp < 0x10000 || cp > 0x10ffff)) ||
-        (cp >= 0xd800 && cp <= 0xdfff))
-      return false;
-    i += k + 1;
-  }
-  return true;
-}
-
 static const char* const FIELD_NAMES[RL_F_COUNT] = {
-    "op",    "id",     "token_ids", "text",    "index",    "finish_reason", "logprobs",   "usage",
-    "error", "timing", "choices",   "message", "protocol", "model_info",    "engine_dead"};
+    "op",          "id",    "token_ids", "text",    "index",   "finish_reason", "logprobs",
+    "usage",       "error", "timing",    "choices", "message", "protocol",      "model_info",
+    "engine_dead", "ids",   "n_tokens",  "done",    "batch"};
 
 void rl_reply_scan(const uint8_t* data, size_t len, rl_reply* r) {
   memset(r, 0, sizeof *r);
   r->end = data + len, r->len = len;
   const uint8_t* p = data;
   size_t containers = 0;
-  r->broken = !mp_skip(&p, r->end, &containers) || p != r->end; /* one map, nothing after it */
+  r->broken = !rl_mp_skip(&p, r->end, &containers) || p != r->end; /* one map, nothing after it */
   p = data;
   mp_val top, key, v;
-  if (!mp_next(&p, r->end, &top) || top.kind != MP_MAP) {
+  if (!rl_mp_next(&p, r->end, &top) || top.kind != MP_MAP) {
     r->broken = true;
     return;
   }
   for (uint32_t i = 0; i < top.n; i++) {
-    if (!mp_next(&p, r->end, &key)) break;
-    if (key.kind != MP_STR && !mp_skip(&p, r->end, NULL)) break;
+    if (!rl_mp_next(&p, r->end, &key)) break;
+    if (key.kind != MP_STR && !rl_mp_skip(&p, r->end, NULL)) break;
     int f = -1;
     for (int k = 0; key.kind == MP_STR && k < RL_F_COUNT; k++)
-      if (str_is(&key, FIELD_NAMES[k])) f = k;
+      if (rl_mp_str_is(&key, FIELD_NAMES[k])) f = k;
     const uint8_t* at = p;
-    if (key.kind == MP_STR && !mp_skip(&p, r->end, NULL)) break;
+    if (key.kind == MP_STR && !rl_mp_skip(&p, r->end, NULL)) break;
     if (f < 0) continue;
     r->field[f] = at; /* a repeated key: the last one counts, as in a dict */
   }
   r->op = RL_OP_NONE;
   r->has_id = false;
   const uint8_t* q = r->field[RL_F_OP];
-  if (q && mp_next(&q, r->end, &v)) {
-    static const char* const ops[] = {"token", "done", "stats", "pong", "error"};
-    for (int k = 0; k < 5; k++)
-      if (str_is(&v, ops[k])) r->op = RL_OP_TOKEN + k;
+  if (q && rl_mp_next(&q, r->end, &v)) {
+    static const char* const ops[] = {"token", "done", "stats", "pong", "error", "batch", "hello"};
+    for (int k = 0; k < (int)(sizeof ops / sizeof *ops); k++)
+      if (rl_mp_str_is(&v, ops[k])) r->op = RL_OP_TOKEN + k;
   }
   q = r->field[RL_F_ID];
-  if (q && mp_next(&q, r->end, &v) && v.kind == MP_INT) r->has_id = true, r->id = v.i;
+  if (q && rl_mp_next(&q, r->end, &v) && v.kind == MP_INT) r->has_id = true, r->id = v.i;
 }
 
 /* ------------------------------------------------------------------ scratch */
@@ -288,7 +91,7 @@ static const char* const FINISH_REASONS[] = {"stop", "length", "abort", "error"}
 
 static const char* finish_reason_of(const mp_val* v) {
   for (int k = 0; k < 4; k++)
-    if (str_is(v, FINISH_REASONS[k])) return FINISH_REASONS[k];
+    if (rl_mp_str_is(v, FINISH_REASONS[k])) return FINISH_REASONS[k];
   return NULL;
 }
 
@@ -316,10 +119,10 @@ static bool map_get(const uint8_t* p, uint32_t n, const uint8_t* end, const char
   mp_val key;
   *at = NULL;
   for (uint32_t i = 0; i < n; i++) {
-    if (!mp_next(&p, end, &key)) return false;
-    if (key.kind != MP_STR && !mp_skip(&p, end, NULL)) return false;
-    if (str_is(&key, name)) *at = p;
-    if (key.kind == MP_STR && !mp_skip(&p, end, NULL)) return false;
+    if (!rl_mp_next(&p, end, &key)) return false;
+    if (key.kind != MP_STR && !rl_mp_skip(&p, end, NULL)) return false;
+    if (rl_mp_str_is(&key, name)) *at = p;
+    if (key.kind == MP_STR && !rl_mp_skip(&p, end, NULL)) return false;
   }
   return true;
 }
@@ -334,7 +137,7 @@ static bool map_val(const uint8_t* p, uint32_t n, const uint8_t* end, const char
     memset(v, 0, sizeof *v);
     return true;
   }
-  return mp_next(&at, end, v);
+  return rl_mp_next(&at, end, v);
 }
 
 /* ------------------------------------------------------------------ token */
@@ -342,7 +145,7 @@ static bool map_val(const uint8_t* p, uint32_t n, const uint8_t* end, const char
 static bool decode_logprobs(const uint8_t* p, const uint8_t* end, size_t n_ids, rl_scratch* s,
                             size_t frame_len) {
   mp_val arr, e, v, w;
-  if (!mp_next(&p, end, &arr) || arr.kind != MP_ARRAY || arr.n != n_ids) return false;
+  if (!rl_mp_next(&p, end, &arr) || arr.kind != MP_ARRAY || arr.n != n_ids) return false;
   if (!grow((void**)&s->lps, &s->lps_cap, n_ids + 1, sizeof *s->lps) ||
       !grow((void**)&s->top_ids, &s->top_cap, frame_len + 1, sizeof *s->top_ids) ||
       !grow((void**)&s->top_lps, &s->top_lps_cap, frame_len + 1, sizeof *s->top_lps))
@@ -350,7 +153,7 @@ static bool decode_logprobs(const uint8_t* p, const uint8_t* end, size_t n_ids, 
   size_t top_cap = s->top_cap < s->top_lps_cap ? s->top_cap : s->top_lps_cap;
   size_t used = 0;
   for (uint32_t i = 0; i < arr.n; i++) {
-    if (!mp_next(&p, end, &e) || e.kind != MP_MAP) return false;
+    if (!rl_mp_next(&p, end, &e) || e.kind != MP_MAP) return false;
     const uint8_t* body = p;
     rl_logprob* lp = &s->lps[i];
     memset(lp, 0, sizeof *lp);
@@ -360,7 +163,7 @@ static bool decode_logprobs(const uint8_t* p, const uint8_t* end, size_t n_ids, 
       return false;
     if (!map_val(body, e.n, end, "token", &v, &present)) return false;
     if (present && v.kind != MP_NIL) {
-      if (v.kind != MP_STR || !utf8_valid(v.s, v.n)) return false;
+      if (v.kind != MP_STR || !rl_utf8_valid(v.s, v.n)) return false;
       lp->token = keep_str(s, &v);
     }
     const uint8_t *ids_at, *lps_at, *toks_at;
@@ -368,7 +171,7 @@ static bool decode_logprobs(const uint8_t* p, const uint8_t* end, size_t n_ids, 
         !map_get(body, e.n, end, "top_logprobs", &lps_at) || !lps_at ||
         !map_get(body, e.n, end, "top_tokens", &toks_at))
       return false;
-    if (!mp_next(&ids_at, end, &v) || v.kind != MP_ARRAY || !mp_next(&lps_at, end, &w) ||
+    if (!rl_mp_next(&ids_at, end, &v) || v.kind != MP_ARRAY || !rl_mp_next(&lps_at, end, &w) ||
         w.kind != MP_ARRAY || v.n != w.n || used + v.n > top_cap)
       return false;
     lp->n_top = v.n;
@@ -376,18 +179,19 @@ static bool decode_logprobs(const uint8_t* p, const uint8_t* end, size_t n_ids, 
     lp->top_logprobs = s->top_lps + used;
     for (uint32_t j = 0; j < v.n; j++, used++) {
       mp_val a, b;
-      if (!mp_next(&ids_at, end, &a) || !as_token_id(&a, &s->top_ids[used]) ||
-          !mp_next(&lps_at, end, &b) || !as_number(&b, &s->top_lps[used]))
+      if (!rl_mp_next(&ids_at, end, &a) || !as_token_id(&a, &s->top_ids[used]) ||
+          !rl_mp_next(&lps_at, end, &b) || !as_number(&b, &s->top_lps[used]))
         return false;
     }
     if (toks_at) {
       mp_val t;
-      if (!mp_next(&toks_at, end, &t) || (t.kind != MP_NIL && (t.kind != MP_ARRAY || t.n != v.n)))
+      if (!rl_mp_next(&toks_at, end, &t) ||
+          (t.kind != MP_NIL && (t.kind != MP_ARRAY || t.n != v.n)))
         return false;
     }
     p = body; /* past the entry: its pairs */
     for (uint64_t j = 0; j < 2 * (uint64_t)e.n; j++)
-      if (!mp_skip(&p, end, NULL)) return false;
+      if (!rl_mp_skip(&p, end, NULL)) return false;
   }
   return true;
 }
@@ -399,33 +203,37 @@ bool rl_decode_token(const rl_reply* r, rl_scratch* s, rl_token* t) {
   mp_val v;
   const uint8_t* p = r->field[RL_F_TOKEN_IDS];
   if (p) {
-    if (!mp_next(&p, r->end, &v) || v.kind != MP_ARRAY) return false;
-    if (!grow((void**)&s->ids, &s->ids_cap, (size_t)v.n + 1, sizeof *s->ids)) return false;
-    for (uint32_t i = 0; i < v.n; i++) {
-      mp_val e;
-      if (!mp_next(&p, r->end, &e) || !as_token_id(&e, &s->ids[i])) return false;
+    uint32_t n = r->n_bare_ids; /* a batch chunk's ids: no array header of their own */
+    if (!r->bare_ids) {
+      if (!rl_mp_next(&p, r->end, &v) || v.kind != MP_ARRAY) return false;
+      n = v.n;
     }
-    t->n_token_ids = v.n;
+    if (!grow((void**)&s->ids, &s->ids_cap, (size_t)n + 1, sizeof *s->ids)) return false;
+    for (uint32_t i = 0; i < n; i++) {
+      mp_val e;
+      if (!rl_mp_next(&p, r->end, &e) || !as_token_id(&e, &s->ids[i])) return false;
+    }
+    t->n_token_ids = n;
   }
   t->token_ids = s->ids;
   if ((p = r->field[RL_F_TEXT]) != NULL) {
-    if (!mp_next(&p, r->end, &v)) return false;
+    if (!rl_mp_next(&p, r->end, &v)) return false;
     if (v.kind != MP_NIL) {
-      if (v.kind != MP_STR || !utf8_valid(v.s, v.n)) return false;
+      if (v.kind != MP_STR || !rl_utf8_valid(v.s, v.n)) return false;
       t->text = keep_str(s, &v), t->text_len = v.n;
     }
   }
   if ((p = r->field[RL_F_INDEX]) != NULL) {
-    if (!mp_next(&p, r->end, &v) || v.kind != MP_INT || v.i < 0 || v.i > INT32_MAX) return false;
+    if (!rl_mp_next(&p, r->end, &v) || v.kind != MP_INT || v.i < 0 || v.i > INT32_MAX) return false;
     t->index = (uint32_t)v.i;
   }
   if ((p = r->field[RL_F_FINISH_REASON]) != NULL) {
-    if (!mp_next(&p, r->end, &v)) return false;
+    if (!rl_mp_next(&p, r->end, &v)) return false;
     if (v.kind != MP_NIL && (t->finish_reason = finish_reason_of(&v)) == NULL) return false;
   }
   if ((p = r->field[RL_F_LOGPROBS]) != NULL) {
     const uint8_t* q = p;
-    if (!mp_next(&q, r->end, &v)) return false;
+    if (!rl_mp_next(&q, r->end, &v)) return false;
     if (v.kind != MP_NIL) {
       if (!decode_logprobs(p, r->end, t->n_token_ids, s, r->len)) return false;
       t->logprobs = s->lps;
@@ -455,21 +263,21 @@ static bool opt_str(const uint8_t* p, uint32_t n, const uint8_t* end, const char
   *out = NULL;
   if (!map_val(p, n, end, name, &v, NULL)) return false;
   if (v.kind == MP_NIL) return true;
-  if (v.kind != MP_STR || !utf8_valid(v.s, v.n)) return false;
+  if (v.kind != MP_STR || !rl_utf8_valid(v.s, v.n)) return false;
   *out = keep_str(s, &v);
   return true;
 }
 
 static bool decode_choices(const uint8_t* p, const uint8_t* end, rl_scratch* s, rl_done* d) {
   mp_val arr, e, v;
-  if (!mp_next(&p, end, &arr)) return false;
+  if (!rl_mp_next(&p, end, &arr)) return false;
   if (arr.kind == MP_NIL) return true;
   if (arr.kind != MP_ARRAY) return false;
   if (!grow((void**)&s->choices, &s->choices_cap, (size_t)arr.n + 1, sizeof *s->choices))
     return false;
   for (uint32_t i = 0; i < arr.n; i++) {
     rl_choice_end* c = &s->choices[i];
-    if (!mp_next(&p, end, &e) || e.kind != MP_MAP) return false;
+    if (!rl_mp_next(&p, end, &e) || e.kind != MP_MAP) return false;
     bool present;
     if (!map_val(p, e.n, end, "index", &v, &present) || v.kind != MP_INT || v.i < 0 ||
         v.i > INT32_MAX)
@@ -480,7 +288,7 @@ static bool decode_choices(const uint8_t* p, const uint8_t* end, rl_scratch* s, 
       return false;
     if (!map_val(p, e.n, end, "completion_tokens", &v, &present) || !present) return false;
     for (uint64_t j = 0; j < 2 * (uint64_t)e.n; j++)
-      if (!mp_skip(&p, end, NULL)) return false;
+      if (!rl_mp_skip(&p, end, NULL)) return false;
   }
   d->choices = s->choices, d->n_choices = arr.n;
   return true;
@@ -488,7 +296,7 @@ static bool decode_choices(const uint8_t* p, const uint8_t* end, rl_scratch* s, 
 
 static void timing_of(const uint8_t* p, const uint8_t* end, rl_done* d) {
   mp_val m, v;
-  if (!p || !mp_next(&p, end, &m) || m.kind != MP_MAP) return;
+  if (!p || !rl_mp_next(&p, end, &m) || m.kind != MP_MAP) return;
   const char* names[] = {"queue_ms", "ttft_ms", "e2e_ms"};
   double* outs[] = {&d->queue_ms, &d->ttft_ms, &d->e2e_ms};
   for (int k = 0; k < 3; k++) {
@@ -503,16 +311,17 @@ static bool decode_done(const rl_reply* r, rl_scratch* s, rl_done* d) {
   if (r->broken || !reserve_chars(s, r->len)) return false;
   d->finish_reason = "error";
   if ((p = r->field[RL_F_FINISH_REASON]) != NULL) {
-    if (!mp_next(&p, r->end, &v) || (d->finish_reason = finish_reason_of(&v)) == NULL) return false;
+    if (!rl_mp_next(&p, r->end, &v) || (d->finish_reason = finish_reason_of(&v)) == NULL)
+      return false;
   }
   if ((p = r->field[RL_F_USAGE]) != NULL) {
-    if (!mp_next(&p, r->end, &v) || (v.kind != MP_NIL && v.kind != MP_MAP)) return false;
+    if (!rl_mp_next(&p, r->end, &v) || (v.kind != MP_NIL && v.kind != MP_MAP)) return false;
     if (v.kind == MP_MAP && (!count_of(p, v.n, r->end, "prompt_tokens", &d->prompt_tokens) ||
                              !count_of(p, v.n, r->end, "completion_tokens", &d->completion_tokens)))
       return false;
   }
   if ((p = r->field[RL_F_ERROR]) != NULL) {
-    if (!mp_next(&p, r->end, &v) || (v.kind != MP_NIL && v.kind != MP_MAP)) return false;
+    if (!rl_mp_next(&p, r->end, &v) || (v.kind != MP_NIL && v.kind != MP_MAP)) return false;
     if (v.kind == MP_MAP && (!opt_str(p, v.n, r->end, "code", s, &d->error_code_str) ||
                              !opt_str(p, v.n, r->end, "message", s, &d->error_message)))
       return false;
@@ -543,14 +352,14 @@ void rl_decode_stats(const rl_reply* r, rl_stats* st) {
   st->protocol[0] = '\0';
   st->vocab_size = st->max_context = -1;
   st->engine_dead = false;
-  if ((p = r->field[RL_F_PROTOCOL]) && mp_next(&p, r->end, &v) && v.kind == MP_STR &&
-      v.n < sizeof st->protocol && utf8_valid(v.s, v.n)) {
+  if ((p = r->field[RL_F_PROTOCOL]) && rl_mp_next(&p, r->end, &v) && v.kind == MP_STR &&
+      v.n < sizeof st->protocol && rl_utf8_valid(v.s, v.n)) {
     memcpy(st->protocol, v.s, v.n);
     st->protocol[v.n] = '\0';
   }
-  if ((p = r->field[RL_F_ENGINE_DEAD]) && mp_next(&p, r->end, &v))
+  if ((p = r->field[RL_F_ENGINE_DEAD]) && rl_mp_next(&p, r->end, &v))
     st->engine_dead = v.kind != MP_NIL;
-  if ((p = r->field[RL_F_MODEL_INFO]) && mp_next(&p, r->end, &v) && v.kind == MP_MAP) {
+  if ((p = r->field[RL_F_MODEL_INFO]) && rl_mp_next(&p, r->end, &v) && v.kind == MP_MAP) {
     if (map_val(p, v.n, r->end, "vocab_size", &w, NULL) && w.kind == MP_INT) st->vocab_size = w.i;
     if (map_val(p, v.n, r->end, "max_context", &w, NULL) && w.kind == MP_INT) st->max_context = w.i;
   }
@@ -560,9 +369,15 @@ void rl_decode_error_message(const rl_reply* r, char* buf, size_t cap) {
   mp_val v;
   const uint8_t* p = r->field[RL_F_MESSAGE];
   snprintf(buf, cap, "(no message)");
-  if (p && mp_next(&p, r->end, &v) && v.kind == MP_STR && utf8_valid(v.s, v.n)) {
+  if (p && rl_mp_next(&p, r->end, &v) && v.kind == MP_STR && rl_utf8_valid(v.s, v.n)) {
     size_t n = v.n < cap - 1 ? v.n : cap - 1;
     memcpy(buf, v.s, n);
     buf[n] = '\0';
   }
+}
+
+bool rl_decode_hello_batch(const rl_reply* r) {
+  mp_val v;
+  const uint8_t* p = r->field[RL_F_BATCH];
+  return p && rl_mp_next(&p, r->end, &v) && v.kind == MP_BOOL && v.b;
 }

@@ -1,15 +1,22 @@
 /* ringleader-c-check: the test driver of tests/test_c_client.py. Prints one JSON line per event.
  *
  *   ringleader-c-check run --address A [--form callback|blocking] [--connect-timeout-ms MS]
- *       [--reply-timeout-ms MS] [--abort-after K] [--abort-reason R]   (requests on stdin)
+ *       [--reply-timeout-ms MS] [--abort-after K] [--abort-reason R] [--one-by-one PAUSE_MS]
+ *       (requests on stdin)
  *   ringleader-c-check invalid --address A FIELD=VALUE...   (a refused request, then a ping)
  *   ringleader-c-check stats --address A
+ *   ringleader-c-check unit   (the batch decoder's unit checks, tests/batch_checks.c; no server)
  *
  * A request line: space-separated key=value (ids=1,2,3 max_tokens=8 temperature=0.8 seed=3
  * top_k=5 top_p=0.9 min_p=0.1 ignore_eos=1 stop=7,8 n=2 logprobs=2 priority=1 timeout_ms=500),
  * and text=... last (the rest of the line). run sends them all at once; callback form: served by
  * rl_client_poll; blocking form: read with rl_next, the last request first (the others' replies
  * are buffered meanwhile). --abort-after K aborts request 0 after its K-th token message.
+ * --one-by-one (callback form): each request after the done of the one before and a pause of
+ * PAUSE_MS spent in rl_client_poll (time for the server to go and come back: a new connection).
+ * Every mode with a server ends with a "hello" line (how the server answered the client's hello:
+ * batch_frames 1, 0 or -1 for none yet; frames: frames received) and a "server_error" line when an
+ * id-less error op came.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -19,6 +26,7 @@
 
 #include "../json_util.h"
 #include "../ringleader.h"
+#include "checks.h"
 
 #define MAX_REQS 64
 
@@ -31,7 +39,7 @@ typedef struct {
 } spec;
 
 static spec specs[MAX_REQS];
-static int n_specs, abort_after = -1;
+static int n_specs, abort_after = -1, one_by_one_pause_ms = -1;
 static const char* abort_reason = "abort";
 static rl_client* client;
 
@@ -178,6 +186,10 @@ static int run(bool blocking) {
     n_specs++;
   }
   for (int i = 0; i < n_specs; i++) {
+    if (one_by_one_pause_ms >= 0 && i > 0) {
+      while (rl_client_in_flight(client) > 0) rl_client_poll(client, -1);
+      rl_client_poll(client, one_by_one_pause_ms); /* only monitor events can come: it waits */
+    }
     rl_callbacks cb = {on_token, on_done, &specs[i]};
     rl_code code = rl_generate(client, &specs[i].req, blocking ? NULL : &cb, &specs[i].id);
     if (code != RL_OK) {
@@ -255,6 +267,7 @@ static int stats(void) {
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   const char* mode = argv[1];
+  if (!strcmp(mode, "unit")) return run_batch_checks() ? 1 : 0;
   const char* address = RL_DEFAULT_ADDRESS;
   bool blocking = false;
   rl_options opt;
@@ -274,6 +287,8 @@ int main(int argc, char** argv) {
       abort_after = atoi(v);
     else if (!strcmp(a, "--abort-reason"))
       abort_reason = v;
+    else if (!strcmp(a, "--one-by-one"))
+      one_by_one_pause_ms = atoi(v);
     else
       return fprintf(stderr, "unknown option %s\n", a), 2;
   }
@@ -287,6 +302,8 @@ int main(int argc, char** argv) {
     rc = invalid(argc - i, argv + i);
   else if (!strcmp(mode, "stats"))
     rc = stats();
+  printf("{\"event\": \"hello\", \"batch_frames\": %d, \"frames\": %llu}\n",
+         rl_client_batch_frames(client), (unsigned long long)rl_client_frames_received(client));
   const char* server_error = rl_client_server_error(client);
   if (server_error) {
     printf("{\"event\": \"server_error\", \"message\": ");

@@ -7,7 +7,9 @@
  * F: one request per line, "MAX_TOKENS ID ID ID ...". N requests are kept in flight, the next
  * sent from the done of one. Warm-up: requests 0..W-1 of the file first, unmeasured (at most N
  * at once), then every line measured. Request i gets seed S+i when T > 0. Prints one JSON object
- * (see README.md); exit 0 when every request got its done, 1 otherwise, 2 on bad options. */
+ * (see README.md); exit 0 when every request got its done, 1 otherwise, 2 on bad options. Token
+ * and done messages come from the library as events whether the server sent them as frames of
+ * their own or inside batch frames (1.7); "frames" counts the frames themselves. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <stdio.h>
@@ -58,6 +60,7 @@ static double cpu_s(const struct timeval* tv) {
   return (double)tv->tv_sec + (double)tv->tv_usec * 1e-6;
 }
 
+/* One token message: a token frame, or one chunk of a batch frame (its frame's arrival time). */
 static void on_token(void* user, const rl_token* t) {
   record* r = user;
   if (r->n_chunks == r->cap) { /* more messages than tokens (a text-only last one): rare */
@@ -174,14 +177,14 @@ static int read_requests(const char* path) {
 }
 
 static void print_result(const record* recs, size_t concurrency, double wall, double user,
-                         double sys) {
+                         double sys, uint64_t frames) {
   printf("{\"client\": \"c\", \"concurrency\": %zu, \"wall_s\": ", concurrency);
   json_num(stdout, wall);
   printf(", \"cpu_user_s\": ");
   json_num(stdout, user);
   printf(", \"cpu_sys_s\": ");
   json_num(stdout, sys);
-  printf(", \"requests\": [");
+  printf(", \"frames\": %llu, \"requests\": [", (unsigned long long)frames);
   for (size_t i = 0; i < B.n; i++) {
     const record* r = &recs[i];
     printf("%s{\"index\": %zu, \"prompt_tokens\": %zu, \"max_tokens\": %lld, \"send_t\": ",
@@ -280,12 +283,14 @@ int main(int argc, char** argv) {
   struct rusage ru0, ru1;
   getrusage(RUSAGE_SELF, &ru0);
   double t0 = mono();
+  uint64_t frames0 = rl_client_frames_received(B.client);
   if (ok && recs) ok = run_phase(recs, B.n, (size_t)concurrency, timeout_s);
   double wall = mono() - t0;
+  uint64_t frames = rl_client_frames_received(B.client) - frames0;
   getrusage(RUSAGE_SELF, &ru1);
   if (recs) {
     print_result(recs, (size_t)concurrency, wall, cpu_s(&ru1.ru_utime) - cpu_s(&ru0.ru_utime),
-                 cpu_s(&ru1.ru_stime) - cpu_s(&ru0.ru_stime));
+                 cpu_s(&ru1.ru_stime) - cpu_s(&ru0.ru_stime), frames);
   }
   fflush(stdout);
   for (size_t i = 0; recs && i < B.n; i++) ok = ok && recs[i].done;
