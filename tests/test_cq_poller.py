@@ -92,6 +92,21 @@ def test_steady_steps_are_each_seen_within_one_fine_poll_with_a_few_reads_per_st
     assert reads_per_step <= max(4.0, 0.3 * fixed), (reads_per_step, fixed)
 
 
+@pytest.mark.parametrize("period", [226e-6, 2.0e-3])
+def test_its_figures_bound_how_late_each_change_was_seen(period):
+    """figures(): one change per step here, reads per change as counted, and the seen-lag bound
+    (read to read) never below the true delay of the event it saw."""
+    sim = SimulatedDevice(steady(period, 200), submissions=[0.0], end=0.01 + 200 * period)
+    poller = sim.run()
+    fig = poller.figures()
+    assert poller.changes == 200 and fig["cq_polls"] == poller.polls
+    assert fig["cq_polls_per_change"] == pytest.approx(poller.polls / 200)
+    snap = poller.seen_lag_us.snapshot()
+    assert snap.count == 200
+    assert snap.sum / 1e6 >= sim.delays().sum()  # each bound covers its event's delay
+    assert fig["cq_seen_lag_us_p99"] is not None and fig["cq_seen_lag_us_p50"] <= fig["cq_seen_lag_us_p99"]
+
+
 def test_steps_that_get_shorter_are_late_for_one_step_only():
     events = steady(2.0e-3, 100) + steady(1.0e-3, 200, start=0.01 + 100 * 2.0e-3)
     sim = SimulatedDevice(events, submissions=[0.0], end=events[-1] + 0.01)

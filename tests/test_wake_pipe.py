@@ -2,6 +2,7 @@
 the frontend drains them, from any thread."""
 
 import threading
+import time
 
 import zmq
 
@@ -32,3 +33,26 @@ def test_wake_ups_coalesce_until_drained():
         assert pending_messages(pipe) == 1  # drain() reset it: the next notify() sent one
     finally:
         pipe.close()
+
+
+def test_the_completion_signal_counts_its_wake_ups_and_their_latency():
+    """CompletionSignal (device/backends/doorbells.py): sets before a wait coalesce into one
+    wake-up, a wait that times out is none, and each wake-up's latency from its first set is kept."""
+    from ringleader.device.backends.doorbells import CompletionSignal
+
+    signal = CompletionSignal()
+    assert not signal.wait(0.01) and signal.figures()["completion_wakes"] == 0
+    signal.set()
+    signal.set()  # coalesces with the first
+    time.sleep(0.003)
+    assert signal.wait(1.0) and not signal.is_set()
+    figures = signal.figures()
+    assert figures["completion_wakes"] == 1
+    assert figures["wake_latency_us_p50"] >= 2000  # its first set was 3 ms before the wait
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(signal.wait(5.0)))
+    waiter.start()
+    time.sleep(0.05)
+    signal.set()
+    waiter.join(5)
+    assert woke == [True] and signal.figures()["completion_wakes"] == 2

@@ -12,6 +12,9 @@ poller sleeps through most of a step:
 - with nothing due (no event or submission for IDLE_AFTER_S) it waits on the doorbell the
   frontend rings after it publishes SQ entries, IDLE_S at a time, so a new request is watched
   from the moment it is submitted and an idle engine costs a few hundred wake-ups a second.
+
+`figures()` says what it cost and how late it saw the CQ move: reads per change and, per change,
+the time since the read before (the change happened in between), in the server's stats.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import collections
 import threading
 import time
 from collections.abc import Callable
+
+from ringleader.device.backends.doorbells import WAKE_LATENCY_BUCKETS, bucket_quantile
+from ringleader.ipc.histogram import Histogram
 
 
 class CqPoller:
@@ -48,6 +54,23 @@ class CqPoller:
         self._sleep = sleep
         self._intervals: collections.deque[float] = collections.deque(maxlen=self.RECENT)
         self.polls = 0  # tail reads: what the loop costs, for tests and benchmarks
+        self.changes = 0  # reads that found the tail moved (each wakes the completion thread once)
+        # µs between the read that found the tail moved and the read before it: a bound on how
+        # late the change was seen (it happened between the two); the poller's thread writes it
+        # under _lock, stats read it
+        self.seen_lag_us = Histogram(WAKE_LATENCY_BUCKETS)
+        self._lock = threading.Lock()
+
+    def figures(self) -> dict:
+        """cq_polls, cq_polls_per_change and the seen-lag bound's p50/p99 (µs), for stats."""
+        with self._lock:
+            snap, changes = self.seen_lag_us.snapshot(), self.changes
+        return {
+            "cq_polls": self.polls,
+            "cq_polls_per_change": self.polls / changes if changes else None,
+            "cq_seen_lag_us_p50": bucket_quantile(snap.bounds, snap.counts, 0.5),
+            "cq_seen_lag_us_p99": bucket_quantile(snap.bounds, snap.counts, 0.99),
+        }
 
     def expected_interval(self) -> float | None:
         return min(self._intervals) if self._intervals else None
@@ -57,11 +80,16 @@ class CqPoller:
         last_event: float | None = None
         active_since = self._clock()  # an event or a submission: the time an event may be due from
         slept = False  # the last read was the first after sleeping until an event was due
+        last_read = self._clock()
         while not self._ended():
             tail = self._read_tail()
             self.polls += 1
             now = self._clock()
+            previous_read, last_read = last_read, now
             if tail != last_tail:
+                with self._lock:
+                    self.changes += 1
+                    self.seen_lag_us.observe((now - previous_read) * 1e6)
                 if slept:  # it came before we woke: steps got shorter; measure the next one afresh
                     self._intervals.clear()
                 elif last_event is not None and now - last_event < self.IDLE_AFTER_S:

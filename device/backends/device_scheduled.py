@@ -26,6 +26,7 @@ from ringleader.device.backends.device_timeline import (
     timeline_summary,
     write_chrome_trace,
 )
+from ringleader.device.backends.doorbells import CompletionSignal
 from ringleader.device.backends.launch_graph import LaunchGraph
 from ringleader.device.sched.build import KERNEL_NAME
 from ringleader.ipc import layout
@@ -103,7 +104,7 @@ class DeviceScheduled:
         sched_threads: int,
         timer: StepTimer,
         doorbell: threading.Event,
-        events: threading.Event,
+        events: CompletionSignal,
         stop_grace_s: float,
         run_budget_s: float | None,
         trace_path: str | None,
@@ -125,6 +126,7 @@ class DeviceScheduled:
         self._timeline = TimelineReader(device_memory)
         self._feed = TimelineFeed()  # its step histograms, at scrape time
         self._threads: list[threading.Thread] = []
+        self._poller: CqPoller | None = None  # made by its thread (_event_poller)
         self.failure_of_threads: str | None = None
         self.description.update(launch=graph.mode, step_graph_nodes=graphs.describe())
 
@@ -201,9 +203,10 @@ class DeviceScheduled:
         """Wakes the completion thread when the kernel has published CQ events, polling only
         when one is due (cq_poller.py); the frontend's doorbell marks submissions."""
         ctl = self._rings.control
-        CqPoller(
+        self._poller = CqPoller(
             lambda: int(ctl[0]["cq_tail"]), self._scheduler_ended, self._events.set, self._doorbell
-        ).run()
+        )
+        self._poller.run()
 
     def _scheduler_ended(self) -> bool:
         """The scheduler kernel will run no more steps (it exited, or its init failed)."""
@@ -251,6 +254,8 @@ class DeviceScheduled:
     def stats(self, timeline_after_seq: int) -> dict:
         out = timeline_summary(self.timeline(), timeline_after_seq, one_clock=True)
         out["timeline_stalled_reads"] = self._timeline.stalled_reads  # copies that missed their bounded wait
+        if self._poller is not None:  # the host's per-step work in this mode: its reads and lag
+            out.update(self._poller.figures())
         out["threads"] = {t.name: t.native_id for t in self._threads}
         return out
 

@@ -86,6 +86,7 @@ class EngineBackend(Doorbells, Backend):
         out = self.rings.counters()
         out.update(self._timer.summary())
         out.update(self._engine.stats(timeline_after_seq))
+        out.update(self._events.figures())  # the completion thread's wake-ups and their latency
         return out
 
     def thread_ids(self) -> dict[str, int]:

@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from ringleader.device.backends.common import StepTimer
+from ringleader.device.backends.doorbells import CompletionSignal
 from ringleader.ipc import layout
 
 log = logging.getLogger("ringleader.engine")
@@ -82,7 +83,7 @@ class HostLoop:
         self._control, self._step_header = arrays["ctl"], arrays["step"]
         self._runner, self._timer = runner, timer
         self._doorbell: threading.Event = doorbell
-        self._events: threading.Event = events
+        self._events: CompletionSignal = events
         self.failure: str | None = None
 
     def run(self) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ringleader.device.backends.common import StepTimer
 from ringleader.device.backends.device_timeline import timeline_summary
+from ringleader.device.backends.doorbells import CompletionSignal
 from ringleader.device.backends.engine_loop import HostLoop, StepRunner
 from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.sched.build import CpuScheduler
@@ -26,7 +27,7 @@ class HostScheduled:
         runner: StepRunner,
         timer: StepTimer,
         doorbell: threading.Event,
-        events: threading.Event,
+        events: CompletionSignal,
         *,
         thread_name: str,
         thread_key: str,
