@@ -1,4 +1,5 @@
-"""The load generator: one zmq.asyncio DEALER socket speaking the wire protocol (docs/protocol.md).
+"""The load generator: one zmq.asyncio DEALER socket speaking the wire protocol (docs/protocol.md),
+asking for `batch` frames (1.7: one frame per step for all its streams) and reading plain ones too.
 
 It is deliberately thin so that it is never the bottleneck: request frames are encoded before
 the clock starts, replies are decoded with plain msgpack on one receive loop that stamps each
@@ -149,6 +150,7 @@ class LoadGenerator:
         self._waiters: deque[asyncio.Future] = deque()  # stats and pong replies, FIFO
         self._lags: list[float] = []  # open loop: actual - scheduled send time of each request
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._hello_unanswered = False
 
     async def __aenter__(self) -> LoadGenerator:
         self._ctx = zmq.asyncio.Context()
@@ -159,6 +161,8 @@ class LoadGenerator:
         sock.connect(self.address)
         self._sock = sock
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._hello_unanswered = True  # protocol 1.7: this connection's streams in `batch` frames
+        self._send_frame(self._pack({"op": "hello", "batch": True}))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -295,25 +299,18 @@ class LoadGenerator:
             log.warning("ignoring a malformed reply (%d bytes)", len(frame))
             return
         if op == "token":
-            entry = self._inflight.get(msg.get("id"))
-            if entry is not None:
-                rec = entry[0]
-                rec.chunk_t.append(t)
-                rec.chunk_n.append(len(msg.get("token_ids") or ()))
+            self._chunk(msg.get("id"), len(msg.get("token_ids") or ()), t)
+        elif op == "batch":  # 1.7: chunks as columns, then dones (docs/protocol.md)
+            for rid, n in zip(msg["ids"], msg["n_tokens"]):
+                self._chunk(rid, n, t)
+            for done in msg.get("done", ()):
+                self._done(done, t)
         elif op == "done":
-            entry = self._inflight.pop(msg.get("id"), None)
-            if entry is None:
-                return
-            rec, finished = entry
-            rec.done_t = t
-            rec.finish_reason = msg.get("finish_reason")
-            rec.completion_tokens = (msg.get("usage") or {}).get("completion_tokens", 0)
-            err = msg.get("error") or {}
-            rec.error_code, rec.error_message = err.get("code"), err.get("message")
-            timing = msg.get("timing")
-            if isinstance(timing, dict) and isinstance(timing.get("queue_ms"), (int, float)):
-                rec.server_queue_ms = float(timing["queue_ms"])
-            finished()
+            self._done(msg, t)
+        elif op == "hello":
+            self._hello_unanswered = False
+        elif op == "error" and self._hello_unanswered and msg.get("id") is None:
+            self._hello_unanswered = False  # a server older than 1.7: per-request frames
         elif op in ("stats", "pong"):
             while self._waiters:
                 fut = self._waiters.popleft()
@@ -323,6 +320,28 @@ class LoadGenerator:
         elif op == "error":
             self.last_error = msg
             log.warning("server rejected a frame: %s: %s", msg.get("code"), msg.get("message"))
+
+    def _chunk(self, rid, n: int, t: float) -> None:
+        entry = self._inflight.get(rid)
+        if entry is not None:
+            rec = entry[0]
+            rec.chunk_t.append(t)
+            rec.chunk_n.append(n)
+
+    def _done(self, msg: dict, t: float) -> None:
+        entry = self._inflight.pop(msg.get("id"), None)
+        if entry is None:
+            return
+        rec, finished = entry
+        rec.done_t = t
+        rec.finish_reason = msg.get("finish_reason")
+        rec.completion_tokens = (msg.get("usage") or {}).get("completion_tokens", 0)
+        err = msg.get("error") or {}
+        rec.error_code, rec.error_message = err.get("code"), err.get("message")
+        timing = msg.get("timing")
+        if isinstance(timing, dict) and isinstance(timing.get("queue_ms"), (int, float)):
+            rec.server_queue_ms = float(timing["queue_ms"])
+        finished()
 
 
 def measure(

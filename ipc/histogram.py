@@ -67,6 +67,24 @@ class Histogram:
         self.sum += value * n
         self.count += n
 
+    def observe_many(
+        self, values: Sequence[float] | np.ndarray, counts: Sequence[int] | np.ndarray, scale: float = 1.0
+    ) -> None:
+        """Counts each value * scale its count of times: a step's worth of observations in a few
+        array operations (a loop of observe() costs a microsecond each)."""
+        if len(values) < 8:
+            for v, n in zip(values, counts):
+                self.observe(v * scale, n)
+            return
+        v = np.asarray(values, dtype=np.float64) * scale
+        n = np.asarray(counts, dtype=np.int64)
+        idx = np.searchsorted(self.bounds, v, side="left")
+        for i, c in enumerate(np.bincount(idx, weights=n, minlength=len(self.counts)).tolist()):
+            if c:
+                self.counts[i] += int(c)
+        self.sum += float(np.dot(v, n))
+        self.count += int(n.sum())
+
     def observe_array(self, values: np.ndarray) -> None:
         if len(values) == 0:
             return

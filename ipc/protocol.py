@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from ringleader.ipc.batch_frames import OP_BATCH
 from ringleader.ipc.chat_turns import CHAT_ROLES, ChatTurnsError, chat_turns  # noqa: F401 (CHAT_ROLES: P.CHAT_ROLES)
 from ringleader.ipc.sampling_params import (
     WIRE_FIELDS,
@@ -23,28 +24,23 @@ from ringleader.ipc.sampling_params import (
 )
 
 PROTOCOL_VERSION = 1
-# 1.1 added generate.timeout_ms and the `timeout` error code; 1.2 added generate.messages (chat);
-# 1.3 made generate.max_tokens optional (the rest of the context), added abort.finish_reason
-# ("stop": the client stopped it on purpose) and bounded temperature to float32; 1.4 added min_p,
-# presence_penalty, frequency_penalty and repetition_penalty, top_k -1 (off, as vLLM writes it),
-# and refuses a generate field the server does not know rather than ignore it; 1.5 added logprobs
-# (each token frame's `logprobs`) and n (several choices: token frames carry `index`, a choice
-# ends with a token frame carrying its finish_reason, `done` sums the usage and lists the choices;
-# abort.index ends one choice); 1.6 added stats.timeline_after_seq
-PROTOCOL_REVISION = 6
+# what each revision added: docs/protocol.md's opening paragraphs (1.7: `hello`, `batch` frames
+# and generate.detokenize)
+PROTOCOL_REVISION = 7
 
 # ops, client -> server
 OP_GENERATE = "generate"
 OP_ABORT = "abort"
 OP_STATS = "stats"
 OP_PING = "ping"
+OP_HELLO = "hello"  # 1.7; used in both directions (the server's answer)
 # ops, server -> client (OP_STATS is used in both directions)
 OP_TOKEN = "token"
 OP_DONE = "done"
 OP_ERROR = "error"
 OP_PONG = "pong"
-REQUEST_OPS = frozenset({OP_GENERATE, OP_ABORT, OP_STATS, OP_PING})
-REPLY_OPS = frozenset({OP_TOKEN, OP_DONE, OP_ERROR, OP_STATS, OP_PONG})
+REQUEST_OPS = frozenset({OP_GENERATE, OP_ABORT, OP_STATS, OP_PING, OP_HELLO})
+REPLY_OPS = frozenset({OP_TOKEN, OP_DONE, OP_ERROR, OP_STATS, OP_PONG, OP_HELLO, OP_BATCH})
 
 # finish reasons carried by `done`
 FINISH_STOP = "stop"
@@ -105,6 +101,7 @@ class GenerateRequest:
     priority: int = 0
     timeout_ms: int | None = None  # from arrival at the server; None: only the server's limits
     messages: list[dict[str, str]] | None = None  # chat turns, rendered by the model's template (1.2)
+    detokenize: bool = True  # 1.7: False asks for token ids only (no text, no token strings)
 
 
 @dataclass(slots=True)
@@ -124,7 +121,12 @@ class PingRequest:
     pass
 
 
-Request = GenerateRequest | AbortRequest | StatsRequest | PingRequest
+@dataclass(slots=True)
+class HelloRequest:
+    batch: bool = False  # 1.7: this connection's streams come as `batch` frames from now on
+
+
+Request = GenerateRequest | AbortRequest | StatsRequest | PingRequest | HelloRequest
 
 
 class ProtocolError(Exception):
@@ -274,7 +276,9 @@ def resolve_max_tokens(
 
 
 # every field of generate: its own, then the sampling fields (their declaration's)
-GENERATE_FIELDS = ("op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms") + WIRE_FIELDS
+GENERATE_FIELDS = (
+    "op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms", "detokenize",
+) + WIRE_FIELDS  # fmt: skip
 _KNOWN_GENERATE_FIELDS = frozenset(GENERATE_FIELDS)
 
 
@@ -347,7 +351,12 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     timeout_ms = obj.get("timeout_ms")
     if timeout_ms is not None:
         timeout_ms = _int_field(timeout_ms, rid, "timeout_ms", 1, limits.max_timeout_ms)
-    return GenerateRequest(rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages)
+    detokenize = obj.get("detokenize")
+    if detokenize is not None and not isinstance(detokenize, bool):
+        raise BadRequest(rid, "detokenize", f"must be true or false, got {clipped_repr(detokenize)}")
+    return GenerateRequest(
+        rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages, detokenize is not False
+    )
 
 
 def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
@@ -404,13 +413,18 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
         return StatsRequest(_timeline_after_seq(obj.get("timeline_after_seq")))
     if op == OP_PING:
         return PingRequest()
+    if op == OP_HELLO:
+        batch = obj.get("batch")
+        if batch is not None and not isinstance(batch, bool):
+            raise FrameError(f"hello: batch: must be true or false, got {clipped_repr(batch)}")
+        return HelloRequest(batch is True)
     raise FrameError(f"unknown op {clipped_repr(op)}")
 
 
 # ---------------------------------------------------------------- encoding
 
 
-def _pack_default(obj: Any) -> Any:
+def pack_default(obj: Any) -> Any:
     """Let numpy-style scalars through: anything with __index__ packs as int, __float__ as float."""
     if hasattr(obj, "__index__"):
         return obj.__index__()
@@ -421,7 +435,7 @@ def _pack_default(obj: Any) -> Any:
 
 def encode(msg: dict) -> bytes:
     """One message -> one frame."""
-    return msgpack.packb(msg, use_bin_type=True, default=_pack_default)
+    return msgpack.packb(msg, use_bin_type=True, default=pack_default)
 
 
 def generate_msg(req: GenerateRequest) -> dict:
@@ -439,6 +453,8 @@ def generate_msg(req: GenerateRequest) -> dict:
     msg.update(req.sampling.wire_fields(), priority=req.priority)
     if req.timeout_ms is not None:
         msg["timeout_ms"] = req.timeout_ms
+    if not req.detokenize:  # sent only when asked, so an older server reads every other frame
+        msg["detokenize"] = False
     return msg
 
 
@@ -465,6 +481,16 @@ def ping_msg() -> dict:
     return {"op": OP_PING}
 
 
+def hello_msg(batch: bool = True) -> dict:
+    """A client's hello (1.7): batch asks for `batch` frames on this connection."""
+    return {"op": OP_HELLO, "batch": batch}
+
+
+def hello_reply_msg(batch: bool) -> dict:
+    """The server's answer to a hello: its revision, and whether it sends `batch` frames now."""
+    return {"op": OP_HELLO, "protocol": f"{PROTOCOL_VERSION}.{PROTOCOL_REVISION}", "batch": batch}
+
+
 def encode_request(req: Request) -> bytes:
     """Typed request -> frame; the inverse of decode_request for valid requests."""
     if isinstance(req, GenerateRequest):
@@ -475,6 +501,8 @@ def encode_request(req: Request) -> bytes:
         return encode(stats_request_msg(req.timeline_after_seq))
     if isinstance(req, PingRequest):
         return encode(ping_msg())
+    if isinstance(req, HelloRequest):
+        return encode(hello_msg(req.batch))
     raise TypeError(f"not a request: {type(req).__name__}")
 
 

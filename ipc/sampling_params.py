@@ -246,10 +246,20 @@ class SamplingParams:
             object.__setattr__(self, spec.name, spec.check(getattr(self, spec.name)))
 
     def with_seed(self, seed: int) -> SamplingParams:
-        return dataclasses.replace(self, seed=seed)
+        return self._with("seed", seed)
 
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
-        return dataclasses.replace(self, max_tokens=max_tokens)
+        return self._with("max_tokens", max_tokens)
+
+    def _with(self, name: str, value: Any) -> SamplingParams:
+        """A copy with one field judged anew, the others taken as they are (they were judged
+        when this one was made): a request's seed and max_tokens are resolved per request, and
+        judging every field again cost more than the rest of its admission."""
+        value = FIELD[name].check(value)
+        other = object.__new__(SamplingParams)
+        for spec in FIELDS:
+            object.__setattr__(other, spec.name, value if spec.name == name else getattr(self, spec.name))
+        return other
 
     @property
     def penalized(self) -> bool:

@@ -95,7 +95,8 @@ def test_a_server_that_goes_silent_is_pinged_then_given_up():
                 if "ping" in seen:
                     break
             done = stream.wait(timeout=10)
-        assert seen[:2] == ["generate", "ping"]  # silence first costs one keep-alive ping
+        # a connection says hello (1.7, before or after the generate); then silence costs one ping
+        assert sorted(seen[:2]) == ["generate", "hello"] and seen[2:3] == ["ping"]
         assert done.error_code == ERR_DISCONNECTED and "no reply" in done.error_message
     finally:
         router.close(0)

@@ -84,7 +84,7 @@ def test_a_record_is_set_by_name_and_refuses_a_name_it_does_not_declare():
 def test_the_native_null_step_binds_every_declared_field():
     """A field added to the declaration and never bound would read zero in C: none is."""
     vocab, n_slots = 500, 8
-    step = NullStep(NullModel(NullOptions(vocab, 1.0, "next")), n_slots, kernel="native")
+    step = NullStep(NullModel(NullOptions(vocab, 1.0, "next", step_wait="sleep")), n_slots, kernel="native")
     layout = StepLayout.allocate(n_slots, 16, "cpu", pages_per_slot=4)
     address = step._bind(layout)
     record = step._native_args

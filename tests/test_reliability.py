@@ -156,10 +156,11 @@ def test_one_client_with_1000_requests_cannot_starve_another():
 
 
 def test_per_client_cap_rejects_beyond_it_and_others_still_get_in():
-    with running_server(server_options=dict(max_inflight_per_client=5)) as bg:
+    # long enough that a fast CPU cannot finish them before the aborts (each read waits 0.3 s)
+    with running_server(max_ctx=4096, server_options=dict(max_inflight_per_client=5)) as bg:
         a, b = RawPeer(bg.address), RawPeer(bg.address)
         for i in range(8):
-            a.send(generate(i, 400))
+            a.send(generate(i, 4000))
         dones = dones_of(a, [5, 6, 7], timeout=30)
         assert all(
             d["error"]["code"] == "overloaded" and "max-inflight-per-client" in d["error"]["message"]

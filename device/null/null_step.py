@@ -176,7 +176,8 @@ class NullStep:
                 records = null_records(tokens[asked], top_n[asked], self.vocab)
                 layout.step_logprobs.index_copy_(0, slots[asked], records)
         if self.step_ns:
-            spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns, sleep=int(self.sleeps))  # busy time alone
+            # the busy time alone
+            spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns, sleep=int(self.sleeps))
             _native_step()(spin_only.ctypes.data)
 
     def _bind(self, layout: StepLayout) -> int:

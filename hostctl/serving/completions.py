@@ -1,8 +1,11 @@
-"""The completion thread: reads CQ events, turns them into wire frames per request, and hands
-the frames to the frontend thread through the Outbox (outbox.py: the frontend alone touches the
-ROUTER socket).
+"""The completion thread: reads CQ events, turns them into wire frames, and hands the frames to the
+frontend thread through the Outbox (outbox.py: the frontend alone touches the ROUTER socket).
 
-Tokens of one request that arrive in one batch of events are coalesced into one `token` frame.
+Tokens of one request that arrive in one batch of events are coalesced into one chunk, and a
+connection's chunks and dones of one batch into one `batch` frame where it asked for them
+(connection_frames.py; else one `token` frame per request, as protocol 1.6).  A started request
+that asked for ids alone takes the hot path: a few attribute updates and list appends, no map,
+no pack of its own.
 A request's DONE ends it through Finisher.end; a request that is no longer in the table (ended
 by the watchdog, say) has its late events ignored, so no request ever gets two `done` frames.
 The watchdog lives here too: when the backend reports a failure or the device's heartbeat
@@ -15,8 +18,11 @@ from __future__ import annotations
 import threading
 import time
 
-from ringleader.hostctl.serving.finisher import Finisher, Frame, no_logprobs
-from ringleader.hostctl.serving.inflight import RequestTable
+import numpy as np
+
+from ringleader.hostctl.serving.connection_frames import ConnectionFrames
+from ringleader.hostctl.serving.finisher import Finisher, no_logprobs
+from ringleader.hostctl.serving.inflight import InFlight, RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
 from ringleader.hostctl.serving.outbox import Outbox
 from ringleader.ipc import layout, protocol
@@ -51,6 +57,7 @@ class CompletionRouter:
         self._stop = threading.Event()
         # written by the completion thread only, once (None -> why); read through `dead_reason`
         self._dead_reason: str | None = None
+        self.batches = 0  # CQ batches routed (non-empty takes): the completion thread's, read by stats
         self._thread = threading.Thread(target=self._run, name="rl-completions", daemon=True)
 
     def start(self) -> None:
@@ -81,6 +88,7 @@ class CompletionRouter:
             # 2. take the CQ's events and route them: token frames, and the `done` of each DONE
             events, records = self._rings.completions.take_with_logprobs(self._logprobs_wanted)
             if len(events):
+                self.batches += 1
                 self._route(events, records)
             # 3. engine dead: end whatever the frontend accepted before it saw dead_reason
             if self._dead_reason is not None:
@@ -101,12 +109,14 @@ class CompletionRouter:
 
     def _fail_all(self, reason: str) -> None:
         """Engine dead: every in-flight request ends now with engine_dead."""
-        frames = []
+        frames = ConnectionFrames(self._outbox.wants_batch)
         for req in self._table.all():
-            frames += self._finisher.end(
-                req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}"
+            frames.add_replies(
+                self._finisher.end(
+                    req, protocol.FINISH_ERROR, protocol.ERR_ENGINE_DEAD, f"engine dead: {reason}"
+                )
             )
-        self._outbox.put_many(frames)
+        self._outbox.put_many(frames.frames())
 
     def _logprobs_wanted(self, events) -> bool:
         """Read once the batch's events are copied, before the CQ entries go back: a request
@@ -114,44 +124,35 @@ class CompletionRouter:
         return self._table.with_logprobs > 0
 
     def _route(self, events, records=None) -> None:
-        """One CQ batch: a token frame per request, then its `done` if it ended; the batch's
-        metrics go to ServerMetrics at once, under one lock, before its frames are handed on.
-        records: the batch's cq_logprobs entries (None when no request in flight asked)."""
-        frames: list[Frame] = []
-        tokens: dict[int, list[int]] = {}
-        positions: dict[int, list[int]] = {}  # per handle, its TOKEN events' places in the batch
-        order: list[int] = []  # handles in first-event order, so frames keep event order
-        dones: dict[int, int] = {}
+        """One CQ batch: each request's tokens as one chunk of its connection's frames, then the
+        `done` of each request that ended; the batch's metrics go to ServerMetrics at once, under
+        one lock, before its frames are handed on.  records: the batch's cq_logprobs entries
+        (None when no request in flight asked).
+
+        Hot requests (started, token ids alone: stream_columns.py) are counted, stamped and put
+        in their connections' frames by array operations, whatever their number; the others
+        (a first token, text, logprobs, a choice) one by one."""
         now = time.perf_counter_ns()
-        queued: dict[int, int] = {}
-        for at, (handle, kind, reason, token, waited) in enumerate(
-            zip(
-                events["handle"].tolist(),
-                events["kind"].tolist(),
-                events["finish_reason"].tolist(),
-                events["token"].tolist(),
-                events["queued_us"].tolist(),
-            )
-        ):
-            if handle not in tokens and handle not in dones:
-                order.append(handle)
-            if kind == layout.EventKind.TOKEN:
-                tokens.setdefault(handle, []).append(token)
-                if records is not None:
-                    positions.setdefault(handle, []).append(at)
-            else:
-                dones[handle] = reason
-                queued[handle] = waited
+        frames = ConnectionFrames(self._outbox.wants_batch)
+        chunks = TokenChunks.of(events)
         n_tokens = n_prompt = 0
         ttft: list[float] = []  # seconds, per request whose first token is in this batch
-        itl: list[tuple[float, int]] = []  # (seconds per token, tokens) per later token frame
-        for handle in order:
-            req = self._table.get(handle)
-            if req is None:
-                continue  # already ended (engine_dead or shutdown): its late events are moot
-            ids = tokens.get(handle)
-            if ids:
+        gaps: list[float] = []  # ns per token since the request's last chunk, per later chunk ...
+        gap_tokens: list[int] = []  # ... and that chunk's tokens (the inter-token latency)
+        hot_gaps = hot_counts = None  # the same of the hot chunks, as arrays
+        if len(chunks.handles):
+            hot, hot_gaps, groups, hot_ids, live = self._table.advance_hot(chunks.handles, chunks.counts, now)
+            if len(hot_gaps):
+                hot_counts = chunks.counts[hot]
+                n_tokens += int(hot_counts.sum())
+                chunks.add_hot_frames(frames, hot, hot_counts, groups, hot_ids)
+            for i in np.flatnonzero(live & ~hot).tolist():
+                req = self._table.get(int(chunks.handles[i]))
+                if req is None:
+                    continue  # ended meanwhile (engine_dead or shutdown): its late events are moot
+                ids = chunks.token_ids(i)
                 k = len(ids)
+                n_tokens += k
                 if req.completion_tokens == 0:
                     req.first_token_ns = now
                     if req.arena_offset is not None:  # set before the GENERATE was published
@@ -160,45 +161,62 @@ class CompletionRouter:
                         req.family.open_gate()  # its prompt's pages are cached now
                     n_prompt += req.prompt_len
                     ttft.append((now - req.arrival_ns) / 1e9)
-                    if k > 1:  # the rest of a first frame came with the first token: no gap
-                        itl.append((0.0, k - 1))
-                else:  # the gap since its last frame, shared evenly by this frame's tokens
-                    itl.append(((now - req.last_token_ns) / 1e9 / k, k))
+                    if k > 1:  # the rest of a first chunk came with the first token: no gap
+                        gaps.append(0.0)
+                        gap_tokens.append(k - 1)
+                else:  # the gap since its last chunk, shared evenly by this chunk's tokens
+                    gaps.append((now - req.last_token_ns) / k)
+                    gap_tokens.append(k)
                 req.last_token_ns = now
                 req.completion_tokens += k
-                n_tokens += k
+                if req.detokenizer is None and req.family is None and req.sampling.logprobs is None:
+                    self._table.make_hot(req)  # ids alone: its later chunks take the hot path
+                    frames.add_ids(req.client, req.id, ids)
+                    continue
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
                 logprobs = None
                 if req.sampling.logprobs is not None and records is not None:
-                    logprobs = self._logprob_entries(req.sampling.logprobs, records, positions[handle], ids)
+                    logprobs = self._logprob_entries(req, records, chunks.positions(i), ids)
                 index = None if req.family is None else req.index
-                msg = protocol.token_msg(req.id, ids, text, index=index, logprobs=logprobs)
-                frames.append((req.client, protocol.encode(msg)))
-            if handle not in dones:
-                continue
-            finish = FINISH_NAMES.get(dones[handle], protocol.FINISH_ERROR)
-            code = message = None
-            if finish == protocol.FINISH_ABORT and req.end_as is not None:
-                # the host's reason for the abort (a request that ended anyway keeps its own)
-                finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
-            # flushed first: if the frontend ended it meanwhile (shutdown), the tail goes unsent
-            tail = req.detokenizer.flush() if req.detokenizer is not None else None
-            ended = self._finisher.end(req, finish, code, message, device_queued_us=queued[handle], tail=tail)
-            if not ended:
-                continue
-            if tail and req.family is None:  # a choice's tail travels in its last chunk instead
-                msg = protocol.token_msg(req.id, [], tail, logprobs=no_logprobs(req))
-                frames.append((req.client, protocol.encode(msg)))
-            frames += ended
+                frames.add_reply(
+                    req.client, protocol.token_msg(req.id, ids, text, index=index, logprobs=logprobs)
+                )
+        for handle, reason, waited in chunks.dones:
+            req = self._table.get(handle)
+            if req is not None:
+                self._end(req, reason, waited, frames)
         if n_tokens:
-            self._metrics.routed(n_tokens, n_prompt, ttft, itl)
-        self._outbox.put_many(frames)
+            if hot_gaps is not None and hot_counts is not None:  # the hot chunks' gaps, and the others'
+                all_gaps = np.concatenate([hot_gaps, gaps]) if gaps else hot_gaps
+                all_tokens = np.concatenate([hot_counts, gap_tokens]) if gap_tokens else hot_counts
+                self._metrics.routed(n_tokens, n_prompt, ttft, all_gaps, all_tokens)
+            else:
+                self._metrics.routed(n_tokens, n_prompt, ttft, gaps, gap_tokens)
+        self._outbox.put_many(frames.frames())
 
-    def _logprob_entries(self, asked: int, records, at: list[int], token_ids: list[int]) -> list[dict]:
+    def _end(self, req: InFlight, reason: int, queued_us: int, frames: ConnectionFrames) -> None:
+        """A DONE from the device: the request's text tail, then its `done` (Finisher.end)."""
+        finish = FINISH_NAMES.get(reason, protocol.FINISH_ERROR)
+        code = message = None
+        if finish == protocol.FINISH_ABORT and req.end_as is not None:
+            # the host's reason for the abort (a request that ended anyway keeps its own)
+            finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
+        # flushed first: if the frontend ended it meanwhile (shutdown), the tail goes unsent
+        tail = req.detokenizer.flush() if req.detokenizer is not None else None
+        ended = self._finisher.end(req, finish, code, message, device_queued_us=queued_us, tail=tail)
+        if not ended:
+            return
+        if tail and req.family is None:  # a choice's tail travels in its last chunk instead
+            frames.add_reply(req.client, protocol.token_msg(req.id, [], tail, logprobs=no_logprobs(req)))
+        frames.add_replies(ended)
+
+    def _logprob_entries(self, req: InFlight, records, at: list[int], token_ids: list[int]) -> list[dict]:
         """The protocol's logprobs entries (docs/protocol.md) of one request's tokens, from their
         cq_logprobs records; each token and alternative named by its text where the model has a
-        tokenizer."""
-        token_text = self._backend.model.token_text
+        tokenizer and the request asked for text."""
+        asked = req.sampling.logprobs
+        assert asked is not None
+        token_text = self._backend.model.token_text if req.detokenize else None
         out = []
         for record, token in zip(records[at], token_ids):
             k = min(asked, int(record["n_top"]))
@@ -213,3 +231,73 @@ class CompletionRouter:
                 entry["top_tokens"] = [token_text(i) for i in ids]
             out.append(entry)
         return out
+
+
+class TokenChunks:
+    """A CQ batch's TOKEN events as one chunk per request: `handles` (unique), `counts` and the
+    token ids in handle order (`tokens`, each chunk's from `starts`), in array operations; and
+    the batch's DONE events as (handle, finish reason, device queue time in µs)."""
+
+    __slots__ = ("_positions", "counts", "dones", "handles", "starts", "tokens")
+    handles: np.ndarray  # uint32, unique, ascending
+    counts: np.ndarray  # each chunk's tokens
+    starts: np.ndarray  # each chunk's first token in `tokens`
+    tokens: np.ndarray  # every token id, by handle, each request's in generation order
+    _positions: np.ndarray  # each token's event in the batch
+    dones: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, events) -> TokenChunks:
+        out = cls()
+        kinds = events["kind"]
+        is_token = kinds == layout.EventKind.TOKEN
+        every = bool(is_token.all())
+        at = np.arange(len(events)) if every else np.flatnonzero(is_token)
+        handles = events["handle"][at]
+        order = np.argsort(handles, kind="stable")  # stable: a request's tokens stay in order
+        sorted_handles = handles[order]
+        out.tokens = events["token"][at][order]
+        out._positions = at[order]  # each token's event in the batch (its logprobs record)
+        if len(sorted_handles) < 2 or bool((sorted_handles[1:] != sorted_handles[:-1]).all()):
+            out.handles, out.starts = sorted_handles, np.arange(len(sorted_handles))
+            out.counts = np.ones(len(sorted_handles), np.int64)
+        else:  # some request has several tokens in the batch (the completion thread fell behind)
+            first = np.flatnonzero(np.r_[True, sorted_handles[1:] != sorted_handles[:-1]])
+            out.handles, out.starts = sorted_handles[first], first
+            out.counts = np.diff(np.r_[first, len(sorted_handles)])
+        out.dones = []
+        if not every:
+            done = np.flatnonzero(~is_token)
+            out.dones = list(
+                zip(
+                    events["handle"][done].tolist(),
+                    events["finish_reason"][done].tolist(),
+                    events["queued_us"][done].tolist(),
+                )
+            )
+        return out
+
+    def token_ids(self, i: int) -> list[int]:
+        start = int(self.starts[i])
+        return self.tokens[start : start + int(self.counts[i])].tolist()
+
+    def positions(self, i: int) -> list[int]:
+        start = int(self.starts[i])
+        return self._positions[start : start + int(self.counts[i])].tolist()
+
+    def add_hot_frames(self, frames: ConnectionFrames, hot, hot_counts, groups, hot_ids) -> None:
+        """The hot chunks into their connections' frames: `groups` is (client, indices into the
+        hot chunks) per connection (RequestTable.advance_hot)."""
+        token_of_hot = np.repeat(hot, self.counts)  # per token in handle order: its chunk is hot
+        hot_tokens = self.tokens[token_of_hot]
+        single = len(hot_tokens) == len(hot_counts)  # one token per hot chunk: the common step
+        for client, picked in groups:
+            if picked is None:  # every hot chunk is this connection's
+                frames.add_hot(client, hot_ids.tolist(), hot_counts.tolist(), hot_tokens.tolist())
+                continue
+            counts = hot_counts[picked]
+            if single:
+                tokens = hot_tokens[picked]
+            else:
+                tokens = hot_tokens[np.repeat(np.isin(np.arange(len(hot_counts)), picked), hot_counts)]
+            frames.add_hot(client, hot_ids[picked].tolist(), counts.tolist(), tokens.tolist())

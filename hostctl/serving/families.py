@@ -70,13 +70,14 @@ class Families:
             [sampling.with_seed(seed) for seed in seeds],
             prompt_ids=prompt,
             priority=r.priority,
+            detokenize=r.detokenize,
         )
         # the page of the prompt's last token runs again whatever the cache holds: its row samples
         shared = 0 < self._shared_prefill_len < len(prompt)
         if shared:
             family.gate = self._open
         for member in family.members:
-            member.detokenizer = self._tokenization.new_detokenizer()
+            member.detokenizer = self._tokenization.new_detokenizer() if r.detokenize else None
             self._deadlines.arm(member, r.timeout_ms)
             if member.index == 0 or not shared:
                 self._admission.submit(member)

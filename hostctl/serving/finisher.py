@@ -3,9 +3,10 @@
 `Finisher.end` ends a request that was accepted into the RequestTable, whichever thread ends it
 and why: the completion thread for a DONE from the device and for engine_dead, the frontend
 thread for a request the device does not hold (aborted while queued on the host, shut down).
-It removes the request from the table, and only the caller that wins that removal gets a frame
-back; so every accepted request gets exactly one `done`, counted once in ServerMetrics.  The
-completion thread hands the frame over through the Outbox (outbox.py), the frontend sends it at once.
+It removes the request from the table, and only the caller that wins that removal gets its
+messages back; so every accepted request gets exactly one `done`, counted once in ServerMetrics.
+The completion thread puts them in its connection's frames (a `batch` or plain ones) and hands
+those over through the Outbox (outbox.py); the frontend sends them at once.
 
 `reject_frame` is the `done` of a generate that was never accepted (bad request, duplicate id,
 overloaded, shutdown or engine dead at arrival): it has no table entry and zero usage, and
@@ -23,6 +24,7 @@ from ringleader.ipc import protocol
 from ringleader.ipc.rings import PromptArena
 
 Frame = tuple[bytes, bytes]  # (client identity, encoded message)
+Reply = tuple[bytes, dict]  # (client identity, message map), encoded by whoever sends it
 
 log = logging.getLogger("ringleader.requests")
 
@@ -39,14 +41,14 @@ def server_timing(req: InFlight, device_queued_us: int | None) -> dict:
     return out
 
 
-def done_frame(
+def done_message(
     req: InFlight,
     finish_reason: str,
     code: str | None = None,
     message: str | None = None,
     device_queued_us: int | None = None,
     timing: dict | None = None,
-) -> Frame:
+) -> dict:
     """timing: server_timing's, when the caller already has it (Finisher.end counts the same)."""
     # a request that timed out before its first token is billed nothing, like a rejected one
     unstarted_timeout = code == protocol.ERR_TIMEOUT and req.completion_tokens == 0
@@ -59,10 +61,10 @@ def done_frame(
         error_message=message,
     )
     msg["timing"] = timing if timing is not None else server_timing(req, device_queued_us)
-    return req.client, protocol.encode(msg)
+    return msg
 
 
-def family_done_frame(family: Family) -> Frame:
+def family_done_message(family: Family) -> dict:
     """The one `done` of a request with n > 1, once every choice ended: usage with the prompt
     once and every choice's tokens, how each choice ended, and an error if any choice ended in
     one (the first by index; else the first choice's finish reason)."""
@@ -90,7 +92,7 @@ def family_done_frame(family: Family) -> Frame:
     if started:
         timing["ttft_ms"] = (min(started) - first.arrival_ns) / 1e6
     msg["timing"] = timing
-    return first.client, protocol.encode(msg)
+    return msg
 
 
 def reject_frame(request_id: protocol.RequestId | None, code: str, message: str) -> bytes:
@@ -123,9 +125,9 @@ class Finisher:
         *,
         device_queued_us: int | None = None,
         tail: str | None = None,
-    ) -> list[Frame]:
-        """Ends `req` once: returns its frames to the caller that removed it from the table, []
-        to everyone else (it had already ended).  A request's frames are its `done`; a choice of
+    ) -> list[Reply]:
+        """Ends `req` once: returns its messages to the caller that removed it from the table, []
+        to everyone else (it had already ended).  A request's messages are its `done`; a choice of
         a request with n > 1 gets its last chunk (index, finish_reason, and `tail`, the text its
         detokenizer held back), and the last choice to end the request's one `done` after it.
 
@@ -143,17 +145,17 @@ class Finisher:
         if log.isEnabledFor(logging.INFO):
             log.info(request_log_line(req, reason, code, timing))
         if family is None:
-            return [done_frame(req, reason, code, message, timing=timing)]
+            return [(req.client, done_message(req, reason, code, message, timing=timing))]
         if req.index == 0:
             family.open_gate()  # its prompt is as cached as it will be: the others go ahead
         no_tokens = no_logprobs(req)
         last = protocol.token_msg(
             req.id, [], tail or None, index=req.index, logprobs=no_tokens, finish_reason=reason
         )
-        frames = [(req.client, protocol.encode(last))]
+        replies = [(req.client, last)]
         if len(family.ends) == family.n:  # the table recorded every choice's end
-            frames.append(family_done_frame(family))
-        return frames
+            replies.append((req.client, family_done_message(family)))
+        return replies
 
 
 def request_log_line(req: InFlight, reason: str, code: str | None, timing: dict) -> str:

@@ -9,7 +9,7 @@ and not ended.
 Fields of InFlight and their one writer (the other thread only reads):
   handle, client, id, prompt_ids,
   sampling, priority, detokenizer,
-  arrival_ns                   set at creation, never written again (the detokenizer is used by
+  detokenize, arrival_ns       set at creation, never written again (the detokenizer is used by
                                the completion thread only)
   in_sq, sq_pos                frontend thread, under the table lock (mark_in_sq)
   arena_offset, submit_ns      frontend thread, before the GENERATE is published; the completion
@@ -23,7 +23,9 @@ Fields of InFlight and their one writer (the other thread only reads):
   completion_tokens            completion thread; the frontend reads them (timeouts, and the
                                usage of a `done` it sends itself)
   last_token_ns                completion thread (the inter-token gap); read by whichever thread
-                               ends the request (time per output token)
+                               ends the request (time per output token).  A hot request's two
+                               live in the table's columns until it leaves the table, which
+                               writes them back first (stream_columns.py)
   index, family                set at creation (a request with n > 1 is a Family of n InFlights
                                under one id, each with its own handle, seed and SQ entry); the
                                family's `ends` are written under the table lock (RequestTable.finish)
@@ -37,6 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ringleader.hostctl.serving.stream_columns import StreamColumns
 from ringleader.ipc import protocol
 from ringleader.ipc.sampling_params import SamplingParams
 
@@ -88,7 +93,8 @@ class InFlight:
     prompt_ids: Any  # numpy int32 tokens, kept until they are in the arena
     sampling: SamplingParams  # its seed resolved
     priority: int
-    detokenizer: Any = None
+    detokenizer: Any = None  # None: the server has no tokenizer, or the request asked for ids only
+    detokenize: bool = True  # the request wants text (its logprobs name tokens by their text)
     arena_offset: int | None = None  # frontend thread, once the prompt is in the arena
     # frontend thread, under the table lock: its GENERATE entry was written to the SQ (the device
     # owns it now), and the SQ index of that entry, which its abort names
@@ -125,7 +131,7 @@ class RequestTable:
         self._by_client: dict[bytes, dict[int, InFlight]] = {}
         self._in_sq = 0
         self._with_logprobs = 0  # requests in the table that asked for logprobs
-        self._next_handle = 1
+        self._columns = StreamColumns()  # each request's row: its handle, and the hot path's counts
 
     def __len__(self) -> int:
         return len(self._by_handle)
@@ -167,10 +173,7 @@ class RequestTable:
             return family
 
     def _add(self, client: bytes, request_id: Any, fields: dict) -> InFlight:
-        handle = self._next_handle
-        while handle in self._by_handle or handle == 0:  # u32 wrap: skip live handles
-            handle = (handle + 1) & 0xFFFFFFFF
-        self._next_handle = (handle + 1) & 0xFFFFFFFF
+        handle = self._columns.take(self._columns.client_number(client), request_id)
         req = InFlight(handle=handle, client=client, id=request_id, **fields)
         self._with_logprobs += req.sampling.logprobs is not None
         self._by_handle[handle] = req
@@ -187,6 +190,27 @@ class RequestTable:
     def get(self, handle: int) -> InFlight | None:
         with self._lock:
             return self._by_handle.get(handle)
+
+    def lookup(self, handles: list[int]) -> list[InFlight | None]:
+        """The requests of many handles under one lock (None for one that ended)."""
+        with self._lock:
+            get = self._by_handle.get
+            return [get(h) for h in handles]
+
+    def make_hot(self, req: InFlight) -> None:
+        """Completion thread, once `req`'s first token is routed, for a request that asked for
+        token ids alone: its tokens are counted by advance_hot from now on (stream_columns.py)."""
+        with self._lock:
+            self._columns.make_hot(req)
+
+    def advance_hot(self, handles: np.ndarray, counts: np.ndarray, now_ns: int) -> tuple[Any, ...]:
+        """Completion thread: one batch's chunks (unique handles, token counts).  The hot ones
+        are counted and stamped at once; returns (hot mask, their gaps per token in ns, their
+        connections as StreamColumns.groups, their request ids (an object array), live mask:
+        the chunks whose request is still in the table)."""
+        with self._lock:
+            hot, rows, gaps, numbers, live = self._columns.advance(handles, counts, now_ns)
+            return hot, gaps, self._columns.groups(numbers), self._columns.ids[rows], live
 
     def find(self, client: bytes, request_id: Any) -> list[InFlight]:
         """The live requests under the client's id: one, the choices of a request with n > 1
@@ -218,6 +242,7 @@ class RequestTable:
         with self._lock:
             req = self._by_handle.pop(handle, None)
             if req is not None:
+                self._columns.release(req)  # a hot request's counts come back first
                 family = req.family
                 if family is not None:
                     assert ending is not None
@@ -229,6 +254,7 @@ class RequestTable:
                     mine.pop(handle, None)
                     if not mine:
                         del self._by_client[req.client]
+                        self._columns.forget_client(req.client)
                 if req.in_sq:
                     self._in_sq -= 1
                 self._with_logprobs -= req.sampling.logprobs is not None

@@ -22,6 +22,9 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Sequence
+
+import numpy as np
 
 from ringleader.ipc import protocol
 from ringleader.ipc.histogram import TTFT_BUCKETS, Histogram, HistogramSnapshot, buckets_125
@@ -152,20 +155,20 @@ class ServerMetrics:
         n_tokens: int,
         prompt_tokens: int,
         ttft_s: list[float],
-        inter_token_s: list[tuple[float, int]],
+        gaps_ns: Sequence[float] | np.ndarray,
+        gap_tokens: Sequence[int] | np.ndarray,
     ) -> None:
         """One CQ batch, from the completion thread, under one lock: its output tokens, the
-        prompt tokens of the requests that got their first token, those requests' TTFTs and the
-        (per-token gap, tokens) of every other token frame (the inter-token latency)."""
+        prompt tokens of the requests that got their first token, those requests' TTFTs, and
+        for every other chunk the gap per token since its request's last one (ns) and its
+        tokens (the inter-token latency)."""
         with self._lock:
             self.output_tokens += n_tokens
             self.prompt_tokens += prompt_tokens
             observe = self.ttft.observe
             for v in ttft_s:
                 observe(v)
-            observe = self.inter_token.observe
-            for v, n in inter_token_s:
-                observe(v, n)
+            self.inter_token.observe_many(gaps_ns, gap_tokens, scale=1e-9)
 
     def rejected(self, code: str) -> None:
         """Counts a generate that was never accepted: by code, every one; in the two older

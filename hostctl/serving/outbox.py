@@ -1,7 +1,8 @@
 """The outbox: every frame on its way to a client, and what the server knows of clients that
 stopped reading.
 
-Two threads put frames in, one sends them.  The completion thread hands its frames over with
+Two threads put frames in, one sends them.  Which connections asked for `batch` frames (`hello`,
+protocol 1.7) is kept here too: the frontend writes that set, the completion thread reads it.  The completion thread hands its frames over with
 put_many (a deque: its append and popleft are safe across threads) and wakes the frontend; the
 frontend thread sends those (send_routed) and its own (send), and alone touches the ROUTER socket,
 the per-client backlog and the set of gone clients.
@@ -22,12 +23,14 @@ from collections.abc import Callable
 
 import zmq
 
-from ringleader.hostctl.serving.finisher import Frame
+from ringleader.hostctl.serving.finisher import Frame, Reply
 from ringleader.hostctl.serving.inflight import InFlight, RequestTable
+from ringleader.ipc import protocol
 
 log = logging.getLogger("ringleader.server")
 
 MAX_BACKLOG_FRAMES = 65536  # per client; beyond it the client is treated as gone
+MAX_BATCHED_CLIENTS = 65536  # connections remembered as wanting `batch` frames (protocol 1.7)
 GONE_SWEEP_S = 1.0  # how often clients marked gone with nothing left in flight are forgotten
 
 
@@ -52,6 +55,9 @@ class Outbox:
         self._backlog: dict[bytes, deque[bytes]] = defaultdict(deque)  # frames zmq had no room for
         self._gone: set[bytes] = set()  # clients found disconnected: frames to them are dropped
         self._next_gone_sweep = 0.0
+        # connections that asked for `batch` frames: written by the frontend thread, read (one
+        # membership test per connection per CQ batch) by the completion thread
+        self._batched: set[bytes] = set()
 
     # ---- the completion thread -----------------------------------------------------------------
     def put_many(self, frames: list[Frame]) -> None:
@@ -60,7 +66,34 @@ class Outbox:
             self._routed.extend(frames)
             self._notify()
 
+    def wants_batch(self, client: bytes) -> bool:
+        """The connection asked for `batch` frames.  Any thread."""
+        return client in self._batched
+
     # ---- the frontend thread -------------------------------------------------------------------
+    def set_batched(self, client: bytes, batch: bool) -> bool:
+        """A `hello`: whether the connection gets `batch` frames from now on (the answer's)."""
+        if not batch:
+            self._batched.discard(client)
+            return False
+        if client not in self._batched and len(self._batched) >= MAX_BATCHED_CLIENTS:
+            # forget the connections with nothing in flight (they get plain frames until they
+            # say hello again); a new set, so the completion thread never sees one change size
+            self._batched = {c for c in self._batched if self._table.count_of(c)}
+            if len(self._batched) >= MAX_BATCHED_CLIENTS:
+                return False
+        self._batched.add(client)
+        return True
+
+    @property
+    def batched_clients(self) -> int:
+        return len(self._batched)
+
+    def send_replies(self, replies: list[Reply]) -> None:
+        """Sends message maps (the Finisher's), each as its own frame."""
+        for client, msg in replies:
+            self.send(client, protocol.encode(msg))
+
     @property
     def has_backlog(self) -> bool:
         """Frames wait for room in ZeroMQ (the frontend then polls every millisecond)."""
@@ -126,6 +159,7 @@ class Outbox:
         """Aborts everything the client has in flight, once, so its slots go to others."""
         self._backlog.pop(client, None)
         self._gone.add(client)
+        self._batched.discard(client)  # a client back under its identity says hello again
         reqs = self._table.of_client(client)
         if reqs:
             log.info("client %s: %s; aborting its %d requests", client.hex(), why, len(reqs))

@@ -244,6 +244,9 @@ class Server:
             )
         elif isinstance(request, protocol.PingRequest):
             self.outbox.send(client, protocol.encode(protocol.pong_msg()))
+        elif isinstance(request, protocol.HelloRequest):
+            batch = self.outbox.set_batched(client, request.batch)
+            self.outbox.send(client, protocol.encode(protocol.hello_reply_msg(batch)))
 
     # ---- ending requests early ---------------------------------------------------------------
     def _abort(
@@ -264,7 +267,7 @@ class Server:
     ) -> None:
         """Sends the `done` of a request the device does not hold (or no longer answers for),
         unless the completion thread ended it first."""
-        self.outbox.send_all(self.finisher.end(req, reason, code, message))
+        self.outbox.send_replies(self.finisher.end(req, reason, code, message))
 
     def _expire_deadlines(self) -> None:
         for req, message in self.deadlines.expired():
@@ -281,6 +284,8 @@ class Server:
             in_device=self.table.in_sq,  # wire name; requests in the SQ or on the device
             device_window=self.admission.device_window,
             timed_out=self.timed_out,
+            completion_batches=self.router.batches,  # CQ batches routed (per step: device.steps)
+            batched_connections=self.outbox.batched_clients,
             arena_used=self.backend.rings.arena.used(),
             model=self.backend.model.name,
             model_info=self._model_info(),

@@ -40,12 +40,13 @@ class WakePipe:
     def drain(self) -> None:
         """Takes every wake-up out of the pipe; the next notify() sends one again.  Frontend thread."""
         with self._lock:
+            if not self._pending:
+                return  # nothing was sent since the last drain (a failed send sends nothing either)
             self._pending = False
-            while True:
-                try:
-                    self.receiver.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            try:  # at most one wake-up is in the pipe (notify sends only while none is pending)
+                self.receiver.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # its send failed (the pipe full or closing)
 
     def close(self) -> None:
         """Closes both ends (the server's shutdown, or a server that never served)."""

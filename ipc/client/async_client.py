@@ -61,6 +61,11 @@ class AsyncStream(StreamState):
             raise StopAsyncIteration
         try:
             item = await asyncio.wait_for(self._queue.get(), timeout)
+            task = asyncio.current_task()
+            if task is not None and getattr(task, "cancelling", lambda: 0)():
+                # Python 3.11's wait_for returns an item that arrived with the cancel and drops
+                # the cancel (fixed in 3.12): the task was cancelled all the same
+                raise asyncio.CancelledError
         except asyncio.TimeoutError:  # a distinct class before Python 3.11
             raise self._timeout_error(timeout) from None
         except asyncio.CancelledError:
@@ -169,6 +174,7 @@ class AsyncClient(CoreView):
         sampling: SamplingParams | None = None,
         priority: int = 0,
         timeout_ms: int | None = None,
+        detokenize: bool = True,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -177,7 +183,7 @@ class AsyncClient(CoreView):
         self._ensure_started()
         params = resolve_sampling(sampling, sampling_fields)
         rid, frame = self._core.prepare_generate(
-            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages
+            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize
         )
         stream = AsyncStream(self, rid, self.timeout if timeout is None else timeout)
         self._core.add_stream(stream, self._on_stream_collected)  # before sending: no reply can miss it
@@ -328,6 +334,8 @@ class AsyncClient(CoreView):
             # 1. wait for a connection event (connected, lost, handshake refused)
             event = await recv_monitor_message(monitor)
             failure = self._core.on_monitor_event(event["event"], event["value"], time.monotonic())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # each (re)connection says hello
+                await sock.send(self._core.hello_frame())
             if failure is None:
                 continue
             # 2. on a failure, what arrived before the connection went is still news:

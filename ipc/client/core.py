@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import zmq  # event constants only: the core never touches a socket
 
 from ringleader.ipc import protocol as P
+from ringleader.ipc.batch_frames import BadBatch, expand_batch
 from ringleader.ipc.curve import HANDSHAKE_FAILED_EVENTS, describe_handshake_failure
 from ringleader.ipc.sampling_params import WIRE_FIELDS, SamplingParams
 
@@ -393,6 +394,8 @@ class ClientCore(Generic[S, W]):
         self.ping_waiters: collections.deque[tuple[W | None, float]] = collections.deque()
         self.liveness = Liveness(address, connect_timeout, reply_timeout, now)
         self._ids = itertools.count(1)
+        self._hellos_unanswered = 0  # hellos sent whose answer (hello, or an older server's error) is due
+        self.batched = False  # the server said it sends this connection `batch` frames (1.7)
 
     # -- requests from the caller
 
@@ -405,6 +408,7 @@ class ClientCore(Generic[S, W]):
         priority: int,
         timeout_ms: int | None,
         messages: Sequence[Mapping[str, str]] | None = None,
+        detokenize: bool = True,
     ) -> tuple[P.RequestId, bytes]:
         """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream)."""
         if request_id is None:
@@ -418,7 +422,9 @@ class ClientCore(Generic[S, W]):
         if prompt_ids is not None and not isinstance(prompt_ids, list):
             prompt_ids = list(prompt_ids)
         turns = None if messages is None else [dict(m) for m in messages]
-        request = P.GenerateRequest(request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns)
+        request = P.GenerateRequest(
+            request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns, detokenize
+        )
         return request_id, self.encode_checked(P.generate_msg(request))
 
     def encode_checked(self, msg: dict) -> bytes:
@@ -458,6 +464,12 @@ class ClientCore(Generic[S, W]):
         self.ping_waiters.append((waiter, sent))
         return P.encode(P.ping_msg())
 
+    def hello_frame(self) -> bytes:
+        """The hello a shell sends on every (re)connection: `batch` frames, please (1.7).  The
+        client reads plain frames too, so an older server's refusal changes nothing."""
+        self._hellos_unanswered += 1
+        return P.encode(P.hello_msg(batch=True))
+
     def busy(self) -> bool:
         return bool(self.streams or self.stats_waiters or any(w is not None for w, _ in self.ping_waiters))
 
@@ -473,6 +485,15 @@ class ClientCore(Generic[S, W]):
         """Demultiplex a decoded reply: token/done by id, stats/pong in FIFO order, error to last_error."""
         actions: Actions[S, W] = Actions()
         op = obj["op"]
+        if op == P.OP_BATCH:
+            try:
+                replies = list(expand_batch(obj))
+            except BadBatch as exc:
+                log.warning("ignoring a malformed batch frame from the server: %s", exc)
+                return actions
+            for reply in replies:
+                actions.events += self.on_reply(reply, now).events
+            return actions
         if op in (P.OP_TOKEN, P.OP_DONE):
             rid = routable_id(obj)
             event = event_from_reply(obj)
@@ -490,6 +511,12 @@ class ClientCore(Generic[S, W]):
             waiter = self.ping_waiters.popleft()[0] if self.ping_waiters else None
             if waiter is not None:
                 actions.replies.append((waiter, now))
+        elif op == P.OP_HELLO:
+            self._hellos_unanswered = max(0, self._hellos_unanswered - 1)
+            self.batched = obj.get("batch") is True
+        elif op == P.OP_ERROR and self._hellos_unanswered and obj.get("id") is None:
+            self._hellos_unanswered -= 1  # a server older than 1.7 refused the hello: plain frames
+            self.batched = False
         elif op == P.OP_ERROR:
             self.last_error = obj
             log.warning("server rejected a frame: %s: %s", obj.get("code"), obj.get("message"))
@@ -557,6 +584,11 @@ class CoreView:
     def last_error(self) -> dict | None:
         """The latest id-less `error` op from the server."""
         return self._core.last_error
+
+    @property
+    def batched(self) -> bool:
+        """The server sends this client's streams as `batch` frames (it answered the hello, 1.7)."""
+        return self._core.batched
 
     @property
     def max_frame_bytes(self) -> int | None:

@@ -203,6 +203,7 @@ class Client(CoreView):
         sampling: SamplingParams | None = None,
         priority: int = 0,
         timeout_ms: int | None = None,
+        detokenize: bool = True,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -221,7 +222,7 @@ class Client(CoreView):
         with self._lock:
             self._check_open()
             rid, frame = self._core.prepare_generate(
-                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages
+                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize
             )
             stream = Stream(self, rid, self.timeout if timeout is None else timeout)
             self._core.add_stream(stream, self._on_stream_collected)
@@ -434,6 +435,8 @@ class Client(CoreView):
                 return
             with self._lock:
                 failure = self._core.on_monitor_event(event["event"], event["value"], time.monotonic())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # each (re)connection says hello
+                    self._outgoing.appendleft(self._core.hello_frame())
             if failure is not None:
                 self._drain_socket()  # what arrived before the connection went is still news
                 self._step(partial(self._core.connection_lost, failure, time.monotonic()))

@@ -1,0 +1,135 @@
+"""The frames one CQ batch makes, per connection: one `batch` frame for a connection that asked for
+them (`hello`, protocol 1.7), else the plain `token` and `done` frames of protocol 1.6, in order.
+
+The completion thread fills one ConnectionFrames per CQ batch, then hands `frames()` to the
+Outbox.  Per connection, its hot chunks (token ids alone) wait as three columns (`hot`: ids,
+token counts, the token ids), the rest of its messages as maps in order (`entries`).  A request
+is hot or not for a whole CQ batch, and its `done` is among the maps, so the hot chunks going
+first keeps every request's order.  Which kind of frame a connection gets is decided once, in
+frames(), so a `hello` the frontend takes meanwhile cannot reorder them; a connection with one
+message gets it plain (every client reads both kinds), so one stream per connection costs what
+it cost before 1.7.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ringleader.hostctl.serving.finisher import Frame, Reply
+from ringleader.ipc import protocol
+from ringleader.ipc.batch_frames import BatchFrame
+
+_pack = msgpack.Packer(use_bin_type=True, default=protocol.pack_default).pack  # completion thread only
+
+HotColumns = tuple[list[Any], list[int], list[int]]  # request ids, token counts, token ids
+# maps and lists in one batch frame, well below what a client takes (MAX_CONTAINERS_PER_FRAME)
+MAX_BATCH_CONTAINERS = protocol.MAX_CONTAINERS_PER_FRAME // 2
+
+
+class ConnectionFrames:
+    """wants_batch(client): whether the connection asked for `batch` frames (Outbox.wants_batch)."""
+
+    __slots__ = ("_wants_batch", "entries", "hot")
+
+    def __init__(self, wants_batch: Callable[[bytes], bool]):
+        self._wants_batch = wants_batch
+        self.hot: dict[bytes, HotColumns] = {}
+        self.entries: dict[bytes, list[dict]] = {}
+
+    def hot_columns(self, client: bytes) -> HotColumns:
+        columns = self.hot.get(client)
+        if columns is None:
+            columns = self.hot[client] = ([], [], [])
+        return columns
+
+    def add_ids(self, client: bytes, request_id: Any, token_ids: list[int]) -> None:
+        """A chunk of token ids alone."""
+        ids, counts, tokens = self.hot_columns(client)
+        ids.append(request_id)
+        counts.append(len(token_ids))
+        tokens += token_ids
+
+    def add_hot(self, client: bytes, request_ids: list[Any], counts: list[int], token_ids: list[int]) -> None:
+        """Many chunks of token ids alone, as columns (the router's hot path)."""
+        ids, n_tokens, tokens = self.hot_columns(client)
+        ids += request_ids
+        n_tokens += counts
+        tokens += token_ids
+
+    def add_reply(self, client: bytes, msg: dict) -> None:
+        """A `token` or `done` message map (protocol.token_msg, the Finisher's replies)."""
+        entries = self.entries.get(client)
+        if entries is None:
+            entries = self.entries[client] = []
+        entries.append(msg)
+
+    def add_replies(self, replies: list[Reply]) -> None:
+        for client, msg in replies:
+            self.add_reply(client, msg)
+
+    def frames(self) -> list[Frame]:
+        """Every frame: per connection one `batch`, or its messages plain, in order."""
+        out: list[Frame] = []
+        empty: HotColumns = ([], [], [])
+        for client in self.hot.keys() | self.entries.keys():
+            ids, counts, tokens = self.hot.get(client, empty)
+            entries = self.entries.get(client, [])
+            if len(ids) + len(entries) > 1 and self._wants_batch(client):
+                for part in container_bounded(entries):
+                    out.append((client, _pack(batch_of(ids, counts, tokens, part).message())))
+                    ids, counts, tokens = [], [], []  # the hot chunks go in the first batch
+                continue
+            at = 0
+            for request_id, k in zip(ids, counts):
+                chunk = {"op": protocol.OP_TOKEN, "id": request_id, "token_ids": tokens[at : at + k]}
+                out.append((client, _pack(chunk)))
+                at += k
+            out += [(client, _pack(msg)) for msg in entries]
+        return out
+
+
+def containers(msg: dict) -> int:
+    """About how many maps and lists a message adds to a batch (a done: itself, usage, timing,
+    error or choices; a chunk: its logprobs list, and per entry a map and its lists)."""
+    if msg["op"] == protocol.OP_DONE:
+        return 4 + len(msg.get("choices") or ())
+    logprobs = msg.get("logprobs")
+    return 1 if logprobs is None else 2 + 4 * len(logprobs)
+
+
+def container_bounded(entries: list[dict]) -> list[list[dict]]:
+    """The messages in runs of at most MAX_BATCH_CONTAINERS maps and lists each, in order: a
+    client refuses a frame of more than protocol.MAX_CONTAINERS_PER_FRAME (logprobs of many
+    tokens, one batch)."""
+    parts: list[list[dict]] = [[]]
+    used = 0
+    for msg in entries:
+        n = containers(msg)
+        if used + n > MAX_BATCH_CONTAINERS and parts[-1]:
+            parts.append([])
+            used = 0
+        parts[-1].append(msg)
+        used += n
+    return parts
+
+
+def batch_of(ids: list[Any], counts: list[int], tokens: list[int], entries: list[dict]) -> BatchFrame:
+    """One connection's messages as a batch: the hot chunks, the other chunks in order, the dones."""
+    batch = BatchFrame()
+    batch.ids, batch.n_tokens, batch.token_ids = ids, counts, tokens
+    for msg in entries:
+        if msg["op"] == protocol.OP_DONE:
+            batch.add_done(msg)
+        else:
+            batch.add_chunk(
+                msg["id"],
+                msg["token_ids"],
+                text=msg.get("text"),
+                index=msg.get("index"),
+                logprobs=msg.get("logprobs"),
+                finish_reason=msg.get("finish_reason"),
+            )
+    return batch
