@@ -176,14 +176,15 @@ def test_per_client_cap_rejects_beyond_it_and_others_still_get_in():
 
 
 def test_deadlines_end_requests_with_timeout():
-    with running_server(n_slots=2, server_options=dict(max_queue_ms=400)) as bg:
+    # long enough that a fast CPU cannot finish them before the deadlines (4000 tokens: seconds)
+    with running_server(n_slots=2, max_ctx=4096, server_options=dict(max_queue_ms=400)) as bg:
         peer = RawPeer(bg.address)
         # two run long; everything behind them cannot start within the queue limit
         for i in range(2):
-            peer.send(generate(f"long{i}", 400))
+            peer.send(generate(f"long{i}", 4000))
         for i in range(20):
             peer.send(generate(f"q{i}", 4))
-        peer.send(generate("own", 400, timeout_ms=600))
+        peer.send(generate("own", 4000, timeout_ms=600))
         dones = dones_of(peer, [f"q{i}" for i in range(20)], timeout=30)
         for d in dones.values():
             assert d["finish_reason"] == "error" and d["error"]["code"] == "timeout"
@@ -199,12 +200,12 @@ def test_deadlines_end_requests_with_timeout():
         assert wait_until(lambda: not bg.server.deadlines, timeout=5), bg.server.deadlines
         peer.close()
     # a started request past its own timeout_ms ends with what it produced
-    with running_server(n_slots=2, server_options=dict(max_queue_ms=0)) as bg:
+    with running_server(n_slots=2, max_ctx=4096, server_options=dict(max_queue_ms=0)) as bg:
         peer = RawPeer(bg.address)
-        peer.send(generate("started", 400, timeout_ms=500))
+        peer.send(generate("started", 4000, timeout_ms=500))
         done = dones_of(peer, ["started"], timeout=30)["started"]
         assert done["error"]["code"] == "timeout"
-        assert done["usage"]["prompt_tokens"] == 3 and 0 < done["usage"]["completion_tokens"] < 400
+        assert done["usage"]["prompt_tokens"] == 3 and 0 < done["usage"]["completion_tokens"] < 4000
         assert bg.server.stats()["timed_out"] == 1
         peer.close()
 

@@ -55,20 +55,18 @@ def test_a_batch_is_grouped_by_connection_and_rows_grow_past_their_first_size():
         r.completion_tokens, r.last_token_ns = 1, 0
         table.make_hot(r)
     handles = np.array([r.handle for r in reqs], np.uint32)
-    hot, gaps, groups, ids, live = table.advance_hot(handles, np.ones(3000, np.int64), 10)
+    hot, gaps, connections, ids, live = table.advance_hot(handles, np.ones(3000, np.int64), 10)
     assert hot.all() and (gaps == 10).all()
-    by_client = {client: sorted(ids[picked].tolist()) for client, picked in groups}
-    assert by_client == {
-        c: [i for i in range(3000) if b"abc"[i % 3 : i % 3 + 1] == c] for c in (b"a", b"b", b"c")
-    }
+    assert connections == [b"abc"[i % 3 : i % 3 + 1] for i in range(3000)]  # each chunk's
+    assert ids.tolist() == list(range(3000))
     one = RequestTable()
     lone = [_add(one, b"x", i) for i in range(5)]
     for r in lone:
         one.make_hot(r)
-    _, _, groups, _, _ = one.advance_hot(
+    _, _, connections, _, _ = one.advance_hot(
         np.array([r.handle for r in lone], np.uint32), np.ones(5, np.int64), 1
     )
-    assert groups == [(b"x", None)]  # one connection: no grouping work at all
+    assert connections == b"x"  # one connection: no work per chunk at all
 
 
 def test_a_batch_becomes_one_chunk_per_request_in_generation_order():

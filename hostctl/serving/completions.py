@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ringleader.hostctl.serving.connection_frames import ConnectionFrames
+from ringleader.hostctl.serving.connection_frames import ConnectionFrames, pack_frame
 from ringleader.hostctl.serving.finisher import Finisher, no_logprobs
 from ringleader.hostctl.serving.inflight import InFlight, RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
@@ -141,11 +141,13 @@ class CompletionRouter:
         gap_tokens: list[int] = []  # ... and that chunk's tokens (the inter-token latency)
         hot_gaps = hot_counts = None  # the same of the hot chunks, as arrays
         if len(chunks.handles):
-            hot, hot_gaps, groups, hot_ids, live = self._table.advance_hot(chunks.handles, chunks.counts, now)
+            hot, hot_gaps, connections, hot_ids, live = self._table.advance_hot(
+                chunks.handles, chunks.counts, now
+            )
             if len(hot_gaps):
                 hot_counts = chunks.counts[hot]
                 n_tokens += int(hot_counts.sum())
-                chunks.add_hot_frames(frames, hot, hot_counts, groups, hot_ids)
+                chunks.add_hot_frames(frames, hot, hot_counts, connections, hot_ids)
             for i in np.flatnonzero(live & ~hot).tolist():
                 req = self._table.get(int(chunks.handles[i]))
                 if req is None:
@@ -285,19 +287,24 @@ class TokenChunks:
         start = int(self.starts[i])
         return self._positions[start : start + int(self.counts[i])].tolist()
 
-    def add_hot_frames(self, frames: ConnectionFrames, hot, hot_counts, groups, hot_ids) -> None:
-        """The hot chunks into their connections' frames: `groups` is (client, indices into the
-        hot chunks) per connection (RequestTable.advance_hot)."""
+    def add_hot_frames(self, frames: ConnectionFrames, hot, hot_counts, connections, hot_ids) -> None:
+        """The hot chunks into their connections' frames: `connections` is one client for them
+        all (whole columns at once), or each chunk's (then chunk by chunk: many connections
+        with a stream or two each, where grouping by arrays costs more than it saves)."""
         token_of_hot = np.repeat(hot, self.counts)  # per token in handle order: its chunk is hot
-        hot_tokens = self.tokens[token_of_hot]
-        single = len(hot_tokens) == len(hot_counts)  # one token per hot chunk: the common step
-        for client, picked in groups:
-            if picked is None:  # every hot chunk is this connection's
-                frames.add_hot(client, hot_ids.tolist(), hot_counts.tolist(), hot_tokens.tolist())
-                continue
-            counts = hot_counts[picked]
-            if single:
-                tokens = hot_tokens[picked]
-            else:
-                tokens = hot_tokens[np.repeat(np.isin(np.arange(len(hot_counts)), picked), hot_counts)]
-            frames.add_hot(client, hot_ids[picked].tolist(), counts.tolist(), tokens.tolist())
+        hot_tokens = self.tokens[token_of_hot].tolist()
+        counts = hot_counts.tolist()
+        if isinstance(connections, bytes):
+            frames.add_hot(connections, hot_ids.tolist(), counts, hot_tokens)
+            return
+        ids, seen = hot_ids.tolist(), {}
+        for client in connections:
+            seen[client] = client in seen  # True: the connection has several hot chunks
+        at = 0
+        for client, request_id, k in zip(connections, ids, counts):
+            if seen[client]:
+                frames.add_ids(client, request_id, hot_tokens[at : at + k])
+            else:  # its one hot chunk: a plain frame, packed at once (one stream per connection)
+                chunk = {"op": protocol.OP_TOKEN, "id": request_id, "token_ids": hot_tokens[at : at + k]}
+                frames.add_packed(client, pack_frame(chunk))
+            at += k

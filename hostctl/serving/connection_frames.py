@@ -8,7 +8,7 @@ is hot or not for a whole CQ batch, and its `done` is among the maps, so the hot
 first keeps every request's order.  Which kind of frame a connection gets is decided once, in
 frames(), so a `hello` the frontend takes meanwhile cannot reorder them; a connection with one
 message gets it plain (every client reads both kinds), so one stream per connection costs what
-it cost before 1.7.
+it cost before 1.7, and a connection's only hot chunk is packed at once (`packed`, sent first).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ringleader.hostctl.serving.finisher import Frame, Reply
 from ringleader.ipc import protocol
 from ringleader.ipc.batch_frames import BatchFrame
 
-_pack = msgpack.Packer(use_bin_type=True, default=protocol.pack_default).pack  # completion thread only
+# completion thread only (a Packer is not shared between threads)
+pack_frame = _pack = msgpack.Packer(use_bin_type=True, default=protocol.pack_default).pack
 
 HotColumns = tuple[list[Any], list[int], list[int]]  # request ids, token counts, token ids
 # maps and lists in one batch frame, well below what a client takes (MAX_CONTAINERS_PER_FRAME)
@@ -32,12 +33,13 @@ MAX_BATCH_CONTAINERS = protocol.MAX_CONTAINERS_PER_FRAME // 2
 class ConnectionFrames:
     """wants_batch(client): whether the connection asked for `batch` frames (Outbox.wants_batch)."""
 
-    __slots__ = ("_wants_batch", "entries", "hot")
+    __slots__ = ("_wants_batch", "entries", "hot", "packed")
 
     def __init__(self, wants_batch: Callable[[bytes], bool]):
         self._wants_batch = wants_batch
         self.hot: dict[bytes, HotColumns] = {}
         self.entries: dict[bytes, list[dict]] = {}
+        self.packed: list[Frame] = []  # plain frames packed already, sent first
 
     def hot_columns(self, client: bytes) -> HotColumns:
         columns = self.hot.get(client)
@@ -70,25 +72,43 @@ class ConnectionFrames:
         for client, msg in replies:
             self.add_reply(client, msg)
 
+    def add_packed(self, client: bytes, frame: bytes) -> None:
+        """A plain frame packed already (a connection's one hot chunk): sent before the
+        connection's other messages of this batch, so its request's order holds."""
+        self.packed.append((client, frame))
+
     def frames(self) -> list[Frame]:
-        """Every frame: per connection one `batch`, or its messages plain, in order."""
-        out: list[Frame] = []
-        empty: HotColumns = ([], [], [])
-        for client in self.hot.keys() | self.entries.keys():
-            ids, counts, tokens = self.hot.get(client, empty)
-            entries = self.entries.get(client, [])
-            if len(ids) + len(entries) > 1 and self._wants_batch(client):
-                for part in container_bounded(entries):
-                    out.append((client, _pack(batch_of(ids, counts, tokens, part).message())))
-                    ids, counts, tokens = [], [], []  # the hot chunks go in the first batch
+        """Every frame: per connection one `batch`, or its messages plain, in order.  Called
+        once (it empties `entries`)."""
+        out = self.packed
+        entries = self.entries
+        for client, (ids, counts, tokens) in self.hot.items():
+            mine = entries.pop(client, [])
+            if len(ids) + len(mine) > 1 and self._wants_batch(client):
+                self._batches(out, client, ids, counts, tokens, mine)
                 continue
             at = 0
             for request_id, k in zip(ids, counts):
-                chunk = {"op": protocol.OP_TOKEN, "id": request_id, "token_ids": tokens[at : at + k]}
-                out.append((client, _pack(chunk)))
+                out.append(
+                    (
+                        client,
+                        _pack({"op": protocol.OP_TOKEN, "id": request_id, "token_ids": tokens[at : at + k]}),
+                    )
+                )
                 at += k
-            out += [(client, _pack(msg)) for msg in entries]
+            out += [(client, _pack(msg)) for msg in mine]
+        for client, mine in entries.items():
+            if len(mine) > 1 and self._wants_batch(client):
+                self._batches(out, client, [], [], [], mine)
+            else:
+                out += [(client, _pack(msg)) for msg in mine]
         return out
+
+    @staticmethod
+    def _batches(out: list[Frame], client: bytes, ids: list, counts: list, tokens: list, mine: list) -> None:
+        for part in container_bounded(mine):
+            out.append((client, _pack(batch_of(ids, counts, tokens, part).message())))
+            ids, counts, tokens = [], [], []  # the hot chunks go in the first batch
 
 
 def containers(msg: dict) -> int:

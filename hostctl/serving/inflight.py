@@ -206,11 +206,11 @@ class RequestTable:
     def advance_hot(self, handles: np.ndarray, counts: np.ndarray, now_ns: int) -> tuple[Any, ...]:
         """Completion thread: one batch's chunks (unique handles, token counts).  The hot ones
         are counted and stamped at once; returns (hot mask, their gaps per token in ns, their
-        connections as StreamColumns.groups, their request ids (an object array), live mask:
-        the chunks whose request is still in the table)."""
+        connections as StreamColumns.connections, their request ids (an object array), live
+        mask: the chunks whose request is still in the table)."""
         with self._lock:
             hot, rows, gaps, numbers, live = self._columns.advance(handles, counts, now_ns)
-            return hot, gaps, self._columns.groups(numbers), self._columns.ids[rows], live
+            return hot, gaps, self._columns.connections(numbers), self._columns.ids[rows], live
 
     def find(self, client: bytes, request_id: Any) -> list[InFlight]:
         """The live requests under the client's id: one, the choices of a request with n > 1

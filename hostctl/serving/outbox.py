@@ -125,7 +125,7 @@ class Outbox:
                 self.client_gone(client, "client does not read its replies")
             return
         try:
-            self._socket.send_multipart([client, frame], zmq.NOBLOCK)
+            self._send_pair(client, frame)
         except zmq.Again:
             self._backlog[client].append(frame)
         except zmq.ZMQError as exc:
@@ -134,13 +134,20 @@ class Outbox:
             else:
                 raise
 
+    def _send_pair(self, client: bytes, frame: bytes) -> None:
+        """[client, frame] as one message: what send_multipart does, without its per-call
+        checks (a third of a frame's cost on this thread; the ROUTER refuses or routes a message
+        at its first part, so the second cannot fail alone)."""
+        self._socket.send(client, zmq.SNDMORE | zmq.NOBLOCK)
+        self._socket.send(frame, zmq.NOBLOCK)
+
     def retry_backlog(self) -> None:
         """Sends the frames ZeroMQ had no room for, each client's in order, while it has room."""
         for client in list(self._backlog):
             q = self._backlog[client]
             while q:
                 try:
-                    self._socket.send_multipart([client, q[0]], zmq.NOBLOCK)
+                    self._send_pair(client, q[0])
                 except zmq.Again:
                     break
                 except zmq.ZMQError:

@@ -104,21 +104,16 @@ class StreamColumns:
             self._client_numbers[client] = number
         return number
 
-    def groups(self, numbers: np.ndarray) -> list[tuple[bytes, np.ndarray | None]]:
-        """The hot chunks by connection: (client, their indices), or (client, None) when every
-        one is that connection's (one connection carrying many streams: the common case)."""
+    def connections(self, numbers: np.ndarray) -> bytes | list[bytes]:
+        """The hot chunks' connections: one client when every chunk is its (one connection
+        carrying many streams: the common case, no work per chunk), else each chunk's."""
         if not len(numbers):
             return []
         first = int(numbers[0])
         if bool((numbers == first).all()):
-            return [(self._clients[first], None)]  # type: ignore[list-item]
-        order = np.argsort(numbers, kind="stable")
-        sorted_numbers = numbers[order]
-        cuts = np.flatnonzero(sorted_numbers[1:] != sorted_numbers[:-1]) + 1
-        return [
-            (self._clients[int(numbers[part[0]])], part)  # type: ignore[misc]
-            for part in np.split(order, cuts)
-        ]
+            return self._clients[first]  # type: ignore[return-value]
+        clients = self._clients
+        return [clients[n] for n in numbers.tolist()]
 
     def forget_client(self, client: bytes) -> None:
         """The connection has nothing left in the table: its number may go to another."""
