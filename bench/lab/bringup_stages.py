@@ -255,16 +255,22 @@ def builtin_stages() -> list[Stage]:
         ),
         # ---- run F (call 2, the same warm machine): the launch probes (devices launching graphs,
         # two WHILE graphs taking turns, a WHILE around the real step; each its own process), the
-        # null model's bubbles in both modes, CPU interference in both, open loop at 256 slots,
+        # host's token path in both modes, CPU interference in both, open loop at 256 slots,
         # prefix caching on the device, the goals bench again in the other order (the spread
         # between E and F is part of the result) ----
         stage("launch-probes", gpu_limits + ["--only", "8,9", "--max-seconds", "15"], 18, run="F"),
         stage("step-while", gpu_limits + ["--only", "10", "--max-seconds", "27"], 30, run="F"),
+        # the host's token path (issue 51): the null model with a 2 ms step standing in for a
+        # model's, 256 streams over one connection and over 256, device then host scheduling;
+        # server CPU per 1k tokens per thread, completion wakes per step, the CQ poller's reads
+        # and seen-lag (bench/lab/token_path.py)
         stage(
-            "null-both",
-            bench[:-1]
-            + ["null", "--compare", "device,host", "--concurrency", "1,256", "--slots", "256"]
-            + ["--requests", "64,1024", "--output-len", "128", "--no-plots", *budget, "--out", "{dir}"],
+            "token-path",
+            ["{py}", "-m", "ringleader.bench.lab.token_path", "--tree", "device=.", "--tree", "host=."]
+            + ["--serve-args=device=--device cuda --scheduler device --run-budget-s {run_budget_s}"]
+            + ["--serve-args=host=--device cuda --scheduler host --run-budget-s {run_budget_s}"]
+            + ["--only", "one-connection,many-connections", "--rounds", "1", "--requests", "512"]
+            + ["--token-budget", "2048", "--out", "{dir}"],
             42,
             run="F",
         ),
