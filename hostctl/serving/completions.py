@@ -148,8 +148,8 @@ class CompletionRouter:
                 hot_counts = chunks.counts[hot]
                 n_tokens += int(hot_counts.sum())
                 chunks.add_hot_frames(frames, hot, hot_counts, connections, hot_ids)
-            for i in np.flatnonzero(live & ~hot).tolist():
-                req = self._table.get(int(chunks.handles[i]))
+            others = np.flatnonzero(live & ~hot).tolist()
+            for i, req in zip(others, self._table.lookup(chunks.handles[others].tolist())):
                 if req is None:
                     continue  # ended meanwhile (engine_dead or shutdown): its late events are moot
                 ids = chunks.token_ids(i)
@@ -176,6 +176,9 @@ class CompletionRouter:
                     frames.add_ids(req.client, req.id, ids)
                     continue
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
+                if req.family is None and req.sampling.logprobs is None:  # ids and text: columns too
+                    frames.add_ids(req.client, req.id, ids, text)
+                    continue
                 logprobs = None
                 if req.sampling.logprobs is not None and records is not None:
                     logprobs = self._logprob_entries(req, records, chunks.positions(i), ids)
