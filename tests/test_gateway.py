@@ -4,6 +4,7 @@ shape, a disconnect that frees its slot, the gateway's own metrics, and the CLI.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -100,6 +101,21 @@ def test_streamed_completion_with_usage(server, gateway):
     assert finish.choices[0].finish_reason == "length"
     assert last.choices == [] and last.usage.completion_tokens == 12 and last.usage.prompt_tokens == 12
     assert len({c.id for c in chunks}) == 1
+
+
+def test_the_gateway_carries_its_streams_in_batch_frames(server, gateway):
+    """The gateway is one connection carrying many streams: it says hello (protocol 1.7), and
+    concurrent requests through it end as the native client's."""
+    ids, text, _ = native(server, prompt_ids=PROMPT_IDS, max_tokens=12, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(
+            pool.map(
+                lambda _: api(gateway).completions.create(model="tiny", prompt=PROMPT_IDS, **GREEDY), range(6)
+            )
+        )
+    assert all(r.choices[0].text == text and r.choices[0].model_extra["token_ids"] == ids for r in results)
+    upstream = gateway.gateway._client
+    assert upstream is not None and upstream.batched  # the server answered its hello
 
 
 def test_stream_without_usage_ends_with_finish(gateway):

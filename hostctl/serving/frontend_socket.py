@@ -19,6 +19,7 @@ from ringleader.ipc.curve import secure_server_socket, unauthenticated_bind_warn
 log = logging.getLogger("ringleader.server")
 
 HARD_FRAME_LIMIT = 64 << 20  # zmq drops a connection that sends more than this in one frame
+ACCEPT_BACKLOG = 4096  # pending TCP connections (the kernel caps it at net.core.somaxconn)
 TRANSPORTS = ("tcp", "ipc", "inproc")
 
 
@@ -59,6 +60,9 @@ class FrontendSocket:
         self.socket.setsockopt(zmq.SNDHWM, 100_000)
         self.socket.setsockopt(zmq.RCVHWM, 100_000)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max(HARD_FRAME_LIMIT, 4 * max_frame_bytes))
+        # many clients connecting at once (a fleet's restart; 256 in the token-path bench) must
+        # not overflow the accept queue and wait out a SYN retry (1 s): ZeroMQ's default is 100
+        self.socket.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)
         try:
             self.socket.bind(bind)
         except zmq.ZMQError as exc:
