@@ -111,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         return cannot_start(exc)  # the backend failed to start
     finally:
         fronts.close()
+        # back to the collector before exit: what start-up made and since dropped (a socket, a
+        # context) must be collected, or ZeroMQ's context waits at exit for a socket never closed
+        gc.unfreeze()
+        gc.collect()
     log.info("exited")
     return 0
 

@@ -1,11 +1,12 @@
 """The outbox: every frame on its way to a client, and what the server knows of clients that
 stopped reading.
 
-Two threads put frames in, one sends them.  Which connections asked for `batch` frames (`hello`,
-protocol 1.7) is kept here too: the frontend writes that set, the completion thread reads it.  The completion thread hands its frames over with
+Two threads put frames in, one sends them.  The completion thread hands its frames over with
 put_many (a deque: its append and popleft are safe across threads) and wakes the frontend; the
 frontend thread sends those (send_routed) and its own (send), and alone touches the ROUTER socket,
-the per-client backlog and the set of gone clients.
+the per-client backlog and the set of gone clients.  Which connections asked for `batch` frames
+(`hello`, protocol 1.7) is kept here too: the frontend writes that set, the completion thread
+reads it.
 
 A frame ZeroMQ has no room for waits in its client's backlog, and every later frame to that
 client waits behind it, so a client's frames keep their order.  A client whose backlog outgrows

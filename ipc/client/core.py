@@ -537,6 +537,7 @@ class ClientCore(Generic[S, W]):
 
     def connection_lost(self, message: str, now: float) -> Actions[S, W]:
         self.liveness.on_disconnected(now)
+        self._hellos_unanswered, self.batched = 0, False  # the next connection says hello anew
         return self.fail_pending(ERR_DISCONNECTED, message, ConnectionError(message))
 
     def poll_interval(self) -> float | None:
