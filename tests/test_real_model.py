@@ -257,7 +257,10 @@ def test_serve_names_the_gguf_by_its_stem_and_chats_with_an_override(gguf_path, 
         proc = subprocess.Popen(cmd, stderr=stderr, text=True)
     try:
         deadline = time.monotonic() + 300
-        while "ringleader: openai gateway at" not in log.read_text():
+        # the gateway and the server announce themselves from two threads, in either order
+        while not all(
+            line in log.read_text() for line in ("ringleader: openai gateway at", "ringleader: serving")
+        ):
             assert proc.poll() is None, f"serve exited with {proc.returncode}: {log.read_text()}"
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
