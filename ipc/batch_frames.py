@@ -55,6 +55,26 @@ class BatchFrame:
         for name, column in self.columns.items():
             column.append(fields.get(name))
 
+    def add_text(self, request_id: Any, token_ids: list[int], text: str) -> None:
+        """A chunk of token ids and their text (a request that asked for text, nothing else)."""
+        texts = self.columns.get("text")
+        if texts is None:
+            texts = self.columns["text"] = [None] * len(self.ids)
+        self.add_ids(request_id, token_ids)  # appends None to every column, text's included
+        texts[-1] = text
+
+    def extend(self, request_ids: list[Any], counts: list[int], token_ids: list[int]) -> None:
+        """Many chunks of token ids alone, as columns (the server's hot path)."""
+        self.ids += request_ids
+        self.n_tokens += counts
+        self.token_ids += token_ids
+        for column in self.columns.values():
+            column += [None] * len(request_ids)
+
+    def chunks(self) -> Iterator[dict]:
+        """Its chunks as the `token` maps they mean (for a connection that gets plain frames)."""
+        return _chunks(self.ids, self.n_tokens, self.token_ids, list(self.columns.items()), [])
+
     def add_done(self, done: dict) -> None:
         self.dones.append(done)
 

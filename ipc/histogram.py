@@ -68,31 +68,36 @@ class Histogram:
         self.count += n
 
     def observe_many(
-        self, values: Sequence[float] | np.ndarray, counts: Sequence[int] | np.ndarray, scale: float = 1.0
+        self,
+        values: Sequence[float] | np.ndarray,
+        counts: Sequence[int] | np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> None:
-        """Counts each value * scale its count of times: a step's worth of observations in a few
-        array operations (a loop of observe() costs a microsecond each)."""
-        if len(values) < 8:
+        """Counts each value * scale its count of times (counts None: once each): a step's worth
+        of observations in a few array operations (a loop of observe() costs a microsecond each)."""
+        if counts is not None and len(values) < 8:
             for v, n in zip(values, counts):
                 self.observe(v * scale, n)
             return
-        v = np.asarray(values, dtype=np.float64) * scale
-        n = np.asarray(counts, dtype=np.int64)
-        idx = np.searchsorted(self.bounds, v, side="left")
-        for i, c in enumerate(np.bincount(idx, weights=n, minlength=len(self.counts)).tolist()):
-            if c:
-                self.counts[i] += int(c)
-        self.sum += float(np.dot(v, n))
-        self.count += int(n.sum())
-
-    def observe_array(self, values: np.ndarray) -> None:
         if len(values) == 0:
             return
-        idx = np.searchsorted(self.bounds, values, side="left")
-        for i, n in enumerate(np.bincount(idx, minlength=len(self.counts)).tolist()):
-            self.counts[i] += n
-        self.sum += float(np.sum(values))
-        self.count += len(values)
+        v = np.asarray(values, dtype=np.float64) * scale
+        idx = np.searchsorted(self.bounds, v, side="left")
+        if counts is None:
+            per_bucket = np.bincount(idx, minlength=len(self.counts))
+            total, weighted_sum = len(v), float(np.sum(v))
+        else:
+            n = np.asarray(counts, dtype=np.int64)
+            per_bucket = np.bincount(idx, weights=n, minlength=len(self.counts))
+            total, weighted_sum = int(n.sum()), float(np.dot(v, n))
+        for i, c in enumerate(per_bucket.tolist()):
+            if c:
+                self.counts[i] += int(c)
+        self.sum += weighted_sum
+        self.count += total
+
+    def observe_array(self, values: np.ndarray) -> None:
+        self.observe_many(values)
 
     def snapshot(self) -> HistogramSnapshot:
         return HistogramSnapshot(self.bounds, tuple(self.counts), self.sum, self.count)

@@ -47,6 +47,8 @@ def _batch_of_messages(messages: list[dict]) -> dict:
             batch.add_done(msg)
         elif set(msg) == {"op", "id", "token_ids"}:
             batch.add_ids(msg["id"], msg["token_ids"])
+        elif set(msg) == {"op", "id", "token_ids", "text"}:
+            batch.add_text(msg["id"], msg["token_ids"], msg["text"])
         else:
             fields = {k: v for k, v in msg.items() if k not in ("op", "id", "token_ids")}
             batch.add_chunk(msg["id"], msg["token_ids"], **fields)
@@ -217,6 +219,20 @@ def test_a_bad_hello_and_a_bad_detokenize_are_refused_by_name(null_server):
         assert done["error"]["code"] == "bad_request" and done["error"]["message"].startswith("detokenize:")
     finally:
         peer.close()
+
+
+def test_ids_alone_means_no_token_strings_in_logprobs_either(null_server):
+    """detokenize false: the logprobs entries carry ids and logprobs, not the tokens' texts."""
+    with Client(null_server.address, timeout=30) as client:
+        asked = {
+            d: client.generate(prompt_ids=PROMPT, max_tokens=4, logprobs=2, detokenize=d)
+            for d in (True, False)
+        }
+        entries = {d: [e for chunk in s for e in chunk.logprobs] for d, s in asked.items()}
+    assert len(entries[True]) == len(entries[False]) == 4
+    assert all(e.token is not None and e.top_tokens for e in entries[True])
+    assert all(e.token is None and e.top_tokens is None for e in entries[False])
+    assert [e.top_ids for e in entries[True]] == [e.top_ids for e in entries[False]]
 
 
 def test_the_bundled_clients_read_batches_and_say_which_they_got(null_server):

@@ -15,7 +15,7 @@ step that costs the host nothing, as a GPU's does, with its HTTP gateway), and a
 each point with the client asking for batched frames (`hello`, protocol 1.7) and, on the after
 tree, once more without (an older client against the new server). The client is the lean one
 below, in its own process, so its CPU is not the server's. Per point: the server process's CPU
-per 1k tokens (every thread: /proc/PID/stat), each server thread's (the server's own names from
+per 1k tokens (every thread: its CPU clock, hostctl.serving.metrics.pid_cpu_seconds), each server thread's (the server's own names from
 `stats.thread_cpu_s`, ZeroMQ's I/O threads from /proc), TTFT p50/p99, tokens/s, tokens per frame,
 and, where the server counts them (1.7), completion wakes per step and the wake latency.
 `--cpu-interference N` repeats every point with N busy processes beside it.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,35 +34,22 @@ from pathlib import Path
 import msgpack
 import zmq
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+from ringleader.bench.servers import free_port
+from ringleader.hostctl.serving.metrics import pid_cpu_seconds
 
 
 def task_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name (comm) of the process, summed over threads of one name."""
+    """CPU seconds per thread name (comm) of another process, summed over its threads of one name
+    (nanoseconds on CPU: each thread's schedstat, as the server's own thread_cpu_s)."""
     out: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            out[comm] = out.get(comm, 0.0) + proc_cpu_s_task(pid, int(tid))
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             continue
+        out[comm] = out.get(comm, 0.0) + ns / 1e9
     return out
-
-
-def proc_cpu_s_task(pid: int, tid: int) -> float:
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # ---------------------------------------------------------------- the client (its own process)
@@ -257,9 +243,9 @@ def measure_point(server: Server, tree: str, point: dict) -> dict:
     else:
         point = {**point, "address": server.address}
     cmd[-1] = json.dumps(point)
-    before, cpu0, tasks0 = server.stats(), proc_cpu_s(server.proc.pid), task_cpu_s(server.proc.pid)
+    before, cpu0, tasks0 = server.stats(), pid_cpu_seconds(server.proc.pid), task_cpu_s(server.proc.pid)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    cpu1, tasks1, after = proc_cpu_s(server.proc.pid), task_cpu_s(server.proc.pid), server.stats()
+    cpu1, tasks1, after = pid_cpu_seconds(server.proc.pid), task_cpu_s(server.proc.pid), server.stats()
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     client = json.loads(out.stdout.strip().splitlines()[-1])

@@ -24,8 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ringleader.device.backends.doorbells import WAKE_LATENCY_BUCKETS, bucket_quantile
-from ringleader.ipc.histogram import Histogram
+from ringleader.device.backends.common import RecentValues, percentile
 
 
 class CqPoller:
@@ -56,20 +55,17 @@ class CqPoller:
         self.polls = 0  # tail reads: what the loop costs, for tests and benchmarks
         self.changes = 0  # reads that found the tail moved (each wakes the completion thread once)
         # µs between the read that found the tail moved and the read before it: a bound on how
-        # late the change was seen (it happened between the two); the poller's thread writes it
-        # under _lock, stats read it
-        self.seen_lag_us = Histogram(WAKE_LATENCY_BUCKETS)
-        self._lock = threading.Lock()
+        # late the change was seen (it happened between the two); the last 4096 of them
+        self.seen_lag_us = RecentValues(4096)
 
     def figures(self) -> dict:
         """cq_polls, cq_polls_per_change and the seen-lag bound's p50/p99 (µs), for stats."""
-        with self._lock:
-            snap, changes = self.seen_lag_us.snapshot(), self.changes
+        changes = self.changes
         return {
             "cq_polls": self.polls,
             "cq_polls_per_change": self.polls / changes if changes else None,
-            "cq_seen_lag_us_p50": bucket_quantile(snap.bounds, snap.counts, 0.5),
-            "cq_seen_lag_us_p99": bucket_quantile(snap.bounds, snap.counts, 0.99),
+            "cq_seen_lag_us_p50": percentile(self.seen_lag_us, 50),
+            "cq_seen_lag_us_p99": percentile(self.seen_lag_us, 99),
         }
 
     def expected_interval(self) -> float | None:
@@ -87,9 +83,8 @@ class CqPoller:
             now = self._clock()
             previous_read, last_read = last_read, now
             if tail != last_tail:
-                with self._lock:
-                    self.changes += 1
-                    self.seen_lag_us.observe((now - previous_read) * 1e6)
+                self.changes += 1
+                self.seen_lag_us.append((now - previous_read) * 1e6)
                 if slept:  # it came before we woke: steps got shorter; measure the next one afresh
                     self._intervals.clear()
                 elif last_event is not None and now - last_event < self.IDLE_AFTER_S:

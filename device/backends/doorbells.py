@@ -7,24 +7,20 @@ from __future__ import annotations
 import threading
 import time
 
-from ringleader.ipc.histogram import Histogram
-
-# µs from the engine (or the CQ poller) setting the signal to the completion thread running
-WAKE_LATENCY_BUCKETS = (5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 20000)
+from ringleader.device.backends.common import RecentValues, percentile
 
 
 class CompletionSignal:
     """threading.Event's set/wait for the completion thread's wake-up, which also counts the
-    wake-ups and measures their latency: from the first set() since the last wake-up to the
-    waiter running again.  set() from the engine thread or the CQ poller; wait() by the
-    completion thread alone; the figures under `_lock`, read by stats from any thread."""
+    wake-ups and keeps their latency: from the first set() since the last wake-up to the waiter
+    running again.  set() from the engine thread or the CQ poller; wait() by the completion
+    thread alone; stats read the figures (as StepTimer's, whose RecentValues they share)."""
 
     def __init__(self):
         self._event = threading.Event()
         self._set_ns = 0  # when the pending wake-up was first asked for (0: none pending)
-        self._lock = threading.Lock()
         self.wakes = 0  # wait() calls that returned because of a set()
-        self.latency_us = Histogram(WAKE_LATENCY_BUCKETS)
+        self.latency_us = RecentValues(4096)
 
     def set(self) -> None:
         if not self._event.is_set():
@@ -39,41 +35,23 @@ class CompletionSignal:
 
     def wait(self, timeout: float) -> bool:
         """Blocks until set() or `timeout` seconds; clears the signal; True when it was set."""
-        woke = self._event.wait(timeout)
-        if not woke:
+        if not self._event.wait(timeout):
             return False
         now = time.perf_counter_ns()
         set_ns, self._set_ns = self._set_ns, 0
         self._event.clear()
-        with self._lock:
-            self.wakes += 1
-            if set_ns:
-                self.latency_us.observe((now - set_ns) / 1e3)
+        self.wakes += 1
+        if set_ns:
+            self.latency_us.append((now - set_ns) / 1e3)
         return True
 
     def figures(self) -> dict:
-        """completion_wakes and the wake latency's p50/p99 (µs, from the buckets' bounds)."""
-        with self._lock:
-            snap = self.latency_us.snapshot()
-            wakes = self.wakes
-        out: dict = {"completion_wakes": wakes}
-        for name, q in (("wake_latency_us_p50", 0.5), ("wake_latency_us_p99", 0.99)):
-            out[name] = bucket_quantile(snap.bounds, snap.counts, q)
-        return out
-
-
-def bucket_quantile(bounds: tuple[float, ...], counts: tuple[int, ...], q: float) -> float | None:
-    """The upper bound of the bucket holding quantile q (None without observations; the last
-    bound doubled for the +Inf bucket)."""
-    total = sum(counts)
-    if not total:
-        return None
-    rank, seen = q * total, 0
-    for i, n in enumerate(counts):
-        seen += n
-        if seen >= rank:
-            return bounds[i] if i < len(bounds) else 2 * bounds[-1]
-    return 2 * bounds[-1]
+        """completion_wakes and the wake latency's p50/p99 (µs, over the last 4096 wake-ups)."""
+        return {
+            "completion_wakes": self.wakes,
+            "wake_latency_us_p50": percentile(self.latency_us, 50),
+            "wake_latency_us_p99": percentile(self.latency_us, 99),
+        }
 
 
 class Doorbells:

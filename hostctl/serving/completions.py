@@ -217,11 +217,12 @@ class CompletionRouter:
 
     def _logprob_entries(self, req: InFlight, records, at: list[int], token_ids: list[int]) -> list[dict]:
         """The protocol's logprobs entries (docs/protocol.md) of one request's tokens, from their
-        cq_logprobs records; each token and alternative named by its text where the model has a
-        tokenizer and the request asked for text."""
+        cq_logprobs records; each token and alternative named by its text where the request has a
+        detokenizer (the model has a tokenizer, and the request asked for text)."""
         asked = req.sampling.logprobs
         assert asked is not None
-        token_text = self._backend.model.token_text if req.detokenize else None
+        # a request that asked for ids alone has no detokenizer, and gets no token strings either
+        token_text = self._backend.model.token_text if req.detokenizer is not None else None
         out = []
         for record, token in zip(records[at], token_ids):
             k = min(asked, int(record["n_top"]))
@@ -257,12 +258,15 @@ class TokenChunks:
         kinds = events["kind"]
         is_token = kinds == layout.EventKind.TOKEN
         every = bool(is_token.all())
-        at = np.arange(len(events)) if every else np.flatnonzero(is_token)
-        handles = events["handle"][at]
+        if every:  # a step's batch: no DONE, so no copy of the token events first
+            handles, tokens = events["handle"], events["token"]
+        else:
+            at = np.flatnonzero(is_token)
+            handles, tokens = events["handle"][at], events["token"][at]
         order = np.argsort(handles, kind="stable")  # stable: a request's tokens stay in order
         sorted_handles = handles[order]
-        out.tokens = events["token"][at][order]
-        out._positions = at[order]  # each token's event in the batch (its logprobs record)
+        out.tokens = tokens[order]
+        out._positions = order if every else at[order]  # each token's event (its logprobs record)
         if len(sorted_handles) < 2 or bool((sorted_handles[1:] != sorted_handles[:-1]).all()):
             out.handles, out.starts = sorted_handles, np.arange(len(sorted_handles))
             out.counts = np.ones(len(sorted_handles), np.int64)

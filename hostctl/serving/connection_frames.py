@@ -3,9 +3,8 @@ them (`hello`, protocol 1.7), else the plain `token` and `done` frames of protoc
 
 The completion thread fills one ConnectionFrames per CQ batch, then hands `frames()` to the
 Outbox.  Per connection, its plain chunks (token ids, and text where asked; no logprobs, no
-choice index) wait as columns (`hot`: HotColumns), the rest of its messages as maps in order
-(`entries`).  A request
-is hot or not for a whole CQ batch, and its `done` is among the maps, so the hot chunks going
+choice index) wait as the columns of a BatchFrame (`hot`), the rest of its messages as maps in
+order (`entries`).  A request is hot or not for a whole CQ batch, and its `done` is among the maps, so the hot chunks going
 first keeps every request's order.  Which kind of frame a connection gets is decided once, in
 frames(), so a `hello` the frontend takes meanwhile cannot reorder them; a connection with one
 message gets it plain (every client reads both kinds), so one stream per connection costs what
@@ -27,46 +26,6 @@ from ringleader.ipc.batch_frames import BatchFrame
 pack_frame = _pack = msgpack.Packer(use_bin_type=True, default=protocol.pack_default).pack
 
 
-class HotColumns:
-    """One connection's plain chunks (token ids, and text where the request asked for it) as
-    columns: `texts` stays None until a chunk has text (then one entry per chunk)."""
-
-    __slots__ = ("counts", "ids", "texts", "tokens")
-
-    def __init__(self) -> None:
-        self.ids: list[Any] = []
-        self.counts: list[int] = []
-        self.tokens: list[int] = []
-        self.texts: list[str | None] | None = None
-
-    def add(self, request_id: Any, token_ids: list[int], text: str | None = None) -> None:
-        if text is not None and self.texts is None:
-            self.texts = [None] * len(self.ids)
-        self.ids.append(request_id)
-        self.counts.append(len(token_ids))
-        self.tokens += token_ids
-        if self.texts is not None:
-            self.texts.append(text)
-
-    def extend(self, request_ids: list[Any], counts: list[int], token_ids: list[int]) -> None:
-        self.ids += request_ids
-        self.counts += counts
-        self.tokens += token_ids
-        if self.texts is not None:
-            self.texts += [None] * len(request_ids)
-
-    def plain(self) -> list[dict]:
-        """Each chunk as its `token` map."""
-        out, at = [], 0
-        for i, (request_id, k) in enumerate(zip(self.ids, self.counts)):
-            msg = {"op": protocol.OP_TOKEN, "id": request_id, "token_ids": self.tokens[at : at + k]}
-            if self.texts is not None and self.texts[i] is not None:
-                msg["text"] = self.texts[i]
-            out.append(msg)
-            at += k
-        return out
-
-
 # maps and lists in one batch frame, well below what a client takes (MAX_CONTAINERS_PER_FRAME)
 MAX_BATCH_CONTAINERS = protocol.MAX_CONTAINERS_PER_FRAME // 2
 
@@ -78,23 +37,26 @@ class ConnectionFrames:
 
     def __init__(self, wants_batch: Callable[[bytes], bool]):
         self._wants_batch = wants_batch
-        self.hot: dict[bytes, HotColumns] = {}
+        self.hot: dict[bytes, BatchFrame] = {}  # per connection, its plain chunks
         self.entries: dict[bytes, list[dict]] = {}
         self.packed: list[Frame] = []  # plain frames packed already, sent first
 
-    def hot_columns(self, client: bytes) -> HotColumns:
-        columns = self.hot.get(client)
-        if columns is None:
-            columns = self.hot[client] = HotColumns()
-        return columns
+    def _hot(self, client: bytes) -> BatchFrame:
+        batch = self.hot.get(client)
+        if batch is None:
+            batch = self.hot[client] = BatchFrame()
+        return batch
 
     def add_ids(self, client: bytes, request_id: Any, token_ids: list[int], text: str | None = None) -> None:
         """A chunk of token ids, with its text where the request asked for text."""
-        self.hot_columns(client).add(request_id, token_ids, text)
+        if text is None:
+            self._hot(client).add_ids(request_id, token_ids)
+        else:
+            self._hot(client).add_text(request_id, token_ids, text)
 
     def add_hot(self, client: bytes, request_ids: list[Any], counts: list[int], token_ids: list[int]) -> None:
         """Many chunks of token ids alone, as columns (the router's hot path)."""
-        self.hot_columns(client).extend(request_ids, counts, token_ids)
+        self._hot(client).extend(request_ids, counts, token_ids)
 
     def add_reply(self, client: bytes, msg: dict) -> None:
         """A `token` or `done` message map (protocol.token_msg, the Finisher's replies)."""
@@ -122,19 +84,21 @@ class ConnectionFrames:
             if len(hot.ids) + len(mine) > 1 and self._wants_batch(client):
                 self._batches(out, client, hot, mine)
             else:
-                out += [(client, _pack(msg)) for msg in hot.plain() + mine]
+                out += [(client, _pack(msg)) for msg in [*hot.chunks(), *mine]]
         for client, mine in entries.items():
             if len(mine) > 1 and self._wants_batch(client):
-                self._batches(out, client, HotColumns(), mine)
+                self._batches(out, client, BatchFrame(), mine)
             else:
                 out += [(client, _pack(msg)) for msg in mine]
         return out
 
     @staticmethod
-    def _batches(out: list[Frame], client: bytes, hot: HotColumns, mine: list) -> None:
+    def _batches(out: list[Frame], client: bytes, batch: BatchFrame, mine: list) -> None:
+        """The plain chunks (`batch`) and the other messages, in batches a client takes."""
         for part in container_bounded(mine):
-            out.append((client, _pack(batch_of(hot, part).message())))
-            hot = HotColumns()  # the plain chunks go in the first batch
+            add_messages(batch, part)
+            out.append((client, _pack(batch.message())))
+            batch = BatchFrame()  # the plain chunks go in the first batch
 
 
 def containers(msg: dict) -> int:
@@ -162,13 +126,9 @@ def container_bounded(entries: list[dict]) -> list[list[dict]]:
     return parts
 
 
-def batch_of(hot: HotColumns, entries: list[dict]) -> BatchFrame:
-    """One connection's messages as a batch: the plain chunks, the other chunks in order, the dones."""
-    batch = BatchFrame()
-    batch.ids, batch.n_tokens, batch.token_ids = hot.ids, hot.counts, hot.tokens
-    if hot.texts is not None:
-        batch.columns["text"] = hot.texts
-    for msg in entries:
+def add_messages(batch: BatchFrame, messages: list[dict]) -> None:
+    """Token and done message maps into a batch, in order: chunks in their columns, dones after."""
+    for msg in messages:
         if msg["op"] == protocol.OP_DONE:
             batch.add_done(msg)
         else:
@@ -180,4 +140,3 @@ def batch_of(hot: HotColumns, entries: list[dict]) -> BatchFrame:
                 logprobs=msg.get("logprobs"),
                 finish_reason=msg.get("finish_reason"),
             )
-    return batch

@@ -70,7 +70,6 @@ class Families:
             [sampling.with_seed(seed) for seed in seeds],
             prompt_ids=prompt,
             priority=r.priority,
-            detokenize=r.detokenize,
         )
         # the page of the prompt's last token runs again whatever the cache holds: its row samples
         shared = 0 < self._shared_prefill_len < len(prompt)

@@ -9,7 +9,7 @@ and not ended.
 Fields of InFlight and their one writer (the other thread only reads):
   handle, client, id, prompt_ids,
   sampling, priority, detokenizer,
-  detokenize, arrival_ns       set at creation, never written again (the detokenizer is used by
+  arrival_ns                   set at creation, never written again (the detokenizer is used by
                                the completion thread only)
   in_sq, sq_pos                frontend thread, under the table lock (mark_in_sq)
   arena_offset, submit_ns      frontend thread, before the GENERATE is published; the completion
@@ -94,7 +94,6 @@ class InFlight:
     sampling: SamplingParams  # its seed resolved
     priority: int
     detokenizer: Any = None  # None: the server has no tokenizer, or the request asked for ids only
-    detokenize: bool = True  # the request wants text (its logprobs name tokens by their text)
     arena_offset: int | None = None  # frontend thread, once the prompt is in the arena
     # frontend thread, under the table lock: its GENERATE entry was written to the SQ (the device
     # owns it now), and the SQ index of that entry, which its abort names

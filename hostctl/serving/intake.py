@@ -127,7 +127,6 @@ class Intake:
                 sampling=sampling,
                 priority=r.priority,
                 detokenizer=self._tokenization.new_detokenizer() if r.detokenize else None,
-                detokenize=r.detokenize,
             )
             self._deadlines.arm(req, r.timeout_ms)
             self._admission.submit(req)  # _check made sure admission can take it
