@@ -61,7 +61,7 @@ from ringleader.ipc.counters import COUNTERS, c_mirror_macro
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
@@ -182,6 +182,10 @@ CONFIG = Struct("RlConfig", (
     _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
     _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
     _f("trace_len", "u32"),
+    # 1: the overlapped phase publishes each next step's bucket ahead (RlLaunchWords), the
+    # critical phase runs it and hands over a void step when every planned row ended (the
+    # ping-pong launch, whose next graph picks its branch while the step before it computes)
+    _f("plan_ahead", "u32"),
     # the paged KV cache: n_pages pages of page_size token positions; a slot's block table has
     # pages_per_slot entries (ceil(max_ctx / page_size))
     _f("page_size", "u32"), _f("pages_per_slot", "u32"), _f("n_pages", "u32"),
@@ -279,12 +283,17 @@ SCHED = Struct("RlSchedState", (
     _f("last_step_tokens", "u32"),
     _f("has_cancelled", "u32"),  # some pending entry is CANCELLED: its DONE is still to write
     _f("chained", "u32"),  # a step was built and no idle pass came since (the bubble's condition)
-    _f("idle", "u32"),     # the last overlapped phase found nothing to do (the compute side's hint)
+    # > 0: the next step repeats the in-flight one's rows, all decode rows (this many), with no
+    # slot joining, aborted or short of a page: the critical phase only advances them in place
+    _f("steady_rows", "u32"),
     _f("n_free_pages", "u32"),  # entries of free_pages in use (a stack: pop and push at the top)
     _f("admit_seq", "u32"),     # the next admission's sequence number
     # the overlapped phase could not give every decoding slot its next row's page: the critical
     # phase does, preempting if it must
-    _f("pages_short", "u32"), _f("_pad", "u32"),
+    _f("pages_short", "u32"),
+    # cfg.plan_ahead: the bucket published for the next step (0: none published), which the
+    # next critical phase must hand over, its rows within it
+    _f("plan_bucket", "u32"),
     _f("preemptions", "u64"),
     # the prefix cache: lru ring indices (free-running; head is the least recently released),
     # its live entries (cached pages no slot holds), and prefix_table cells marked gone
@@ -298,7 +307,18 @@ STEP = Struct("RlStepHeader", (
     _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
 ))
 
-STRUCTS = (SAMPLING, LOGPROBS, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP)
+# The launch's words in device memory, beside `turn`, each with one writer: the scheduler
+# writes released (the seq + 1 of the last step handed over, after turn = COMPUTE), plan_seq
+# and plan_bucket (cfg.plan_ahead: the next step's seq + 1 and bucket, published by the
+# overlapped phase, bucket first) and idle (the last overlapped phase found nothing to do: the
+# compute side's hint to back off); graph_seq[p] is written by ping-pong graph p's signal
+# kernel alone (the seq of the next step it runs; the host sets p before any launch).
+LAUNCH = Struct("RlLaunchWords", (
+    _f("released", "u32"), _f("plan_seq", "u32"), _f("plan_bucket", "u32"), _f("idle", "u32"),
+    _f("graph_seq", "u32", 2), _f("_pad", "u32", 2),
+))
+
+STRUCTS = (SAMPLING, LOGPROBS, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP, LAUNCH)
 
 # Pointer table handed to sched_step: names, element type, and length in terms of the config.
 ARRAYS = (
@@ -347,11 +367,26 @@ ARRAYS = (
     ("sq_cancel", "uint32_t", "sq_size"),
     # the scheduler/compute hand-over word on CUDA (RL_TURN_*); unused by the CPU backend
     ("turn", "uint32_t", "1"),
+    # the launch's other words on CUDA (RlLaunchWords: the released seq, the plan, the idle hint)
+    ("launch", "RlLaunchWords", "1"),
     # device timeline: per step (seq % trace_len) RL_TRACE_FIELDS stamps in ns
     ("trace", "uint64_t", "trace_words"),
 )
 
 # fmt: on
+
+# The scheduler kernel's working state, placed in its shared memory for its whole life, in this
+# order, each array while what the launch gave still holds it (the rest stays in device memory):
+# every access of the critical phase then misses no cache.  None of them is read by the step on
+# CUDA (its layout arrays stay in device memory) or by the host while the kernel runs; sched and
+# slots are written back at exit.  (name, the count as a C expression over the config `cfg`.)
+SHARED_PLACEMENT = (
+    ("cfg", "1"), ("sched", "1"), ("slots", "cfg.n_slots"), ("prefill_queue", "cfg.n_slots"),
+    ("seg_slot", "cfg.n_slots"), ("seg_row_start", "cfg.n_slots"), ("seg_n_rows", "cfg.n_slots"),
+    ("work_a", "cfg.work_len"), ("work_b", "cfg.work_len"), ("work_c", "cfg.work_len"),
+    ("work_d", "cfg.work_len"), ("work_e", "cfg.work_len"), ("work_f", "cfg.work_len"),
+)
+SHARED_WRITE_BACK = ("sched", "slots")
 
 # Arrays the host reads or writes; the rest are private to the scheduler and the step.
 HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "cq_logprobs", "aq")
@@ -463,6 +498,7 @@ TRACE_FIELDS = len(TraceField)
 
 class TraceFlag(IntFlag):
     CHAINED = 1
+    VOID = 2  # a planned step whose rows all ended first: handed over with pad rows only
 
 
 class StepStatus(IntEnum):
@@ -534,6 +570,11 @@ def _header_body() -> str:
     parts += [s.c_text() for s in STRUCTS]
     ptrs = "\n".join(f"  {ctype}* {name};" for name, ctype, _ in ARRAYS)
     parts.append(f"struct RlContext {{\n{ptrs}\n}};")
+    ctypes_of = {name: ctype for name, ctype, _ in ARRAYS}
+    place = " ".join(f"X({n}, {ctypes_of[n]}, {count})" for n, count in SHARED_PLACEMENT)
+    parts.append(f"#define RL_SHARED_PLACEMENT(X) {place}")
+    back = " ".join(f"X({n}, {ctypes_of[n]}, {dict(SHARED_PLACEMENT)[n]})" for n in SHARED_WRITE_BACK)
+    parts.append(f"#define RL_SHARED_WRITE_BACK(X) {back}")
     return "\n\n".join(parts)
 
 

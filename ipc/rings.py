@@ -67,6 +67,9 @@ class RingConfig:
     # the model's vocabulary, the width of each slot's token counts (the penalties' input); 0:
     # none kept, and a request with a penalty is refused (the protocol decoder checks)
     vocab_size: int = 0
+    # publish each next step's bucket ahead and hand over exactly that bucket (a void step when
+    # all its rows ended): the ping-pong launch's contract (device/sched/sched_loop.h)
+    plan_ahead: bool = False
 
     def __post_init__(self):
         for name, low, high in (
@@ -104,6 +107,8 @@ class RingConfig:
             raise ValueError(f"buckets: ascending, at most {layout.MAX_BUCKETS}")
         if not _pow2(self.trace_len):
             raise ValueError(f"trace_len must be a power of two, got {self.trace_len}")
+        if self.plan_ahead and (not self.buckets or self.buckets[-1] < self.token_budget):
+            raise ValueError("plan_ahead: the buckets must reach token_budget (every plan names one)")
         if self.vocab_size and self.max_ctx >= layout.PROMPT_MARK:
             raise ValueError(f"max_ctx must be below {layout.PROMPT_MARK} where token counts are kept")
         if self.cq_size < 2 * self.n_slots + self.pending_cap:
@@ -214,6 +219,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
     c["n_buckets"] = len(cfg.buckets)
     c["buckets"][: len(cfg.buckets)] = cfg.buckets
     c["prefix_caching"] = int(cfg.prefix_caching)
+    c["plan_ahead"] = int(cfg.plan_ahead)
     c["table_size"] = c["lru_size"] = cfg.prefix_table_size
     c["prefix_k0"], c["prefix_k1"] = cfg.prefix_secret
     c["layout_fingerprint"] = layout.fingerprint()

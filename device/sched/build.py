@@ -73,6 +73,11 @@ class CpuScheduler:
         for name in ("rl_step_begin", "rl_step_signal", "rl_host_step_begin", "rl_host_step_end"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
             getattr(lib, name).restype = None
+        for name in ("rl_plan_wait", "rl_step_gate"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+            getattr(lib, name).restype = ctypes.c_uint32
+        lib.rl_signal_pingpong.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.rl_signal_pingpong.restype = None
         if lib.rl_layout_fingerprint() != layout.fingerprint():
             raise RuntimeError("scheduler library was built for another layout")
         self._lib = lib
@@ -105,6 +110,19 @@ class CpuScheduler:
     def step_signal(self, context_address: int) -> None:
         self._lib.rl_step_signal(context_address)
 
+    def plan_wait(self, context_address: int, parity: int) -> int:
+        """Ping-pong graph `parity`'s first node: the SWITCH branch of its next step's planned
+        bucket, or n_buckets when the loop ends."""
+        return self._lib.rl_plan_wait(context_address, parity)
+
+    def step_gate(self, context_address: int, parity: int) -> int:
+        """The branch's gate: Turn.COMPUTE once graph `parity`'s step is handed over (its start
+        stamped), or Turn.EXIT."""
+        return self._lib.rl_step_gate(context_address, parity)
+
+    def signal_pingpong(self, context_address: int, parity: int) -> None:
+        self._lib.rl_signal_pingpong(context_address, parity)
+
     def host_step_stamp(self, context_address: int, end: bool) -> None:
         """The host-scheduled graph's stamp kernels (rl_host_step_begin/end), on the CPU."""
         (self._lib.rl_host_step_end if end else self._lib.rl_host_step_begin)(context_address)
@@ -136,6 +154,9 @@ KERNELS = (
     "rl_step_signal",
     "rl_host_step_begin",
     "rl_host_step_end",
+    "rl_plan_wait",
+    "rl_step_gate",
+    "rl_signal_pingpong",
 )
 
 

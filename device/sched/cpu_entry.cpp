@@ -59,6 +59,20 @@ void rl_step_signal(const RlContext* ctx) {
   rl_signal_step_done(*ctx);
 }
 
+// The ping-pong launch's nodes (kernel.cu): graph `parity`'s plan wait (its SWITCH branch, or
+// n_buckets on exit), its gate (RL_TURN_COMPUTE or RL_TURN_EXIT) and its signal.
+uint32_t rl_plan_wait(const RlContext* ctx, uint32_t parity) {
+  return rl_wait_for_plan(*ctx, parity);
+}
+
+uint32_t rl_step_gate(const RlContext* ctx, uint32_t parity) {
+  return rl_gate_step(*ctx, parity);
+}
+
+void rl_signal_pingpong(const RlContext* ctx, uint32_t parity) {
+  rl_signal_pingpong_done(*ctx, parity);
+}
+
 // The host-scheduled graph's stamps (kernel.cu), to test the shared text on the CPU.
 void rl_host_step_begin(const RlContext* ctx) {
   rl_stamp_host_step(*ctx, RL_TRACE_STEP_BEGIN);

@@ -4,10 +4,66 @@
 
 // One block, ever: minBlocks 1 lets ptxas take the registers it needs rather than spill for
 // an occupancy this kernel never has.
+// The launch's dynamic shared memory, in bytes.
+__device__ __forceinline__ uint32_t rl_dynamic_smem_bytes() {
+  uint32_t n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+// Leader only: points `c` at shared-memory homes for the scheduler's working state
+// (layout.SHARED_PLACEMENT, in order, each array while the launch's dynamic shared memory still
+// holds it; the rest stays in device memory).  Returns the config's home, or null when it stayed.
+__device__ RlConfig* rl_place_in_shared(RlContext& c, unsigned char* base, uint32_t bytes) {
+  const RlConfig& cfg = *c.cfg;  // the device copy: the counts below read it before it moves
+  RlConfig* cfg_home = 0;
+  uint32_t used = 0;
+#define RL_PLACE(name, type, count)                                              \
+  {                                                                              \
+    uint32_t need = ((uint32_t)(sizeof(type) * (count)) + 15u) & ~15u;          \
+    if (used + need <= bytes) {                                                  \
+      if ((void*)&c.name == (void*)&c.cfg) cfg_home = (RlConfig*)(base + used);  \
+      c.name = (type*)(base + used);                                             \
+      used += need;                                                              \
+    }                                                                            \
+  }
+  RL_SHARED_PLACEMENT(RL_PLACE)
+#undef RL_PLACE
+  return cfg_home;
+}
+
+// One block, ever: minBlocks 1 lets ptxas take the registers it needs rather than spill for
+// an occupancy this kernel never has.  Its working state lives in shared memory for the
+// kernel's life (rl_place_in_shared): the critical phase's accesses to it never wait on an L2
+// that each step's weights have flushed.  sched and slots go back to device memory at exit.
 extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
     rl_scheduler_persistent(RlContext ctx) {
   __shared__ RlShared sh;
-  sched_persistent(ctx, &sh);
+  __shared__ RlContext placed;
+  extern __shared__ __align__(16) unsigned char rl_dyn[];
+  if (RL_LEADER) {
+    placed = ctx;
+    sh.w[1] = (uint64_t)rl_place_in_shared(placed, rl_dyn, rl_dynamic_smem_bytes());
+  }
+  __syncthreads();
+  if (sh.w[1]) {  // the config, copied word by word into its home
+    const uint32_t* from = (const uint32_t*)ctx.cfg;
+    uint32_t* to = (uint32_t*)placed.cfg;
+    for (uint32_t i = threadIdx.x; i < sizeof(RlConfig) / 4u; i += blockDim.x) to[i] = from[i];
+  }
+  __syncthreads();
+  sched_persistent(placed, &sh);
+  __syncthreads();
+  const RlConfig& cfg = *placed.cfg;
+#define RL_BACK(name, type, count)                                                        \
+  if (placed.name != ctx.name) {                                                          \
+    const uint32_t* from = (const uint32_t*)placed.name;                                  \
+    uint32_t* to = (uint32_t*)ctx.name;                                                   \
+    for (uint32_t i = threadIdx.x; i < (uint32_t)(sizeof(type) * (count)) / 4u; i += blockDim.x) \
+      to[i] = from[i];                                                                    \
+  }
+  RL_SHARED_WRITE_BACK(RL_BACK)
+#undef RL_BACK
 }
 
 // ---- the compute side's small kernels, nodes of the step graph -------------------------------
@@ -47,4 +103,26 @@ extern "C" __global__ void rl_host_step_begin(RlContext ctx) {
 
 extern "C" __global__ void rl_host_step_end(RlContext ctx) {
   rl_stamp_host_step(ctx, RL_TRACE_STEP_END);
+}
+
+// ---- the ping-pong launch: two WHILE graphs, graph p running the steps of seq parity p --------
+// [rl_plan_wait -> SWITCH(planned bucket) -> {rl_step_gate -> step graph} -> rl_signal_pingpong]
+
+// Waits for the plan of graph p's next step and picks its bucket's branch; on exit no branch,
+// and the WHILE ends.
+extern "C" __global__ void rl_plan_wait(RlContext ctx, cudaGraphConditionalHandle switch_handle,
+                                        cudaGraphConditionalHandle while_handle, unsigned int parity) {
+  uint32_t branch = rl_wait_for_plan(ctx, parity);
+  if (branch >= ctx.cfg->n_buckets) cudaGraphSetConditional(while_handle, 0u);
+  cudaGraphSetConditional(switch_handle, branch);
+}
+
+// Parked, one thread, until the scheduler hands over graph p's step; stamps its start.
+extern "C" __global__ void rl_step_gate(RlContext ctx, unsigned int parity) {
+  rl_gate_step(ctx, parity);
+}
+
+// Hands the turn back once the step graph has written next_token; graph p moves two seqs on.
+extern "C" __global__ void rl_signal_pingpong(RlContext ctx, unsigned int parity) {
+  rl_signal_pingpong_done(ctx, parity);
 }

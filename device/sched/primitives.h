@@ -61,9 +61,37 @@ RL_FN uint32_t rl_load_turn(const uint32_t* p) {
 RL_FN void rl_store_turn(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Polling a device-memory word: a relaxed load per poll (an acquire load would invalidate the
+// SM's L1 on every one), then rl_fence_acquire() once the awaited value is seen.
+RL_FN uint32_t rl_peek_turn(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+RL_FN void rl_fence_acquire() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
 // Makes this thread's device-memory writes visible before a leader's turn store.
 RL_FN void rl_fence_device() {
   __threadfence();
+}
+// Warp 0 alone, for work that fits it: no block barrier on the path (the critical phase's
+// steady state, sched_critical.h).
+#define RL_WARP_SIZE 32u
+#define RL_IN_WARP0 (threadIdx.x < 32u)
+#define RL_WARP_FOR(i, n) for (uint32_t i = threadIdx.x & 31u; i < (uint32_t)(n); i += 32u)
+RL_FN void rl_warp_sync() {
+  __syncwarp();
+}
+RL_FN uint32_t rl_warp_any(uint32_t v) {
+  return __any_sync(RL_FULL_WARP, v != 0) ? 1u : 0u;
+}
+RL_FN uint32_t rl_warp_broadcast(uint32_t v) {
+  return __shfl_sync(RL_FULL_WARP, v, 0);
+}
+// Whether any thread of the block passed v != 0 (one barrier).
+RL_FN uint32_t rl_block_any(uint32_t v) {
+  return __syncthreads_or(v != 0) ? 1u : 0u;
 }
 // A step is expected soon: stay within ~64 ns of the hand-off (the scheduler owns its SM anyway).
 RL_FN void rl_pause_expecting() {
@@ -142,8 +170,28 @@ RL_FN uint32_t rl_load_turn(const uint32_t* p) {
 RL_FN void rl_store_turn(uint32_t* p, uint32_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
+RL_FN uint32_t rl_peek_turn(const uint32_t* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+RL_FN void rl_fence_acquire() {
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+}
 RL_FN void rl_fence_device() {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+// One thread is the block and its warp 0.
+#define RL_WARP_SIZE 32u
+#define RL_IN_WARP0 true
+#define RL_WARP_FOR(i, n) for (uint32_t i = 0; i < (uint32_t)(n); ++i)
+RL_FN void rl_warp_sync() {}
+RL_FN uint32_t rl_warp_any(uint32_t v) {
+  return v != 0;
+}
+RL_FN uint32_t rl_warp_broadcast(uint32_t v) {
+  return v;
+}
+RL_FN uint32_t rl_block_any(uint32_t v) {
+  return v != 0;
 }
 // Threads stand in for the scheduler block and the step graph here: give the core away.
 RL_FN void rl_pause_expecting() {

@@ -41,6 +41,18 @@ RL_FN void rl_mark_exited(const RlContext& c, uint32_t why) {
   rl_store_release(&c.ctl->state, (uint32_t)RL_STATE_EXITED);
 }
 
+// The smallest bucket that holds n_rows rows (a captured graph of that size runs the step),
+// at most the token budget.
+RL_FN uint32_t rl_bucket_for(const RlConfig& cfg, uint32_t n_rows) {
+  uint32_t bucket = n_rows;
+  for (uint32_t b = 0; b < cfg.n_buckets; ++b)
+    if (n_rows > 0 && cfg.buckets[b] >= n_rows) {
+      bucket = cfg.buckets[b];
+      break;
+    }
+  return bucket > cfg.token_budget ? cfg.token_budget : bucket;
+}
+
 // Stop checks for a slot that just received `tok`; returns an RL_FINISH_* code.
 RL_FN uint32_t rl_finish_reason(const RlConfig& cfg, const RlSlot& s, int32_t tok) {
   if (!(s.flags & RL_FLAG_IGNORE_EOS))

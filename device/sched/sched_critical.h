@@ -2,6 +2,29 @@
 // all the GPU waits for; device memory only.
 #pragma once
 
+// One sampled slot's token: slot progress, the penalized request's count, its logprobs record
+// kept, and the stop checks (a finished request becomes ENDING).  Returns the RL_FINISH_* code.
+RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32_t tok) {
+  const RlConfig& cfg = *c.cfg;
+  sl.sampled = 0;
+  sl.n_generated += 1;
+  sl.last_token = tok;
+  sl.ev_token = 1;
+  // a penalized request's output counts, before the next step's sampler reads them
+  if ((sl.flags & RL_FLAG_PENALIZED) && (uint32_t)tok < cfg.vocab_size)
+    c.token_counts[(size_t)s * cfg.vocab_size + (uint32_t)tok] += 1;
+  // the step's record of this sample, kept until its event is written (the next step, which
+  // runs beside that, overwrites step_logprobs)
+  if (sl.flags & RL_FLAG_LOGPROBS) c.slot_logprobs[s] = c.step_logprobs[s];
+  uint32_t why = rl_finish_reason(cfg, sl, tok);
+  if (why != RL_FINISH_NONE) {
+    sl.finish = why;
+    sl.state = RL_SLOT_ENDING;
+    sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // all but its last token's KV is written
+  }
+  return why;
+}
+
 // Critical 1: the last step's samples become slot progress and the events to write later
 // (the overlapped phase also copies each token into slot_tokens as it writes its event).
 RL_FN void rl_consume_samples(const RlContext& c) {
@@ -12,26 +35,70 @@ RL_FN void rl_consume_samples(const RlContext& c) {
       sl.state = RL_SLOT_FREE;          // (its pages go back in the overlapped phase)
       sl.sampled = 0;
     } else if (sl.state != RL_SLOT_FREE && sl.sampled) {
-      int32_t tok = c.next_token[s];
-      sl.sampled = 0;
-      sl.n_generated += 1;
-      sl.last_token = tok;
-      sl.ev_token = 1;
-      // a penalized request's output counts, before the next step's sampler reads them
-      if ((sl.flags & RL_FLAG_PENALIZED) && (uint32_t)tok < cfg.vocab_size)
-        c.token_counts[(size_t)s * cfg.vocab_size + (uint32_t)tok] += 1;
-      // the step's record of this sample, kept until its event is written (the next step,
-      // which runs beside that, overwrites step_logprobs)
-      if (sl.flags & RL_FLAG_LOGPROBS) c.slot_logprobs[s] = c.step_logprobs[s];
-      uint32_t why = rl_finish_reason(cfg, sl, tok);
-      if (why != RL_FINISH_NONE) {
-        sl.finish = why;
-        sl.state = RL_SLOT_ENDING;
-        sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // all but its last token's KV is written
-      }
+      rl_consume_slot(c, sl, s, c.next_token[s]);
     }
   }
   RL_SYNC();
+}
+
+// The leader's record of a step laid out: its timeline row (the step and the overlapped phase
+// stamp the rest), its seq in the header, the counters.
+RL_FN void rl_note_step(const RlContext& c, uint64_t began, uint32_t n_rows, uint32_t flags) {
+  RlSchedState& st = *c.sched;
+  uint64_t* t = c.trace + (st.step & (c.cfg->trace_len - 1)) * RL_TRACE_FIELDS;
+  t[RL_TRACE_STEP_BEGIN] = t[RL_TRACE_STEP_END] = 0;
+  t[RL_TRACE_OVERLAP_BEGIN] = t[RL_TRACE_OVERLAP_END] = 0;
+  t[RL_TRACE_FLAGS] = (st.chained ? RL_TRACE_CHAINED : 0) | flags;
+  t[RL_TRACE_SEQ] = st.step + 1;
+  t[RL_TRACE_SCHED_BEGIN] = began;
+  t[RL_TRACE_SCHED_END] = rl_now_ns();
+  c.step->seq = (uint32_t)st.step;
+  st.step += 1;
+  st.step_tokens += n_rows;
+  st.last_step_tokens = n_rows;
+  st.chained = 1;
+  st.plan_bucket = 0;  // a published plan is handed over by this step
+}
+
+// Critical 0, the steady state (st.steady_rows = n > 0: the step that just computed had n rows,
+// all decode rows, and the overlapped phase found that the next one repeats them: no slot
+// joins, is aborted or lacks a page).  Row r is segment r and sample entry r of slot
+// seg_slot[r]; each row's sample is consumed and, unless some request ended, the layout is
+// advanced in place: the row's token, position and sample counter; slot_of, the sample
+// entries, the counts and the bucket stay as they are.  WARP: run by warp 0 alone (n fits it:
+// no block barrier); else by the block.  Returns 1 when it laid out the step (and noted it),
+// 0 when some request ended: its rows' samples are consumed, the full build follows (and
+// steady_rows is 0 for it).
+template <bool WARP>
+RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began) {
+  RlSchedState& st = *c.sched;
+  uint32_t ended = 0;
+#define RL_STEADY_FOR(r) for (uint32_t r = WARP ? (RL_TID & 31u) : RL_TID; r < n; r += WARP ? 32u : RL_NTHREADS)
+  RL_STEADY_FOR(r) {
+    uint32_t s = (uint32_t)c.seg_slot[r];
+    RlSlot& sl = c.slots[s];
+    int32_t tok = c.next_token[s];
+    ended |= rl_consume_slot(c, sl, s, tok) != RL_FINISH_NONE;
+    c.token_ids[r] = tok;
+    c.positions[r] = (int32_t)(sl.prompt_len + sl.n_generated - 1);
+    c.sample_counter[r] = (int32_t)sl.n_generated;
+  }
+  ended = WARP ? rl_warp_any(ended) : rl_block_any(ended);
+  if (ended) {
+    if (RL_LEADER) st.steady_rows = 0;
+    return 0;
+  }
+  RL_STEADY_FOR(r) {  // the same rows on the same threads: no barrier needed
+    RlSlot& sl = c.slots[(uint32_t)c.seg_slot[r]];
+    sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // as rl_build_step sets it for decode
+    sl.sampled = 1;
+  }
+#undef RL_STEADY_FOR
+  if (RL_LEADER) {
+    if (st.plan_bucket) c.step->bucket = st.plan_bucket;  // rows [n, bucket) are pad rows already
+    rl_note_step(c, began, n, 0);
+  }
+  return 1;
 }
 
 // Leader only, and only when decode is out of pages: preempts running requests until the
@@ -119,7 +186,10 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   uint32_t n_decode = rl_exclusive_scan(dec_rank, cfg.n_slots, sh);
   rl_exclusive_scan(pre_rank, n_queued, sh);
   uint32_t wanted = rl_exclusive_scan(before, n_queued, sh);
-  uint32_t budget = cfg.token_budget - n_decode;  // decode rows first: they protect TPOT
+  // decode rows first: they protect TPOT.  A published plan bounds the rows by its bucket (the
+  // plan counted every row this build can lay out, so this only restates it)
+  uint32_t limit = st.plan_bucket && st.plan_bucket < cfg.token_budget ? st.plan_bucket : cfg.token_budget;
+  uint32_t budget = limit > n_decode ? limit - n_decode : 0u;
   // Segments: decode slots at [0, n_decode), prefill chunks after, in admission order.  A
   // prefilling slot wants at least one token, so `before` rises strictly over live entries and
   // the ones with a chunk are a prefix of them in admission order.
@@ -190,14 +260,9 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
       if (sl.n_prefilled == sl.fill_len) sl.state = RL_SLOT_DECODE;
     }
   }
-  // Pad rows up to the bucket so a captured graph of that size can run the step.
-  uint32_t bucket = n_rows;
-  for (uint32_t b = 0; b < cfg.n_buckets; ++b)
-    if (n_rows > 0 && cfg.buckets[b] >= n_rows) {
-      bucket = cfg.buckets[b];
-      break;
-    }
-  if (bucket > cfg.token_budget) bucket = cfg.token_budget;
+  // Pad rows up to the bucket so a captured graph of that size can run the step: the
+  // published plan's, whose graph already chose its branch, else the smallest that holds them.
+  uint32_t bucket = st.plan_bucket ? st.plan_bucket : rl_bucket_for(cfg, n_rows);
   RL_FOR(row, bucket - n_rows) {
     c.token_ids[n_rows + row] = 0;
     c.positions[n_rows + row] = 0;
@@ -216,27 +281,19 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
 }
 
 // The critical phase: the last step's samples in, the next step's layout out, device memory
-// only.  Returns RL_STEP_RUN when the layout holds rows for the model step, else RL_STEP_IDLE.
-RL_FN uint32_t sched_critical(const RlContext& c, RlShared* sh) {
+// only.  Returns RL_STEP_RUN when the layout holds rows for the model step (or, a plan being
+// published, a void step of pad rows only), else RL_STEP_IDLE.  began: when the caller's warp
+// began it (the persistent loop's steady try), else 0.
+RL_FN uint32_t sched_critical(const RlContext& c, RlShared* sh, uint64_t began = 0) {
   RlSchedState& st = *c.sched;
   if (st.n_active == 0) return RL_STEP_IDLE;  // every slot is FREE: nothing to consume or build
-  uint64_t began = rl_now_ns();
+  if (began == 0) began = rl_now_ns();
+  uint32_t steady = st.steady_rows;
+  if (steady && rl_critical_steady<false>(c, steady, began)) return RL_STEP_RUN;
   rl_consume_samples(c);
   uint32_t n_rows = rl_build_step(c, sh);
-  if (n_rows == 0) return RL_STEP_IDLE;
-  if (RL_LEADER) {  // the step's timeline row; the step and the overlapped phase stamp the rest
-    uint64_t* t = c.trace + (st.step & (c.cfg->trace_len - 1)) * RL_TRACE_FIELDS;
-    t[RL_TRACE_STEP_BEGIN] = t[RL_TRACE_STEP_END] = 0;
-    t[RL_TRACE_OVERLAP_BEGIN] = t[RL_TRACE_OVERLAP_END] = 0;
-    t[RL_TRACE_FLAGS] = st.chained ? RL_TRACE_CHAINED : 0;
-    t[RL_TRACE_SEQ] = st.step + 1;
-    t[RL_TRACE_SCHED_BEGIN] = began;
-    t[RL_TRACE_SCHED_END] = rl_now_ns();
-    c.step->seq = (uint32_t)st.step;
-    st.step += 1;
-    st.step_tokens += n_rows;
-    st.last_step_tokens = n_rows;
-    st.chained = 1;
-  }
+  const bool void_step = n_rows == 0 && st.plan_bucket != 0;
+  if (n_rows == 0 && !void_step) return RL_STEP_IDLE;
+  if (RL_LEADER) rl_note_step(c, began, n_rows, void_step ? RL_TRACE_VOID : 0);
   return RL_STEP_RUN;
 }

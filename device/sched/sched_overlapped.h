@@ -569,6 +569,16 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   rl_compact_pending(c, sh);
 }
 
+// Leader only, cfg.plan_ahead: the next step's bucket, published while the step before it
+// computes, so the graph that will run it picks its branch off the critical path.  The next
+// critical phase hands over a step in exactly this bucket (void if all its rows ended).
+RL_FN void rl_publish_plan(const RlContext& c, uint32_t bucket) {
+  RlSchedState& st = *c.sched;
+  st.plan_bucket = bucket;
+  *(volatile uint32_t*)&c.launch->plan_bucket = bucket;
+  rl_store_turn(&c.launch->plan_seq, (uint32_t)st.step + 1u);  // release: the bucket first
+}
+
 // The overlapped phase, run while the step the critical phase built computes (step_built), or
 // after an idle critical phase.  Returns RL_STEP_SHUTDOWN when the loop must end (the host
 // asked, or the run budget is spent; its RL_EXIT_* reason in sh->u[RL_SH_STOP]; the caller
@@ -593,14 +603,36 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   rl_compact_lru_when_due(c, sh);
   rl_grow_pages_ahead(c, sh);
   rl_admit(c, sh);
-  uint32_t my_active = 0;
-  RL_FOR(s, cfg.n_slots) my_active += c.slots[s].state != RL_SLOT_FREE;
+  // What the next step will hold, before any of its rows' requests ends: every decoding slot
+  // and the prefill chunks the budget allows (the full build lays out at most this), and
+  // whether it repeats the step in flight (sched_critical's steady state).
+  uint32_t my_active = 0, my_decode = 0, my_want = 0, my_joining = 0;
+  RL_FOR(s, cfg.n_slots) {
+    const RlSlot& sl = c.slots[s];
+    my_active += sl.state != RL_SLOT_FREE;
+    my_decode += sl.state == RL_SLOT_DECODE;
+    if (sl.state == RL_SLOT_PREFILL) {  // clamped: the sum stays in 32 bits and min() the same
+      uint32_t want = sl.fill_len - sl.n_prefilled;
+      my_want += want < cfg.token_budget ? want : cfg.token_budget;
+    }
+    my_joining += sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_ABORTED;
+  }
   uint32_t n_active = rl_block_sum(my_active, sh);
+  uint32_t n_decode = rl_block_sum(my_decode, sh);
+  uint32_t wanted = rl_block_sum(my_want, sh);
+  uint32_t joining = rl_block_sum(my_joining, sh);
   bool more = n_active > 0 || sh->u[RL_SH_SQ_TAIL] != st.sq_head;
   if (RL_LEADER) {
     uint64_t now = rl_now_ns();
     st.n_active = n_active;
-    st.idle = more ? 0u : 1u;
+    uint32_t in_flight = c.step->n_tokens;
+    st.steady_rows = step_built && joining == 0 && !st.pages_short && n_decode > 0 &&
+                             c.step->n_decode == in_flight && n_decode == in_flight
+                         ? n_decode
+                         : 0u;
+    uint32_t planned = n_decode + wanted < cfg.token_budget ? n_decode + wanted : cfg.token_budget;
+    if (cfg.plan_ahead && planned > 0) rl_publish_plan(c, rl_bucket_for(cfg, planned));
+    *(volatile uint32_t*)&c.launch->idle = more ? 0u : 1u;
     if (!more) {
       st.chained = 0;  // the next step is not waited for: its gap is idle time, not bubble
       if (!step_built) st.idle_polls += 1;
