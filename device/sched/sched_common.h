@@ -65,6 +65,12 @@ RL_FN uint32_t rl_finish_reason(const RlConfig& cfg, const RlSlot& s, int32_t to
   return RL_FINISH_NONE;
 }
 
+// Whether the sample a step in flight gives slot `sl` must end its request by length, whatever
+// the token (rl_finish_reason's length checks one token ahead): its row will not be laid out.
+RL_FN bool rl_ends_by_length_next(const RlConfig& cfg, const RlSlot& sl) {
+  return sl.sampled && (sl.n_generated + 1 >= sl.max_tokens || sl.prompt_len + sl.n_generated + 1 >= cfg.max_ctx);
+}
+
 RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint32_t kind,
                         uint32_t reason, int32_t token, uint32_t index, uint64_t now,
                         uint32_t queued_us = 0) {

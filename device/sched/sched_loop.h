@@ -57,7 +57,7 @@ RL_FN void rl_hand_over(const RlContext& ctx) {
     RL_SYNC();
   if (RL_LEADER) {
     rl_store_turn(ctx.turn, RL_TURN_COMPUTE);
-    rl_store_turn(&ctx.launch->released, ctx.step->seq + 1u);
+    rl_store_turn(&ctx.launch->released, (uint32_t)ctx.sched->step);  // seq + 1, as noted
   }
 }
 

@@ -603,14 +603,16 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   rl_compact_lru_when_due(c, sh);
   rl_grow_pages_ahead(c, sh);
   rl_admit(c, sh);
-  // What the next step will hold, before any of its rows' requests ends: every decoding slot
-  // and the prefill chunks the budget allows (the full build lays out at most this), and
-  // whether it repeats the step in flight (sched_critical's steady state).
-  uint32_t my_active = 0, my_decode = 0, my_want = 0, my_joining = 0;
+  // What the next step will hold at most: every decoding slot whose sample in flight cannot
+  // end it by length, and the prefill chunks the budget allows (the full build lays out no
+  // more), and whether it repeats the step in flight (sched_critical's steady state).  Leaving
+  // out the certain ends keeps a plan from a void step when requests end by max_tokens.
+  uint32_t my_active = 0, my_decode = 0, my_want = 0, my_joining = 0, my_ending = 0;
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
     my_active += sl.state != RL_SLOT_FREE;
     my_decode += sl.state == RL_SLOT_DECODE;
+    my_ending += sl.state == RL_SLOT_DECODE && rl_ends_by_length_next(cfg, sl);
     if (sl.state == RL_SLOT_PREFILL) {  // clamped: the sum stays in 32 bits and min() the same
       uint32_t want = sl.fill_len - sl.n_prefilled;
       my_want += want < cfg.token_budget ? want : cfg.token_budget;
@@ -621,16 +623,18 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   uint32_t n_decode = rl_block_sum(my_decode, sh);
   uint32_t wanted = rl_block_sum(my_want, sh);
   uint32_t joining = rl_block_sum(my_joining, sh);
+  uint32_t ending = rl_block_sum(my_ending, sh);
   bool more = n_active > 0 || sh->u[RL_SH_SQ_TAIL] != st.sq_head;
   if (RL_LEADER) {
     uint64_t now = rl_now_ns();
     st.n_active = n_active;
     uint32_t in_flight = c.step->n_tokens;
-    st.steady_rows = step_built && joining == 0 && !st.pages_short && n_decode > 0 &&
+    st.steady_rows = step_built && joining == 0 && ending == 0 && !st.pages_short && n_decode > 0 &&
                              c.step->n_decode == in_flight && n_decode == in_flight
                          ? n_decode
                          : 0u;
-    uint32_t planned = n_decode + wanted < cfg.token_budget ? n_decode + wanted : cfg.token_budget;
+    uint32_t rows = n_decode - ending + wanted;
+    uint32_t planned = rows < cfg.token_budget ? rows : cfg.token_budget;
     if (cfg.plan_ahead && planned > 0) rl_publish_plan(c, rl_bucket_for(cfg, planned));
     *(volatile uint32_t*)&c.launch->idle = more ? 0u : 1u;
     if (!more) {
