@@ -24,7 +24,7 @@ from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULERS = ("device", "host")
-LAUNCHES = ("auto", "resident", "pump")
+LAUNCHES = ("auto", "pingpong", "resident", "pump")
 POLICIES = ("fifo", "priority", "static")
 DTYPES = ("float32", "bfloat16", "float16")
 # how the weight matrices are stored: auto keeps a GGUF file's quantization (else the device's dtype)
@@ -58,9 +58,11 @@ class EngineConfig:
         help="CUDA: where sched_step runs (default device); the CPU backend is host-only")
     launch: str = option(
         "auto", flag="--launch", choices=LAUNCHES,
-        help="CUDA launch mode of the device scheduler: resident (one WHILE graph; fails start-up "
-        "if it cannot run), pump, or auto (resident, else pump; the mode that runs is in the log "
-        "and in stats)")
+        help="CUDA launch mode of the device scheduler: pingpong (two WHILE graphs taking turns, "
+        "the next step's parked while one computes), resident (one WHILE graph), pump (a host "
+        "thread relaunching an unrolled graph), or auto (pingpong, else resident, else pump; the "
+        "mode that runs is in the log and in stats); pingpong and resident fail start-up if they "
+        "cannot run")
     policy: str = option(
         "fifo", flag="--policy", choices=POLICIES,
         help="admission: fifo, priority with aging (which also decides who gives up its KV pages "

@@ -53,11 +53,32 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from enum import Enum, IntEnum, IntFlag
 
 import numpy as np
 
 from ringleader.ipc.counters import COUNTERS, c_mirror_macro
+from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both sides read them as layout.X)
+    C_ENUMS,
+    ERROR_NAMES,
+    EXIT_REASON_NAMES,
+    STATE_NAMES,
+    TRACE_FIELDS,
+    EventKind,
+    ExitReason,
+    Finish,
+    InitError,
+    Op,
+    Policy,
+    SchedulerState,
+    SlotState,
+    SqFlag,
+    StepStatus,
+    TraceField,
+    TraceFlag,
+    Turn,
+    c_defines,
+    init_error_name,
+)
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
@@ -308,14 +329,16 @@ STEP = Struct("RlStepHeader", (
 ))
 
 # The launch's words in device memory, beside `turn`, each with one writer: the scheduler
-# writes released (the seq + 1 of the last step handed over, after turn = COMPUTE), plan_seq
-# and plan_bucket (cfg.plan_ahead: the next step's seq + 1 and bucket, published by the
-# overlapped phase, bucket first) and idle (the last overlapped phase found nothing to do: the
-# compute side's hint to back off); graph_seq[p] is written by ping-pong graph p's signal
-# kernel alone (the seq of the next step it runs; the host sets p before any launch).
+# writes released (the seq + 1 of the last step handed over, after turn = COMPUTE), idle (the
+# last overlapped phase found nothing to do: the compute side's hint to back off) and, under
+# cfg.plan_ahead, the next step's plan in its parity's slot: plan_bucket[seq & 1], then
+# plan_seq[seq & 1] = seq + 1 (release), published by the overlapped phase.  One slot per parity:
+# a slot is written again only for the step two on, which is handed over after the graph that
+# reads it has taken its plan.  graph_seq[p] is written by ping-pong graph p's signal kernel
+# alone (the seq of the next step it runs; the host sets p before any launch).
 LAUNCH = Struct("RlLaunchWords", (
-    _f("released", "u32"), _f("plan_seq", "u32"), _f("plan_bucket", "u32"), _f("idle", "u32"),
-    _f("graph_seq", "u32", 2), _f("_pad", "u32", 2),
+    _f("released", "u32"), _f("idle", "u32"), _f("plan_seq", "u32", 2), _f("plan_bucket", "u32", 2),
+    _f("graph_seq", "u32", 2),
 ))
 
 STRUCTS = (SAMPLING, LOGPROBS, CONFIG, CONTROL, SQ_ENTRY, ABORT_ENTRY, CQ_EVENT, SLOT, PAGE, SCHED, STEP, LAUNCH)
@@ -381,10 +404,19 @@ ARRAYS = (
 # CUDA (its layout arrays stay in device memory) or by the host while the kernel runs; sched and
 # slots are written back at exit.  (name, the count as a C expression over the config `cfg`.)
 SHARED_PLACEMENT = (
-    ("cfg", "1"), ("sched", "1"), ("slots", "cfg.n_slots"), ("prefill_queue", "cfg.n_slots"),
-    ("seg_slot", "cfg.n_slots"), ("seg_row_start", "cfg.n_slots"), ("seg_n_rows", "cfg.n_slots"),
-    ("work_a", "cfg.work_len"), ("work_b", "cfg.work_len"), ("work_c", "cfg.work_len"),
-    ("work_d", "cfg.work_len"), ("work_e", "cfg.work_len"), ("work_f", "cfg.work_len"),
+    ("cfg", "1"),
+    ("sched", "1"),
+    ("slots", "cfg.n_slots"),
+    ("prefill_queue", "cfg.n_slots"),
+    ("seg_slot", "cfg.n_slots"),
+    ("seg_row_start", "cfg.n_slots"),
+    ("seg_n_rows", "cfg.n_slots"),
+    ("work_a", "cfg.work_len"),
+    ("work_b", "cfg.work_len"),
+    ("work_c", "cfg.work_len"),
+    ("work_d", "cfg.work_len"),
+    ("work_e", "cfg.work_len"),
+    ("work_f", "cfg.work_len"),
 )
 SHARED_WRITE_BACK = ("sched", "slots")
 
@@ -392,169 +424,6 @@ SHARED_WRITE_BACK = ("sched", "slots")
 HOST_SHARED = ("cfg", "ctl", "sq", "arena", "cq", "cq_logprobs", "aq")
 # Of those, the ones shared while the scheduler runs (cfg is read-only, a device copy on CUDA).
 HOST_RINGS = tuple(name for name in HOST_SHARED if name != "cfg")
-
-
-# Enumerations shared by both sides: IntEnums here, `#define <prefix><NAME>` in the C header.
-class Op(IntEnum):
-    """RlSqEntry.op; the device reuses it for a pending entry's state."""
-
-    NONE = 0
-    GENERATE = 1
-    CANCELLED = 3
-
-
-class SqFlag(IntFlag):
-    IGNORE_EOS = 1
-    PENALIZED = 2  # keep its token counts (SamplingParams.penalized)
-    LOGPROBS = 4  # its tokens' logprobs go out with their events (SamplingParams.logprobs)
-
-
-class EventKind(IntEnum):
-    TOKEN = 1
-    DONE = 2
-
-
-class Finish(IntEnum):
-    """RlCqEvent.finish_reason of a DONE."""
-
-    NONE = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-
-
-class SlotState(IntEnum):
-    # ENDING: finished, its DONE not yet written (then FREE); ABORTED: its DONE written, but the
-    # step in flight may still use the slot (FREE at the next critical phase); PREEMPTED: its
-    # pages given back when decode ran out, waiting to recompute (PREFILL again when they fit)
-    FREE = 0
-    PREFILL = 1
-    DECODE = 2
-    ENDING = 3
-    ABORTED = 4
-    PREEMPTED = 5
-
-
-class Policy(IntEnum):
-    FIFO = 0
-    PRIORITY = 1
-    STATIC = 2
-
-
-class SchedulerState(IntEnum):
-    """RlControl.state."""
-
-    INIT = 0
-    RUNNING = 1
-    EXITED = 2
-    FAILED = 3
-
-
-class ExitReason(IntEnum):
-    """Why the scheduler loop ended: asked to (shutdown), compute kept its turn past the grace
-    after shutdown (deadline), or the run budget ran out (budget)."""
-
-    NONE = 0
-    SHUTDOWN = 1
-    DEADLINE = 2
-    BUDGET = 3
-
-
-class InitError(IntEnum):
-    """RlControl.error_code: why the scheduler refused its configuration."""
-
-    NONE = 0
-    BAD_MAGIC = 1
-    BAD_VERSION = 2
-    BAD_CONFIG = 3
-    BAD_FINGERPRINT = 4
-
-
-class Turn(IntEnum):
-    """The scheduler/compute hand-over word on CUDA."""
-
-    SCHED = 0
-    COMPUTE = 1
-    EXIT = 2
-
-
-class TraceField(IntEnum):
-    """Device timeline, one row of TRACE_FIELDS u64 per step: the critical phase that built it,
-    the step itself (first kernel of its SWITCH branch, then the signal kernel), the overlapped
-    phase that ran beside it, flags (TraceFlag) and the step's seq + 1."""
-
-    SCHED_BEGIN = 0
-    SCHED_END = 1
-    STEP_BEGIN = 2
-    STEP_END = 3
-    OVERLAP_BEGIN = 4
-    OVERLAP_END = 5
-    FLAGS = 6
-    SEQ = 7
-
-
-TRACE_FIELDS = len(TraceField)
-
-
-class TraceFlag(IntFlag):
-    CHAINED = 1
-    VOID = 2  # a planned step whose rows all ended first: handed over with pad rows only
-
-
-class StepStatus(IntEnum):
-    """What sched_critical tells the step: run the layout it built, idle, stop, or fail."""
-
-    IDLE = 0
-    RUN = 1
-    SHUTDOWN = 2
-    ERROR = 3
-
-
-# (enum, C prefix), in header order
-C_ENUMS: tuple[tuple[type[Enum], str], ...] = (
-    (Op, "RL_OP_"),
-    (SqFlag, "RL_FLAG_"),
-    (EventKind, "RL_EV_"),
-    (Finish, "RL_FINISH_"),
-    (SlotState, "RL_SLOT_"),
-    (Policy, "RL_POLICY_"),
-    (SchedulerState, "RL_STATE_"),
-    (ExitReason, "RL_EXIT_"),
-    (InitError, "RL_ERR_"),
-    (Turn, "RL_TURN_"),
-    (TraceField, "RL_TRACE_"),
-    (TraceFlag, "RL_TRACE_"),
-    (StepStatus, "RL_STEP_"),
-)
-
-
-def c_defines() -> list[str]:
-    lines = [f"#define {prefix}{member.name} {member.value}" for enum, prefix in C_ENUMS for member in enum]
-    return lines + [f"#define RL_TRACE_FIELDS {TRACE_FIELDS}"]
-
-
-EXIT_REASON_NAMES: dict[int, str] = {
-    ExitReason.NONE: "running",
-    ExitReason.SHUTDOWN: "shutdown",
-    ExitReason.DEADLINE: "deadline",
-    ExitReason.BUDGET: "budget",
-}
-STATE_NAMES: dict[int, str] = {s: s.name.lower() for s in SchedulerState}
-ERROR_NAMES: dict[int, str] = {
-    InitError.NONE: "none",
-    InitError.BAD_MAGIC: "bad magic",
-    InitError.BAD_VERSION: "bad layout version",
-    InitError.BAD_CONFIG: "bad config",
-    InitError.BAD_FINGERPRINT: "layout fingerprint mismatch",
-}
-
-
-def init_error_name(code: int) -> str:
-    """The scheduler's RlControl.error_code in words (an unknown code says so with its number)."""
-    try:
-        return ERROR_NAMES[InitError(code)]
-    except ValueError:
-        return f"unknown error code {code}"
 
 
 def _header_body() -> str:

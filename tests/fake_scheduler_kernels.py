@@ -5,15 +5,26 @@ Each kernel is a Python method on a fake stream's thread, over the real arrays o
 (ipc/layout.py, passed by value as the real kernels take it): the persistent scheduler checks the
 control block's magic and version as sched_init does (else FAILED with its error code), reports
 RUNNING, hands steps to the step graph through `turn` (SCHED -> COMPUTE, the bucket in the step
-header, a trace row) and publishes one CQ tail advance per step; it exits (exit reason, state
-EXITED, then turn EXIT) on shutdown, on its run budget, or when compute keeps the turn past the
-stop grace.  rl_step_wait/rl_step_begin/rl_step_signal follow sched_loop.h: the wait ends on
-COMPUTE or EXIT (or when no scheduler is left: EXITED, FAILED), picks the SWITCH branch of the
-step's bucket and ends the WHILE loop on exit.
+header, a trace row, then launch.released = seq + 1) and publishes one CQ tail advance per step;
+with cfg.plan_ahead (read once, at start) it publishes each next step's bucket ahead
+(in the slot of the seq's parity: launch.plan_bucket[seq & 1], then plan_seq[seq & 1] = seq + 1) from
+its overlapped phase when no stop is seen, and
+hands over exactly the planned step; it exits (exit reason, state EXITED, a plan still out made
+void, then turn EXIT) on shutdown, on its run budget, or when compute keeps the turn past the stop
+grace.  The launch graphs' kernels follow device/sched/sched_loop.h: rl_step_wait/rl_step_begin/
+rl_step_signal (resident, pump: the wait ends on COMPUTE or EXIT, or when no scheduler is left:
+EXITED, FAILED; it picks the SWITCH branch of the step's bucket and ends the WHILE loop on exit),
+and rl_plan_wait/rl_step_gate/rl_signal_pingpong (ping-pong graph p: the plan of its next step,
+seq launch.graph_seq[p], in plan slot p, picks the branch, or no branch and the WHILE's end on exit,
+EXIT looked at first; the gate waits
+for released == that seq + 1 and stamps the step's start; the signal moves graph_seq[p] two on and
+hands the turn back).
 
 Not simulated: the scheduler's real work (SQ, slots, pages, CQ event contents: only the tail
-moves), its block of threads, the device's memory model.  Steps are handed out only while the
-test allows (`allow_steps`, None: always), so an idle scheduler is simulated too.
+moves), its block of threads and shared memory (the launch's size is only recorded), the
+device's memory model, the idle back-off.  Steps
+are handed out only while the test allows (`allow_steps`, None: always), so an idle scheduler is
+simulated too.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ POLL_S = 50e-6  # a fake kernel's pause between two polls of a word
 
 S, T, X = layout.SchedulerState, layout.Turn, layout.ExitReason
 F = layout.TraceField
+LAUNCH_OFFSETS = {name: off for name, (_, off) in layout.LAUNCH.numpy_dtype().fields.items()}
 
 
 def _struct_at(address: int, struct: layout.Struct) -> np.ndarray:
@@ -56,6 +68,7 @@ class _Context:
         self.ctl = _struct_at(addr["ctl"], layout.CONTROL)
         self.step = _struct_at(addr["step"], layout.STEP)
         self._turn = addr["turn"]
+        self._launch = addr["launch"]
         n = int(self.cfg["trace_len"])
         trace = (ctypes.c_uint64 * (n * layout.TRACE_FIELDS)).from_address(addr["trace"])
         self.trace = np.ctypeslib.as_array(trace).reshape(n, layout.TRACE_FIELDS)
@@ -74,6 +87,23 @@ class _Context:
     def turn(self, value: int) -> None:
         write_u32(self._turn, value)
 
+    def word(self, name: str, index: int = 0) -> int:
+        """A launch word (RlLaunchWords), e.g. word("graph_seq", 1)."""
+        return read_u32(self._launch + LAUNCH_OFFSETS[name] + 4 * index)
+
+    def set_word(self, name: str, value: int, index: int = 0) -> None:
+        write_u32(self._launch + LAUNCH_OFFSETS[name] + 4 * index, value)
+
+    def buckets(self) -> list[int]:
+        return [int(b) for b in self.cfg["buckets"][: int(self.cfg["n_buckets"])]]
+
+    def compute_must_exit(self) -> bool:
+        """sched_loop.h: rl_compute_must_exit."""
+        if self.turn == T.EXIT:
+            return True
+        state = self.get("state")
+        return state in (S.EXITED, S.FAILED) or (state != S.RUNNING and self.get("shutdown") != 0)
+
     def row(self) -> np.ndarray:
         """The trace row of the step in the step header."""
         return self.trace[int(self.step["seq"][0]) % len(self.trace)]
@@ -84,13 +114,21 @@ class FakeSchedulerDriver(FakeDriver):
 
     Steering: allow_steps (steps the scheduler may still hand out; None: unbounded),
     ignore_shutdown (the kernel never reads shutdown: a hung kernel), step_period_s (a step's
-    pause in the scheduler), refuse_scheduler_launch (cuLaunchKernel of the scheduler fails
-    with that CUresult), unsupported (driver features refused with
-    CUDA_ERROR_NOT_SUPPORTED: "CU_GRAPH_COND_TYPE_WHILE" at cuGraphAddNode, "instantiate WHILE"
-    at cuGraphInstantiate of a graph holding a WHILE node), halt (the test's teardown: every fake
-    kernel ends, as a device reset would end them).
-    Counts: scheduler launches and blocks, steps handed out and signalled, steps run per bucket
-    index, graph launches per exec, destroyed graphs and execs."""
+    pause in the scheduler), step_hold_s (each step's own time in the step graph),
+    refuse_scheduler_launch (cuLaunchKernel of the scheduler fails with that CUresult),
+    unsupported (driver features refused with CUDA_ERROR_NOT_SUPPORTED:
+    "CU_GRAPH_COND_TYPE_WHILE" at cuGraphAddNode, "instantiate WHILE" at cuGraphInstantiate of a
+    graph holding a WHILE node, "rl_plan_wait" at cuGraphAddKernelNode of that kernel: the
+    ping-pong graphs alone refused), refuse_instantiations (the 1-based counts of the
+    cuGraphInstantiate calls refused so), halt (the test's teardown: every fake kernel ends, as a
+    device reset would end them).
+    Shared memory as CUDA bounds it: a launch or kernel node above the function's dynamic limit
+    (48 KiB less its static part until cuFuncSetAttribute opts in, up to SHARED_OPTIN less it)
+    is refused with CUDA_ERROR_INVALID_VALUE.
+    Counts: scheduler launches, blocks and dynamic shared bytes, the plan_ahead each scheduler
+    read, steps handed out and signalled, (parity, seq) of each step a ping-pong gate let
+    through, planned steps made void, steps run per bucket index, graph launches per exec,
+    destroyed graphs and execs."""
 
     SIGS: ClassVar[dict[str, str]] = {
         **FakeDriver.SIGS,
@@ -98,19 +136,34 @@ class FakeSchedulerDriver(FakeDriver):
         "rl_step_wait": "RQQI",
         "rl_step_begin": "R",
         "rl_step_signal": "R",
+        "rl_plan_wait": "RQQI",
+        "rl_step_gate": "RI",
+        "rl_signal_pingpong": "RI",
         TEST_STEP: "QI",
     }
     MAX_BLOCK: ClassVar[dict[str, int]] = {KERNEL_NAME: 1024}
+    # static shared memory by kernel (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES; others 16, as FakeDriver's)
+    STATIC_SHARED: ClassVar[dict[str, int]] = {KERNEL_NAME: 496}  # docs/scheduler.md, layout v10
+    DEFAULT_SHARED_LIMIT = 48 << 10  # static + dynamic shared memory of a launch without opt-in
+    SHARED_OPTIN = 227 << 10  # an H100's CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
     def __init__(self):
         super().__init__(None)  # the gpu_limits layout: none of its kernels run here
         self.allow_steps: int | None = None
         self.ignore_shutdown = False
         self.step_period_s = 0.002
+        self.step_hold_s = 0.0
         self.unsupported: set[str] = set()
+        self.refuse_instantiations: set[int] = set()
+        self._max_dynamic_shared: dict[int, int] = {}  # function id -> its opt-in, once set
+        self._instantiations = 0
         self.refuse_scheduler_launch: str | None = None  # a CUresult name the launch returns
         self.halt = threading.Event()
         self.scheduler_blocks: list[int] = []
+        self.scheduler_shared: list[int] = []
+        self.scheduler_plan_ahead: list[int] = []
+        self.gated: list[tuple[int, int]] = []
+        self.voided_steps = 0
         self.steps_handed = 0
         self.steps_signalled = 0
         self.graph_launches: collections.Counter = collections.Counter()
@@ -123,11 +176,50 @@ class FakeSchedulerDriver(FakeDriver):
         return super()._decode_arg(ch, p)
 
     # -- driver calls the device-scheduled engine adds to the probe's
+    def f_cuCtxGetDevice(self):
+        return (self.S, self._real.CUdevice(0))
+
+    def f_cuDeviceGetAttribute(self, attr, dev):
+        if int(attr) == int(
+            self._real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        ):
+            return (self.S, self.SHARED_OPTIN)
+        return super().f_cuDeviceGetAttribute(attr, dev)
+
+    def _static_shared(self, f) -> int:
+        return self.STATIC_SHARED.get(self._funcs[int(f)], 16)
+
+    def _dynamic_shared_limit(self, f) -> int:
+        """As CUDA's: 48 KiB less the static part until the function opts in to more."""
+        return self._max_dynamic_shared.get(int(f), self.DEFAULT_SHARED_LIMIT - self._static_shared(f))
+
+    def f_cuFuncGetAttribute(self, attr, f):
+        A = self._real.CUfunction_attribute
+        if int(attr) == int(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES):
+            return (self.S, self._static_shared(f))
+        if int(attr) == int(A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES):
+            return (self.S, self._dynamic_shared_limit(f))
+        return super().f_cuFuncGetAttribute(attr, f)
+
+    def f_cuFuncSetAttribute(self, f, attr, value):
+        """Only the dynamic shared memory opt-in, bounded as CUDA bounds it."""
+        assert int(f) in self._funcs
+        assert int(attr) == int(
+            self._real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        )
+        if not 0 <= int(value) <= self.SHARED_OPTIN - self._static_shared(f):
+            return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self._max_dynamic_shared[int(f)] = int(value)
+        return (self.S,)
+
     def f_cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, s, kp, extra):
         if self._funcs[int(f)] == KERNEL_NAME:
             self.scheduler_blocks.append(int(bx))
+            self.scheduler_shared.append(int(smem))
             if self.refuse_scheduler_launch:
                 return (getattr(self._real.CUresult, self.refuse_scheduler_launch),)
+        if int(smem) > self._dynamic_shared_limit(f):
+            return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE,)
         return super().f_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, s, kp, extra)
 
     def f_cuEventSynchronize(self, ev):
@@ -150,6 +242,13 @@ class FakeSchedulerDriver(FakeDriver):
         self.destroyed_execs.add(int(ge))
         return super().f_cuGraphExecDestroy(ge)
 
+    def f_cuGraphAddKernelNode(self, g, deps, ndeps, p):
+        if self._funcs[int(p.func)] in self.unsupported:
+            return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED, None)
+        if int(p.sharedMemBytes) > self._dynamic_shared_limit(p.func):
+            return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        return super().f_cuGraphAddKernelNode(g, deps, ndeps, p)
+
     def f_cuGraphAddNode(self, g, deps, dep_data, ndeps, p):
         if p.conditional.type.name in self.unsupported:
             return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED, None)
@@ -158,8 +257,10 @@ class FakeSchedulerDriver(FakeDriver):
     def f_cuGraphInstantiate(self, g, flags):
         WHILE = int(self._real.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
         nodes = self._graphs[int(g)].nodes
-        if "instantiate WHILE" in self.unsupported and any(
-            n.kind == "CONDITIONAL" and int(n.ctype) == WHILE for n in nodes
+        self._instantiations += 1
+        if self._instantiations in self.refuse_instantiations or (
+            "instantiate WHILE" in self.unsupported
+            and any(n.kind == "CONDITIONAL" and int(n.ctype) == WHILE for n in nodes)
         ):
             return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED, None)
         return super().f_cuGraphInstantiate(g, flags)
@@ -175,29 +276,42 @@ class FakeSchedulerDriver(FakeDriver):
             return
         started = now_ns()
         grace, budget = c.get("stop_grace_ns"), c.get("run_budget_ns")
+        plan_ahead = int(c.cfg["plan_ahead"])
+        self.scheduler_plan_ahead.append(plan_ahead)
         c.put("state", S.RUNNING)
-        seq, stop = 0, X.NONE
+        seq, stop, planned = 0, X.NONE, 0  # planned: the bucket published for step seq (0: none)
         while True:
             late = self._wait_for_turn(c, started, budget, grace)
             if late != X.NONE or stop != X.NONE:
                 self._mark_exited(c, late if late != X.NONE else stop)
                 break
-            built = self._take_step()
-            if built:  # the critical phase: the step's bucket and seq, its trace row
-                self._build_step(c, seq)
+            # the critical phase: a published plan is always handed over, in its bucket
+            built = planned != 0 if plan_ahead else self._take_step()
+            if built:
+                self._build_step(c, seq, planned)
                 c.turn = T.COMPUTE
+                c.set_word("released", seq + 1)
                 self.steps_handed += 1
-            # the overlapped phase: the step's CQ event published, the stop looked for
+                planned = 0
+            # the overlapped phase: the step's CQ event published, the stop looked for, and
+            # (none seen) the next step's plan
             if built:
                 c.row()[F.OVERLAP_END] = now_ns()
                 c.put("cq_tail", c.get("cq_tail") + 1)
                 seq += 1
             c.put("heartbeat_ns", now_ns())
             stop = self._stop_reason(c, started, budget)
+            if plan_ahead and stop == X.NONE and self._take_step():
+                planned = self._bucket_of(c, seq)
+                c.set_word("plan_bucket", planned, seq & 1)  # the bucket before the seq that publishes it
+                c.set_word("plan_seq", seq + 1, seq & 1)
             if stop != X.NONE and not built:
                 self._mark_exited(c, stop)
                 break
             time.sleep(self.step_period_s)
+        if planned:  # a graph may be parked in its gate: EXIT releases it into a void step
+            c.step["n_samples"][0] = 0
+            self.voided_steps += 1
         c.turn = T.EXIT
 
     def _init_error(self, c: _Context) -> int:
@@ -217,9 +331,14 @@ class FakeSchedulerDriver(FakeDriver):
             return True
         return False
 
-    def _build_step(self, c: _Context, seq: int) -> None:
-        n = int(c.cfg["n_buckets"])
-        c.step["bucket"][0] = int(c.cfg["buckets"][seq % n])
+    @staticmethod
+    def _bucket_of(c: _Context, seq: int) -> int:
+        """Step seq's bucket: the buckets in turn."""
+        buckets = c.buckets()
+        return buckets[seq % len(buckets)]
+
+    def _build_step(self, c: _Context, seq: int, planned: int) -> None:
+        c.step["bucket"][0] = planned or self._bucket_of(c, seq)
         c.step["seq"][0] = seq
         row = c.row()
         row[:] = 0
@@ -277,12 +396,11 @@ class FakeSchedulerDriver(FakeDriver):
     @staticmethod
     def _branch(c: _Context, turn: int) -> int:
         """The SWITCH branch of the step's bucket; n_buckets (no branch) when not COMPUTE."""
-        n = int(c.cfg["n_buckets"])
+        buckets = c.buckets()
         if turn != T.COMPUTE:
-            return n
-        buckets = [int(b) for b in c.cfg["buckets"][:n]]
+            return len(buckets)
         bucket = int(c.step["bucket"][0])
-        return buckets.index(bucket) if bucket in buckets else n
+        return buckets.index(bucket) if bucket in buckets else len(buckets)
 
     def k_rl_step_begin(self, ctx):
         c = _Context(ctx)
@@ -296,5 +414,52 @@ class FakeSchedulerDriver(FakeDriver):
         self.steps_signalled += 1
         c.turn = T.SCHED
 
+    # -- the ping-pong graphs' kernels (kernel.cu: rl_plan_wait, rl_step_gate, rl_signal_pingpong)
+    def k_rl_plan_wait(self, ctx, switch_handle, while_handle, parity):
+        c = _Context(ctx)
+        branch = self._wait_for_plan(c, parity)
+        if branch >= len(c.buckets()):
+            self._set_cond(while_handle, 0)
+        self._set_cond(switch_handle, branch)
+
+    def _wait_for_plan(self, c: _Context, parity: int) -> int:
+        """sched_loop.h: rl_wait_for_plan, in its order (EXIT looked at before the plan)."""
+        want = c.word("graph_seq", parity) + 1
+        buckets = c.buckets()
+        while not self.halt.is_set():
+            if c.compute_must_exit():
+                break
+            if c.word("plan_seq", parity) == want:
+                bucket = c.word("plan_bucket", parity)
+                return buckets.index(bucket) if bucket in buckets else len(buckets)
+            time.sleep(POLL_S)
+        return len(buckets)
+
+    def k_rl_step_gate(self, ctx, parity):
+        """sched_loop.h: rl_gate_step."""
+        c = _Context(ctx)
+        want = c.word("graph_seq", parity) + 1
+        while not self.halt.is_set():
+            if c.word("released") == want:
+                self.gated.append((parity, int(c.step["seq"][0])))
+                c.row()[F.STEP_BEGIN] = now_ns()
+                return
+            if c.compute_must_exit():
+                return
+            time.sleep(POLL_S)
+
+    def k_rl_signal_pingpong(self, ctx, parity):
+        """sched_loop.h: rl_signal_pingpong_done."""
+        c = _Context(ctx)
+        if c.turn != T.COMPUTE:
+            return
+        mine = c.word("graph_seq", parity)
+        if c.word("released") != mine + 1:  # not ours: an exit path
+            return
+        c.set_word("graph_seq", mine + 2, parity)
+        self.k_rl_step_signal(ctx)
+
     def k_rl_test_step(self, counters, index):
         write_u32(counters + 4 * index, read_u32(counters + 4 * index) + 1)
+        if self.step_hold_s:
+            self.halt.wait(self.step_hold_s)

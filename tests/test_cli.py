@@ -171,7 +171,7 @@ def test_doctor_names_an_unsafe_variable():
 
 def test_serve_offers_the_launch_modes():
     r = subprocess.run(CLI + ["serve", "--help"], capture_output=True, text=True, timeout=60)
-    assert "{auto,resident,pump}" in r.stdout and "--gpu-memory-fraction" in r.stdout
+    assert "{auto,pingpong,resident,pump}" in r.stdout and "--gpu-memory-fraction" in r.stdout
 
 
 def test_serve_options_are_the_engine_config_and_its_defaults():

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tarfile
 
+from ringleader.bench.lab.bringup_figures import stage_figures
+from ringleader.bench.lab.bringup_stages import RUN_LIMITS, builtin_stages
 from ringleader.bench.lab.goals import goals, load_documents
 
 
@@ -106,3 +108,57 @@ def test_documents_are_found_in_folders_and_archives_and_the_cli_writes_both_fil
     assert (out / "summary.md").read_text().count("**met**") == 7
     # no gpu_limits document: every design row says so
     assert doc["designs"] and {d["verdict"] for d in doc["designs"]} == {"not measured"}
+
+
+# ---------------------------------------------------------------- run F's launch pair
+
+
+def launch_run(launch, c, bubble, crit, tpot_ms=1.39):
+    r = run("device", c, bubble=bubble)
+    r.update(backend={"launch": launch}, tpot_ms={"p50": tpot_ms, "p99": tpot_ms})
+    r["device_stats"].update(bubble_us_p50=bubble[0], bubble_us_p99=bubble[1])  # as make_run_entry has both
+    r["device_stats"].update(device_sched_us_p50=crit[0], device_sched_us_p99=crit[1])
+    return r
+
+
+def test_the_launch_pair_stages_differ_only_in_the_launch_and_fit_run_f():
+    stages = {s.name: s for s in builtin_stages()}
+    pp, res, goals_f = stages["bubble-pingpong"], stages["bubble-resident"], stages["goals-f"]
+    assert pp.run == res.run == "F" and pp.timeout_s == res.timeout_s
+    names = [s.name for s in builtin_stages() if s.run == "F"]
+    assert names[:2] == ["bubble-resident", "bubble-pingpong"]  # first: the bubble goal hangs on them
+    assert sum(s.timeout_s for s in stages.values() if s.run == "F") <= RUN_LIMITS["F"]
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    assert flag(pp.argv, "--launch") == "pingpong" and flag(res.argv, "--launch") == "resident"
+    assert [a.replace("pingpong", "resident") for a in pp.argv] == res.argv
+    assert flag(pp.argv, "--compare") == "device"
+    for name in ("--concurrency", "--slots", "--requests", "--input-len", "--output-len"):
+        assert flag(pp.argv, name) == flag(goals_f.argv, name), name  # the same loads as goals-f
+    assert "--server-arg={run_budget_s}" in pp.argv and "--server-arg={dir}/device-trace.json" in pp.argv
+
+
+def test_the_launch_pair_figures_and_one_bubble_row_per_launch(tmp_path):
+    doc = {"runs": [launch_run("pingpong", c, (2.5, 8.0), (0.6, 0.9), 1.3817) for c in (1, 32, 256)]}
+    doc["runs"] += [launch_run("resident", c, (18.4, 19.0), (7.5, 8.1)) for c in (1, 32, 256)]
+    stage = next(s for s in builtin_stages() if s.name == "bubble-pingpong")
+    (tmp_path / "results.json").write_text(json.dumps({"runs": doc["runs"][:3]}))
+    figures = stage_figures(stage, tmp_path, "")
+    one = figures["device c=1 rate=None"]
+    assert one["launch"] == "pingpong" and (one["bubble_us_p50"], one["bubble_us_p99"]) == (2.5, 8.0)
+    assert (one["device_sched_us_p50"], one["device_sched_us_p99"]) == (0.6, 0.9)
+
+    e = all_met_document()  # goals-e's runs: no launch recorded
+    e["runs"] = [r for r in e["runs"] if r["scheduler"] == "host"]  # host beside, in every bubble row
+    rows = goals([doc, e], [ROOFLINE])
+    resident, pingpong = rows[0], rows[1]
+    assert "launch resident" in resident.goal and "launch pingpong" in pingpong.goal
+    assert resident.verdict == "missed" and pingpong.verdict == "met"
+    assert "c=1: device 2.5/8.0, critical 0.60/0.90, TPOT 1381.7; host 2.0/8.0 µs" in pingpong.measured
+    assert "c=256: device 18.4/19.0, critical 7.50/8.10, TPOT 1390.0" in resident.measured
+    assert rows[2].goal.startswith("1-row llama-1b")  # the other goals follow, as before
+    # a window where only one launch ran: one row, named by its launch
+    (only,) = [g for g in goals([{"runs": doc["runs"][:3]}], []) if g.goal.startswith("bubble")]
+    assert "launch pingpong" in only.goal and only.verdict == "met"

@@ -21,6 +21,9 @@ KERNEL_FUNCTIONS = {
     "rl_step_signal",
     "rl_host_step_begin",
     "rl_host_step_end",
+    "rl_plan_wait",
+    "rl_step_gate",
+    "rl_signal_pingpong",
 }
 
 

@@ -20,7 +20,7 @@ from ringleader.bench.report import make_run_entry, timeline_warnings
 from ringleader.bench.servers import device_deltas
 from ringleader.bench.workloads import RequestSpec
 from ringleader.device.backends.cpu import CpuBackend
-from ringleader.device.backends.device_timeline import timeline_summary
+from ringleader.device.backends.device_timeline import timeline_summary, write_chrome_trace
 from ringleader.ipc import layout
 from ringleader.ipc import protocol as P
 from ringleader.ipc.client import AsyncClient, Client
@@ -194,6 +194,23 @@ def test_a_run_longer_than_the_ring_shows_as_fewer_timeline_steps():
     trace = trace_ring(range(12))  # an 8-row ring: steps 4..11 remain
     s = timeline_summary(trace, after_seq=2)  # the run was steps 2..11: 10 steps
     assert s["timeline_steps"] == 8 and s["step_us_p50"] == pytest.approx(np.median(range(14, 22)))
+
+
+def test_void_steps_are_counted_and_their_gaps_stay_bubble(tmp_path):
+    trace = trace_ring(range(8))
+    plain = timeline_summary(trace)
+    assert plain["void_steps"] == 0
+    void = int(layout.TraceFlag.CHAINED | layout.TraceFlag.VOID)
+    trace[[3, 6], F.FLAGS] = void  # steps 3 and 6: handed over with pad rows only
+    s = timeline_summary(trace)
+    assert s["void_steps"] == 2
+    # real GPU time: the gaps before and after a void step are still the bubble's, its time a step's
+    for key in ("bubble_gaps", "idle_gaps", "timeline_steps", "bubble_us_p50", "step_us_p50"):
+        assert s[key] == plain[key], key
+    assert timeline_summary(trace, after_seq=4)["void_steps"] == 1  # only the rows after the seq
+    write_chrome_trace(str(tmp_path / "t.json"), trace)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sorted(e["args"]["seq"] for e in events if e["name"] == "void step") == [3, 6]
 
 
 # ---------------------------------------------------------------- the benchmark

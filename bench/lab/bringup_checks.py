@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     )
     b = sub.add_parser("backend")
     b.add_argument("--scheduler", choices=["device", "host"], default="device")
-    b.add_argument("--launch", choices=["auto", "resident", "pump"], default="auto")
+    b.add_argument("--launch", choices=["auto", "pingpong", "resident", "pump"], default="auto")
     args = p.parse_args(argv)
     try:
         if args.check == "module":

@@ -51,6 +51,8 @@ def perf_figures(stage_dir: Path) -> dict | None:
                     "handoff_us_p50",
                     "launch_us_p50",
                     "device_sched_us_p50",
+                    "device_sched_us_p99",
+                    "void_steps",  # once bench/servers.py carries it into device_stats
                     "device_overlap_us_p50",
                     "overlap_overruns",
                     "step_us_p50",

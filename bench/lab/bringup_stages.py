@@ -22,6 +22,8 @@ RUN_LIMIT_S = 540.0  # each run's stage timeouts sum to at most this (a device c
 # warm machine, the SmolLM2 GGUF carried half in each (bench/lab/gpu_model_pieces.py).
 # E and F likewise: the goals measured in one window, nothing carried between them but the wheels.
 RUN_LIMITS = {"A": RUN_LIMIT_S, "B": RUN_LIMIT_S, "C": 330.0, "D": 330.0, "E": 330.0, "F": 330.0}
+# run F's bubble-resident and bubble-pingpong: each one server and three load points (~30 s)
+LAUNCH_BUBBLE_S = 40.0
 CARRY_STASH = "/tmp/ringleader-carry"  # outside the working tree: kept from call C to call D
 CARRY_MODELS = "/tmp/ringleader-models"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,6 +133,14 @@ def builtin_stages() -> list[Stage]:
     def measured(name, flags: str, timeout, needs=(), run="A") -> Stage:
         """`ringleader bench` on llama-1b, 128 in / 128 out, the kernel's run budget, out to {dir}."""
         return stage(name, bench + flags.split() + [*lengths, *budget, "--out", "{dir}"], timeout, needs, run)
+
+    def launch_bubble(launch: str) -> Stage:
+        """Run F: device mode in one launch mode at goals-f's loads, its raw trace kept (void steps
+        show there: the run entries do not carry their count).  Expected ~30 s: the server's
+        start (~17 s on the H200), 16/128/512 requests (~8 s), the process (~5 s)."""
+        flags = f"--compare device --launch {launch} --concurrency 1,32,256 --slots 256 --requests 16,128,512"
+        flags += " --server-arg=--trace --server-arg={dir}/device-trace.json"
+        return measured(f"bubble-{launch}", flags, LAUNCH_BUBBLE_S, run="F")
 
     return [
         # ---- run A: does the device path run at all, and what is its bubble -----------------
@@ -253,13 +263,19 @@ def builtin_stages() -> list[Stage]:
             70,
             run="E",
         ),
-        # ---- run F (call 2, the same warm machine): the launch probes (devices launching graphs,
-        # two WHILE graphs taking turns, a WHILE around the real step; each its own process), the
-        # host's token path in both modes, CPU interference in both, open loop at 256 slots,
-        # prefix caching on the device, the goals bench again in the other order (the spread
-        # between E and F is part of the result) ----
+        # ---- run F (call 2, the same warm machine): the bubble and the critical phase of the
+        # resident and the ping-pong launch side by side (first: what the bubble goal now hangs
+        # on; resident before the new launch, so a ping-pong stop that hangs cannot cost its
+        # figures), the launch probes (devices launching graphs, two WHILE graphs taking turns: the
+        # ping-pong design's floor), the host's token path in both modes, CPU interference in
+        # both, open loop at 256 slots, the goals bench again in the other order (the spread
+        # between E and F is part of the result).  Dropped for the launch pair's 80 s: probe 10
+        # (a WHILE around the real step: the resident loop's cost, which bubble-resident now
+        # measures on the real server) and prefix-device (no goal reads it; prefix caching on
+        # the device is proven by its GPU test in E's tests-all) ----
+        launch_bubble("resident"),
+        launch_bubble("pingpong"),
         stage("launch-probes", gpu_limits + ["--only", "8,9", "--max-seconds", "15"], 18, run="F"),
-        stage("step-while", gpu_limits + ["--only", "10", "--max-seconds", "27"], 30, run="F"),
         # the host's token path (issue 51): the null model with a 2 ms step standing in for a
         # model's, 256 streams over one connection and over 256, device then host scheduling;
         # server CPU per 1k tokens per thread, completion wakes per step, the CQ poller's reads
@@ -284,12 +300,6 @@ def builtin_stages() -> list[Stage]:
             "open-loop-256",
             "--compare device,host --request-rate 200,800 --slots 256 --requests 256,512",
             62,
-            run="F",
-        ),
-        measured(
-            "prefix-device",
-            "--compare device --concurrency 32 --requests 128 --shared-prefix-len 384 --prefix-groups 4",
-            50,
             run="F",
         ),
         measured(

@@ -3,6 +3,7 @@
     python bench/lab/sched_micro.py                                   # table on stdout
     python bench/lab/sched_micro.py --json out.json --before ba3cd4b  # also the pre-split scheduler
     python bench/lab/sched_micro.py --null-host-check --steps 100     # critical never reads the host
+    python bench/lab/sched_micro.py --steady --plan-ahead --json s.json  # steady path against full build
 
 Scenarios (each at --sizes, default 1, 32, 256 slots; token_budget max(n_slots, 256)):
   decode-only      every slot decodes a long request (its prefill done during warm-up)
@@ -24,7 +25,9 @@ the GPU (PCIe round trips between two steps) shows here as host accesses, not as
 
 --json PATH writes {"scenarios": [{"name", "n_slots", "phases": {"critical": {"us_per_step"
 (median), "us_p99", "host_accesses_per_step", "host_accesses_by_kind"}, "overlapped": {...}},
-"exposed": {...}, ...}], "machine": {...}, "mode": "split"}.  With --before REV the same file
+"exposed": {...}, ...}], "machine": {...}, "mode": "split"}.  --steady: the critical phase's
+steady path against the full build on twin harnesses in lockstep (sched_micro_report.py says
+how, and what its JSON holds).  With --before REV the same file
 also holds "before": the document of REV measured in a temporary git worktree with
 --whole-step (mode "whole-step": CpuScheduler.step() timed as "critical", since before the split
 all of it sat between two model steps; overlapped null; host accesses null, not counted then).
@@ -112,10 +115,12 @@ VOCAB = 1000
 _PREFIX = os.environ.get("RINGLEADER_SCHED_MICRO_PREFIX_CACHING")
 
 
-def ring_config(n_slots: int) -> RingConfig:
+def ring_config(n_slots: int, **fields) -> RingConfig:
+    """fields: more RingConfig fields (--steady's buckets and plan_ahead)."""
     extra = {} if _PREFIX is None else {"prefix_caching": _PREFIX != "0"}
     return RingConfig(
         **extra,
+        **fields,
         n_slots=n_slots,
         # long enough that no request of a run of up to ~30k steps ends by context; no longer,
         # since each slot's token row and block table are sized by it (and the page pool, at
@@ -186,14 +191,23 @@ class Harness:
         whole_step: bool = False,
         null_host_critical: bool = False,
         record_layouts: bool = False,
+        force_full: bool = False,
+        ring: dict | None = None,
     ):
+        """force_full: sched.steady_rows zeroed before every critical pass (the full build);
+        ring: more RingConfig fields."""
         self.scenario, self.n_slots = scenario, n_slots
-        self.cfg = ring_config(n_slots)
+        self.cfg = ring_config(n_slots, **(ring or {}))
         self.kinds, self.abort_share = workload(scenario, n_slots, self.cfg.token_budget)
         self.mem = HostMemory(self.cfg)
         self.a, self.rings, self.ctx = self.mem.arrays, self.mem.rings, self.mem.context_address
         self.sched = scheduler()
-        self.whole_step = whole_step
+        self.whole_step, self.force_full = whole_step, force_full
+        # the steady path's input (a tree from before it has no such field)
+        sched = self.a.get("sched")
+        self._steady = (
+            sched["steady_rows"] if sched is not None and "steady_rows" in sched.dtype.names else None
+        )
         self._null_table = null_host_context(self.mem) if null_host_critical else None  # kept alive
         self.critical_ctx = ctypes.addressof(self._null_table) if null_host_critical else self.ctx
         self.rng = np.random.default_rng(seed)
@@ -217,6 +231,8 @@ class Harness:
             "overlapped_ns": 0,
             "exposed_ns": 0,
             "passes": 0,
+            "eligible": 0,  # critical passes the steady path was set up for
+            "steady": 0,  # ... and that took it (the full build forced: none)
             "built": False,
             "events": 0,
             "critical": np.zeros(5, np.int64),
@@ -231,10 +247,15 @@ class Harness:
                 self.model_step()
         else:
             while True:
+                steady = 0 if self._steady is None else int(self._steady[0])
+                if self.force_full and steady:  # the same state, the full build's way
+                    self._steady[0] = 0
                 self.sched.reset_host_accesses()
                 t0 = time.perf_counter_ns()
                 built = self.sched.critical(self.critical_ctx) == STEP_RUN
                 t1 = time.perf_counter_ns()
+                s["eligible"] += steady > 0  # a steady pass leaves steady_rows; an end zeroes it
+                s["steady"] += steady > 0 and not self.force_full and int(self._steady[0]) > 0
                 s["critical"] += self._accesses()
                 if built:
                     if self.layouts is not None:
@@ -448,11 +469,18 @@ def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step:
     return out
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")  # what a reader compares machines by
+
+
 def machine() -> dict:
-    cpu = None
+    cpu, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+            info: dict[str, str] = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())  # the first CPU's: a VM's are alike
+        cpu, flags = info.get("model name"), set(info.get("flags", "").split())
     except OSError:
         pass
 
@@ -468,6 +496,7 @@ def machine() -> dict:
         calls.append(time.perf_counter_ns() - t0)
     return {
         "cpu_model": cpu,
+        "cpu_flags": {k: k in flags for k in CPU_FLAGS},
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "platform": platform.platform(),
@@ -505,41 +534,6 @@ def run_all(args, whole_step: bool) -> dict:
     return doc
 
 
-# ---------------------------------------------------------------- the null-host check
-
-
-def null_host_check(args) -> int:
-    """Twin harnesses in lockstep; one runs critical on a context without host-only pointers."""
-    bad = 0
-    for name in args.scenarios:
-        for n in args.sizes:
-            real = Harness(name, n, seed=args.seed, record_layouts=True)
-            blind = Harness(name, n, seed=args.seed, record_layouts=True, null_host_critical=True)
-            for _ in range(args.steps):
-                real.step()
-                blind.step()
-            real.check()
-            blind.check()
-            diff = _first_difference(real.layouts, blind.layouts)
-            bad += diff is not None
-            print(
-                f"{name:16} n_slots={n:<4} layouts={len(real.layouts):<5} "
-                + ("ok" if diff is None else f"DIFFER: {diff}")
-            )
-    print("ok" if bad == 0 else f"{bad} runs differ")
-    return 0 if bad == 0 else 1
-
-
-def _first_difference(a: list[dict], b: list[dict]) -> str | None:
-    if len(a) != len(b):
-        return f"{len(a)} layouts built vs {len(b)}"
-    for i, (x, y) in enumerate(zip(a, b)):
-        for key in x:
-            if not np.array_equal(x[key], y[key]):
-                return f"layout {i}: {key}"
-    return None
-
-
 def _csv(kind):
     return lambda text: [kind(v) for v in text.split(",") if v]
 
@@ -559,12 +553,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="critical on a context without host-shared pointers must build the same layouts",
     )
+    p.add_argument("--steady", action="store_true", help="critical: the steady path against the full build")
+    p.add_argument("--plan-ahead", action="store_true", help="--steady: also both with plans published ahead")
+    p.add_argument("--neighbour", type=_csv(str), default=["quiet", "busy"], help="--steady: quiet,busy")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no table on stdout")
     args = p.parse_args(argv)
     for name in args.scenarios:
         workload(name, 1, 256)  # unknown names fail before anything runs
-    if args.null_host_check:
-        return null_host_check(args)
+    if args.null_host_check or args.steady:  # this tree's own checks: in the report's module
+        from ringleader.bench.lab.sched_micro_report import null_host_check, steady_main
+
+        micro = sys.modules[__name__]  # handed over, so the report never imports this module
+        return steady_main(args, micro) if args.steady else null_host_check(args, micro)
     if args.before or not args.quiet:  # not in a --before child, which may run in an older tree
         from ringleader.bench.lab.sched_micro_report import run_before, table
     before = run_before(Path(__file__).resolve(), args.before, args) if args.before else None

@@ -2,7 +2,7 @@
 starts, and the scheduler driven by one of two engines chosen here, once:
 
 - `--scheduler device`: the scheduler as a persistent kernel on its own stream, the step graphs
-  launched resident or pumped (device_scheduled.DeviceScheduled);
+  launched ping-pong, resident or pumped (device_scheduled.DeviceScheduled);
 - `--scheduler host` (the baseline): the CPU build on a host thread, the packed layout copied up
   each step and the bucket's graph replayed (host_scheduled.HostScheduled with a GraphStepRunner,
   the same loop as the CPU backend's: engine_loop.py).

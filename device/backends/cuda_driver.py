@@ -94,6 +94,11 @@ def device_attribute(device, attribute) -> int:
     return int(check(cu.cuDeviceGetAttribute(attribute, device), "cuDeviceGetAttribute"))
 
 
+def current_device():
+    """The device of the context current on this thread."""
+    return check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+
+
 def stream_priority_range() -> tuple[int, int]:
     """(least, greatest) stream priority of the current context; greatest is numerically lowest."""
     least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
@@ -226,6 +231,12 @@ def function_attribute(function, name: str) -> int:
     """A CUfunction_attribute by name, e.g. "CU_FUNC_ATTRIBUTE_NUM_REGS"."""
     attr = getattr(cu.CUfunction_attribute, name)
     return int(check(cu.cuFuncGetAttribute(attr, function), f"cuFuncGetAttribute({name})"))
+
+
+def set_function_attribute(function, name: str, value: int) -> None:
+    """Sets a CUfunction_attribute by name, e.g. "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"."""
+    attr = getattr(cu.CUfunction_attribute, name)
+    check(cu.cuFuncSetAttribute(function, attr, int(value)), f"cuFuncSetAttribute({name})")
 
 
 def create_event(*, timing: bool = True, blocking_sync: bool = False):
@@ -379,25 +390,28 @@ class KernelArgs:
 
 
 def launch(function, args: KernelArgs, stream, *, grid: int = 1, block: int = 1, shared: int = 0):
+    """shared: the launch's dynamic shared memory in bytes (above the function's
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES only once set_function_attribute raised it)."""
     check(
         cu.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared, stream, args.pointer, 0),
         "cuLaunchKernel",
     )
 
 
-def kernel_node_params(function, args: KernelArgs, *, grid: int = 1, block: int = 1):
+def kernel_node_params(function, args: KernelArgs, *, grid: int = 1, block: int = 1, shared: int = 0):
+    """shared: the launch's dynamic shared memory in bytes."""
     p = cu.CUDA_KERNEL_NODE_PARAMS()
     p.func = function
     p.gridDimX, p.gridDimY, p.gridDimZ = grid, 1, 1
     p.blockDimX, p.blockDimY, p.blockDimZ = block, 1, 1
-    p.sharedMemBytes = 0
+    p.sharedMemBytes = shared
     p.kernelParams = args.pointer
     p.extra = 0
     return p
 
 
-def add_kernel_node(graph, deps: list, function, args: KernelArgs, *, grid=1, block=1):
-    params = kernel_node_params(function, args, grid=grid, block=block)
+def add_kernel_node(graph, deps: list, function, args: KernelArgs, *, grid=1, block=1, shared=0):
+    params = kernel_node_params(function, args, grid=grid, block=block, shared=shared)
     return check(cu.cuGraphAddKernelNode(graph, deps or None, len(deps), params), "cuGraphAddKernelNode")
 
 

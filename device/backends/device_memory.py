@@ -38,16 +38,13 @@ class DeviceMemory:
         base = (-self.buffer.data_ptr()) % ALIGN
         self.device_offsets = {n: base + off for n, off in dev_plan.offsets.items()}
         self.device_nbytes = dev_plan.nbytes
-        cfg_host = np.zeros(1, dtype=layout.CONFIG.numpy_dtype())
-        write_config(cfg_host, cfg)
-        self.tensor("cfg", torch.uint8).copy_(torch.from_numpy(cfg_host.view(np.uint8)))
+        self.write_config(cfg)
         ctl = self.host["ctl"][0]
         ctl["magic"], ctl["version"] = layout.MAGIC, layout.LAYOUT_VERSION
         addresses = {n: self.pinned.device_ptr + pinned_plan.offsets[n] for n in PINNED}
         addresses.update({n: self.address(n) for n in self.device_offsets})
         self.context = context_table(addresses)
         self.rings = HostRings(self.host, cfg)
-        self.config = cfg
         torch.cuda.synchronize()  # allowed: nothing persistent runs yet
 
     def address(self, name: str) -> int:
@@ -56,6 +53,23 @@ class DeviceMemory:
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         off, n = self.device_offsets[name], self.device_nbytes[name]
         return self.buffer[off : off + n].view(dtype)
+
+    def write_config(self, cfg: RingConfig) -> None:
+        """The scheduler's device copy of its config; rewritten (cfg.plan_ahead, once the launch
+        mode is known) only before its kernel starts, which reads it once."""
+        cfg_host = np.zeros(1, dtype=layout.CONFIG.numpy_dtype())
+        write_config(cfg_host, cfg)
+        self.write_array("cfg", cfg_host)
+        self.config = cfg
+
+    def write_array(self, name: str, values: np.ndarray) -> None:
+        """Array `name`'s device copy set to `values` (all of its bytes), in stream order with
+        the buffer's zeroing; only before anything persistent runs (it synchronises)."""
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        if raw.nbytes != self.device_nbytes[name]:
+            raise ValueError(f"{name}: {raw.nbytes} bytes given, the array has {self.device_nbytes[name]}")
+        self.tensor(name, torch.uint8).copy_(torch.from_numpy(raw))
+        torch.cuda.synchronize()
 
     def context_bytes(self) -> bytes:
         return bytes(self.context)

@@ -109,7 +109,10 @@ def timeline_summary(trace: np.ndarray, after_seq: int = 0, one_clock: bool = Tr
     counted (they show as idle_gaps).  Its parts: handoff (step end -> the critical phase
     starts), device_sched (the critical phase) and launch (critical end -> the step's first
     kernel).  overlap_overruns counts steps whose overlapped phase ended after the step did,
-    which delays the next critical phase."""
+    which delays the next critical phase.  void_steps counts the void steps (TraceFlag.VOID: a
+    planned step handed over with pad rows only, every planned row's request having ended).
+    They stay in the chained gaps and in step_us: a void step is real GPU time, and the GPU waits
+    before and after it as around any step, so dropping those gaps would hide bubble."""
     rows = complete_rows(trace)
     rows = rows[rows[:, layout.TraceField.SEQ] > after_seq]
     out: dict = {}
@@ -147,6 +150,7 @@ def timeline_summary(trace: np.ndarray, after_seq: int = 0, one_clock: bool = Tr
         bubble_gaps=int(chained.sum()),
         idle_gaps=int((consecutive & ~chained).sum()),
         timeline_steps=len(rows),
+        void_steps=int(((rows[:, f.TraceField.FLAGS] & f.TraceFlag.VOID) != 0).sum()),
     )
     if one_clock:
         out["overlap_overruns"] = overruns
@@ -230,6 +234,13 @@ def write_chrome_trace(path: str, trace: np.ndarray) -> None:
                 r[f.TraceField.OVERLAP_END],
                 seq,
             )
-        span("step", "compute", r[f.TraceField.STEP_BEGIN], r[f.TraceField.STEP_END], seq)
+        void = bool(r[f.TraceField.FLAGS] & f.TraceFlag.VOID)  # pad rows only: GPU time spent on nothing
+        span(
+            "void step" if void else "step",
+            "compute",
+            r[f.TraceField.STEP_BEGIN],
+            r[f.TraceField.STEP_END],
+            seq,
+        )
     with open(path, "w") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)

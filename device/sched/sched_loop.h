@@ -13,7 +13,7 @@
 // Two launches read it.  Resident: one WHILE graph, [wait -> SWITCH(bucket) -> signal] per step.
 // Ping-pong (cfg.plan_ahead): two WHILE graphs on two streams, graph p running the steps whose
 // seq has parity p: [plan wait -> SWITCH(planned bucket) -> {gate -> step} -> signal].  Graph p
-// waits for the plan of its next step (launch.plan_seq, published by the overlapped phase
+// waits for the plan of its next step (its slot of launch.plan_seq, published by the overlapped phase
 // while the step before computes), takes its branch, and parks in the gate, a one-thread
 // kernel already resident when the critical phase hands the step over (launch.released); its
 // loop's re-arm and the SWITCH run while the other graph's step computes.
@@ -233,22 +233,24 @@ RL_FN bool rl_compute_must_exit(const RlContext& ctx) {
          (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown));
 }
 
-// Graph p's first node: waits for the plan of its next step (seq graph_seq[p]) and returns the
-// SWITCH branch of its bucket, or n_buckets (no branch; the caller ends the WHILE) on exit.
+// Graph p's first node: waits for the plan of its next step (seq graph_seq[p], in plan slot p)
+// and returns the SWITCH branch of its bucket, or n_buckets (no branch; the caller ends the
+// WHILE) on exit.  EXIT is looked at first: a plan made void at exit stays published, and the
+// graph that ran its void step must end, not take it again.
 RL_FN uint32_t rl_wait_for_plan(const RlContext& ctx, uint32_t parity) {
   const RlConfig& cfg = *ctx.cfg;
   const uint32_t want = *(volatile const uint32_t*)&ctx.launch->graph_seq[parity] + 1u;
   uint32_t round = 0;
   for (;;) {
-    if (rl_peek_turn(&ctx.launch->plan_seq) == want) {
+    if (rl_peek_turn(ctx.turn) == RL_TURN_EXIT) return cfg.n_buckets;
+    if (rl_peek_turn(&ctx.launch->plan_seq[parity]) == want) {
       rl_fence_acquire();  // the bucket was written before plan_seq
-      uint32_t bucket = *(volatile const uint32_t*)&ctx.launch->plan_bucket;
+      uint32_t bucket = *(volatile const uint32_t*)&ctx.launch->plan_bucket[parity];
       for (uint32_t b = 0; b < cfg.n_buckets; ++b)
         if (cfg.buckets[b] == bucket) return b;
       return cfg.n_buckets;  // unreachable: the scheduler plans only buckets of cfg
     }
     if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_compute_must_exit(ctx)) return cfg.n_buckets;
-    if (rl_peek_turn(ctx.turn) == RL_TURN_EXIT) return cfg.n_buckets;
     if (*(volatile const uint32_t*)&ctx.launch->idle)
       rl_pause_idle();
     else

@@ -574,9 +574,10 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
 // critical phase hands over a step in exactly this bucket (void if all its rows ended).
 RL_FN void rl_publish_plan(const RlContext& c, uint32_t bucket) {
   RlSchedState& st = *c.sched;
+  const uint32_t parity = (uint32_t)st.step & 1u;  // st.step: the next step's seq
   st.plan_bucket = bucket;
-  *(volatile uint32_t*)&c.launch->plan_bucket = bucket;
-  rl_store_turn(&c.launch->plan_seq, (uint32_t)st.step + 1u);  // release: the bucket first
+  *(volatile uint32_t*)&c.launch->plan_bucket[parity] = bucket;
+  rl_store_turn(&c.launch->plan_seq[parity], (uint32_t)st.step + 1u);  // release: the bucket first
 }
 
 // The overlapped phase, run while the step the critical phase built computes (step_built), or
