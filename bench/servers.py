@@ -341,6 +341,7 @@ DEVICE_TIMINGS = (
     "bubble_gaps",
     "idle_gaps",
     "overlap_overruns",
+    "void_steps",
     "step_us_p50",
     "step_us_p99",
     "device_sched_us_p50",

@@ -150,8 +150,8 @@ def _serve(**kw):
 @gpu
 @pytest.mark.parametrize(
     "scheduler,launch",
-    [("device", "resident"), ("device", "pump"), ("host", "auto")],
-    ids=["device-resident", "device-pump", "host-loop"],
+    [("device", "pingpong"), ("device", "resident"), ("device", "pump"), ("host", "auto")],
+    ids=["device-pingpong", "device-resident", "device-pump", "host-loop"],
 )
 def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
     from ringleader.bench.lab.bringup_checks import check_backend
@@ -233,10 +233,11 @@ def _while_streaming(bg, op, timeout: float = 30.0) -> bool:
 
 
 @gpu
-def test_gpu_allocation_while_the_kernel_runs():
+@pytest.mark.parametrize("launch", ["resident", "pingpong"])
+def test_gpu_allocation_while_the_kernel_runs(launch):
     from tests.conftest import RawPeer
 
-    with _serve(launch="resident") as bg:
+    with _serve(launch=launch) as bg:
         peer = RawPeer(bg.address)
         peer.send({"op": "generate", "id": "a", "prompt_ids": [1], "max_tokens": 900, "ignore_eos": True})
         peer.recv_until(lambda m: m["op"] == "token")
@@ -248,7 +249,8 @@ def test_gpu_allocation_while_the_kernel_runs():
 
 
 @gpu
-def test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it():
+@pytest.mark.parametrize("launch", ["resident", "pingpong"])
+def test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it(launch):
     """cudaFree synchronises the device, so it waits while the persistent kernel runs (seen on an
     H100 on 2026-11-25: bench/results/2026-11-25-h100-bringup); the server therefore frees no device
     memory before the kernel has ended.  This checks that a free someone else started beside the
@@ -264,7 +266,7 @@ def test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it():
         torch.cuda.empty_cache()  # frees the cached block the allocation left
         freed.set()
 
-    with _serve(launch="resident") as bg:
+    with _serve(launch=launch) as bg:
         peer = RawPeer(bg.address)
         peer.send({"op": "generate", "id": "a", "prompt_ids": [1], "max_tokens": 900, "ignore_eos": True})
         peer.recv_until(lambda m: m["op"] == "token")
@@ -279,13 +281,14 @@ def test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it():
 
 
 @gpu
-def test_gpu_kernel_that_ends_on_its_own_becomes_engine_dead():
+@pytest.mark.parametrize("launch", ["resident", "pingpong"])
+def test_gpu_kernel_that_ends_on_its_own_becomes_engine_dead(launch):
     """The run budget (3 s) ends the kernel while requests keep coming: on an H100 one
     1000-token request on `tiny` finishes well inside 3 s, so requests follow one another until
     one ends with engine_dead naming the budget; each gets exactly one done."""
     from tests.conftest import RawPeer
 
-    with _serve(launch="resident", run_budget_s=3.0, server_options={"watchdog_s": 2.0}) as bg:
+    with _serve(launch=launch, run_budget_s=3.0, server_options={"watchdog_s": 2.0}) as bg:
         peer = RawPeer(bg.address)
         deadline = time.monotonic() + 30
         dones: list[dict] = []
@@ -365,8 +368,8 @@ def test_gpu_logprobs_and_choices_match_the_cpu_backend(scheduler):
 @gpu
 @pytest.mark.parametrize(
     "scheduler,launch",
-    [("device", "resident"), ("device", "pump"), ("host", "auto")],
-    ids=["device-resident", "device-pump", "host-loop"],
+    [("device", "pingpong"), ("device", "resident"), ("device", "pump"), ("host", "auto")],
+    ids=["device-pingpong", "device-resident", "device-pump", "host-loop"],
 )
 def test_gpu_null_model_in_every_mode(scheduler, launch):
     """--model null on CUDA: its step graph is one kernel node per bucket (device scheduler), its

@@ -51,6 +51,7 @@ COVERED_BY_STAGE = {
     "tests/test_gpu_graphs.py::test_the_scheduler_module_loads_with_every_kernel": "module",
     "tests/test_gpu_graphs.py::test_captured_graphs_match_the_eager_step[float32]": "graphs-fp32",
     "tests/test_gpu_graphs.py::test_captured_graphs_match_the_eager_step[bfloat16]": "graphs-bf16",
+    "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[device-pingpong]": "tests-all",
     "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[device-resident]": "backend-resident",
     "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[device-pump]": "backend-pump",
     "tests/test_gpu_backend.py::test_gpu_mode_parity_timeline_and_stop[host-loop]": "backend-host",
