@@ -4,6 +4,7 @@ scenarios are correct runs (every request ends with exactly one DONE)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from ringleader.bench.lab import sched_micro
 from ringleader.bench.lab.sched_micro import SCENARIOS, Harness
 from ringleader.device.sched.build import HOST_ACCESS_KINDS as KINDS
 from ringleader.ipc import layout
+from ringleader.ipc.rings import RingConfig
+from tests.sched_driver import Driver, scheduler, token_for
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (1, 4)
@@ -123,6 +126,7 @@ def test_json_has_the_documented_shape(tmp_path, capsys):
     assert doc["mode"] == "split"
     for key in ("cpu_model", "cpu_count", "python", "git_rev"):
         assert key in doc["machine"], key
+    assert set(doc["machine"]["cpu_flags"]) == set(sched_micro.CPU_FLAGS)
     assert [(s["name"], s["n_slots"]) for s in doc["scenarios"]] == [
         (name, n) for name in SCENARIOS for n in (1, 4)
     ]
@@ -134,3 +138,170 @@ def test_json_has_the_documented_shape(tmp_path, capsys):
             assert np.isclose(st["host_accesses_per_step"], sum(st["host_accesses_by_kind"].values()))
         assert s["phases"]["critical"]["host_accesses_per_step"] == 0
         assert s["phases"]["overlapped"]["host_accesses_per_step"] > 0
+
+
+def test_steady_mode_measures_the_steady_path_against_the_full_build_on_the_same_states(tmp_path, capsys):
+    path = tmp_path / "steady.json"
+    argv = [
+        "--steady",
+        "--plan-ahead",
+        "--steps",
+        "30",
+        "--warmup",
+        "5",
+        "--sizes",
+        "1,4",
+        "--json",
+        str(path),
+    ]
+    assert sched_micro.main(argv) == 0  # quiet, then beside a busy-looping neighbour
+    assert "full/steady" in capsys.readouterr().out  # the table
+    doc = json.loads(path.read_text())
+    assert doc["mode"] == "steady" and doc["variants"] == ["steady", "full", "steady+plan", "full+plan"]
+    assert [c["neighbour"] for c in doc["conditions"]] == ["quiet", "busy"]
+    assert doc["conditions"][0]["neighbour_cpu_share"] is None
+    assert doc["conditions"][1]["neighbour_cpu_share"] > 0  # it spun while the twins stepped
+    for c in doc["conditions"]:
+        assert [s["n_slots"] for s in c["sizes"]] == [1, 4]
+        for s in c["sizes"]:
+            assert s["layouts_differ"] == {}  # the full build lays out what the steady path does
+            assert set(s["ratios"]) == {"full/steady", "full+plan/steady+plan", "steady+plan/steady"}
+            for name, v in s["variants"].items():
+                assert v["eligible_share"] == 1.0, name  # every pass could take the steady path
+                assert v["steady_share"] == (0.0 if name.startswith("full") else 1.0), name
+                assert v["critical"]["host_accesses_per_step"] == 0, name
+                assert v["overlapped"]["host_accesses_per_step"] > 0, name
+                assert v["critical"]["us_p99"] >= v["critical"]["us_per_step"] > 0
+
+
+# ---- the steady path and the void step (sched_critical.h): device memory only, too
+
+
+@pytest.mark.parametrize("n_slots", (1, 4, 32))
+def test_the_steady_path_makes_no_host_access(n_slots):
+    h = Harness("decode-only", n_slots)
+    h.warm_up(5)
+    steady = 0
+    for i in range(STEPS):
+        rows = int(h.a["sched"][0]["steady_rows"])
+        s = h.step()
+        assert not s["critical"].any(), f"step {i}: {dict(zip(KINDS, s['critical'].tolist()))}"
+        if rows:
+            assert s["built"] and s["passes"] == 1 and rows == n_slots, i
+            assert int(h.a["step"][0]["n_tokens"]) == rows
+            steady += 1
+    h.check()
+    assert steady >= STEPS - 1  # decode-only never leaves the steady state once in it
+
+
+def _phase_twin(plan_ahead: bool, null_host: bool) -> dict:
+    """Two Drivers in lockstep over the phases (critical, a stand-in step, overlapped) with
+    traffic that reaches the steady path and, with plan_ahead, void steps: long decodes side by
+    side, then lone and paired requests that end by a stop id.  The second one's critical phase
+    runs on a context without host-shared pointers when null_host (a host access there is a
+    segfault: run it in a subprocess), else on the real one with its host accesses counted.
+    Returns the steps where steady_rows was set and the void steps, with their critical
+    phases' host accesses, and whether the two drivers laid out every step alike."""
+    sched = scheduler()
+    cfg = RingConfig(
+        n_slots=4,
+        max_ctx=64,
+        token_budget=16,
+        sq_size=16,
+        cq_size=128,
+        arena_size=1024,
+        pending_cap=16,
+        buckets=(1, 2, 4, 8, 16),
+        plan_ahead=plan_ahead,
+    )
+    twins = [Driver(cfg), Driver(cfg)]
+    table = sched_micro.null_host_context(twins[1].mem) if null_host else None
+    critical_ctx = [
+        twins[0].mem.context_address,
+        ctypes.addressof(table) if table is not None else twins[1].mem.context_address,
+    ]
+    waves = [[(8, 12, None)] * 3, [(5, 20, 1)], [(3, 20, 2), (3, 20, 2)], [(6, 20, 0)], [(4, 9, None)] * 2]
+    out = {"steady": [], "void": [], "same": True, "steps": 0}
+    for wave in waves:
+        for prompt_len, max_tokens, stop_at in wave:
+            handles = [
+                d.submit(
+                    np.arange(1, 1 + prompt_len),
+                    max_tokens,
+                    stop_ids=() if stop_at is None else (token_for(d._next, stop_at),),
+                )
+                for d in twins
+            ]
+            assert handles[0] == handles[1] is not None
+        for _ in range(200):
+            laid_out, accesses = [], None
+            steady_rows = int(twins[0].a["sched"][0]["steady_rows"])
+            for k, d in enumerate(twins):
+                d.rings.submissions.publish()
+                sched.reset_host_accesses()
+                built = sched.critical(critical_ctx[k]) == layout.StepStatus.RUN
+                got = sched.host_accesses()
+                if k == 0:
+                    accesses = sum(got.values())
+                snapshot = None
+                if built:
+                    a = d.a
+                    hdr = a["step"][0]
+                    n, bucket, ns = int(hdr["n_tokens"]), int(hdr["bucket"]), int(hdr["n_samples"])
+                    snapshot = (
+                        n,
+                        bucket,
+                        ns,
+                        *(a[x][:bucket].tobytes() for x in ("token_ids", "positions", "slot_of")),
+                    )
+                    snapshot += tuple(
+                        a[x][:ns].tobytes() for x in ("sample_slot", "sample_row", "sample_counter")
+                    )
+                    for q in range(ns):
+                        s = int(a["sample_slot"][q])
+                        a["next_token"][s] = token_for(
+                            int(a["slots"][s]["handle"]), int(a["sample_counter"][q])
+                        )
+                laid_out.append(snapshot)
+                sched.overlapped(d.mem.context_address, built)
+                d.drain_cq()
+            out["same"] &= laid_out[0] == laid_out[1]
+            out["steps"] += laid_out[0] is not None
+            if laid_out[0] is not None:
+                if steady_rows:
+                    out["steady"].append(accesses)
+                if laid_out[0][0] == 0:
+                    out["void"].append(accesses)
+            if all(r.done for r in twins[0].records.values()) and laid_out[0] is None:
+                break
+    for d in twins:
+        for handle, rec in d.records.items():
+            assert len(rec.done) == 1 and rec.tokens == [token_for(handle, i) for i in range(len(rec.tokens))]
+    return out
+
+
+@pytest.mark.parametrize("plan_ahead", [False, True])
+def test_the_steady_path_and_the_void_step_make_no_host_access(plan_ahead):
+    got = _phase_twin(plan_ahead, null_host=False)
+    assert got["same"] and len(got["steady"]) >= 10, got
+    assert all(n == 0 for n in got["steady"]), got
+    if plan_ahead:  # the lone stopper, the pair that stop together and the one stopping at once
+        assert len(got["void"]) == 3 and all(n == 0 for n in got["void"]), got
+    else:
+        assert got["void"] == []
+
+
+@pytest.mark.parametrize("plan_ahead", [False, True])
+def test_null_host_check_covers_the_steady_path_and_the_void_step(plan_ahead):
+    # a subprocess: a host access in the critical phase is a segfault, which must fail the test
+    code = (
+        "import json; from tests.test_sched_phases import _phase_twin; "
+        f"got = _phase_twin({plan_ahead}, null_host=True); "
+        "print(json.dumps({'same': got['same'], 'steady': len(got['steady']), 'void': len(got['void'])}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["steady"] >= 10 and got["void"] == (3 if plan_ahead else 0), got
