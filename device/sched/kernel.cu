@@ -2,8 +2,6 @@
 // kernels.  The loops themselves are shared text (sched_loop.h), which the CPU build runs too;
 // here they only get their GPU entry points.  Header-free so NVRTC needs no CUDA include path.
 
-// One block, ever: minBlocks 1 lets ptxas take the registers it needs rather than spill for
-// an occupancy this kernel never has.
 // The launch's dynamic shared memory, in bytes.
 __device__ __forceinline__ uint32_t rl_dynamic_smem_bytes() {
   uint32_t n;

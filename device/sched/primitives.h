@@ -79,7 +79,6 @@ RL_FN void rl_fence_device() {
 // steady state, sched_critical.h).
 #define RL_WARP_SIZE 32u
 #define RL_IN_WARP0 (threadIdx.x < 32u)
-#define RL_WARP_FOR(i, n) for (uint32_t i = threadIdx.x & 31u; i < (uint32_t)(n); i += 32u)
 RL_FN void rl_warp_sync() {
   __syncwarp();
 }
@@ -182,7 +181,6 @@ RL_FN void rl_fence_device() {
 // One thread is the block and its warp 0.
 #define RL_WARP_SIZE 32u
 #define RL_IN_WARP0 true
-#define RL_WARP_FOR(i, n) for (uint32_t i = 0; i < (uint32_t)(n); ++i)
 RL_FN void rl_warp_sync() {}
 RL_FN uint32_t rl_warp_any(uint32_t v) {
   return v != 0;

@@ -6,7 +6,10 @@
 // primitives.h.
 //
 // sched_critical() runs between two model steps, so it is all the GPU ever waits for.  It
-// touches device memory only (no host-shared access: tests/test_sched_phases.py counts them):
+// touches device memory only (no host-shared access: tests/test_sched_phases.py counts them).
+// In the steady state (the step that just ran had decode rows only, and the overlapped phase
+// found the next one repeats them) it consumes the samples and, if no request ended, advances
+// that layout in place (rl_critical_steady).  Otherwise:
 //   1. consume the last step's samples: per slot, the token, the stop checks, the event the
 //      overlapped phase will write; aborted slots are freed
 //   2. build the next step from the slots already admitted: one row per decoding slot first,
@@ -21,7 +24,8 @@
 //   5. resume preempted requests, then admit pending requests into free slots, as far as the
 //      KV pages of their prompts fit, copying their prompts into device memory, for the step
 //      after next
-//   6. mirror the counters to the host control block when due
+//   6. decide the next step's shape: whether it is steady, and under cfg.plan_ahead its bucket,
+//      published for the ping-pong launch (sched_loop.h); mirror the counters when due
 // The price: a request admitted in 5 runs one step later than if admission sat on the critical
 // path (one step of TTFT under load; none when the scheduler was idle, since an idle pass runs
 // critical again at once).  In exchange nothing between two steps waits on PCIe.
