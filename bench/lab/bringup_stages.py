@@ -136,8 +136,8 @@ def builtin_stages() -> list[Stage]:
         return stage(name, bench + flags.split() + [*lengths, *budget, "--out", "{dir}"], timeout, needs, run)
 
     def launch_bubble(launch: str) -> Stage:
-        """Run F: device mode in one launch mode at goals-f's loads, its raw trace kept (void steps
-        show there: the run entries do not carry their count).  Expected ~30 s: the server's
+        """Run F: device mode in one launch mode at goals-f's loads, its raw trace kept (each
+        run's entry carries its void steps too).  Expected ~30 s: the server's
         start (~17 s on the H200), 16/128/512 requests (~8 s), the process (~5 s)."""
         flags = f"--compare device --launch {launch} --concurrency 1,32,256 --slots 256 --requests 16,128,512"
         flags += " --server-arg=--trace --server-arg={dir}/device-trace.json"
