@@ -16,14 +16,14 @@ __device__ RlConfig* rl_place_in_shared(RlContext& c, unsigned char* base, uint3
   const RlConfig& cfg = *c.cfg;  // the device copy: the counts below read it before it moves
   RlConfig* cfg_home = 0;
   uint32_t used = 0;
-#define RL_PLACE(name, type, count)                                              \
-  {                                                                              \
+#define RL_PLACE(name, type, count)                                             \
+  {                                                                             \
     uint32_t need = ((uint32_t)(sizeof(type) * (count)) + 15u) & ~15u;          \
-    if (used + need <= bytes) {                                                  \
-      if ((void*)&c.name == (void*)&c.cfg) cfg_home = (RlConfig*)(base + used);  \
-      c.name = (type*)(base + used);                                             \
-      used += need;                                                              \
-    }                                                                            \
+    if (used + need <= bytes) {                                                 \
+      if ((void*)&c.name == (void*)&c.cfg) cfg_home = (RlConfig*)(base + used); \
+      c.name = (type*)(base + used);                                            \
+      used += need;                                                             \
+    }                                                                           \
   }
   RL_SHARED_PLACEMENT(RL_PLACE)
 #undef RL_PLACE
@@ -53,12 +53,12 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
   sched_persistent(placed, &sh);
   __syncthreads();
   const RlConfig& cfg = *placed.cfg;
-#define RL_BACK(name, type, count)                                                        \
-  if (placed.name != ctx.name) {                                                          \
-    const uint32_t* from = (const uint32_t*)placed.name;                                  \
-    uint32_t* to = (uint32_t*)ctx.name;                                                   \
+#define RL_BACK(name, type, count)                                                               \
+  if (placed.name != ctx.name) {                                                                 \
+    const uint32_t* from = (const uint32_t*)placed.name;                                         \
+    uint32_t* to = (uint32_t*)ctx.name;                                                          \
     for (uint32_t i = threadIdx.x; i < (uint32_t)(sizeof(type) * (count)) / 4u; i += blockDim.x) \
-      to[i] = from[i];                                                                    \
+      to[i] = from[i];                                                                           \
   }
   RL_SHARED_WRITE_BACK(RL_BACK)
 #undef RL_BACK
@@ -109,7 +109,8 @@ extern "C" __global__ void rl_host_step_end(RlContext ctx) {
 // Waits for the plan of graph p's next step and picks its bucket's branch; on exit no branch,
 // and the WHILE ends.
 extern "C" __global__ void rl_plan_wait(RlContext ctx, cudaGraphConditionalHandle switch_handle,
-                                        cudaGraphConditionalHandle while_handle, unsigned int parity) {
+                                        cudaGraphConditionalHandle while_handle,
+                                        unsigned int parity) {
   uint32_t branch = rl_wait_for_plan(ctx, parity);
   if (branch >= ctx.cfg->n_buckets) cudaGraphSetConditional(while_handle, 0u);
   cudaGraphSetConditional(switch_handle, branch);

@@ -68,7 +68,8 @@ RL_FN uint32_t rl_finish_reason(const RlConfig& cfg, const RlSlot& s, int32_t to
 // Whether the sample a step in flight gives slot `sl` must end its request by length, whatever
 // the token (rl_finish_reason's length checks one token ahead): its row will not be laid out.
 RL_FN bool rl_ends_by_length_next(const RlConfig& cfg, const RlSlot& sl) {
-  return sl.sampled && (sl.n_generated + 1 >= sl.max_tokens || sl.prompt_len + sl.n_generated + 1 >= cfg.max_ctx);
+  return sl.sampled &&
+         (sl.n_generated + 1 >= sl.max_tokens || sl.prompt_len + sl.n_generated + 1 >= cfg.max_ctx);
 }
 
 RL_FN void rl_put_event(const RlContext& c, uint32_t pos, uint32_t handle, uint32_t kind,

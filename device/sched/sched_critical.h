@@ -73,7 +73,8 @@ template <bool WARP>
 RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began) {
   RlSchedState& st = *c.sched;
   uint32_t ended = 0;
-#define RL_STEADY_FOR(r) for (uint32_t r = WARP ? (RL_TID & 31u) : RL_TID; r < n; r += WARP ? 32u : RL_NTHREADS)
+#define RL_STEADY_FOR(r) \
+  for (uint32_t r = WARP ? (RL_TID & 31u) : RL_TID; r < n; r += WARP ? 32u : RL_NTHREADS)
   RL_STEADY_FOR(r) {
     uint32_t s = (uint32_t)c.seg_slot[r];
     RlSlot& sl = c.slots[s];
@@ -188,7 +189,8 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   uint32_t wanted = rl_exclusive_scan(before, n_queued, sh);
   // decode rows first: they protect TPOT.  A published plan bounds the rows by its bucket (the
   // plan counted every row this build can lay out, so this only restates it)
-  uint32_t limit = st.plan_bucket && st.plan_bucket < cfg.token_budget ? st.plan_bucket : cfg.token_budget;
+  uint32_t limit =
+      st.plan_bucket && st.plan_bucket < cfg.token_budget ? st.plan_bucket : cfg.token_budget;
   uint32_t budget = limit > n_decode ? limit - n_decode : 0u;
   // Segments: decode slots at [0, n_decode), prefill chunks after, in admission order.  A
   // prefilling slot wants at least one token, so `before` rises strictly over live entries and

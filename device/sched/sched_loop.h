@@ -13,14 +13,14 @@
 // Two launches read it.  Resident: one WHILE graph, [wait -> SWITCH(bucket) -> signal] per step.
 // Ping-pong (cfg.plan_ahead): two WHILE graphs on two streams, graph p running the steps whose
 // seq has parity p: [plan wait -> SWITCH(planned bucket) -> {gate -> step} -> signal].  Graph p
-// waits for the plan of its next step (its slot of launch.plan_seq, published by the overlapped phase
-// while the step before computes), takes its branch, and parks in the gate, a one-thread
+// waits for the plan of its next step (its slot of launch.plan_seq, published by the overlapped
+// phase while the step before computes), takes its branch, and parks in the gate, a one-thread
 // kernel already resident when the critical phase hands the step over (launch.released); its
 // loop's re-arm and the SWITCH run while the other graph's step computes.
 #pragma once
 
 #define RL_SH_TURN_EXIT 3
-#define RL_SH_STEADY_DONE 8  // and sh->w[0]: when the steady try began
+#define RL_SH_STEADY_DONE 8        // and sh->w[0]: when the steady try began
 #define RL_STOP_POLL_ROUNDS 4096u  // polls of `turn` between two looks at shutdown (PCIe reads)
 
 // Leader only: waits for the step graph to hand the turn back (at once when no step is out).
@@ -82,7 +82,8 @@ RL_FN void rl_void_planned_step(const RlContext& ctx) {
 // barrier on the way; the block meets after.  Returns the wait's exit reason (RL_EXIT_NONE:
 // the turn came back); sh->u[RL_SH_STEADY_DONE] says whether the step went out, and
 // sh->w[0] when the try began (the full build's trace row starts there if it did not).
-RL_FN uint32_t rl_turn_and_steady_warp(const RlContext& ctx, RlShared* sh, uint32_t n, uint32_t stop) {
+RL_FN uint32_t rl_turn_and_steady_warp(const RlContext& ctx, RlShared* sh, uint32_t n,
+                                       uint32_t stop) {
   if (RL_IN_WARP0) {
     uint32_t late = rl_warp_broadcast(RL_LEADER ? rl_wait_for_turn(ctx) : 0u);
     uint64_t began = rl_now_ns();
