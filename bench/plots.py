@@ -81,7 +81,8 @@ def machine_text(doc: dict) -> str:
     env = doc.get("environment") or {}
     parts = []
     if env.get("cpu_model"):
-        parts.append(str(env["cpu_model"]))
+        flags = [k for k, on in (env.get("cpu_flags") or {}).items() if on]
+        parts.append(str(env["cpu_model"]) + (f" [{' '.join(flags)}]" if flags else ""))
     if env.get("cpu_count"):
         parts.append(f"{env['cpu_count']} logical CPUs")
     if env.get("gpu"):

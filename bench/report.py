@@ -178,7 +178,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        **dict(zip(("cpu_model", "cpu_flags"), cpu_identity())),
         "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
@@ -193,15 +193,23 @@ def environment() -> dict:
     return env
 
 
-def _cpu_model() -> str | None:
+# the instruction sets a CPU figure is compared by (AVX2-only machines and AVX-512 ones differ)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
+
+
+def cpu_identity() -> tuple[str | None, dict[str, bool]]:
+    """The CPU's model name and which of CPU_FLAGS it has (the first CPU's /proc/cpuinfo entry:
+    a machine's are alike)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or None
+    flags = set(info.get("flags", "").split())
+    return info.get("model name") or platform.processor() or None, {k: k in flags for k in CPU_FLAGS}
 
 
 # ---------------------------------------------------------------- the document

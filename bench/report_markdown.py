@@ -21,6 +21,12 @@ from ringleader.bench.report_tables import (
 )
 
 
+def _flags_text(flags: dict | None) -> str:
+    if flags is None:
+        return "flags unrecorded"
+    return " ".join(k for k, on in flags.items() if on) or "none of " + "/".join(flags)
+
+
 def _loadavg(v) -> str:
     return "?" if not v else "/".join(f"{x:.2f}" for x in v)
 
@@ -59,7 +65,7 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         f"- created: {doc['created']}",
         f"- command: `{' '.join(['ringleader', 'bench', *doc['command']])}`",
         f"- git commit: `{git.get('commit')}`" + (" (uncommitted changes)" if git.get("dirty") else ""),
-        f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs)"
+        f"- host: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs; {_flags_text(env.get('cpu_flags'))})"
         + (f", GPU {env['gpu']}" if env.get("gpu") else "")
         + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
         f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",

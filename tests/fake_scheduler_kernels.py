@@ -98,7 +98,7 @@ class _Context:
         return [int(b) for b in self.cfg["buckets"][: int(self.cfg["n_buckets"])]]
 
     def compute_must_exit(self) -> bool:
-        """sched_loop.h: rl_compute_must_exit."""
+        """sched_loop.h: turn EXIT, or rl_scheduler_gone (the waits look at both)."""
         if self.turn == T.EXIT:
             return True
         state = self.get("state")

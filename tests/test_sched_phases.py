@@ -15,6 +15,7 @@ import pytest
 
 from ringleader.bench.lab import sched_micro
 from ringleader.bench.lab.sched_micro import SCENARIOS, Harness
+from ringleader.bench.report import CPU_FLAGS
 from ringleader.device.sched.build import HOST_ACCESS_KINDS as KINDS
 from ringleader.ipc import layout
 from ringleader.ipc.rings import RingConfig
@@ -126,7 +127,7 @@ def test_json_has_the_documented_shape(tmp_path, capsys):
     assert doc["mode"] == "split"
     for key in ("cpu_model", "cpu_count", "python", "git_rev"):
         assert key in doc["machine"], key
-    assert set(doc["machine"]["cpu_flags"]) == set(sched_micro.CPU_FLAGS)
+    assert set(doc["machine"]["cpu_flags"]) == set(CPU_FLAGS)
     assert [(s["name"], s["n_slots"]) for s in doc["scenarios"]] == [
         (name, n) for name in SCENARIOS for n in (1, 4)
     ]

@@ -54,6 +54,7 @@ import numpy as np
 if __package__ in (None, ""):  # `python bench/lab/sched_micro.py`: this tree's packages come first
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from ringleader.bench.report import cpu_identity
 from ringleader.device.backends.host_memory import HostMemory
 
 # Only names the pre-split tree has too at module level: --before runs this file there.
@@ -469,20 +470,8 @@ def measure(scenario: str, n_slots: int, *, steps: int, warmup: int, whole_step:
     return out
 
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")  # what a reader compares machines by
-
-
 def machine() -> dict:
-    cpu, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info: dict[str, str] = {}
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())  # the first CPU's: a VM's are alike
-        cpu, flags = info.get("model name"), set(info.get("flags", "").split())
-    except OSError:
-        pass
+    cpu, flags = cpu_identity()
 
     def git(*args):
         r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
@@ -496,7 +485,7 @@ def machine() -> dict:
         calls.append(time.perf_counter_ns() - t0)
     return {
         "cpu_model": cpu,
-        "cpu_flags": {k: k in flags for k in CPU_FLAGS},
+        "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "platform": platform.platform(),

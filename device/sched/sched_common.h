@@ -53,6 +53,15 @@ RL_FN uint32_t rl_bucket_for(const RlConfig& cfg, uint32_t n_rows) {
   return bucket > cfg.token_budget ? cfg.token_budget : bucket;
 }
 
+// Rows [from, to) of the layout made pad rows (no slot: their KV goes to the scratch page).
+RL_FN void rl_pad_rows(const RlContext& c, uint32_t from, uint32_t to) {
+  RL_FOR(k, to - from) {
+    c.token_ids[from + k] = 0;
+    c.positions[from + k] = 0;
+    c.slot_of[from + k] = -1;
+  }
+}
+
 // Stop checks for a slot that just received `tok`; returns an RL_FINISH_* code.
 RL_FN uint32_t rl_finish_reason(const RlConfig& cfg, const RlSlot& s, int32_t tok) {
   if (!(s.flags & RL_FLAG_IGNORE_EOS))

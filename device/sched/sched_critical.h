@@ -265,11 +265,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   // Pad rows up to the bucket so a captured graph of that size can run the step: the
   // published plan's, whose graph already chose its branch, else the smallest that holds them.
   uint32_t bucket = st.plan_bucket ? st.plan_bucket : rl_bucket_for(cfg, n_rows);
-  RL_FOR(row, bucket - n_rows) {
-    c.token_ids[n_rows + row] = 0;
-    c.positions[n_rows + row] = 0;
-    c.slot_of[n_rows + row] = -1;
-  }
+  rl_pad_rows(c, n_rows, bucket);
   RL_SYNC();
   if (RL_LEADER) {
     c.step->n_tokens = n_rows;

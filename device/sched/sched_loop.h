@@ -67,11 +67,7 @@ RL_FN void rl_void_planned_step(const RlContext& ctx) {
   const RlSchedState& st = *ctx.sched;
   uint32_t bucket = st.plan_bucket;
   if (bucket == 0) return;
-  RL_FOR(row, bucket) {
-    ctx.token_ids[row] = 0;
-    ctx.positions[row] = 0;
-    ctx.slot_of[row] = -1;
-  }
+  rl_pad_rows(ctx, 0, bucket);
   if (RL_LEADER) ctx.step->n_samples = 0;
   rl_fence_device();
   RL_SYNC();
@@ -156,6 +152,14 @@ RL_FN void sched_persistent(const RlContext& ctx, RlShared* sh) {
   if (RL_LEADER) rl_store_turn(ctx.turn, RL_TURN_EXIT);
 }
 
+// For a waiter on the compute side, every RL_STOP_POLL_ROUNDS polls (PCIe reads): whether no
+// scheduler is left to write EXIT (state EXITED or FAILED, or shutdown while it is not RUNNING).
+RL_FN bool rl_scheduler_gone(const RlContext& ctx) {
+  uint32_t state = rl_load_acquire(&ctx.ctl->state);
+  return state == RL_STATE_EXITED || state == RL_STATE_FAILED ||
+         (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown));
+}
+
 // The step graph's wait: returns RL_TURN_COMPUTE when the scheduler hands over a step, or
 // RL_TURN_EXIT when the loop must end: the scheduler wrote EXIT, or no scheduler is left to
 // write it (state EXITED or FAILED, or shutdown while the scheduler is not RUNNING, as when its
@@ -169,12 +173,7 @@ RL_FN uint32_t rl_wait_for_step(const RlContext& ctx) {
       rl_fence_acquire();  // the layout the scheduler wrote before the turn
       return turn;
     }
-    if ((++round % RL_STOP_POLL_ROUNDS) == 0) {
-      uint32_t state = rl_load_acquire(&ctx.ctl->state);
-      if (state == RL_STATE_EXITED || state == RL_STATE_FAILED ||
-          (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown)))
-        return RL_TURN_EXIT;
-    }
+    if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_scheduler_gone(ctx)) return RL_TURN_EXIT;
     if (*(volatile const uint32_t*)&ctx.launch->idle)
       rl_pause_idle();
     else
@@ -225,15 +224,6 @@ RL_FN void rl_signal_step_done(const RlContext& ctx) {
 
 // ---- the ping-pong launch (cfg.plan_ahead) --------------------------------------------------
 
-// Whether the loop must end for a waiter on the compute side: the scheduler wrote EXIT, or
-// none is left to write it (state EXITED or FAILED, or shutdown while it is not RUNNING).
-RL_FN bool rl_compute_must_exit(const RlContext& ctx) {
-  if (rl_peek_turn(ctx.turn) == RL_TURN_EXIT) return true;
-  uint32_t state = rl_load_acquire(&ctx.ctl->state);
-  return state == RL_STATE_EXITED || state == RL_STATE_FAILED ||
-         (state != RL_STATE_RUNNING && rl_load_acquire(&ctx.ctl->shutdown));
-}
-
 // Graph p's first node: waits for the plan of its next step (seq graph_seq[p], in plan slot p)
 // and returns the SWITCH branch of its bucket, or n_buckets (no branch; the caller ends the
 // WHILE) on exit.  EXIT is looked at first: a plan made void at exit stays published, and the
@@ -251,7 +241,7 @@ RL_FN uint32_t rl_wait_for_plan(const RlContext& ctx, uint32_t parity) {
         if (cfg.buckets[b] == bucket) return b;
       return cfg.n_buckets;  // unreachable: the scheduler plans only buckets of cfg
     }
-    if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_compute_must_exit(ctx)) return cfg.n_buckets;
+    if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_scheduler_gone(ctx)) return cfg.n_buckets;
     if (*(volatile const uint32_t*)&ctx.launch->idle)
       rl_pause_idle();
     else
@@ -273,7 +263,7 @@ RL_FN uint32_t rl_gate_step(const RlContext& ctx, uint32_t parity) {
       return RL_TURN_COMPUTE;
     }
     if (rl_peek_turn(ctx.turn) == RL_TURN_EXIT) return RL_TURN_EXIT;
-    if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_compute_must_exit(ctx)) return RL_TURN_EXIT;
+    if ((++round % RL_STOP_POLL_ROUNDS) == 0 && rl_scheduler_gone(ctx)) return RL_TURN_EXIT;
     rl_pause_expecting();  // a planned step always comes (a void one at worst)
   }
 }

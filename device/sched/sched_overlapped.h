@@ -608,23 +608,25 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   // end it by length, and the prefill chunks the budget allows (the full build lays out no
   // more), and whether it repeats the step in flight (sched_critical's steady state).  Leaving
   // out the certain ends keeps a plan from a void step when requests end by max_tokens.
-  uint32_t my_active = 0, my_decode = 0, my_want = 0, my_joining = 0, my_ending = 0;
+  // Slot counts (each at most n_slots < 2^16) go two to a word: three block sums, not five.
+  uint32_t my_active_decode = 0, my_joining_ending = 0, my_want = 0;
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
-    my_active += sl.state != RL_SLOT_FREE;
-    my_decode += sl.state == RL_SLOT_DECODE;
-    my_ending += sl.state == RL_SLOT_DECODE && rl_ends_by_length_next(cfg, sl);
+    my_active_decode +=
+        (sl.state != RL_SLOT_FREE ? 1u : 0u) | (sl.state == RL_SLOT_DECODE ? 1u << 16 : 0u);
+    my_joining_ending +=
+        (sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_ABORTED ? 1u : 0u) |
+        (sl.state == RL_SLOT_DECODE && rl_ends_by_length_next(cfg, sl) ? 1u << 16 : 0u);
     if (sl.state == RL_SLOT_PREFILL) {  // clamped: the sum stays in 32 bits and min() the same
       uint32_t want = sl.fill_len - sl.n_prefilled;
       my_want += want < cfg.token_budget ? want : cfg.token_budget;
     }
-    my_joining += sl.state == RL_SLOT_PREFILL || sl.state == RL_SLOT_ABORTED;
   }
-  uint32_t n_active = rl_block_sum(my_active, sh);
-  uint32_t n_decode = rl_block_sum(my_decode, sh);
-  uint32_t wanted = rl_block_sum(my_want, sh);
-  uint32_t joining = rl_block_sum(my_joining, sh);
-  uint32_t ending = rl_block_sum(my_ending, sh);
+  const uint32_t active_decode = rl_block_sum(my_active_decode, sh);
+  const uint32_t joining_ending = rl_block_sum(my_joining_ending, sh);
+  const uint32_t wanted = rl_block_sum(my_want, sh);
+  const uint32_t n_active = active_decode & 0xFFFFu, n_decode = active_decode >> 16;
+  const uint32_t joining = joining_ending & 0xFFFFu, ending = joining_ending >> 16;
   bool more = n_active > 0 || sh->u[RL_SH_SQ_TAIL] != st.sq_head;
   if (RL_LEADER) {
     uint64_t now = rl_now_ns();
