@@ -25,6 +25,8 @@ from ringleader.ipc.limits import MAX_SLOTS
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULERS = ("device", "host")
 LAUNCHES = ("auto", "pingpong", "resident", "pump")
+# the CUDA step's kernels for buckets of up to FUSED_MAX_ROWS rows (device/step/fused_step.py)
+STEP_KERNELS = ("fused", "layered")
 POLICIES = ("fifo", "priority", "static")
 DTYPES = ("float32", "bfloat16", "float16")
 # how the weight matrices are stored: auto keeps a GGUF file's quantization (else the device's dtype)
@@ -105,6 +107,12 @@ class EngineConfig:
     sq_size: int = 1024  # submission ring entries
     pending_cap: int = 1024  # requests the scheduler holds beyond the slots
     attention: str = "triton"  # CUDA step attention kernel
+    step_kernels: str = option(
+        "fused", flag="--step-kernels", choices=STEP_KERNELS,
+        help="CUDA: the decode step's kernels for buckets of up to 32 rows: fused (five Triton "
+        "kernels a layer, norms, RoPE, SiLU and residual adds inside the projections, greedy rows "
+        "sampled in the lm_head, programmatic dependent launch on sm_90+) or layered (cuBLAS "
+        "projections and a kernel per pointwise op; larger buckets always) (default: %(default)s)")
     stop_grace_s: float = 2.0  # CUDA: the scheduler kernel's grace to finish a stop
     run_budget_s: float | None = option(
         None, flag="--run-budget-s", type=float,
@@ -145,6 +153,7 @@ class EngineConfig:
             ("device", DEVICES),
             ("scheduler", SCHEDULERS),
             ("launch", LAUNCHES),
+            ("step_kernels", STEP_KERNELS),
             ("policy", POLICIES),
             ("dtype", DTYPES),
             ("weights", WEIGHTS),

@@ -5,13 +5,17 @@ computation.
 The kernels run under the Triton interpreter, which has to be switched on before triton is
 first imported, so those checks run in a child process started with TRITON_INTERPRET=1
 (`run_interpreted_checks`); the test skips when triton is not
-installed. choose_splits' rule, the paged reference and the launch count (on the meta device,
-through triton_launch's LaunchRecorder) are checked in this process.
+installed. choose_splits' rule, the paged reference, the launch count (on the meta device,
+through triton_launch's LaunchRecorder: split-K is one launch too), the PDL launch option and
+the checks on a caller's ticket counters are checked in this process.
 
 Paging is exercised for real: pages handed out in a random order (a slot's pages scattered
 over the pool), page sizes below, at and above BLOCK_N (64), contexts ending mid-page, NaN in every
 cache cell no row may read (a page's tail past its slot's context, the unallocated pages) and
 block-table entries past a slot's context pointing at those NaN pages or out of the pool.
+Split-K merges its partials in the kernel, the last split of a (row, kv head) to take a ticket
+doing it: every call must leave the ticket counters zero, and a second call on the same
+counters (a graph replay) must give the same output bit for bit.
 """
 
 from __future__ import annotations
@@ -147,9 +151,9 @@ class Case(NamedTuple):
 # GQA groups 1, 3, 4, 8, 16; page sizes 1 to 256 around BLOCK_N = 64 (the interpreter runs
 # ~10 ms a program: keep the grids small); 8 splits is more than the 5 blocks of a full row
 CASES = [
-    Case(2, 2, 16, 16, torch.float32, (1, 2, 3, 8)),
-    Case(8, 2, 32, 64, torch.float32, (1, 2, 3, 8), table_dtype=torch.int64),
-    Case(16, 2, 64, 128, torch.float32, (1, 2, 3, 8)),
+    Case(2, 2, 16, 16, torch.float32, (1, 2, 3, 4, 8)),
+    Case(8, 2, 32, 64, torch.float32, (1, 2, 3, 4, 8), table_dtype=torch.int64),
+    Case(16, 2, 64, 128, torch.float32, (1, 2, 3, 4, 8)),
     Case(2, 2, 16, 1, torch.float32, (1, 3)),
     # the single-pass kernel alone: MHA, a head_dim not a power of two, a group of 16
     Case(4, 4, 16, 8, torch.float32, (1,)),
@@ -183,6 +187,7 @@ def run_interpreted_checks() -> None:
     from ringleader.device.step import triton_attention as ta
 
     assert ta.triton_interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+    check_pdl_is_off_when_interpreted(ta.ragged_attention_triton, make_inputs(CASES[0]))
     for case in CASES:
         inputs = make_inputs(case)
         single = None
@@ -232,13 +237,33 @@ def _tolerance(dtype):
 def check_matches_reference(attention, inputs, n_splits):
     q, slot_of, table, k = inputs["q"], inputs["slot_of"], inputs["table"], inputs["k"]
     T, H, D = q.shape
-    # a strided output prefilled with NaN: every element (pad rows too) must be written
-    out = torch.full((T, H, 2 * D), float("nan"), dtype=q.dtype)[..., :D]
-    got = attention(
-        q, k, inputs["v"], table, slot_of, inputs["positions"], inputs["scale"], out=out, n_splits=n_splits
-    )
-    assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype
     msg = f"{inputs['case']}, n_splits={n_splits}"
+    # more counters than the T * n_kv_heads used: the spare ones must stay untouched (zero)
+    tickets = torch.zeros(T * k.shape[2] + 3, dtype=torch.int32)
+
+    def call():
+        # a strided output prefilled with NaN: every element (pad rows too) must be written
+        out = torch.full((T, H, 2 * D), float("nan"), dtype=q.dtype)[..., :D]
+        got = attention(
+            q,
+            k,
+            inputs["v"],
+            table,
+            slot_of,
+            inputs["positions"],
+            inputs["scale"],
+            out=out,
+            n_splits=n_splits,
+            tickets=tickets,
+        )
+        assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype
+        # every (row, kv head) merged once (short rows' empty splits took their tickets too)
+        assert torch.all(tickets == 0), f"{msg}: tickets left {tickets.tolist()}"
+        return got
+
+    got = call()
+    if n_splits > 1:  # a replay on the same counters: the same merge, bit for bit
+        assert torch.equal(call(), got), msg
     torch.testing.assert_close(got, inputs["ref"], **_tolerance(q.dtype), msg=lambda m: f"{msg}: {m}")
     assert torch.all(got[slot_of < 0] == 0), msg
     # a decode row over one cached position returns that position's v (GQA mapping), whatever
@@ -246,6 +271,14 @@ def check_matches_reference(attention, inputs, n_splits):
     expect = inputs["v"][table[0, 0].long(), 0].repeat_interleave(H // k.shape[2], dim=0)
     torch.testing.assert_close(got[0], expect, atol=1e-6, rtol=1e-6, msg=msg)
     return got
+
+
+def check_pdl_is_off_when_interpreted(attention, inputs):
+    """use_pdl=True under the interpreter (which has no griddepcontrol) runs without it."""
+    args = [inputs[name] for name in ("q", "k", "v", "table", "slot_of", "positions", "scale")]
+    for n_splits in (1, 2):
+        got = attention(*args, n_splits=n_splits, use_pdl=True)
+        torch.testing.assert_close(got, inputs["ref"], **_tolerance(got.dtype))
 
 
 # ---- choose_splits ------------------------------------------------------------------------------
@@ -304,8 +337,8 @@ def _meta_inputs(T=3, H=32, KV=8, D=128, S=5, max_ctx=4096, page_size=16, n_page
 @pytest.mark.parametrize(
     ("n_splits", "kernels"),
     [
-        (4, {"_ragged_attention_split_kernel": 1, "_combine_splits_kernel": 1}),
-        (None, {"_ragged_attention_split_kernel": 1, "_combine_splits_kernel": 1}),  # 3 x 8 programs
+        (4, {"_ragged_attention_split_kernel": 1}),  # the splits merged in the same launch
+        (None, {"_ragged_attention_split_kernel": 1}),  # 3 x 8 programs
         (1, {"_ragged_attention_kernel": 1}),
     ],
 )
@@ -371,3 +404,78 @@ def test_rejects_a_page_size_not_a_power_of_two():
     table = torch.empty(5, 100, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="power of two"):
         ragged_attention_triton(q, k, v, table, slot_of, positions, 0.1)
+
+
+@pytest.mark.parametrize("n_splits", [1, 4])
+@pytest.mark.parametrize("use_pdl", [None, False, True])
+def test_pdl_is_a_constexpr_and_a_launch_option(n_splits, use_pdl):
+    """None: pdl_supported(q.device), never on the meta device; True/False as asked (the AOT
+    walk compiles both)."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.device.step.triton_attention import ragged_attention_triton
+
+    seen = []
+    with LaunchRecorder(on_launch=seen.append):
+        ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=n_splits, use_pdl=use_pdl)
+    [launched] = seen
+    assert launched.meta["USE_PDL"] is launched.meta["launch_pdl"] is bool(use_pdl)
+
+
+def test_split_k_counts_on_the_callers_tickets():
+    """The step's counters (allocated once) are the ones the launch counts on."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.device.step.triton_attention import ragged_attention_triton
+
+    tickets = torch.zeros(3 * 8, dtype=torch.int32, device="meta")
+    seen = []
+    with LaunchRecorder(on_launch=seen.append):
+        ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=4, tickets=tickets)
+    [launched] = seen
+    assert launched.grid == (3, 8, 4) and launched.meta["BLOCK_S"] == 4
+    assert sum(arg is tickets for arg in launched.args) == 1
+
+
+@pytest.mark.parametrize(
+    ("tickets", "match"),
+    [
+        (torch.zeros(24, dtype=torch.int64, device="meta"), "tickets must be int32"),
+        (torch.zeros(23, dtype=torch.int32, device="meta"), r"23 counters, fewer than T \* n_kv_heads = 24"),
+        (torch.zeros(24, 2, dtype=torch.int32, device="meta")[:, 0], "tickets must be contiguous"),
+        (torch.zeros(24, dtype=torch.int32), "tickets must be on q's device meta"),
+    ],
+)
+def test_rejects_bad_tickets(tickets, match):
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.device.step.triton_attention import ragged_attention_triton
+
+    for n_splits in (1, 4):  # checked whether or not this launch splits: the buffer is the step's
+        with pytest.raises(ValueError, match=match):
+            ragged_attention_triton(*_meta_inputs(), 0.1, n_splits=n_splits, tickets=tickets)
+
+
+@pytest.mark.parametrize(("arch", "use_pdl"), [(90, True), (80, False)])
+def test_kernels_compile_ahead_of_time_without_spills(arch, use_pdl):
+    """The interpreter runs the kernels' Python, not Triton's compiler (it let a loop-carried
+    variable change shape): both kernels compiled for a real arch, griddepcontrol only with PDL."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from ringleader.bench.lab.triton_compile import compile_specialization
+    from ringleader.bench.lab.triton_specializations import Specializer
+    from ringleader.device.step.triton_attention import ragged_attention_triton
+
+    seen = []
+    with LaunchRecorder(on_launch=seen.append):
+        for n_splits in (1, 8):
+            ragged_attention_triton(*_meta_inputs(T=1), 0.1, n_splits=n_splits, use_pdl=use_pdl)
+    specializer = Specializer(arch)
+    for launched in seen:
+        spec = specializer.derive(launched)
+        assert (
+            spec.options["launch_pdl"] is use_pdl
+            and spec.constexprs[(list(spec.signature).index("USE_PDL"),)] is use_pdl
+        )
+        result = compile_specialization(spec)
+        assert result["ok"] and result["spills"] == 0, (spec.kernel, result)

@@ -34,8 +34,9 @@ from ringleader.bench.lab import (
 from ringleader.bench.lab.step_kernels import count_step
 from ringleader.bench.lab.triton_compile import max_warps_for_registers, parse_res_usage
 from ringleader.device.null import triton_null_step
+from ringleader.device.sampling import triton_sample_row
 from ringleader.device.sampling import triton_sampler as triton_sampling
-from ringleader.device.step import triton_attention, triton_fused
+from ringleader.device.step import fused_projections, triton_attention, triton_fused
 from ringleader.device.step.triton_attention import HAVE_TRITON
 from ringleader.device.step.triton_launch import Launch, LaunchRecorder, launch
 from ringleader.device.weights import triton_quant_matmul
@@ -58,7 +59,15 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs, x * scale, mask=ok)
 
 
-KERNEL_MODULES = (triton_attention, triton_fused, triton_sampling, triton_quant_matmul, triton_null_step)
+KERNEL_MODULES = (
+    triton_attention,
+    triton_fused,
+    fused_projections,
+    triton_sampling,
+    triton_sample_row,
+    triton_quant_matmul,
+    triton_null_step,
+)
 
 
 def launched_kernel_names() -> set[str]:
@@ -160,7 +169,7 @@ def test_specializations_are_the_launchers():
         if ours.identity() in checked:
             continue
         checked.add(ours.identity())
-        theirs = _launcher_view(item.kernel, item, target)
+        theirs = _launcher_view(item.kernel, triton_specializations.launch_for_arch(item, 90), target)
         assert theirs["signature"] == ours.signature, ours.kernel
         assert theirs["constants"] == ours.constexprs, ours.kernel
         assert theirs["configs"] == [ours.attrs], ours.kernel

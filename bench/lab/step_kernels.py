@@ -34,6 +34,7 @@ from ringleader.device.model.llama import LlamaModel
 from ringleader.device.model.presets import preset_config
 from ringleader.device.step.static_step import StaticStep
 from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.device.step.triton_launch import LaunchRecorder
 
 PAGE_SIZE = 16  # KV-cache positions per page, the engine's default
@@ -67,14 +68,18 @@ def count_step(
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "triton",
     fused: bool | None = None,
+    step_kernels: str = "fused",
 ) -> dict:
-    """Kernels of one StaticStep.run(bucket) of `model_name` (a preset), on the meta device."""
+    """Kernels of one StaticStep.run(bucket) of `model_name` (a preset), on the meta device;
+    step_kernels as StaticStep takes it (the fused step runs buckets up to 32 rows)."""
     config = preset_config(model_name)
     model = LlamaModel(config, dtype, "meta")
     pages_per_slot = -(-max_ctx // PAGE_SIZE)
     kv = StaticStep.new_kv_cache(model, n_slots * pages_per_slot, PAGE_SIZE)
     budget = max(bucket, n_slots)
-    step = StaticStep(model, kv, n_slots, max_ctx, budget, attention=attention, fused=fused)
+    step = StaticStep(
+        model, kv, n_slots, max_ctx, budget, attention=attention, fused=fused, step_kernels=step_kernels
+    )
     # as the backends keep them: the token counts the penalties read
     layout = StepLayout.allocate(n_slots, budget, "meta", pages_per_slot, config.vocab_size)
 
@@ -93,6 +98,16 @@ def count_step(
             layer.register_forward_hook(lambda *_: per_layer.append(total() - before.pop())),
         )
     ]
+    fused_decode = step.fused_decode if bucket <= FUSED_MAX_ROWS else None
+    if fused_decode is not None:  # the fused step runs its layers without their forward()
+        layer_step = fused_decode.layer
+
+        def counted_layer(*args):
+            start = total()
+            layer_step(*args)
+            per_layer.append(total() - start)
+
+        fused_decode.layer = counted_layer  # type: ignore[method-assign]
     # outside inference mode, so composite operators (linear, to, softmax...) reach the counter
     # decomposed into the operators that launch the kernels
     run = StaticStep.run.__wrapped__  # type: ignore[attr-defined]
@@ -112,6 +127,7 @@ def count_step(
         "model": model_name,
         "attention": attention,
         "fused": step.fused,
+        "step_kernels": "fused" if fused_decode is not None else "layered",
         "dtype": str(dtype).removeprefix("torch."),
         "bucket": bucket,
         "n_slots": n_slots,
@@ -139,16 +155,23 @@ def main(argv: list[str] | None = None) -> int:
         bucket=args.bucket, n_slots=args.n_slots, max_ctx=args.max_ctx, dtype=getattr(torch, args.dtype)
     )
     fused = count_step(args.model, attention="triton", **kw)
+    layered = count_step(args.model, attention="triton", step_kernels="layered", **kw)
     unfused = count_step(args.model, attention="triton", fused=False, **kw)
     plain = count_step(args.model, attention="torch", **kw)
     keep = ("kernels_per_layer", "kernels_per_step", "by_kind")
+    fused["layered_path"] = {k: layered[k] for k in keep}  # --step-kernels layered: cuBLAS + pointwise
     fused["unfused_path"] = {k: unfused[k] for k in keep}  # Triton attention, torch pointwise ops
     fused["torch_path"] = {k: plain[k] for k in keep}  # the reference attention too
     print(f"{args.model}, bucket {args.bucket}, {args.n_slots} slot(s), max_ctx {args.max_ctx}, {args.dtype}")
-    rows = (("fused (product)", fused), ("unfused pointwise", unfused), ("torch reference", plain))
+    rows = (
+        (f"{fused['step_kernels']} (product)", fused),
+        ("layered", layered),
+        ("unfused pointwise", unfused),
+        ("torch reference", plain),
+    )
     for label, r in rows:
         print(f"  {label:18s} {r['kernels_per_layer']:3d} kernels/layer, {r['kernels_per_step']:5d} per step")
-    print("  per layer, triton path:")
+    print("  per layer, product path:")
     for kind, n in fused["by_kind"].items():
         print(f"    {n:3d}  {kind}")
     if args.json:

@@ -20,6 +20,7 @@ if triton_attention.HAVE_TRITON:
     from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 WARP_SIZE = 32  # every NVIDIA GPU
+PDL_MIN_ARCH = 90  # programmatic dependent launch (griddepcontrol): Hopper on
 
 
 @dataclass
@@ -60,6 +61,15 @@ class Specialization:
         return out
 
 
+def launch_for_arch(launch: Launch, arch: int) -> Launch:
+    """The launch as a GPU of `arch` makes it: a PDL-aware kernel (USE_PDL) recorded off the GPU
+    (where triton_launch.pdl_supported is False) uses PDL wherever the arch has it."""
+    if "USE_PDL" not in launch.meta:
+        return launch
+    pdl = arch >= PDL_MIN_ARCH
+    return launch._replace(meta={**launch.meta, "USE_PDL": pdl, "launch_pdl": pdl})
+
+
 class Specializer:
     """Triton's JITFunction.run up to the compile, for one target and no driver."""
 
@@ -72,6 +82,7 @@ class Specializer:
         self._packed: dict[tuple[int, str], Specialization] = {}
 
     def derive(self, launch: Launch) -> Specialization:
+        launch = launch_for_arch(launch, self.arch)
         kernel = launch.kernel
         if not isinstance(kernel, JITFunction):
             raise TypeError(f"{kernel_name(kernel)} is not a JITFunction (TRITON_INTERPRET set?)")

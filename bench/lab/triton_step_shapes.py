@@ -4,13 +4,15 @@ records its Triton launches (bench/lab/triton_aot.py compiles what the walk laun
 
 The int4 matmul of GGUF weights kept quantized (device/weights/triton_quant_matmul.py) is walked
 on its own, per model's projections (`QuantMatmulShape`): every bucket of the CUDA default
-budget through every projection, 1 and 2 digits, in each activation dtype."""
+budget through every projection, 1 and 2 digits, in each activation dtype; the fused step over
+int4 weights is a StepShape of its own (`fused_int4_shapes`). Each dense shape's small buckets
+are walked a second time with --step-kernels layered."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,8 +29,10 @@ from ringleader.device.step import triton_attention
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.static_step import StaticStep
 from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.device.step.triton_launch import Launch, LaunchRecorder
 from ringleader.device.weights.triton_quant_matmul import TritonInt4Weight
+from ringleader.device.weights.weight_kernels import KernelLinear
 
 # the device the CUDA defaults' KV pages are planned on (max_ctx None: the model's, cut to the
 # pool); the context reaches a specialization through the block table's row stride (pages per
@@ -69,6 +73,10 @@ class StepShape:
     token_budget: int
     buckets: tuple[int, ...]
     origin: str  # who builds the step this way
+    # "int4": every projection and the lm_head kept as n_digits int4 digits (a GGUF file's
+    # matrices under --weights quantized); "dense": in dtype
+    weights: str = "dense"
+    n_digits: int = 1
 
 
 def model_config(model: str) -> ModelConfig:
@@ -159,7 +167,48 @@ def product_shapes() -> list[StepShape]:
     # the real model of the tests and demos, in both dtypes the CUDA backend takes it in
     origin = "ringleader serve --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf"
     shapes += [cuda_default_shape(SMOLLM2, dtype, origin) for dtype in ("float32", "bfloat16")]
-    return shapes
+    return shapes + fused_int4_shapes()
+
+
+def fused_int4_shapes() -> list[StepShape]:
+    """The fused step over int4 weights (SmolLM2's Q4_1 file, and Q5/Q8 files' two digits;
+    llama-8b for the wide shapes) at the CUDA defaults, its buckets only (FUSED_MAX_ROWS rows;
+    the larger ones multiply through the int4 matmul: quant_matmul_shapes)."""
+    origin = "ringleader serve --device cuda --weights quantized (a GGUF file), --step-kernels fused"
+    out = []
+    # llama-8b in its CUDA default dtype only: 8B parameters with fp32 activations is no setup
+    for model, dtypes in ((SMOLLM2, ("float32", "bfloat16")), ("llama-8b", ("bfloat16",))):
+        for dtype in dtypes:
+            base = cuda_default_shape(model, dtype, origin)
+            buckets = tuple(b for b in base.buckets if b <= FUSED_MAX_ROWS)
+            for n_digits in (1, 2):
+                name = f"fused-int4/{model}/{dtype}/{n_digits}-digit"
+                out.append(replace(base, name=name, buckets=buckets, weights="int4", n_digits=n_digits))
+    return out
+
+
+def int4_meta_weights(model: LlamaModel, n_digits: int) -> None:
+    """Every projection of a meta-device model, and its lm_head, as n_digits int4 digits (shapes
+    only: TritonInt4Weight takes meta tensors), as use_weight_kernels keeps a GGUF file's."""
+
+    def int4(n: int, k: int) -> TritonInt4Weight:
+        meta = dict(device="meta")
+        digit = (torch.empty(n, k, dtype=torch.uint8, **meta), torch.empty(n, k // 32, **meta))
+        digits = [(digit[0], digit[1], digit[1])] * n_digits
+        return TritonInt4Weight.from_digits(digits, 32, "meta")
+
+    kind = "Q4_1" if n_digits == 1 else "Q8_0"
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            linear = getattr(layer, name)
+            n, k = linear.weight.shape
+            setattr(layer, name, KernelLinear.of_kernel(int4(n, k).matmul, (n, k), kind, linear.bias))
+    c = model.config
+    head = int4(c.vocab_size, c.hidden_size)
+    if model.lm_head is None:  # tied: the head is its own kernel over the table's digits
+        model._tied_head = head.matmul
+    else:
+        model.lm_head = KernelLinear.of_kernel(head.matmul, (c.vocab_size, c.hidden_size), kind)
 
 
 def walk_step(
@@ -169,23 +218,35 @@ def walk_step(
     with `sm_count` SMs would; returns the Triton launches by kernel name."""
     dtype = getattr(torch, shape.dtype)
     model = LlamaModel(model_config(shape.model), dtype, "meta")
+    if shape.weights == "int4":
+        int4_meta_weights(model, shape.n_digits)
     page_size = EngineConfig().page_size
     pages_per_slot = -(-shape.max_ctx // page_size)
     # a pool as CudaBackend plans it at most: every slot's longest context (+ the scratch page)
     kv = StaticStep.new_kv_cache(model, shape.n_slots * pages_per_slot, page_size)
-    # CudaBackend's step: attention as configured (the default, "triton"), fused kernels with it
-    step = StaticStep(
-        model, kv, shape.n_slots, shape.max_ctx, shape.token_budget, attention=EngineConfig().attention
-    )
+
+    def step(step_kernels: str) -> StaticStep:
+        # CudaBackend's step: attention as configured (the default, "triton"), fused kernels with it
+        return StaticStep(
+            model, kv, shape.n_slots, shape.max_ctx, shape.token_budget,
+            attention=EngineConfig().attention, step_kernels=step_kernels,
+        )  # fmt: skip
+
     layout = StepLayout.allocate(
         shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size
     )
+    # the default (fused up to FUSED_MAX_ROWS rows), and --step-kernels layered's small buckets
+    runs = [(step(EngineConfig().step_kernels), shape.buckets)]
+    small = tuple(b for b in shape.buckets if b <= FUSED_MAX_ROWS)
+    if shape.weights == "dense" and small:
+        runs.append((step("layered"), small))
     with (
         triton_attention.planning_for_sms(sm_count),
         LaunchRecorder(on_launch) as recorder,
     ):
-        for bucket in shape.buckets:
-            step.run(bucket, layout)
+        for static_step, buckets in runs:
+            for bucket in buckets:
+                static_step.run(bucket, layout)
     return recorder.counts
 
 

@@ -53,6 +53,7 @@ from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reaso
 from ringleader.device.sched.build import KERNELS, compile_kernel
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.ipc import layout
 from ringleader.ipc.rings import RingConfig
 
@@ -116,6 +117,7 @@ class CudaBackend(EngineBackend):
             "policy": cfg.policy,
             "prefix_caching": cfg.prefix_caching,
             "buckets": list(ring_cfg.buckets),
+            **self._step_kernels_description(cfg),
             **pool.as_description(),
             "gpu_memory_fraction": cfg.gpu_memory_fraction,
             "device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)"),
@@ -190,12 +192,18 @@ class CudaBackend(EngineBackend):
         each replayed once (warm-up), with the warm-up's eager memory given back."""
         pool = self.kv_pool
         step = self._model.static_step(
-            cfg.n_slots, pool.n_pages, pool.page_size, max_ctx, ring_cfg.token_budget, cfg.attention
+            cfg.n_slots,
+            pool.n_pages,
+            pool.page_size,
+            max_ctx,
+            ring_cfg.token_budget,
+            cfg.attention,
+            step_kernels=cfg.step_kernels,
         )
+        layout = StepLayout.over_buffer(self._mem.tensor)
+        self._try_fused_kernels(step, layout, ring_cfg.buckets)
         try:
-            graphs = StepGraphs(
-                step, StepLayout.over_buffer(self._mem.tensor), ring_cfg.buckets, self._compute
-            )
+            graphs = StepGraphs(step, layout, ring_cfg.buckets, self._compute)
         except torch.OutOfMemoryError as exc:
             raise MemoryError(
                 f"capturing the step graphs ran out of device memory after the KV "
@@ -205,6 +213,34 @@ class CudaBackend(EngineBackend):
         graphs.replay_each_once()
         torch.cuda.empty_cache()  # safe: nothing persistent runs yet
         return graphs
+
+    def _try_fused_kernels(self, step, layout: StepLayout, buckets) -> None:
+        """Runs the fused step's buckets once, eagerly, before any capture: a kernel that fails
+        to compile or launch on this GPU and Triton leaves the layered step in its place (said
+        in the log and `step_kernels_off`) instead of failing the start."""
+        if getattr(step, "fused_decode", None) is None:
+            return
+        small = [b for b in buckets if b <= FUSED_MAX_ROWS]
+        try:
+            with torch.cuda.stream(self._compute):
+                step.warmup(layout, small)
+            self._compute.synchronize()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a compile or launch failure: the layered kernels still serve
+            step.fused_decode, step.fused_off = None, f"the fused kernels failed here: {exc}"[:500]
+
+    def _step_kernels_description(self, cfg: EngineConfig) -> dict:
+        """Which kernels run the small buckets (fused_step.py or the layered step), and why not
+        the fused ones where they were asked for and did not build."""
+        step = self._graphs.step if self._graphs is not None else None
+        fused = getattr(step, "fused_decode", None) is not None
+        out = {"step_kernels": "fused" if fused else "layered", "step_kernels_requested": cfg.step_kernels}
+        off = getattr(step, "fused_off", None)
+        if not fused and cfg.step_kernels == "fused" and off:
+            out["step_kernels_off"] = off
+            log.warning("--step-kernels fused: the layered step runs instead (%s)", off)
+        return out
 
     def _load_scheduler_module(self) -> dict:
         """The scheduler module's kernels by name (the persistent kernel, host mode's stamps)."""

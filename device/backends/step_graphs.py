@@ -23,6 +23,7 @@ log = logging.getLogger("ringleader.cuda")
 class StepGraphs:
     def __init__(self, step, layout, buckets, stream: torch.cuda.Stream, keep_outputs: bool = False):
         self.buckets = tuple(sorted(buckets))
+        self.step = step  # what the backend describes (its kernels); the graphs hold its memory anyway
         self._stream = stream
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits its replays write (checks only)

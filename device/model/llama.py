@@ -237,14 +237,23 @@ class LlamaModel(nn.Module):
         return EagerStep(self, KVCache.for_model(self.config, n_pages, page_size, kv_dtype, self.device))
 
     def static_step(
-        self, n_slots: int, n_pages: int, page_size: int, max_ctx: int, token_budget: int, attention: str
+        self,
+        n_slots: int,
+        n_pages: int,
+        page_size: int,
+        max_ctx: int,
+        token_budget: int,
+        attention: str,
+        step_kernels: str = "fused",
     ):
         """CUDA's step in static shapes, to capture per bucket, over the pool's pages and the
-        scratch page pad rows write into."""
+        scratch page pad rows write into (step_kernels: EngineConfig.step_kernels)."""
         from ringleader.device.step.static_step import StaticStep
 
         kv = StaticStep.new_kv_cache(self, n_pages, page_size)
-        return StaticStep(self, kv, n_slots, max_ctx, token_budget, attention=attention)
+        return StaticStep(
+            self, kv, n_slots, max_ctx, token_budget, attention=attention, step_kernels=step_kernels
+        )
 
     def description_fields(self, weights: str) -> dict:
         """A backend description's fields about the weights (`weights`: the --weights form)."""

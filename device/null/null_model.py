@@ -84,7 +84,14 @@ class NullModel:
         return NullStep(self, n_slots)
 
     def static_step(
-        self, n_slots: int, n_pages: int, page_size: int, max_ctx: int, token_budget: int, attention: str
+        self,
+        n_slots: int,
+        n_pages: int,
+        page_size: int,
+        max_ctx: int,
+        token_budget: int,
+        attention: str,
+        step_kernels: str = "fused",
     ):
         """The same step on CUDA: one Triton launch, so a one-node graph per bucket."""
         return self.eager_step(n_slots, n_pages, page_size, self.dtype)

@@ -304,4 +304,6 @@ def store_logprobs_triton(
         MAX_TOP=MAX_LOGPROBS,
         BLOCK=LOGPROBS_BLOCK,
         num_warps=LOGPROBS_WARPS,
+        # Triton 3.6's ptxas aimed at 40-48 registers on sm_80 and spilled (bench/lab/triton_aot.py)
+        maxnreg=128,
     )

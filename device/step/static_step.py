@@ -30,6 +30,7 @@ Capture on CUDA (the capturing code's side):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ from ringleader.device.sampling.sampler import counter_uniform, penalize_and_sca
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_attention import ragged_attention_reference
+from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
+from ringleader.device.step.triton_launch import pdl_supported
 
 if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_step, static_step)
     from ringleader.device.model.llama import LlamaModel
@@ -124,19 +127,32 @@ class StaticStep:
         token_budget: int,
         attention: str | Callable[..., torch.Tensor] = "triton",
         fused: bool | None = None,
+        step_kernels: str = "fused",
     ) -> None:
         """kv: the paged cache, its last page the scratch page (StaticStep.new_kv_cache).
         attention: "triton", "torch" (the masked reference) or a function with the
         signature of ragged_attention_reference. fused: the pointwise work (RMSNorm + residual,
         RoPE + k/v store, SiLU * up) as the Triton kernels of triton_fused instead of torch
-        ops; None: with attention="triton"."""
+        ops; None: with attention="triton". step_kernels: "fused" runs buckets of up to
+        FUSED_MAX_ROWS rows as device/step/fused_step.py's kernels (with attention="triton"
+        and triton installed; else, or for weights those kernels cannot read, the layered step,
+        and `fused_off` says why); "layered": this class's own step for every bucket."""
+        if step_kernels not in ("fused", "layered"):
+            raise ValueError(f"step_kernels must be 'fused' or 'layered', got {step_kernels!r}")
         self._attend: Callable[..., torch.Tensor]
         if attention == "triton":
             from ringleader.device.step.triton_attention import HAVE_TRITON, ragged_attention_triton
 
             if not HAVE_TRITON:
                 raise RuntimeError("attention='triton' needs triton; use attention='torch'")
-            self._attend = ragged_attention_triton
+            # split-K's ticket counters, the step's own (zero, left zero by every launch): a
+            # per-call allocation would be a memset node per layer in each captured graph
+            tickets = torch.zeros(
+                token_budget * model.config.num_kv_heads, dtype=torch.int32, device=model.device
+            )
+            self._attend = functools.partial(
+                ragged_attention_triton, tickets=tickets, use_pdl=pdl_supported(model.device)
+            )
         elif attention == "torch":
             self._attend = ragged_attention_reference
         elif callable(attention):
@@ -173,6 +189,18 @@ class StaticStep:
         self._entry_ids = torch.arange(n_slots, dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
         self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
+        self.fused_decode, self.fused_off = self._fused_decode(step_kernels)
+
+    def _fused_decode(self, step_kernels: str):
+        """(FusedDecode, None) when the fused kernels run the small buckets, else (None, why)."""
+        if step_kernels == "layered":
+            return None, "--step-kernels layered"
+        if self.attention != "triton" or not self.fused:
+            return None, "the fused step needs attention='triton' and the fused pointwise kernels"
+        from ringleader.device.step.fused_step import FusedDecode
+
+        fused = FusedDecode(self)
+        return (None, fused.unsupported) if fused.unsupported else (fused, None)
 
     @staticmethod
     def new_kv_cache(
@@ -195,6 +223,8 @@ class StaticStep:
         reach = layout.block_table.shape[1] * self.kv.page_size
         if reach < self.max_ctx:  # a clamped position's page must be in the table
             raise ValueError(f"the block table reaches {reach} positions < max_ctx {self.max_ctx}")
+        if self.fused_decode is not None and bucket <= FUSED_MAX_ROWS:
+            return self.fused_decode.run(bucket, layout)
         cache = self._cache_side(self, layout.block_table, layout.slot_of[:bucket], layout.positions[:bucket])
         # a step samples at most one entry per row: the bucket bounds the sampled entries
         m = min(bucket, self.n_slots)
@@ -217,6 +247,20 @@ class StaticStep:
         layout.next_token.copy_(sink[: self.n_slots])
         # from the raw logits (sample() leaves them as they are); a row that asked none, or a
         # stale entry, writes no record
+        self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)
+
+    def _sample_fused(
+        self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int, use_pdl: bool
+    ) -> None:
+        """_sample_into for the fused step: one sampling kernel (greedy rows with nothing to
+        apply take the lm_head's argmax) that writes next_token itself, then the logprobs."""
+        from ringleader.device.sampling.triton_sample_row import sample_rows_triton
+
+        params = layout.sampling(m)
+        slot = layout.sample_slot[:m]
+        tokens = sample_rows_triton(
+            logits, params, layout.n_samples, greedy, layout.next_token, slot, use_pdl=use_pdl
+        )
         self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)
 
     @staticmethod

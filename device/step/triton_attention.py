@@ -18,18 +18,25 @@ GPU's SMs, so a long decode would run on a handful of them. With n_splits > 1 th
 (T, n_kv_heads, n_splits) and each row's context is cut into n_splits chunks. The chunk length
 is computed on the device from the row's own length (ceil(n_ctx / n_splits) rounded up to a
 multiple of BLOCK_N), so a short row's trailing splits are empty. Every split program writes
-its unnormalised partial (acc [G, D], running max m, sum l; fp32) to scratch, and a second
-"combine" launch, one program per (row, query head), merges the splits with a log-sum-exp
-rescale. Both kernels share the online softmax (`_attend_span`); n_splits=1 is today's
-single launch with no scratch, and `choose_splits` picks n_splits from the bucket's static
-sizes.
+its unnormalised partial (acc [G, D], running max m, sum l; fp32) to scratch and takes a
+ticket on its (row, kv head)'s int32 counter (acq_rel atomic); the program drawing the last
+ticket resets the counter to 0 and merges the n_splits partials in split order (whatever the
+arrival order) with a log-sum-exp rescale, one query head at a time. So split-K is one launch
+too; the counters (`tickets`, T * n_kv_heads, zero) are left zero by every launch, so the step
+allocates them once and every replay reuses them. Both kernels share the online softmax
+(`_attend_span`); `choose_splits` picks n_splits from the bucket's static sizes.
+
+Programmatic dependent launch (USE_PDL, sm_90+, triton_launch.pdl_supported): a program waits
+(`gdc_wait`) before its first read (rows, block table, q, cache: all written by earlier
+kernels), then lets the next kernel launch at once; that kernel waits for this one's end before
+reading o, and only its weight prefetch overlaps.
 
 Everything a launch depends on is static: the grids come from T (the bucket size) and static
 sizes, loop bounds and pages are read on the device, and pad rows (slot_of < 0) run zero
 iterations, read no cache nor block table and write zeros. So the launches can be captured
 once per bucket in a CUDA graph. Nothing syncs with the host; the first call for a dtype /
-head shape / page size / n_splits compiles (do it before capturing). Every launch goes through
-`triton_launch.launch`, so a step walked on the meta device can count them.
+head shape / page size / n_splits / USE_PDL compiles (do it before capturing). Every launch
+goes through `triton_launch.launch`, so a step walked on the meta device can count them.
 
 `ragged_attention_reference` is the same function in plain torch (each row's pages gathered
 and masked over max_ctx): the CPU path and the reference in tests.
@@ -45,7 +52,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ringleader.device.step.triton_launch import launch
+from ringleader.device.step.triton_launch import launch, pdl_meta, pdl_supported
 
 try:
     import triton
@@ -165,6 +172,24 @@ if HAVE_TRITON:
         return acc, m_i, l_i
 
     @triton.jit
+    def _row_context(
+        slot_ptr, pos_ptr, bt_ptr, stride_slot, stride_pos, stride_bt_s, max_ctx, USE_PDL: tl.constexpr
+    ):
+        """The program's row: its context length (0 for a pad row, so it reads no cache nor block
+        table at all), whether it is live, and its block-table row."""
+        if USE_PDL:
+            # rows, block table, q and cache were all written by earlier kernels: wait for them
+            tl.extra.cuda.gdc_wait()
+            # the next kernel waits for our end before it reads o: it may start prefetching now
+            tl.extra.cuda.gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + row * stride_slot)
+        pos = tl.load(pos_ptr + row * stride_pos)
+        live = slot >= 0
+        n_ctx = tl.where(live, tl.minimum(pos + 1, max_ctx), 0)
+        return n_ctx, live, bt_ptr + tl.where(live, slot, 0).to(tl.int64) * stride_bt_s
+
+    @triton.jit
     def _ragged_attention_kernel(
         q_ptr,
         k_ptr,
@@ -200,17 +225,14 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """One program per (row, kv head) over the whole context: writes the normalised output."""
+        n_ctx, live, bt_row = _row_context(
+            slot_ptr, pos_ptr, bt_ptr, stride_slot, stride_pos, stride_bt_s, max_ctx, USE_PDL
+        )
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
-        slot = tl.load(slot_ptr + row * stride_slot)
-        pos = tl.load(pos_ptr + row * stride_pos)
-        live = slot >= 0
-        # pad rows: an empty loop, so they read no cache and no block table at all
-        n_ctx = tl.where(live, tl.minimum(pos + 1, max_ctx), 0)
-        slot64 = tl.where(live, slot, 0).to(tl.int64)
-
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * Q_PER_KV + offs_g
@@ -224,7 +246,7 @@ if HAVE_TRITON:
             q,
             k_ptr + kvh * stride_kh,
             v_ptr + kvh * stride_vh,
-            bt_ptr + slot64 * stride_bt_s,
+            bt_row,
             stride_bt_m,
             stride_kp,
             stride_kn,
@@ -254,9 +276,11 @@ if HAVE_TRITON:
         q_ptr,
         k_ptr,
         v_ptr,
+        o_ptr,
         acc_ptr,
         m_ptr,
         l_ptr,
+        ticket_ptr,
         bt_ptr,
         slot_ptr,
         pos_ptr,
@@ -271,6 +295,9 @@ if HAVE_TRITON:
         stride_vn,
         stride_vh,
         stride_vd,
+        stride_ot,
+        stride_oh,
+        stride_od,
         stride_at,
         stride_ah,
         stride_as,
@@ -291,18 +318,19 @@ if HAVE_TRITON:
         BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_S: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """One program per (row, kv head, split) over that split's chunk of the row's context:
-        writes the partial acc / m / l (an empty split writes acc = 0, m = -inf, l = 0)."""
+        writes the partial acc / m / l (an empty split: acc = 0, m = -inf, l = 0); the last of
+        the row's splits to finish merges all n_splits partials into o."""
+        n_ctx, live, bt_row = _row_context(
+            slot_ptr, pos_ptr, bt_ptr, stride_slot, stride_pos, stride_bt_s, max_ctx, USE_PDL
+        )
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        slot = tl.load(slot_ptr + row * stride_slot)
-        pos = tl.load(pos_ptr + row * stride_pos)
-        live = slot >= 0
-        n_ctx = tl.where(live, tl.minimum(pos + 1, max_ctx), 0)  # pad rows: every split is empty
-        slot64 = tl.where(live, slot, 0).to(tl.int64)
         # the chunk follows the row's own length, block-aligned so splits never share a block
         chunk = tl.cdiv(tl.cdiv(n_ctx, n_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
@@ -312,7 +340,8 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * Q_PER_KV + offs_g
         g_ok = offs_g < Q_PER_KV
-        gd_ok = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        d_ok = offs_d < HEAD_DIM
+        gd_ok = g_ok[:, None] & d_ok[None, :]
         q = tl.load(
             q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
             mask=gd_ok,
@@ -322,7 +351,7 @@ if HAVE_TRITON:
             q,
             k_ptr + kvh * stride_kh,
             v_ptr + kvh * stride_vh,
-            bt_ptr + slot64 * stride_bt_s,
+            bt_row,
             stride_bt_m,
             stride_kp,
             stride_kn,
@@ -343,71 +372,45 @@ if HAVE_TRITON:
         stats = row * stride_mt + heads * stride_mh + split * stride_ms
         tl.store(m_ptr + stats, m_i, mask=g_ok)
         tl.store(l_ptr + stats, l_i, mask=g_ok)
-        tl.store(
-            acc_ptr
-            + row * stride_at
-            + heads[:, None] * stride_ah
-            + split * stride_as
-            + offs_d[None, :] * stride_ad,
-            acc,
-            mask=gd_ok,
-        )
+        acc_at = row * stride_at + heads[:, None] * stride_ah + offs_d[None, :] * stride_ad
+        tl.store(acc_ptr + acc_at + split * stride_as, acc, mask=gd_ok)
 
-    @triton.jit
-    def _combine_splits_kernel(
-        acc_ptr,
-        m_ptr,
-        l_ptr,
-        o_ptr,
-        slot_ptr,
-        stride_at,
-        stride_ah,
-        stride_as,
-        stride_ad,
-        stride_mt,
-        stride_mh,
-        stride_ms,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        stride_slot,
-        n_splits,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        """One program per (row, query head): merges the row's n_splits partials into o."""
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        live = tl.load(slot_ptr + row * stride_slot) >= 0
-        offs_s = tl.arange(0, BLOCK_S)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        # pad rows mask off every load: they read no scratch and come out as 0 / 1 = 0
-        s_ok = offs_s < tl.where(live, n_splits, 0)
-        stats = row * stride_mt + head * stride_mh + offs_s * stride_ms
-        split_max = tl.load(m_ptr + stats, mask=s_ok, other=float("-inf"))
-        split_sum = tl.load(l_ptr + stats, mask=s_ok, other=0.0)
-        acc = tl.load(
-            acc_ptr
-            + row * stride_at
-            + head * stride_ah
-            + offs_s[:, None] * stride_as
-            + offs_d[None, :] * stride_ad,
-            mask=s_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        m_max = tl.max(split_max, axis=0)
-        # a pad row has no finite m: measure from 0 there, so no -inf - -inf = nan
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-        weight = tl.exp2(split_max - m_max)  # empty splits (m = -inf) weigh 0
-        l_sum = tl.sum(weight * split_sum, axis=0)
-        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
-        tl.store(
-            o_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
-            out.to(o_ptr.dtype.element_ty),
-            mask=d_ok,
-        )
+        # every thread's partial stores come before the ticket's release
+        tl.debug_barrier()
+        counter = ticket_ptr + row * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:  # the row's other splits have all written their partials
+            tl.store(counter, 0)  # zero again for the next launch (a graph replay)
+            offs_s = tl.arange(0, BLOCK_S)
+            # pad rows mask off every load: they read no scratch and come out as 0 / 1 = 0
+            s_ok = offs_s < tl.where(live, n_splits, 0)
+            for g in range(Q_PER_KV):  # one query head at a time: [BLOCK_S, BLOCK_D] in registers
+                head = kvh * Q_PER_KV + g
+                head_stats = row * stride_mt + head * stride_mh + offs_s * stride_ms
+                # .cg: from L2, where the other programs' partials are, never a stale L1 line
+                split_max = tl.load(m_ptr + head_stats, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                split_sum = tl.load(l_ptr + head_stats, mask=s_ok, other=0.0, cache_modifier=".cg")
+                partials = tl.load(
+                    acc_ptr
+                    + row * stride_at
+                    + head * stride_ah
+                    + offs_s[:, None] * stride_as
+                    + offs_d[None, :] * stride_ad,
+                    mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_max = tl.max(split_max, axis=0)
+                # a pad row has no finite m: measure from 0 there, so no -inf - -inf = nan
+                m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+                weight = tl.exp2(split_max - m_max)  # empty splits (m = -inf) weigh 0
+                l_sum = tl.sum(weight * split_sum, axis=0)
+                out = tl.sum(weight[:, None] * partials, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
+                tl.store(
+                    o_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
+                    out.to(o_ptr.dtype.element_ty),
+                    mask=d_ok,
+                )
 
 
 def _next_pow2(n: int) -> int:
@@ -468,6 +471,21 @@ def sm_count(device: torch.device) -> int:
     return _planned_sm_count or DEFAULT_SM_COUNT
 
 
+def _check_tickets(tickets: torch.Tensor, n_counters: int, device: torch.device) -> None:
+    """ValueError naming what is wrong with a caller's ticket counters (their zeros are trusted:
+    checking them would sync with the device)."""
+    if tickets.dtype != torch.int32:
+        raise ValueError(f"tickets must be int32, got {tickets.dtype}")
+    if tickets.numel() < n_counters:
+        raise ValueError(
+            f"tickets holds {tickets.numel()} counters, fewer than T * n_kv_heads = {n_counters}"
+        )
+    if not tickets.is_contiguous():
+        raise ValueError(f"tickets must be contiguous, got strides {tickets.stride()}")
+    if tickets.device != device:
+        raise ValueError(f"tickets must be on q's device {device}, got {tickets.device}")
+
+
 def ragged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -478,12 +496,18 @@ def ragged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     n_splits: int | None = None,
+    tickets: torch.Tensor | None = None,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ragged_attention_reference; block_table, slot_of and positions int32
-    (or int64); the page size k_cache.shape[1] a power of two.
+    (or int64); the page size k_cache.shape[1] a power of two. One launch at every n_splits.
 
-    n_splits: 1 = one launch over whole contexts; > 1 = split-K (split launch + combine
-    launch, fp32 scratch); None = choose_splits(T, M * PS, n_kv_heads, the device's SMs).
+    n_splits: 1 = whole contexts, no scratch; > 1 = split-K (fp32 scratch, merged in-kernel);
+    None = choose_splits(T, M * PS, n_kv_heads, the device's SMs).
+    tickets: split-K's counters, int32, >= T * n_kv_heads elements, all zero; every launch
+    leaves them zero, so a step allocates them once (None: zeros allocated here, eager use).
+    use_pdl: programmatic dependent launch; None = pdl_supported(q.device). Never when
+    interpreted.
     """
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; use attention='torch'")
@@ -496,6 +520,8 @@ def ragged_attention_triton(
         )
     if PS & (PS - 1):
         raise ValueError(f"the page size must be a power of two, got {PS}")
+    if tickets is not None:
+        _check_tickets(tickets, T * KV, q.device)
     max_ctx = block_table.shape[1] * PS
     o = torch.empty_like(q) if out is None else out
     cfg = launch_config(H // KV, D, q.dtype)
@@ -503,31 +529,26 @@ def ragged_attention_triton(
         n_splits = choose_splits(T, max_ctx, KV, sm_count(q.device), block_n=cfg["BLOCK_N"])
     if n_splits < 1:
         raise ValueError(f"n_splits must be >= 1, got {n_splits}")
+    use_pdl = pdl_supported(q.device) if use_pdl is None else use_pdl
+    # the interpreter has no griddepcontrol
+    meta = dict(
+        Q_PER_KV=H // KV, HEAD_DIM=D, PAGE_SIZE=PS, **cfg, **pdl_meta(use_pdl and not triton_interpreted())
+    )
+    tensors = (q, k_cache, v_cache, o)
+    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride())
+    row_tensors = (block_table, slot_of, positions)
+    row_args = (*block_table.stride(), slot_of.stride(0), positions.stride(0), max_ctx)
     scale_log2e = float(scale) * LOG2E
     if n_splits == 1:
         launch(
             _ragged_attention_kernel,
             (T, KV),
-            q,
-            k_cache,
-            v_cache,
-            o,
-            block_table,
-            slot_of,
-            positions,
-            *q.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-            *o.stride(),
-            *block_table.stride(),
-            slot_of.stride(0),
-            positions.stride(0),
-            max_ctx,
+            *tensors,
+            *row_tensors,
+            *strides,
+            *row_args,
             scale_log2e,
-            Q_PER_KV=H // KV,
-            HEAD_DIM=D,
-            PAGE_SIZE=PS,
-            **cfg,
+            **meta,
         )
         return o
 
@@ -535,51 +556,25 @@ def ragged_attention_triton(
     part_acc = torch.empty((T, H, n_splits, D), dtype=torch.float32, device=q.device)
     part_m = torch.empty((T, H, n_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
+    if tickets is None:
+        tickets = torch.zeros(T * KV, dtype=torch.int32, device=q.device)
     launch(
         _ragged_attention_split_kernel,
         (T, KV, n_splits),
-        q,
-        k_cache,
-        v_cache,
+        *tensors,
         part_acc,
         part_m,
         part_l,
-        block_table,
-        slot_of,
-        positions,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
+        tickets,
+        *row_tensors,
+        *strides,
         *part_acc.stride(),
         *part_m.stride(),
-        *block_table.stride(),
-        slot_of.stride(0),
-        positions.stride(0),
-        max_ctx,
+        *row_args,
         n_splits,
         scale_log2e,
-        Q_PER_KV=H // KV,
-        HEAD_DIM=D,
-        PAGE_SIZE=PS,
-        **cfg,
-    )
-    launch(
-        _combine_splits_kernel,
-        (T, H),
-        part_acc,
-        part_m,
-        part_l,
-        o,
-        slot_of,
-        *part_acc.stride(),
-        *part_m.stride(),
-        *o.stride(),
-        slot_of.stride(0),
-        n_splits,
-        HEAD_DIM=D,
         BLOCK_S=_next_pow2(n_splits),
-        BLOCK_D=cfg["BLOCK_D"],
-        num_warps=4,
+        **meta,
     )
     return o
 

@@ -64,3 +64,31 @@ def launch(kernel: Any, grid: Grid, *args: Any, **meta: Any) -> None:
             _recorder.on_launch(Launch(kernel, grid, args, meta))
         return
     kernel[grid](*args, **meta)
+
+
+def pdl_supported(device: Any) -> bool:
+    """Whether kernels launched for `device` use programmatic dependent launch (PDL): a CUDA
+    device of compute capability 9.0 or newer, not under the Triton interpreter (which has no
+    griddepcontrol), unless RINGLEADER_PDL=0 turns it off.
+
+    A PDL kernel takes USE_PDL=True (a constexpr: `gdc_wait()` before its first read of what an
+    earlier kernel wrote, `gdc_launch_dependents()` once the next kernel may start) and the
+    launch option launch_pdl=True (`pdl_meta`); the next kernel's weight loads then overlap
+    this one's tail. Every kernel of the fused step waits before it reads or writes activations,
+    so the chain stays ordered even where a kernel in it was launched without PDL."""
+    import os
+
+    if os.environ.get("RINGLEADER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    dev = getattr(device, "type", str(device))
+    if dev != "cuda":
+        return False
+    import torch
+
+    index = getattr(device, "index", None)
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_meta(enabled: bool) -> dict[str, Any]:
+    """The constexpr and launch option of a PDL-aware kernel: {"USE_PDL": .., "launch_pdl": ..}."""
+    return {"USE_PDL": enabled, "launch_pdl": enabled}

@@ -152,6 +152,20 @@ class KernelLinear(nn.Module):
         self.weight = nn.Parameter(weight.to(device), False) if isinstance(weight, torch.Tensor) else None
         self.bands = [] if self.weight is not None else [band_matmul(p, dtype, device, splits) for p in parts]
 
+    @classmethod
+    def of_kernel(
+        cls, matmul: Matmul, shape: tuple[int, int], kind: str, bias: torch.Tensor | None = None
+    ) -> KernelLinear:
+        """One band computed by a kernel built elsewhere (e.g. a TritonInt4Weight's matmul from
+        digits made in a test or an ahead-of-time walk); shape (out, in), kind as band_kind."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.splits, linear.kinds, linear.bands = 1, [kind], [matmul]
+        linear.out_features, linear.in_features = shape
+        linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        linear.weight = None
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             y = dense_matmul(x, self.weight, self.splits)
