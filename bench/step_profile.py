@@ -7,7 +7,9 @@ bytes are known. The GPU idle time between consecutive kernels inside a step (th
 the captured graph's nodes by type (read back through cuda-python) sit beside the table. If
 the replays show no kernel events, the same step run eagerly is profiled instead
 (profiled = "eager"). On the CPU, the eager step's top-level torch ops (ProfilerActivity.CPU)
-take the kernels' place (profiled = "eager-cpu").
+take the kernels' place (profiled = "eager-cpu"). step_kernels names the step kind profiled
+(fused, layered; "fused,layered" where the kinds are one step, as on the CPU; None if not told),
+in the profile and its printed header.
 
 Bytes: a matmul op's tensor operands (shape x element size, weights included), read from an
 eager profile with record_shapes and given to the kernel that op launched (the longest, when a
@@ -332,11 +334,18 @@ def cpu_step_events(prof) -> list[list[Event]]:
     ]
 
 
-def _summary(profiled: str, steps: list[list[Event]], bytes_per_step: Mapping, note: str | None) -> dict:
+def _summary(
+    profiled: str,
+    steps: list[list[Event]],
+    bytes_per_step: Mapping,
+    note: str | None,
+    step_kernels: str | None,
+) -> dict:
     table = kernel_table(steps, bytes_per_step)
     kinds = kind_counts(steps)
     unit = "op" if profiled == "eager-cpu" else "kernel"
     return {
+        "step_kernels": step_kernels,
         "profiled": profiled,
         "note": note,
         "steps": len(steps),
@@ -349,8 +358,11 @@ def _summary(profiled: str, steps: list[list[Event]], bytes_per_step: Mapping, n
     }
 
 
-def profile_cpu_step(run_eager: Callable[[], object], n_steps: int = 20) -> dict:
-    """The eager CPU step's top-level ops, grouped by op name; matmul operand bytes from shapes."""
+def profile_cpu_step(
+    run_eager: Callable[[], object], n_steps: int = 20, step_kernels: str | None = None
+) -> dict:
+    """The eager CPU step's top-level ops, grouped by op name; matmul operand bytes from shapes.
+    step_kernels: the step kind(s) it is, kept in the profile."""
     from torch.profiler import ProfilerActivity
 
     run_eager()  # warm-up
@@ -365,7 +377,8 @@ def profile_cpu_step(run_eager: Callable[[], object], n_steps: int = 20) -> dict
             per_name[c.name] = None if b is None or known is None else known + b
     n = max(len(steps), 1)
     bytes_per_step = {k: (None if v is None else v / n) for k, v in per_name.items()}
-    out = _summary("eager-cpu", steps, bytes_per_step, "CPU ops called by the step (nested ops folded in)")
+    note = "CPU ops called by the step (nested ops folded in)"
+    out = _summary("eager-cpu", steps, bytes_per_step, note, step_kernels)
     out["graph_nodes"] = None
     out["eager_launches_per_step"] = out["launches_per_step"]
     out["unlike_eager"] = None  # the profile is the eager step
@@ -373,10 +386,17 @@ def profile_cpu_step(run_eager: Callable[[], object], n_steps: int = 20) -> dict
 
 
 def profile_cuda_step(
-    replay: Callable[[], object], run_eager: Callable[[], object], graph, n_steps: int = 20
+    replay: Callable[[], object],
+    run_eager: Callable[[], object],
+    graph,
+    n_steps: int = 20,
+    step_kernels: str | None = None,
+    known_bytes: Mapping[str, float] | None = None,
 ) -> dict:
     """`n_steps` graph replays under CUPTI, then as many eager steps with shapes (the bytes, and
-    the fallback when the replays show no kernels)."""
+    the fallback when the replays show no kernels); step_kernels: the step kind, kept in the profile;
+    known_bytes: bytes per step by kernel name where the step knows them itself (the fused step's
+    weights: FusedDecode.weight_bytes_by_kernel), for names the eager run's shapes cannot give."""
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -405,7 +425,11 @@ def profile_cuda_step(
         steps, note = [sorted(events, key=lambda e: e[1])], f"{note + '; ' if note else ''}{exc}"
     table_counts = Counter(e[0] for s in steps for e in s)
     per_step_counts = {k: v / len(steps) for k, v in table_counts.items()}
-    out = _summary(profiled, steps, matched_bytes(per_step_counts, eager_bytes), note)
+    matched = matched_bytes(per_step_counts, eager_bytes)
+    for name, nbytes in (known_bytes or {}).items():
+        if name in matched and matched[name] is None:
+            matched[name] = nbytes
+    out = _summary(profiled, steps, matched, note, step_kernels)
     out["graph_nodes"] = graph_node_counts(graph)
     eager_kinds = Counter(_kind(e) for e in eager_events)
     out["eager_launches_per_step"] = _per_step(eager_kinds.get("kernel", 0), n_steps)
@@ -432,8 +456,9 @@ def format_profile(rows: int, p: dict, top: int = TOP_KERNELS) -> str:
         else "graph nodes: not read"
     )
     kinds = ", ".join(f"{v} {k}" for k, v in p["events_per_step"].items())
+    kind = f" ({p['step_kernels']})" if p.get("step_kernels") else ""
     lines = [
-        f"rows {rows}: profiled {p['profiled']} over {p['steps']} steps; per step {kinds}; "
+        f"rows {rows}{kind}: profiled {p['profiled']} over {p['steps']} steps; per step {kinds}; "
         f"eager {unit}s {p['eager_launches_per_step']}; {node_text}",
         f"  busy {p['busy_us_per_step']:.1f} us/step, span {p['span_us_per_step']:.1f} us, gaps "
         f"{p['gap_us_per_step']:.1f} us/step (p50 {p['gap_p50_us']:.2f} us, max {p['gap_max_us']:.1f} us)",

@@ -44,6 +44,12 @@ def all_met_document() -> dict:
     return {"runs": runs}
 
 
+def layered_document(tok_s=900.0) -> dict:
+    """goals-layered's document: device runs only, the old step asked for through --server-arg."""
+    runs = [run("device", c, tok_s=tok_s, bubble=(40.0, 90.0), cpu=0.5, thread=1.0) for c in (1, 32, 256)]
+    return {"settings": {"server_arg": ["--step-kernels", "layered", "--run-budget-s", "300"]}, "runs": runs}
+
+
 ROOFLINE = {
     "model": "llama-1b",
     "copy_bandwidth_GBps": 4000.0,
@@ -56,8 +62,8 @@ def verdicts(rows) -> list[str]:
 
 
 def test_every_goal_met_and_each_one_missed_by_its_own_number():
-    rows = goals([all_met_document()], [ROOFLINE])
-    assert verdicts(rows) == ["met"] * 7, [(g.goal, g.measured) for g in rows]
+    rows = goals([all_met_document(), layered_document()], [ROOFLINE])
+    assert verdicts(rows) == ["met"] * 8, [(g.goal, g.measured) for g in rows]
     assert "x20.00 lower" in rows[2].measured  # 2e-2 vs 1e-3 s over the same steps
     assert "host c=32 +16 busy: 70.0% kept" in rows[6].measured  # host's shown beside, not judged
     doc = all_met_document()
@@ -65,8 +71,8 @@ def test_every_goal_met_and_each_one_missed_by_its_own_number():
     doc["runs"][0]["thread_cpu_s"]["rl-cq-poll"] = 3e-3  # only x6.7 below the host at c=1
     doc["runs"][-2]["output_tokens_per_s"] = 1000  # 90.9% kept
     slow = dict(ROOFLINE, steps=[dict(ROOFLINE["steps"][0], ratio=1.9)])
-    rows = goals([doc], [slow])
-    assert verdicts(rows) == ["missed", "missed", "missed", "met", "met", "met", "missed"]
+    rows = goals([doc, layered_document(tok_s=1150.0)], [slow])
+    assert verdicts(rows) == ["missed", "missed", "missed", "met", "met", "met", "missed", "missed"]
 
 
 def test_a_load_that_did_not_run_is_not_measured_and_a_partial_run_says_so():
@@ -104,7 +110,7 @@ def test_documents_are_found_in_folders_and_archives_and_the_cli_writes_both_fil
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads((out / "goals.json").read_text())
-    assert [g["verdict"] for g in doc["goals"]] == ["met"] * 7
+    assert [g["verdict"] for g in doc["goals"]] == ["met"] * 7 + ["not measured"]  # no layered runs
     assert (out / "summary.md").read_text().count("**met**") == 7
     # no gpu_limits document: every design row says so
     assert doc["designs"] and {d["verdict"] for d in doc["designs"]} == {"not measured"}
@@ -162,3 +168,78 @@ def test_the_launch_pair_figures_and_one_bubble_row_per_launch(tmp_path):
     # a window where only one launch ran: one row, named by its launch
     (only,) = [g for g in goals([{"runs": doc["runs"][:3]}], []) if g.goal.startswith("bubble")]
     assert "launch pingpong" in only.goal and only.verdict == "met"
+
+
+# ---------------------------------------------------------------- the fused step beside the layered
+
+
+def test_layered_runs_sit_beside_the_goals_not_in_them():
+    # the layered document's bubbles, CPU and throughput would miss every device goal if judged
+    rows = goals([all_met_document(), layered_document(tok_s=10.0)], [ROOFLINE])
+    assert verdicts(rows)[:7] == ["met"] * 7
+    assert "c=1: 1100 vs 1000" in rows[4].measured  # the layered 10 tok/s is not a device value
+    kinds = rows[7]
+    assert kinds.goal.startswith("fused step ≥ layered step throughput") and kinds.verdict == "met"
+    assert (
+        kinds.measured
+        == "c=1: 1100 vs 10 (x110.00); c=32: 1100 vs 10 (x110.00); c=256: 1100 vs 10 (x110.00), beside"
+    )
+    # the server's own description names the kind too (no --server-arg needed)
+    described = layered_document(tok_s=1000.0)
+    del described["settings"]
+    for r in described["runs"]:
+        r["backend"] = {"step_kernels": "layered"}
+    assert "c=1: 1100 vs 1000 (x1.10)" in goals([all_met_document(), described], [])[7].measured
+
+
+def test_the_kinds_row_judges_where_the_fused_step_runs():
+    faster_at_256 = layered_document(tok_s=1000.0)
+    faster_at_256["runs"][2]["output_tokens_per_s"] = 1500.0  # c=256: over 32 rows, shown not judged
+    row = goals([all_met_document(), faster_at_256], [])[7]
+    assert row.verdict == "met" and "c=256: 1100 vs 1500 (x0.73), beside" in row.measured
+    faster_at_32 = layered_document(tok_s=1000.0)
+    faster_at_32["runs"][1]["output_tokens_per_s"] = 1200.0
+    assert goals([all_met_document(), faster_at_32], [])[7].verdict == "missed"
+    only_1 = layered_document()
+    only_1["runs"] = only_1["runs"][:1]
+    row = goals([all_met_document(), only_1], [])[7]
+    assert row.verdict == "met where measured" and "c=32: not measured" in row.measured
+
+
+def test_the_kinds_row_compares_runs_asked_for_the_same_launch():
+    bubble = all_met_document()  # a bubble stage's fused runs: the launch forced, 2000 tok/s
+    bubble["runs"] = [
+        dict(r, output_tokens_per_s=2000.0) for r in bubble["runs"] if r["scheduler"] == "device"
+    ]
+    for r in bubble["runs"]:
+        r["backend"] = {"launch": "resident", "launch_requested": "resident"}
+    row = goals([all_met_document(), bubble, layered_document()], [])[-1]  # two bubble rows above
+    assert "c=1: 1100 vs 900 (x1.22)" in row.measured  # goals-e/f's auto launch against the layered one's
+
+
+TWO_KINDS = {
+    "model": "llama-1b",
+    "copy_bandwidth_GBps": 4000.0,
+    "step_kernels": ["fused", "layered"],
+    "by_kind": {
+        "fused": [{"rows": 1, "step_us": 700.0, "floor_us": 620.0, "ratio": 1.13}],
+        "layered": [{"rows": 1, "step_us": 1358.0, "floor_us": 620.0, "ratio": 2.19}],
+    },
+    "fused_over_layered": [{"rows": 1, "fused_us": 700.0, "layered_us": 1358.0, "ratio": 0.515}],
+    "errors": [],
+}
+TWO_KINDS["steps"] = TWO_KINDS["by_kind"]["fused"]
+
+
+def test_the_step_row_judges_the_fused_step_with_the_layered_beside():
+    row = goals([], [TWO_KINDS])[1]
+    assert row.goal.startswith("1-row llama-1b") and row.verdict == "met"
+    assert (
+        row.measured == "1 rows: fused 700 µs over 620 = 1.13x, layered 1358 µs = 2.19x, fused/layered 0.52"
+    )
+    # the fused step failed to build: the layered one (now the document's steps) is not judged
+    failed = dict(TWO_KINDS, by_kind=dict(TWO_KINDS["by_kind"], fused=[]), fused_over_layered=[])
+    failed["steps"] = failed["by_kind"]["layered"]
+    failed["errors"] = [{"rows": 1, "step_kernels": "fused", "error": "CompilationError: x"}]
+    row = goals([], [failed])[1]
+    assert row.verdict == "not measured" and row.measured == "fused at 1 rows failed: CompilationError: x"

@@ -159,6 +159,9 @@ def test_format_profile_top_rows_rest_and_total():
     assert "(5 more names)" in text and lines[-1].rstrip().endswith("total")
     assert sum(1 for line in lines if "kernel_" in line) == 25
     assert next(line for line in lines if "kernel_" in line).endswith("kernel_29")  # the longest first
+    # the step kind profiled, where the profile names one
+    named = sp.format_profile(32, dict(_fake_profile(3), step_kernels="layered")).splitlines()[0]
+    assert named.startswith("rows 32 (layered): profiled graph over 1 steps")
 
 
 def test_roofline_profile_on_the_cpu(tmp_path, capsys):
@@ -171,7 +174,9 @@ def test_roofline_profile_on_the_cpu(tmp_path, capsys):
     assert [s["rows"] for s in r["steps"]] == [1, 2]
     for s in r["steps"]:
         p = s["profile"]
-        assert f"rows {s['rows']}: profiled eager-cpu over 3 steps" in text
+        # on the CPU the step kinds are one eager step: one profile, named for both
+        assert f"rows {s['rows']} (fused,layered): profiled eager-cpu over 3 steps" in text
+        assert p["step_kernels"] == "fused,layered" and r["by_kind"]["layered"][s["rows"] - 1]["profile"] == p
         assert p["profiled"] == "eager-cpu" and p["steps"] == 3 and p["unit"] == "op"
         assert p["graph_nodes"] is None
         for key in ("launches_per_step", "gap_us_per_step", "gap_p50_us", "busy_us_per_step", "kernels"):

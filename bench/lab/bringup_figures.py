@@ -9,6 +9,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from ringleader.bench.lab.bringup_stages import Stage
+from ringleader.bench.lab.goals import step_kernels_of
+
+SERVING_STAGES = ("perf", "goals-layered")  # beside the bubble-* stages: the benchmark's figures
 
 
 def probe_figures(stage_dir: Path) -> dict | None:
@@ -39,6 +42,7 @@ def perf_figures(stage_dir: Path) -> dict | None:
         }
         out[key]["tpot_ms_p50"] = (run.get("tpot_ms") or {}).get("p50")
         out[key]["launch"] = (run.get("backend") or {}).get("launch")
+        out[key]["step_kernels"] = step_kernels_of(run, doc)  # None: the server's default
         dev = run.get("device_stats") or {}
         out[key].update(
             {
@@ -94,7 +98,7 @@ def stage_figures(stage: Stage, stage_dir: Path, log_tail: str) -> dict | None:
             pass
     if stage.name == "gpu-limits":
         return probe_figures(stage_dir)
-    if stage.name == "perf" or stage.name.startswith("bubble-"):
+    if stage.name in SERVING_STAGES or stage.name.startswith("bubble-"):
         return perf_figures(stage_dir)
     if stage.name == "tests":
         figures = junit_figures(stage_dir / "junit.xml")

@@ -1,5 +1,6 @@
 """The bring-up's stages: each run's stages in their order (A and B: the first GPU run; C and D:
-the second pass; E and F: every goal in one 15-minute window), what each runs, its timeout and what it needs; a JSON stage table in their place
+the second pass; E and F: every goal in one 15-minute window, the fused step beside the
+layered one), what each runs, its timeout and what it needs; a JSON stage table in their place
 (tests, custom runs); the selection of one run's stages, and the table `--list` prints."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ RUN_LIMIT_S = 540.0  # each run's stage timeouts sum to at most this (a device c
 RUN_LIMITS = {"A": RUN_LIMIT_S, "B": RUN_LIMIT_S, "C": 330.0, "D": 330.0, "E": 330.0, "F": 330.0}
 # run F's bubble-resident and bubble-pingpong: each one server and three load points (~30 s)
 LAUNCH_BUBBLE_S = 40.0
+# goals-layered's server: the decode step's old kernels (EngineConfig.step_kernels)
+LAYERED_SERVER = "--server-arg=--step-kernels --server-arg=layered"
 CARRY_STASH = "/tmp/ringleader-carry"  # outside the working tree: kept from call C to call D
 CARRY_MODELS = "/tmp/ringleader-models"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +46,7 @@ TESTS_STAGE_NODES = (
     "tests/test_triton_quant_matmul.py::test_compiled_kernel_on_the_gpu",
     "tests/test_seeded_weights.py::test_the_same_preset_weights_on_the_gpu",
     "tests/test_gpu_backend.py::test_gpu_prefix_caching_serves_the_cpu_backends_tokens_and_hits",
+    "tests/test_fused_step.py::test_fused_step_on_the_gpu",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )
 # Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this
@@ -244,13 +248,11 @@ def builtin_stages() -> list[Stage]:
             run="D",
         ),
         # ---- run E (every goal, call 1): the GPU tests, the goals bench device then host at 1,
-        # 32 and 256 streams (per-run timelines, both modes' bubbles), the step's kernels ----------
-        stage(
-            "doctor",
-            ["{py}", "-m", "ringleader.hostctl.cli", "doctor", "--json", "{dir}/doctor.json"],
-            20,
-            run="E",
-        ),
+        # 32 and 256 streams (per-run timelines, both modes' bubbles), the fused and the layered
+        # step side by side against their floor, each with its kernels (10 profiled steps, not
+        # 20: the four profiles record as many steps as the two did).  Dropped for the second kind's
+        # 20 s: doctor (every run's bringup.json names the GPU, driver, CUDA, NVRTC, torch and
+        # Triton in its versions line; run A's env stage is the doctor) ----
         stage("tests-all", tests_stage_argv(ALL_GPU_TESTS_NODES), 140, run="E"),
         measured(
             "goals-e",
@@ -260,37 +262,27 @@ def builtin_stages() -> list[Stage]:
         ),
         stage(
             "roofline-profile",
-            roofline + ["--profile"],
-            70,
+            roofline + ["--step-kernels", "fused,layered", "--profile", "--profile-steps", "10"],
+            90,
             run="E",
         ),
         # ---- run F (call 2, the same warm machine): the bubble and the critical phase of the
         # resident and the ping-pong launch side by side (first: what the bubble goal now hangs
         # on; resident before the new launch, so a ping-pong stop that hangs cannot cost its
         # figures), the launch probes (devices launching graphs, two WHILE graphs taking turns: the
-        # ping-pong design's floor), the host's token path in both modes, CPU interference in
-        # both, open loop at 256 slots, the goals bench again in the other order (the spread
-        # between E and F is part of the result).  Dropped for the launch pair's 80 s: probe 10
+        # ping-pong design's floor), CPU interference in both modes, open loop at 256 slots, the
+        # layered step's device runs at goals-f's loads, then the goals bench again in the other
+        # order (the spread between E and F is part of the result; its device runs are the fused
+        # step's, beside the layered ones).  Dropped for the launch pair's 80 s: probe 10
         # (a WHILE around the real step: the resident loop's cost, which bubble-resident now
         # measures on the real server) and prefix-device (no goal reads it; prefix caching on
-        # the device is proven by its GPU test in E's tests-all) ----
+        # the device is proven by its GPU test in E's tests-all).  Dropped for goals-layered's
+        # 42 s: token-path (the null model's host token path has no step kernels in it, no goal
+        # row reads it, and its before/after stands measured in results/2026-11-28-cpu-token-path;
+        # `python -m ringleader.bench.lab.token_path` runs it by hand) ----
         launch_bubble("resident"),
         launch_bubble("pingpong"),
         stage("launch-probes", gpu_limits + ["--only", "8,9", "--max-seconds", "15"], 18, run="F"),
-        # the host's token path (issue 51): the null model with a 2 ms step standing in for a
-        # model's, 256 streams over one connection and over 256, device then host scheduling;
-        # server CPU per 1k tokens per thread, completion wakes per step, the CQ poller's reads
-        # and seen-lag (bench/lab/token_path.py)
-        stage(
-            "token-path",
-            ["{py}", "-m", "ringleader.bench.lab.token_path", "--tree", "device=.", "--tree", "host=."]
-            + ["--serve-args=device=--device cuda --scheduler device --run-budget-s {run_budget_s}"]
-            + ["--serve-args=host=--device cuda --scheduler host --run-budget-s {run_budget_s}"]
-            + ["--only", "one-connection,many-connections", "--rounds", "1", "--requests", "512"]
-            + ["--token-budget", "2048", "--out", "{dir}"],
-            42,
-            run="F",
-        ),
         measured(
             "interference-both",
             "--compare device,host --concurrency 32 --requests 128 --cpu-interference 16",
@@ -301,6 +293,15 @@ def builtin_stages() -> list[Stage]:
             "open-loop-256",
             "--compare device,host --request-rate 200,800 --slots 256 --requests 256,512",
             62,
+            run="F",
+        ),
+        # goals-f's device runs with the old step (cuBLAS projections, a kernel per pointwise
+        # op) in place of the fused default: the two kinds' throughput at 1, 32 and 256 streams.
+        # Expected ~30 s, as a bubble stage: the server's start, 16/128/512 requests, the process
+        measured(
+            "goals-layered",
+            f"--compare device --concurrency 1,32,256 --slots 256 --requests 16,128,512 {LAYERED_SERVER}",
+            42,
             run="F",
         ),
         measured(

@@ -13,6 +13,11 @@ TPOT (the cadence, which also counts what the timeline's step start leaves out) 
 the goals, one row per step-boundary design that run F's launch probes measured
 (bench/lab/launch_designs.py).  Writes DIR/summary.md and DIR/goals.json; a goal with no figure says
 "not measured".
+
+The goals are the default step's (fused): a run served with `--step-kernels layered` (run F's
+goals-layered; known by the server's description, else by the bench's --server-arg) stands
+beside them in the last row, the fused step's throughput against the layered one's at each
+load; the step goal's row shows each kind the roofline timed and the fused/layered ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ BUBBLE_P50_US, BUBBLE_P99_US = 3.0, 10.0
 STEP_OVER_FLOOR = 1.15
 SCHED_CPU_RATIO = 10.0
 INTERFERENCE_KEPT = 0.95
+LAYERED = "layered"  # the step kind the fused one replaces: its runs sit beside the goals, not in them
+FUSED_MAX_ROWS = 32  # the largest bucket the fused step runs; larger ones are layered either way
 SCHED_THREADS = {"device": ("rl-cq-poll", "rl-pump"), "host": ("rl-host-sched",)}  # the scheduling side
 
 
@@ -63,8 +70,36 @@ def load_documents(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict
     return bench, roofline, limits
 
 
+def server_flag(doc: dict, flag: str) -> str | None:
+    """The value the bench gave `ringleader serve` for flag (--server-arg), or None."""
+    args = [str(a) for a in (doc.get("settings") or {}).get("server_arg") or []]
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def step_kernels_of(run: dict, doc: dict) -> str | None:
+    """The step kind a run served with: the server's description, else the bench's
+    --server-arg, else None (the server's default)."""
+    return (run.get("backend") or {}).get("step_kernels") or server_flag(doc, "--step-kernels")
+
+
 def runs_of(bench: list[dict], model: str | None = "llama-1b") -> list[dict]:
-    return [r for d in bench for r in d["runs"] if model is None or r.get("model") == model]
+    """Every run of the model, each with its step_kernels (step_kernels_of)."""
+    return [
+        {**r, "step_kernels": step_kernels_of(r, d)}
+        for d in bench
+        for r in d["runs"]
+        if model is None or r.get("model") == model
+    ]
+
+
+def default_step(runs: list[dict]) -> list[dict]:
+    """The runs the goals judge: all but the layered step's."""
+    return [r for r in runs if r.get("step_kernels") != LAYERED]
 
 
 def pick(runs, scheduler, *, concurrency=None, rate=None, busy=0, prefix=None) -> list[dict]:
@@ -101,6 +136,11 @@ def _bubbles(runs) -> str:
 def launch_of(run: dict) -> str | None:
     """The launch mode that ran (the server's stats: resident, pingpong, pump), or None."""
     return (run.get("backend") or {}).get("launch")
+
+
+def launch_requested(run: dict) -> str | None:
+    """The launch mode the server was asked for (auto, or one a bubble stage forces), or None."""
+    return (run.get("backend") or {}).get("launch_requested")
 
 
 def _beside(runs) -> str:
@@ -151,17 +191,77 @@ def bubble_goals(runs) -> list[Goal]:
     return [bubble_goal(runs, x, by_launch=True) for x in sorted(launches, key=rank)]
 
 
+def judged_steps(doc: dict) -> list[dict]:
+    """A roofline document's steps the step goal judges: the fused kind's where it timed kinds
+    (none when fused failed), else its steps (a document from before the kinds)."""
+    by_kind = doc.get("by_kind") or {}
+    return by_kind["fused"] if "fused" in by_kind else doc["steps"]
+
+
+def step_text(doc: dict) -> list[str]:
+    """Per rows: the judged step over its floor, each other kind beside when the kinds were steps
+    of their own, the fused/layered ratio; then each kind that failed to build."""
+    ratios = {x["rows"]: x["ratio"] for x in doc.get("fused_over_layered") or []}
+    apart = doc.get("fused_over_layered") is not None
+    others = {k: v for k, v in (doc.get("by_kind") or {}).items() if k != "fused"} if apart else {}
+    parts = []
+    for s in judged_steps(doc):
+        kind = "fused " if apart else ""
+        text = f"{s['rows']} rows: {kind}{s['step_us']:.0f} µs over {s['floor_us']:.0f} = {s['ratio']:.2f}x"
+        for name, steps in others.items():
+            text += "".join(
+                f", {name} {o['step_us']:.0f} µs = {o['ratio']:.2f}x" for o in steps if o["rows"] == s["rows"]
+            )
+        if s["rows"] in ratios:
+            text += f", fused/layered {ratios[s['rows']]:.2f}"
+        parts.append(text)
+    return parts + [
+        f"{e['step_kernels']} at {e['rows']} rows failed: {e['error']}" for e in doc.get("errors") or []
+    ]
+
+
 def step_goal(roofline: list[dict]) -> Goal:
-    goal = f"1-row llama-1b bf16 decode step ≤ {STEP_OVER_FLOOR}x its memory floor"
-    rows = [(d, s) for d in roofline if d.get("model") == "llama-1b" for s in d["steps"]]
-    one = [s for _, s in rows if s["rows"] == 1]
+    goal = f"1-row llama-1b bf16 decode step ≤ {STEP_OVER_FLOOR}x its memory floor (the fused step; layered beside)"
+    docs = [d for d in roofline if d.get("model") == "llama-1b"]
+    one = [s for d in docs for s in judged_steps(d) if s["rows"] == 1]
+    text = "; ".join(part for d in docs for part in step_text(d))
     if not one:
-        return Goal(goal, "not measured", "not measured")
-    text = "; ".join(
-        f"{s['rows']} rows: {s['step_us']:.0f} µs over {s['floor_us']:.0f} = {s['ratio']:.2f}x"
-        for _, s in rows
-    )
+        return Goal(goal, text or "not measured", "not measured")
     return Goal(goal, text, verdict(True, all(s["ratio"] <= STEP_OVER_FLOOR for s in one)))
+
+
+def kernels_goal(runs: list[dict]) -> Goal:
+    """The fused step's device-mode throughput against the layered step's at each load: judged
+    where the fused step runs (c ≤ FUSED_MAX_ROWS), shown at 256."""
+    goal = (
+        f"fused step ≥ layered step throughput, device mode, at c ≤ {FUSED_MAX_ROWS} (output tok/s, "
+        f"fused vs layered; c=256 beside: its steps are over {FUSED_MAX_ROWS} rows, layered either way)"
+    )
+    parts, ok, seen, missing = [], True, False, False
+    for c in LOADS:
+        done = [r for r in pick(runs, "device", concurrency=c) if r.get("output_tokens_per_s") is not None]
+        layered_runs = [r for r in done if r.get("step_kernels") == LAYERED]
+        # like with like: the fused runs launched as the layered ones were asked to (not the bubble stages')
+        asked = {launch_requested(r) for r in layered_runs}
+        fused = [
+            r["output_tokens_per_s"]
+            for r in done
+            if r.get("step_kernels") != LAYERED and launch_requested(r) in asked
+        ]
+        layered = [r["output_tokens_per_s"] for r in layered_runs]
+        judged = c <= FUSED_MAX_ROWS
+        if not fused or not layered:
+            missing |= judged
+            parts.append(f"c={c}: not measured")
+            continue
+        if judged:
+            seen = True
+            ok &= all(f >= x for f in fused for x in layered)
+        ratio = (sum(fused) / len(fused)) / (sum(layered) / len(layered))
+        parts.append(
+            f"c={c}: {_fmt(fused, '.0f')} vs {_fmt(layered, '.0f')} (x{ratio:.2f}){'' if judged else ', beside'}"
+        )
+    return Goal(goal, "; ".join(parts), verdict(seen, ok, missing))
 
 
 def paired(runs, key, **where) -> tuple[list, list]:
@@ -209,7 +309,7 @@ def interference_goal(bench: list[dict]) -> Goal:
     goal = f"≥ {INTERFERENCE_KEPT:.0%} of throughput kept under CPU interference (device; host beside)"
     parts, ok, seen = [], True, False
     for doc in bench:
-        runs = runs_of([doc])
+        runs = default_step(runs_of([doc]))
         for loaded in (r for r in runs if r.get("cpu_interference") and r.get("completed")):
             mode, c = loaded.get("scheduler"), loaded.get("concurrency")
             quiet = pick(runs, mode, concurrency=c, prefix=loaded.get("prefix_caching"))
@@ -232,7 +332,8 @@ def verdict(seen: bool, ok: bool, missing: bool = False) -> str:
 
 
 def goals(bench: list[dict], roofline: list[dict]) -> list[Goal]:
-    runs = runs_of(bench)
+    every = runs_of(bench)
+    runs = default_step(every)
     closed = [dict(concurrency=c) for c in LOADS]
     return [
         *bubble_goals(runs),
@@ -273,6 +374,7 @@ def goals(bench: list[dict], roofline: list[dict]) -> list[Goal]:
             loads(runs)[len(LOADS) :] or [dict(rate="any")],
         ),
         interference_goal(bench),
+        kernels_goal(every),
     ]
 
 
