@@ -12,7 +12,6 @@ import torch
 
 from ringleader.device.step.triton_gemv import HAVE_TRITON, FusedWeight, tile_meta
 from ringleader.device.step.triton_launch import launch, pdl_meta
-from ringleader.device.weights.triton_quant_matmul import MAX_SPLITS
 
 PROJECTION_BLOCK_N = 32  # add_projection's and gate_up_silu's column tile
 HEAD_BLOCK_N = 64  # lm_head_argmax's: its per-tile bests are [cdiv(V, 64), rows]
@@ -328,15 +327,6 @@ def gate_up_silu(
         **weight.meta(), **tile_meta(T, block_n, weight, residual.dtype), **pdl_meta(use_pdl),
     )  # fmt: skip
     return out
-
-
-def projection_splits(n_tiles: int, k: int, k_block: int, n_sms: int) -> int:
-    """K splits for an add_projection of n_tiles column tiles: about two waves of programs, each
-    split at least 1024 of K and a whole number of K blocks, at most MAX_SPLITS."""
-    if n_tiles >= 2 * n_sms:
-        return 1
-    want = -(-2 * n_sms // max(n_tiles, 1))
-    return max(1, min(want, MAX_SPLITS, k // max(1024, k_block)))
 
 
 def add_projection(

@@ -31,20 +31,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ringleader.device.sampling.triton_sample_row import sample_rows_triton
 from ringleader.device.step.fused_projections import (
     HEAD_BLOCK_N,
     PROJECTION_BLOCK_N,
     add_projection,
     gate_up_silu,
     lm_head_argmax,
-    projection_splits,
     qkv_rope_store,
 )
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_attention import ragged_attention_triton, sm_count
-from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS, FusedWeight, rows_block, tile_meta
+from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS, FusedWeight
 from ringleader.device.step.triton_launch import pdl_supported
-from ringleader.device.weights.triton_quant_matmul import MAX_SPLITS
+from ringleader.device.weights.triton_quant_matmul import MAX_SPLITS, choose_splits
 
 if TYPE_CHECKING:
     from ringleader.device.step.static_step import StaticStep
@@ -111,12 +111,12 @@ class FusedDecode:
         assert self.head is not None
         return {**{k: float(v) for k, v in total.items()}, "_lm_head_argmax_kernel": float(nbytes(self.head))}
 
-    def _splits(self, weight: FusedWeight, block: int) -> int:
+    def _splits(self, weight: FusedWeight) -> int:
         """An add projection's K splits: static sizes and the GPU's SM count only (graphs are
         captured once, so this runs at capture, not per step)."""
-        k_block = tile_meta(block, PROJECTION_BLOCK_N, weight, self.step.model.dtype)["BLOCK_K"]
         n_tiles = -(-weight.n // PROJECTION_BLOCK_N)
-        return projection_splits(n_tiles, weight.k, k_block, sm_count(self.step.model.device))
+        # split only under two waves of tiles: the last split's sum and residual add ride on it
+        return choose_splits(n_tiles, weight.k, sm_count(self.step.model.device), fill_waves=2)
 
     def layer(self, i: int, x: torch.Tensor, layout: StepLayout, bucket: int) -> None:
         """Layer i's five kernels over the residual stream x [bucket, hidden], in place."""
@@ -134,15 +134,12 @@ class FusedDecode:
             q, kv.k[i], kv.v[i], layout.block_table, slot_of, positions, step.scale,
             tickets=self.attention_tickets, use_pdl=pdl,
         )  # fmt: skip
-        block = rows_block(bucket)
-        o_splits = self._splits(ws["o"], block)
+        o_splits = self._splits(ws["o"])
         add_projection(
             attn.reshape(bucket, -1), ws["o"], layer.o.bias, x, self.partials, self.tickets, o_splits, pdl
         )
         act = gate_up_silu(x, mn.weight, mn.eps, ws["gate_up"], use_pdl=pdl)
-        add_projection(
-            act, ws["down"], None, x, self.partials, self.tickets, self._splits(ws["down"], block), pdl
-        )
+        add_projection(act, ws["down"], None, x, self.partials, self.tickets, self._splits(ws["down"]), pdl)
 
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """StaticStep.run for bucket <= FUSED_MAX_ROWS: the same contract (next_token and
@@ -157,5 +154,17 @@ class FusedDecode:
             x, layout.sample_row[:m], bucket, norm.weight, norm.eps, self.head, self.best, self.best_idx,
             self.head_ticket, use_pdl=pdl,
         )  # fmt: skip
-        step._sample_fused(logits, greedy, layout, m, pdl)
+        self._sample(logits, greedy, layout, m)
         return logits
+
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int) -> None:
+        """StaticStep._sample_into's part here: one sampling kernel (greedy rows with nothing to
+        apply take the lm_head's argmax) that writes next_token itself, then the logprobs."""
+        params = layout.sampling(m)
+        slot = layout.sample_slot[:m]
+        tokens = sample_rows_triton(
+            logits, params, layout.n_samples, greedy, layout.next_token, slot, use_pdl=self.use_pdl
+        )
+        self.step._store_logprobs(
+            layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples
+        )

@@ -249,20 +249,6 @@ class StaticStep:
         # stale entry, writes no record
         self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)
 
-    def _sample_fused(
-        self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int, use_pdl: bool
-    ) -> None:
-        """_sample_into for the fused step: one sampling kernel (greedy rows with nothing to
-        apply take the lm_head's argmax) that writes next_token itself, then the logprobs."""
-        from ringleader.device.sampling.triton_sample_row import sample_rows_triton
-
-        params = layout.sampling(m)
-        slot = layout.sample_slot[:m]
-        tokens = sample_rows_triton(
-            logits, params, layout.n_samples, greedy, layout.next_token, slot, use_pdl=use_pdl
-        )
-        self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)
-
     @staticmethod
     def _store_logprobs_torch(table, slot, logits, tokens, top_n, n_samples) -> None:
         valid = torch.arange(top_n.shape[0], device=top_n.device) < n_samples

@@ -161,13 +161,13 @@ def launch_config(m: int, k: int, group_size: int, dtype: torch.dtype) -> dict[s
     )
 
 
-def choose_splits(n_programs: int, k: int, n_sms: int) -> int:
+def choose_splits(n_programs: int, k: int, n_sms: int, fill_waves: int = 1) -> int:
     """K splits for a launch of n_programs output tiles, from static sizes only.
 
-    1 when the programs fill the SMs already; else about two waves, ceil(2 * n_sms /
-    n_programs), capped at MAX_SPLITS and so that each split reads MIN_SPLIT_K of K at least
-    (a small weight is read in less time than the partials' reduction takes)."""
-    if n_programs >= n_sms:
+    1 when the programs fill fill_waves waves of the SMs already; else about two waves,
+    ceil(2 * n_sms / n_programs), capped at MAX_SPLITS and so that each split reads MIN_SPLIT_K
+    of K at least (a small weight is read in less time than the partials' reduction takes)."""
+    if n_programs >= fill_waves * n_sms:
         return 1
     two_waves = -(-2 * n_sms // max(n_programs, 1))
     return max(1, min(two_waves, MAX_SPLITS, k // MIN_SPLIT_K))
