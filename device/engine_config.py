@@ -89,6 +89,11 @@ class EngineConfig:
         help="keep the KV of full prompt pages after a request ends, so later requests whose "
         "prompts start with the same tokens (a system prompt, a conversation resent) skip their "
         "prefill (default: on)")
+    structured_memory_mib: int = option(
+        64, flag="--structured-memory-mib", type=int, metavar="MIB",
+        help="memory for structured output's compiled constraints (JSON schemas, regexes, choices), "
+        "device memory on cuda: the largest one a request may bring, and the room kept to reuse "
+        "those sent again (default: %(default)s)")
     gpu_memory_fraction: float = option(
         0.9, flag="--gpu-memory-fraction", type=float,
         help="CUDA: share of device memory for weights, KV cache and workspace")
@@ -307,6 +312,7 @@ _INT_BOUNDS = (
     ("threads", 1, _NO_LIMIT),
     ("sq_size", 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
     ("pending_cap", 1, _NO_LIMIT),
+    ("structured_memory_mib", 1, 4095),  # the grammar array's words are u32 offsets
 )
 _FLAGS = {declared.name: declared.flag for declared in options_of(EngineConfig)}
 

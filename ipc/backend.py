@@ -7,7 +7,7 @@ rings (ringleader.ipc.rings.HostRings) and these methods.  hostctl never chooses
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +46,9 @@ class ModelInfo:
     # chat turns -> prompt ids through the model's chat template (ValueError naming the fault);
     # None: the model has no template
     encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None
+    # per token id, the bytes it adds to the text (None: a special token), built on first call:
+    # what structured output's constraints compile against; None: the model has no tokenizer
+    token_bytes: Callable[[], Sequence[bytes | None]] | None = None
     extra: dict = field(default_factory=dict)
 
 

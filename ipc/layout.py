@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringleader.ipc import automaton
 from ringleader.ipc.counters import COUNTERS, c_mirror_macro
 from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both sides read them as layout.X)
     C_ENUMS,
@@ -82,7 +83,7 @@ from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both side
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 10
+LAYOUT_VERSION = 11
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
@@ -217,6 +218,8 @@ CONFIG = Struct("RlConfig", (
     _f("prefix_k0", "u64"), _f("prefix_k1", "u64"),
     # the model's vocabulary: the width of a slot's token_counts row (0: no counts kept)
     _f("vocab_size", "u32"),
+    # the grammar array's int32 words (the automata of structured output, ipc/automaton.py)
+    _f("grammar_words", "u32"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -245,6 +248,8 @@ SQ_ENTRY = Struct("RlSqEntry", (
     _f("n_stop", "u32"), _f("arrival", "u32"), _f("stop_ids", "i32", MAX_STOP_IDS),
     _f("sampling", SAMPLING),
     _f("drained_ns", "u64"),  # device clock when the scheduler took it from the SQ (device-set)
+    # its output's constraint: the word offset of its automaton in `grammar` (RL_NO_GRAMMAR: none)
+    _f("grammar_off", "u32"), _f("_pad", "u32"),
 ))
 
 # Abort ring entry (host -> device): the request's handle and the free-running u32 SQ index its
@@ -277,6 +282,8 @@ SLOT = Struct("RlSlot", (
     # preemption and resumption rank slots with pending requests by rl_priority_key, aging included
     _f("priority", "i32"), _f("arrival", "u32"),
     _f("sampling", SAMPLING),
+    # structured output: its automaton (RL_NO_GRAMMAR: none) and the state its tokens so far led to
+    _f("grammar_off", "u32"), _f("grammar_state", "u32"),
 ))
 
 # Device-private: one KV page's record.  ref_count: the block tables that hold it.  A full page
@@ -358,6 +365,9 @@ ARRAYS = (
     ("seg_n_rows", "int32_t", "n_slots"),
     ("sample_row", "int32_t", "n_slots"), ("sample_slot", "int32_t", "n_slots"),
     ("sample_params", "RlSampling", "n_slots"), ("sample_counter", "int32_t", "n_slots"),
+    # per sample: the word offset in `grammar` of the bitmask of the tokens its constraint allows
+    # now (ipc/automaton.py), RL_AUTO_NO_MASK (-1) for a request without one
+    ("sample_mask", "int32_t", "n_slots"),
     # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
     ("block_table", "int32_t", "block_table_len"),
     ("next_token", "int32_t", "n_slots"),
@@ -379,6 +389,10 @@ ARRAYS = (
     # and marked at admission, counted as each sample is consumed (critical phase), read by the
     # step's sampler
     ("token_counts", "int32_t", "token_counts_len"),
+    # structured output's automata (ipc/automaton.py), grammar_words int32 words: the host writes
+    # one (a device copy on CUDA) before it publishes the first SQ entry naming it; the scheduler
+    # and the step's sampler only read them
+    ("grammar", "int32_t", "grammar_words"),
     # the KV pages: their records, and the free list (a stack of page ids, n_free_pages deep)
     ("pages", "RlPage", "n_pages"), ("free_pages", "uint32_t", "n_pages"),
     # the prefix cache: key -> page (open addressing, linear probing; RL_CELL_EMPTY/RL_CELL_GONE
@@ -436,6 +450,7 @@ def _header_body() -> str:
         f"#define RL_PROMPT_MARK {PROMPT_MARK}",
     ]
     parts += c_defines()
+    parts += automaton.c_defines()
     parts += [s.c_text() for s in STRUCTS]
     ptrs = "\n".join(f"  {ctype}* {name};" for name, ctype, _ in ARRAYS)
     parts.append(f"struct RlContext {{\n{ptrs}\n}};")

@@ -22,11 +22,11 @@ from ringleader.ipc.sampling_params import (
     clipped_repr,
     sampling_from_wire,
 )
+from ringleader.ipc.structured import StructuredSpec, structured_from_wire
 
 PROTOCOL_VERSION = 1
-# what each revision added: docs/protocol.md's opening paragraphs (1.7: `hello`, `batch` frames
-# and generate.detokenize)
-PROTOCOL_REVISION = 7
+# what each revision added: docs/protocol.md's opening paragraphs (1.8: generate.structured)
+PROTOCOL_REVISION = 8
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -102,6 +102,7 @@ class GenerateRequest:
     timeout_ms: int | None = None  # from arrival at the server; None: only the server's limits
     messages: list[dict[str, str]] | None = None  # chat turns, rendered by the model's template (1.2)
     detokenize: bool = True  # 1.7: False asks for token ids only (no text, no token strings)
+    structured: StructuredSpec | None = None  # 1.8: the output's constraint (ipc/structured.py)
 
 
 @dataclass(slots=True)
@@ -148,9 +149,7 @@ class BadRequest(ProtocolError):
         if not message.startswith(field + ":"):
             message = f"{field}: {message}"
         super().__init__(message)
-        self.id = id
-        self.field = field
-        self.message = message
+        self.id, self.field, self.message = id, field, message
 
 
 # ---------------------------------------------------------------- decoding
@@ -277,7 +276,7 @@ def resolve_max_tokens(
 
 # every field of generate: its own, then the sampling fields (their declaration's)
 GENERATE_FIELDS = (
-    "op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms", "detokenize",
+    "op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms", "detokenize", "structured",
 ) + WIRE_FIELDS  # fmt: skip
 _KNOWN_GENERATE_FIELDS = frozenset(GENERATE_FIELDS)
 
@@ -296,25 +295,24 @@ def _refuse_unknown_fields(obj: dict, rid: RequestId) -> None:
             )
 
 
-def _sampling(obj: dict, rid: RequestId, limits: Limits) -> SamplingParams:
+def _sampling(obj: dict, rid: RequestId, limits: Limits) -> tuple[SamplingParams, StructuredSpec | None]:
     """The sampling fields, judged by their declaration (ringleader.ipc.sampling_params) and
-    against the model and the server's cap."""
+    against the model and the server's cap, and the output's constraint (1.8)."""
     try:
         sampling = sampling_from_wire(obj)
         sampling.check_for_model(limits.vocab_size, limits.max_tokens_cap)
-    except SamplingError as err:
+        structured = structured_from_wire(obj.get("structured"))
+    except SamplingError as err:  # a StructuredError is one
         raise BadRequest(rid, err.field, err.reason) from None
-    return sampling
+    return sampling, structured
 
 
 def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     rid = _check_id(obj, OP_GENERATE, limits)
     _refuse_unknown_fields(obj, rid)
-    sampling = _sampling(obj, rid, limits)
+    sampling, structured = _sampling(obj, rid, limits)
 
-    prompt = obj.get("prompt")
-    prompt_ids = obj.get("prompt_ids")
-    messages = obj.get("messages")
+    prompt, prompt_ids, messages = obj.get("prompt"), obj.get("prompt_ids"), obj.get("messages")
     given = [
         name
         for name, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("messages", messages))
@@ -355,7 +353,7 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     if detokenize is not None and not isinstance(detokenize, bool):
         raise BadRequest(rid, "detokenize", f"must be true or false, got {clipped_repr(detokenize)}")
     return GenerateRequest(
-        rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages, detokenize is not False
+        rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages, detokenize is not False, structured
     )
 
 
@@ -455,6 +453,8 @@ def generate_msg(req: GenerateRequest) -> dict:
         msg["timeout_ms"] = req.timeout_ms
     if not req.detokenize:  # sent only when asked, so an older server reads every other frame
         msg["detokenize"] = False
+    if req.structured is not None:
+        msg["structured"] = req.structured.wire()
     return msg
 
 

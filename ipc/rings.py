@@ -26,6 +26,7 @@ import numpy as np
 
 from ringleader.ipc import layout
 from ringleader.ipc.atomics import AtomicU32
+from ringleader.ipc.automaton import GrammarArena
 from ringleader.ipc.counters import COUNTERS
 from ringleader.ipc.limits import MAX_SLOTS
 from ringleader.ipc.prefix_keys import mix64, page_keys
@@ -70,6 +71,9 @@ class RingConfig:
     # publish each next step's bucket ahead and hand over exactly that bucket (a void step when
     # all its rows ended): the ping-pong launch's contract (device/sched/sched_loop.h)
     plan_ahead: bool = False
+    # int32 words of the grammar array, structured output's automata (ipc/automaton.py); at
+    # least 1, so every plan has the array
+    grammar_words: int = 1
 
     def __post_init__(self):
         for name, low, high in (
@@ -148,6 +152,7 @@ class RingConfig:
                 "block_table_len": self.n_slots * self.pages_per_slot,
                 "slot_tokens_len": self.n_slots * self.max_ctx,
                 "token_counts_len": self.n_slots * self.vocab_size,
+                "grammar_words": self.grammar_words,
                 "table_size": self.prefix_table_size,
                 "lru_size": self.prefix_table_size,
             }
@@ -211,6 +216,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
         "pages_per_slot",
         "n_pages",
         "vocab_size",
+        "grammar_words",
     ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
@@ -253,6 +259,9 @@ class _RingProducer:
         return True
 
 
+NO_GRAMMAR = 0xFFFFFFFF  # RlSqEntry.grammar_off of a request without a constraint
+
+
 class SubmissionQueue(_RingProducer):
     """Host end of the SQ: the only writer of sq_tail."""
 
@@ -260,11 +269,20 @@ class SubmissionQueue(_RingProducer):
         super().__init__(ctl, sq, "sq_tail", "sq_head")
 
     def push(
-        self, handle: int, sampling: SamplingParams, *, prompt_off: int, prompt_len: int, priority: int = 0
+        self,
+        handle: int,
+        sampling: SamplingParams,
+        *,
+        prompt_off: int,
+        prompt_len: int,
+        priority: int = 0,
+        grammar_off: int | None = None,
     ) -> int:
         """Writes one GENERATE (the caller checked free_entries(); `sampling.seed` is resolved,
-        None counts as 0); it becomes visible to the device at the next publish().  Returns the
-        free-running u32 position it went to: the sq_pos an abort of this request names."""
+        None counts as 0); it becomes visible to the device at the next publish().  grammar_off:
+        its constraint's automaton in the grammar array (GrammarArena.place), None for none.
+        Returns the free-running u32 position it went to: the sq_pos an abort of this request
+        names."""
         stop_ids = sampling.stop_token_ids
         pos = self._tail
         e = self._ring[pos & self._mask]
@@ -283,6 +301,7 @@ class SubmissionQueue(_RingProducer):
         e["n_stop"], e["arrival"] = len(stop_ids), 0
         e["stop_ids"][:] = -1
         e["stop_ids"][: len(stop_ids)] = stop_ids
+        e["grammar_off"] = NO_GRAMMAR if grammar_off is None else grammar_off
         self._tail = (pos + 1) & 0xFFFFFFFF
         return pos
 
@@ -407,6 +426,9 @@ class HostRings:
         self.aborts = AbortQueue(arrays["ctl"], arrays["aq"])
         self.completions = CompletionQueue(arrays["ctl"], arrays["cq"], arrays["cq_logprobs"])
         self.arena = PromptArena(arrays["arena"])
+        # structured output's automata: set by the backend, whose writer knows where the grammar
+        # array lives (host memory, or a device copy on CUDA); None: constraints are refused
+        self.grammar: GrammarArena | None = None
         self._shutdown = AtomicU32(_field_address(arrays["ctl"], layout.CONTROL, "shutdown"))
 
     def request_shutdown(self) -> None:

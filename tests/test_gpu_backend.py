@@ -366,6 +366,57 @@ def test_gpu_logprobs_and_choices_match_the_cpu_backend(scheduler):
 
 
 @gpu
+@pytest.mark.parametrize("scheduler", ["device", "host"])
+def test_gpu_structured_output_matches_the_cpu_backend(scheduler):
+    """Constrained requests on CUDA (the grammar array in device memory, the masks in the Triton
+    samplers, fused and layered, the scheduler kernel's automaton walk) give the CPU backend's
+    tokens, fp32, greedy and seeded, and every answer obeys its constraint."""
+    pytest.importorskip("outlines_core")
+    import re
+
+    from ringleader.ipc.client import Client
+    from tests.conftest import running_server
+
+    name_rx = "[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}"
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["id", "ok"],
+    }
+    asks = [
+        dict(prompt="Name:", structured={"regex": name_rx}, max_tokens=24),
+        dict(
+            prompt="Pick:",
+            structured={"choice": ["alpha", "beta", "gamma"]},
+            max_tokens=8,
+            n=3,
+            seed=5,
+            temperature=1.0,
+        ),
+        dict(prompt="JSON:", structured={"json": schema}, max_tokens=64, temperature=0.8, seed=3, logprobs=2),
+        dict(prompt_ids=list(range(5, 45)), max_tokens=8, ignore_eos=True),  # beside them, unconstrained
+    ]
+
+    def answers(bg):
+        with Client(bg.address, timeout=120) as c:
+            streams = [c.generate(**a) for a in asks]  # all in flight together
+            for stream in streams:
+                stream.wait()
+            return streams
+
+    with _serve(dtype="float32", scheduler=scheduler) as bg:
+        gpu_streams = answers(bg)
+    with running_server("tiny", dtype="float32", n_slots=8, max_ctx=1024) as bg:
+        cpu_streams = answers(bg)
+    for got, want in zip(gpu_streams, cpu_streams):
+        assert got.done.ok and [g.token_ids for g in got.choices] == [w.token_ids for w in want.choices]
+    assert re.fullmatch(name_rx, gpu_streams[0].text) and gpu_streams[0].done.finish_reason == "stop"
+    assert {c.text for c in gpu_streams[1].choices} <= {"alpha", "beta", "gamma"}
+    doc = json.loads(gpu_streams[2].text)
+    assert list(doc) == ["id", "ok"] and 0 <= doc["id"] <= 99 and isinstance(doc["ok"], bool)
+
+
+@gpu
 @pytest.mark.parametrize(
     "scheduler,launch",
     [("device", "pingpong"), ("device", "resident"), ("device", "pump"), ("host", "auto")],

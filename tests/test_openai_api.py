@@ -95,7 +95,10 @@ def test_no_op_fields_are_accepted(body):
         ("use_beam_search", False),
         ("bad_words", ["x"]),
         ("allowed_token_ids", [1]),
-        ("guided_json", {}),
+        (
+            "structural_tag",
+            "{}",
+        ),  # vLLM's old top-level field; structured_outputs.structural_tag is refused too
         ("best_of", 1),  # a completions field, not chat's
         ("prompt", "hi"),
     ],
@@ -169,7 +172,10 @@ def test_completion_refusals_name_the_field(body, param):
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"n": 0}, "n"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "grammar"}},
+            "response_format.type",
+        ),  # test_structured_front_doors.py: the rest
     ],
 )
 def test_chat_refusals_name_the_field(body, param):

@@ -238,7 +238,7 @@ def test_an_unknown_generate_field_is_refused_naming_it():
         decode(gen(some_future_field={"nested": [1, 2]}))
     assert info.value.field == "some_future_field" and info.value.id == "r1"
     assert info.value.message.startswith(
-        "some_future_field: unknown field; this server (protocol 1.7) knows: op, id,"
+        "some_future_field: unknown field; this server (protocol 1.8) knows: op, id,"
     )
     assert "min_p" in info.value.message and "timeout_ms" in info.value.message
     with pytest.raises(P.BadRequest) as info:

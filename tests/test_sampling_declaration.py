@@ -207,7 +207,7 @@ def test_the_protocol_refuses_an_unknown_generate_field():
         P.decode_request(P.encode(msg), LIMITS)
     done = P.reject_msg(info.value)
     assert done["id"] == "a" and done["error"]["code"] == P.ERR_BAD_REQUEST
-    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.7) knows: ")
+    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.8) knows: ")
     assert P.decode_request(P.encode({**msg, "min_q": None}), LIMITS).id == "a"  # nil: absent
 
 

@@ -47,6 +47,8 @@ TESTS_STAGE_NODES = (
     "tests/test_seeded_weights.py::test_the_same_preset_weights_on_the_gpu",
     "tests/test_gpu_backend.py::test_gpu_prefix_caching_serves_the_cpu_backends_tokens_and_hits",
     "tests/test_fused_step.py::test_fused_step_on_the_gpu",
+    "tests/test_gpu_backend.py::test_gpu_structured_output_matches_the_cpu_backend[device]",
+    "tests/test_gpu_backend.py::test_gpu_structured_output_matches_the_cpu_backend[host]",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )
 # Every other GPU-only test, and the stage that covers what it checks (a CPU test holds this

@@ -232,8 +232,11 @@ def walk_step(
             attention=EngineConfig().attention, step_kernels=step_kernels,
         )  # fmt: skip
 
+    # the grammar array as device/backends/common.py sizes it: its length is a kernel argument
+    # (a length of 1 would specialize as a constant)
+    grammar_words = EngineConfig().structured_memory_mib << 18
     layout = StepLayout.allocate(
-        shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size
+        shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size, grammar_words
     )
     # the default (fused up to FUSED_MAX_ROWS rows), and --step-kernels layered's small buckets
     runs = [(step(EngineConfig().step_kernels), shape.buckets)]

@@ -87,6 +87,53 @@ static const char* shortest(double x, char* buf, size_t cap) {
   return buf;
 }
 
+/* A constraint's text (a schema's JSON text, a pattern): NUL-terminated UTF-8, non-empty; its
+ * characters, or a refusal naming `field`. */
+static rl_code constraint_text(judge* j, const char* field, const char* text, long* chars) {
+  if (!text) return refuse(j, field, "must be a non-empty str, got NULL");
+  *chars = utf8_chars(text);
+  if (*chars < 0) return refuse(j, field, "must be valid UTF-8");
+  if (*chars == 0) return refuse(j, field, "must be a non-empty str, got ''");
+  return RL_OK;
+}
+
+/* The structured constraint (1.8), in the words of the Python client (ipc/structured.py). */
+static rl_code validate_structured(judge* j, const rl_request* r) {
+  long chars = 0;
+  switch (r->structured) {
+    case RL_STRUCTURED_NONE:
+    case RL_STRUCTURED_JSON_OBJECT:
+      return RL_OK;
+    case RL_STRUCTURED_JSON: /* the server parses it, and bounds its canonical text */
+      return constraint_text(j, "structured.json", r->structured_text, &chars);
+    case RL_STRUCTURED_REGEX:
+      if (constraint_text(j, "structured.regex", r->structured_text, &chars) != RL_OK)
+        return RL_ERR_INVALID_ARGUMENT;
+      if (chars > RL_MAX_CONSTRAINT_CHARS)
+        return refuse(j, "structured.regex", "is %ld characters, limit %d", chars,
+                      RL_MAX_CONSTRAINT_CHARS);
+      return RL_OK;
+    case RL_STRUCTURED_CHOICE: {
+      if (!r->choices || r->n_choices < 1)
+        return refuse(j, "structured.choice", "must be a non-empty list of non-empty strs");
+      if (r->n_choices > RL_MAX_CHOICES)
+        return refuse(j, "structured.choice", "has %zu choices, limit %d", r->n_choices,
+                      RL_MAX_CHOICES);
+      long total = 0;
+      for (size_t i = 0; i < r->n_choices; i++) {
+        if (constraint_text(j, "structured.choice", r->choices[i], &chars) != RL_OK)
+          return RL_ERR_INVALID_ARGUMENT;
+        total += chars;
+      }
+      if (total > RL_MAX_CONSTRAINT_CHARS)
+        return refuse(j, "structured.choice", "its choices exceed %d characters together",
+                      RL_MAX_CONSTRAINT_CHARS);
+      return RL_OK;
+    }
+  }
+  return refuse(j, "structured", "unknown kind %d", (int)r->structured);
+}
+
 #define FLOAT_FIELD(name, lo, hi, open, range)                               \
   if (!float_ok(r->name, lo, hi, open))                                      \
     return refuse(&j, #name, "must be a finite number in " range ", got %s", \
@@ -135,7 +182,7 @@ rl_code rl_request_validate(const rl_request* r, char* msg, size_t cap) {
   if (r->has_timeout_ms && (r->timeout_ms < 1 || r->timeout_ms > MAX_TIMEOUT_MS))
     return refuse(&j, "timeout_ms", "must be null or an int in [1, 86400000], got %lld",
                   (long long)r->timeout_ms);
-  return RL_OK;
+  return validate_structured(&j, r);
 }
 
 /* ------------------------------------------------------------------ codes, local dones */
@@ -183,8 +230,24 @@ static void pack_ids(msgpack_packer* pk, const int32_t* ids, size_t n) {
   for (size_t i = 0; i < n; i++) msgpack_pack_int32(pk, ids[i]);
 }
 
+/* The structured map (1.8): its one key, and the constraint's value. */
+static void pack_structured(msgpack_packer* pk, const rl_request* r) {
+  static const char* const keys[] = {"", "json", "regex", "choice", "json_object"};
+  msgpack_pack_map(pk, 1);
+  pack_str(pk, keys[r->structured]);
+  if (r->structured == RL_STRUCTURED_CHOICE) {
+    msgpack_pack_array(pk, r->n_choices);
+    for (size_t i = 0; i < r->n_choices; i++) pack_str(pk, r->choices[i]);
+  } else if (r->structured == RL_STRUCTURED_JSON_OBJECT) {
+    msgpack_pack_true(pk);
+  } else {
+    pack_str(pk, r->structured_text);
+  }
+}
+
 /* The generate map, fields in the Python client's order (protocol.generate_msg): op, id, the
- * prompt, the sampling fields that differ from their defaults, priority, timeout_ms when set. */
+ * prompt, the sampling fields that differ from their defaults, priority, timeout_ms when set,
+ * structured when set. */
 rl_code rl_encode_generate(msgpack_sbuffer* buf, int64_t id, const rl_request* r) {
   msgpack_packer pk;
   msgpack_packer_init(&pk, buf, msgpack_sbuffer_write);
@@ -201,7 +264,9 @@ rl_code rl_encode_generate(msgpack_sbuffer* buf, int64_t id, const rl_request* r
                    r->ignore_eos,
                    r->has_logprobs,
                    r->n != 1};
-  size_t fields = 4 + (r->has_timeout_ms ? 1 : 0); /* op, id, prompt, priority */
+  /* op, id, prompt, priority */
+  size_t fields =
+      4u + (r->has_timeout_ms ? 1u : 0u) + (r->structured != RL_STRUCTURED_NONE ? 1u : 0u);
   for (int i = 0; i < 13; i++) fields += send[i];
   msgpack_pack_map(&pk, fields);
   pack_str(&pk, "op");
@@ -278,6 +343,10 @@ rl_code rl_encode_generate(msgpack_sbuffer* buf, int64_t id, const rl_request* r
   if (r->has_timeout_ms) {
     pack_str(&pk, "timeout_ms");
     msgpack_pack_int64(&pk, r->timeout_ms);
+  }
+  if (r->structured != RL_STRUCTURED_NONE) {
+    pack_str(&pk, "structured");
+    pack_structured(&pk, r);
   }
   return RL_OK;
 }

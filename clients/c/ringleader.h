@@ -1,4 +1,4 @@
-/* ringleader.h: a C client of the ringleader wire protocol (docs/protocol.md, revision 1.7).
+/* ringleader.h: a C client of the ringleader wire protocol (docs/protocol.md, revision 1.8).
  *
  * One client is one ZeroMQ DEALER socket (its own ZeroMQ context) connected to a server. Requests
  * are sent with rl_generate() and answered in either of two forms, chosen per request:
@@ -33,12 +33,16 @@
 extern "C" {
 #endif
 
-#define RL_PROTOCOL_VERSION "1.7"
+#define RL_PROTOCOL_VERSION "1.8"
 #define RL_DEFAULT_ADDRESS "tcp://127.0.0.1:5555"
 #define RL_DEFAULT_CONNECT_TIMEOUT_MS 10000
 #define RL_DEFAULT_REPLY_TIMEOUT_MS 30000
 #define RL_DEFAULT_MAX_FRAME_BYTES (1u << 20)
 #define RL_MAX_STOP_TOKEN_IDS 8
+#define RL_MAX_CHOICES 1024 /* strings of an RL_STRUCTURED_CHOICE constraint */
+/* characters of a regex, or of all choices together (a schema's: the server judges, once canonical)
+ */
+#define RL_MAX_CONSTRAINT_CHARS 65536
 
 /* Result of a call, and the error code of a done. */
 typedef enum rl_code {
@@ -106,6 +110,17 @@ uint64_t rl_client_frames_received(const rl_client* client);
 
 /* ------------------------------------------------------------------ requests */
 
+/* The output's constraint (protocol 1.8, the generate field `structured`), enforced on the
+ * device: a request with one ends with finish_reason "stop" when the output is complete, or
+ * "length" when max_tokens cut it short. A server older than 1.8 refuses it (bad_request). */
+typedef enum rl_structured_kind {
+  RL_STRUCTURED_NONE = 0,    /* no constraint (the default) */
+  RL_STRUCTURED_JSON,        /* structured_text: a JSON schema, as its JSON text */
+  RL_STRUCTURED_REGEX,       /* structured_text: a regular expression the whole output matches */
+  RL_STRUCTURED_CHOICE,      /* choices: the output is exactly one of these strings */
+  RL_STRUCTURED_JSON_OBJECT, /* any JSON object */
+} rl_structured_kind;
+
 /* A generate request. rl_request_init() sets the protocol's defaults; set the prompt (exactly one
  * of `prompt`, `prompt_ids`) and what you want. Only fields that differ from their defaults are
  * sent. Optional fields (nil on the wire) have a has_* flag. */
@@ -134,6 +149,12 @@ typedef struct rl_request {
   int32_t priority; /* [-1000, 1000] */
   bool has_timeout_ms;
   int64_t timeout_ms; /* [1, 86400000] */
+  /* (1.8) the output's constraint, sent as {"json": text}, {"regex": text}, {"choice": [...]} or
+   * {"json_object": true}; the server judges what the client cannot (the schema, the pattern) */
+  rl_structured_kind structured;
+  const char* structured_text; /* JSON, REGEX: NUL-terminated UTF-8, non-empty */
+  const char* const* choices;  /* CHOICE: 1..RL_MAX_CHOICES non-empty NUL-terminated UTF-8 */
+  size_t n_choices;
 } rl_request;
 
 void rl_request_init(rl_request* request);
@@ -227,7 +248,7 @@ rl_code rl_next(rl_client* client, int64_t id, int timeout_ms, rl_event* event);
 rl_code rl_ping(rl_client* client, int timeout_ms, double* rtt_s);
 
 typedef struct rl_stats {
-  char protocol[16];   /* "1.7"; "" when the server does not say (older than 1.4) */
+  char protocol[16];   /* "1.8"; "" when the server does not say (older than 1.4) */
   int64_t vocab_size;  /* model_info.vocab_size, -1 when absent */
   int64_t max_context; /* model_info.max_context, -1 when absent */
   bool engine_dead;    /* engine_dead is not nil */

@@ -18,6 +18,7 @@ from ringleader.device.model import LlamaModel
 from ringleader.device.model.presets import tokenizer_for
 from ringleader.device.null.null_model import NullModel
 from ringleader.device.text.chat_template import load_template_override
+from ringleader.device.text.token_bytes import token_bytes
 from ringleader.device.text.tokenizer import IncrementalDetokenizer
 from ringleader.ipc import layout
 from ringleader.ipc.backend import ModelInfo
@@ -152,6 +153,7 @@ def ring_config_for(
         n_pages=pool.n_pages,
         prefix_caching=config.prefix_caching,
         vocab_size=model.config.vocab_size,
+        grammar_words=config.structured_memory_mib << 18,  # MiB of int32 words
     )
 
 
@@ -197,6 +199,7 @@ def model_info(spec: str, model: LlamaModel | NullModel, max_ctx: int) -> ModelI
         new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
         token_text=token_texts(tokenizer) if tokenizer else None,
         encode_chat=tokenizer.encode_chat if getattr(tokenizer, "chat_template", None) else None,
+        token_bytes=functools.cache(lambda: token_bytes(tokenizer)) if tokenizer else None,
     )
 
 

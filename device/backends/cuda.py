@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 
+import numpy as np
 import torch
 
 from ringleader.device.backends import cuda_driver as drv
@@ -55,6 +56,7 @@ from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.ipc import layout
+from ringleader.ipc.automaton import GrammarArena
 from ringleader.ipc.rings import RingConfig
 
 log = logging.getLogger("ringleader.cuda")
@@ -101,6 +103,7 @@ class CudaBackend(EngineBackend):
         # host mode: the CPU build schedules over pinned host arrays planned like the device's
         host_mem = None if on_device else HostMemory(ring_cfg, pinned=drv.PinnedBuffer)
         self.rings = self._mem.rings if host_mem is None else host_mem.rings
+        self.rings.grammar = self._grammar_arena(ring_cfg, host_mem)
         self.model = model_info(cfg.model, self._model, max_ctx)
         self._compute = torch.cuda.Stream(priority=0)
         self._graphs = self._capture_graphs(cfg, ring_cfg, max_ctx)
@@ -229,6 +232,19 @@ class CudaBackend(EngineBackend):
             raise
         except Exception as exc:  # a compile or launch failure: the layered kernels still serve
             step.fused_decode, step.fused_off = None, f"the fused kernels failed here: {exc}"[:500]
+
+    def _grammar_arena(self, ring_cfg: RingConfig, host_mem: HostMemory | None) -> GrammarArena:
+        """Structured output's automata: the step's sampler reads the device copy; in host mode
+        the CPU scheduler reads the host one, so both are written."""
+        device_write = self._mem.grammar_writer(self._ctx)
+        if host_mem is None:
+            return GrammarArena(ring_cfg.grammar_words, device_write)
+
+        def write_both(offset: int, words: np.ndarray) -> None:
+            host_mem.write_grammar(offset, words)
+            device_write(offset, words)
+
+        return GrammarArena(ring_cfg.grammar_words, write_both)
 
     def _step_kernels_description(self, cfg: EngineConfig) -> dict:
         """Which kernels run the small buckets (fused_step.py or the layered step), and why not

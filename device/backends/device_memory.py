@@ -4,12 +4,14 @@ one-copy upload of the step layout the CPU scheduler builds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from ringleader.device.backends import cuda_driver as drv
 from ringleader.device.backends.host_memory import HostMemory, context_table
-from ringleader.device.step.step_layout import SOURCE_ARRAYS, STEP_OUTPUTS
+from ringleader.device.step.step_layout import HOST_WRITTEN, SOURCE_ARRAYS, STEP_OUTPUTS
 from ringleader.ipc import layout
 from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_memory, write_config
 
@@ -19,12 +21,12 @@ PINNED = layout.HOST_RINGS
 # one copy; next_token comes back (and the logprobs records while a request that asked for
 # them runs), and the token counts go up only while a penalized request runs.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
-_OUTSIDE_RUN = STEP_OUTPUTS | {"token_counts"}
+_OUTSIDE_RUN = STEP_OUTPUTS | HOST_WRITTEN | {"token_counts"}
 _STEP_INPUTS = SOURCE_ARRAYS - _OUTSIDE_RUN
 LAYOUT_RUN = tuple(_NAMES[min(map(_NAMES.index, _STEP_INPUTS)) : max(map(_NAMES.index, _STEP_INPUTS)) + 1])
 if _OUTSIDE_RUN & set(LAYOUT_RUN):
     raise AssertionError(
-        "ipc/layout.py: keep next_token, step_logprobs and token_counts after the step's inputs"
+        "ipc/layout.py: keep next_token, step_logprobs, token_counts and grammar after the step's inputs"
     )
 
 
@@ -70,6 +72,21 @@ class DeviceMemory:
             raise ValueError(f"{name}: {raw.nbytes} bytes given, the array has {self.device_nbytes[name]}")
         self.tensor(name, torch.uint8).copy_(torch.from_numpy(raw))
         torch.cuda.synchronize()
+
+    def grammar_writer(self, ctx) -> Callable[[int, np.ndarray], None]:
+        """GrammarArena's writer for the device's grammar array: a copy on a stream of its own
+        (never the legacy stream, which would wait for the steps), complete when it returns; from
+        any host thread (it binds `ctx`, the backend's context, first)."""
+        stream = drv.create_stream(highest_priority=False)
+        base = self.address("grammar")
+
+        def write(offset: int, words: np.ndarray) -> None:
+            drv.bind_context(ctx)
+            words = np.ascontiguousarray(words, dtype=np.int32)
+            drv.copy_to_device(base + 4 * offset, words.ctypes.data, words.nbytes, stream)
+            drv.synchronize(stream)
+
+        return write
 
     def context_bytes(self) -> bytes:
         return bytes(self.context)

@@ -10,6 +10,7 @@ import ctypes
 import numpy as np
 
 from ringleader.ipc import layout
+from ringleader.ipc.automaton import GrammarArena
 from ringleader.ipc.rings import (
     HostRings,
     RingConfig,
@@ -42,6 +43,11 @@ class HostMemory:
         ctl["magic"], ctl["version"] = layout.MAGIC, layout.LAYOUT_VERSION
         self._context = context_table({n: a.ctypes.data for n, a in self.arrays.items()})
         self.rings = HostRings(self.arrays, cfg)
+        self.rings.grammar = GrammarArena(cfg.grammar_words, self.write_grammar)
+
+    def write_grammar(self, offset: int, words: np.ndarray) -> None:
+        """An automaton into the scheduler's grammar array (GrammarArena's writer)."""
+        self.arrays["grammar"][offset : offset + len(words)] = words
 
     @property
     def context_address(self) -> int:

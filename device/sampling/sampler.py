@@ -94,14 +94,19 @@ class SamplingTensors:
     request (the RNG's); `token_counts`, the token counts the penalties read (ipc/layout.py's
     token_counts rows: output count, plus PROMPT_MARK on prompt tokens): a table [S, V] whose
     row `slot[i]` is row i's (slot None: row i's is row i), or None where no row can have a
-    penalty.  Any device and integer/float width; sample() converts.  A field not given holds
-    its declared default (so it does nothing)."""
+    penalty; `grammar` and `mask_at`, structured output's (mask_disallowed): the automata's int32
+    words and each row's mask offset in them (-1: no constraint), or None where no row can have
+    one.  Any device and integer/float width; sample() converts.  A field not given holds its
+    declared default (so it does nothing)."""
 
     def __init__(
         self,
         counter: torch.Tensor,
         token_counts: torch.Tensor | None = None,
         slot: torch.Tensor | None = None,
+        *,
+        grammar: torch.Tensor | None = None,
+        mask_at: torch.Tensor | None = None,
         **values: torch.Tensor,
     ):
         unknown = sorted(set(values) - set(RING_NAMES))
@@ -110,6 +115,7 @@ class SamplingTensors:
                 f"SamplingTensors: unknown field {unknown[0]!r} (fields: {', '.join(RING_NAMES)})"
             )
         self.counter, self.token_counts, self.slot = counter, token_counts, slot
+        self.grammar, self.mask_at = (grammar, mask_at) if mask_at is not None else (None, None)
         self.values = {
             name: values[name]
             if name in values
@@ -125,7 +131,22 @@ class SamplingTensors:
 
     def replace(self, **values: torch.Tensor) -> SamplingTensors:
         """These settings with some fields' tensors replaced."""
-        return SamplingTensors(self.counter, self.token_counts, self.slot, **{**self.values, **values})
+        return SamplingTensors(
+            self.counter,
+            self.token_counts,
+            self.slot,
+            grammar=self.grammar,
+            mask_at=self.mask_at,
+            **{**self.values, **values},
+        )
+
+    def unconstrained(self) -> SamplingTensors:
+        """These settings without structured output's masks (no row has a constraint)."""
+        return SamplingTensors(self.counter, self.token_counts, self.slot, **self.values)
+
+    def any_constrained(self) -> bool:
+        """Whether some row has a constraint; a host read (the eager step's, of host memory)."""
+        return self.mask_at is not None and bool((self.mask_at >= 0).any())
 
     def row_counts(self) -> torch.Tensor:
         """Each row's token counts [N, V] (a gather when they come as a table and slots)."""
@@ -167,10 +188,52 @@ def apply_penalties(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     return logits - frequency * output_count - presence * (output_count > 0).float()
 
 
+def mask_disallowed(logits: torch.Tensor, grammar: torch.Tensor, mask_at: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [N, V] with -inf where row i's constraint allows no token: for mask_at[i] >= 0,
+    token t is allowed when bit t & 31 of grammar[mask_at[i] + (t >> 5)] is set (ipc/automaton.py's
+    bitmasks); a row with mask_at[i] < 0 is left as it is.  Static shapes, no host sync."""
+    n, vocab = logits.shape
+    dev = logits.device
+    words_per_row = (vocab + 31) // 32
+    if dev.type == "cpu" and grammar.device.type == "cpu":  # the eager step: numpy unpacks bits faster
+        return logits.masked_fill(
+            ~_allowed_on_host(grammar.numpy(), mask_at.numpy(), words_per_row, vocab), float("-inf")
+        )
+    at = mask_at.to(dev, torch.int64)
+    grammar = grammar.to(dev)
+    # a stale row's offset may be anything: every index stays inside the array
+    index = (at.clamp(min=0)[:, None] + torch.arange(words_per_row, device=dev)).clamp(
+        max=grammar.numel() - 1
+    )
+    words = grammar[index].to(torch.int32)
+    bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
+    allowed = bits.reshape(n, words_per_row * 32)[:, :vocab].bool() | (at < 0)[:, None]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _allowed_on_host(grammar, mask_at, words_per_row: int, vocab: int) -> torch.Tensor:
+    """mask_disallowed's allowed tokens [N, V] (bool) from host arrays, a row at a time."""
+    import numpy as np  # the CPU step's form only
+
+    allowed = np.ones((len(mask_at), words_per_row * 32), dtype=bool)
+    for i, at in enumerate(mask_at.tolist()):
+        if at >= 0:
+            if at + words_per_row <= len(grammar):
+                words = grammar[at : at + words_per_row]
+            else:  # a stale offset: every index clamped into the array, as the tensor form does
+                words = grammar[np.minimum(at + np.arange(words_per_row), len(grammar) - 1)]
+            allowed[i] = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")
+    return torch.from_numpy(allowed[:, :vocab])
+
+
 def penalize_and_scale(logits: torch.Tensor, params: SamplingTensors, divisor: torch.Tensor) -> torch.Tensor:
     """A new fp32 tensor [N, V]: apply_penalties(logits, params), row i divided by divisor[i]
-    (fp32 [N]); `logits` is left as it was."""
-    return apply_penalties(logits, params) / divisor[:, None]
+    (fp32 [N]), then where params carry structured output's masks, the tokens a row's constraint
+    does not allow at -inf (mask_disallowed); `logits` is left as it was."""
+    scaled = apply_penalties(logits, params) / divisor[:, None]
+    if params.mask_at is not None:
+        scaled = mask_disallowed(scaled, params.grammar, params.mask_at)
+    return scaled
 
 
 def sample(
@@ -182,7 +245,8 @@ def sample(
 ) -> torch.Tensor:
     """Sampled token ids [N] (int64) from fp32 logits [N, V], row i under params' row i.
 
-    Per row: the penalties (apply_penalties) first; temperature <= 0 -> argmax of those.
+    Per row: the penalties (apply_penalties) first, then a constraint's mask (mask_disallowed:
+    what it does not allow can never be drawn, in any mode); temperature <= 0 -> argmax of those.
     Otherwise logits / temperature; drop the tokens whose probability is below min_p x the top
     token's (0 = no limit); keep the top_k largest of the rest (0 or -1 = no limit); then the
     smallest prefix whose probability, renormalised over what is kept so far, reaches top_p

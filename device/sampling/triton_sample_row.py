@@ -5,8 +5,10 @@ vocabulary, a top-k of MAX_TOP_K candidates, two more cumsums, gathers); here on
 does what its row needs and nothing more, reading its parameters first:
 
   - fast path: a greedy row (temperature <= 0, or a stale entry i >= n_samples) with neutral
-    penalties takes the lm_head's argmax of the raw logits (`greedy_token`) and reads nothing else;
-  - greedy with a penalty: one pass, the argmax of the penalized logits (first index on ties);
+    penalties and no constraint takes the lm_head's argmax of the raw logits (`greedy_token`) and
+    reads nothing else;
+  - greedy with a penalty or a constraint: one pass, the argmax of the penalized, masked logits
+    (first index on ties);
   - unrestricted (top_k off and top_p 1, min_p or not): a pass for the row max, one for the
     min_p-kept mass, one inclusive scan in vocabulary order that stops at the drawn token;
   - restricted (top_k or top_p): the row max (and, with top_k off, the mass top_p measures
@@ -19,11 +21,12 @@ does what its row needs and nothing more, reading its parameters first:
 
 Every pass walks the row in BLOCK_V chunks and recomputes its penalized, temperature-scaled
 logits on the fly (penalize_and_scale's arithmetic in its order: IEEE division, no fused
-multiply-add, so the same bits), so no [rows, V] intermediate is ever written. Candidates tied at
-the threshold key are taken lowest index first, and equal keys sort lowest index first: the
-order (value descending, index ascending), which is what torch.topk gives for distinct values
-(-0.0 ranks below +0.0 here; torch ties them). Passes over the row: fast path none, greedy with
-a penalty 1, unrestricted 3 (the scan stops at the draw), restricted at most 6 (7 with top_k
+multiply-add, so the same bits), then a constrained row's mask (-inf where its bitmask in
+`grammar` has no bit; a row with mask_at < 0 reads no mask word), so no [rows, V] intermediate
+is ever written. Candidates tied at the threshold key are taken lowest index first, and equal
+keys sort lowest index first: the order (value descending, index ascending), which is what
+torch.topk gives for distinct values (-0.0 ranks below +0.0 here; torch ties them). Passes over
+the row: fast path none, greedy with a penalty or a constraint 1, unrestricted 3 (the scan stops at the draw), restricted at most 6 (7 with top_k
 off), and one sort of K entries. With USE_PDL the program waits (gdc_wait) before its first read
 and lets the next kernel launch once its last input is read, just before its stores.
 
@@ -42,6 +45,7 @@ import os
 import torch
 
 from ringleader.device.sampling.sampler import RING_NAMES, SamplingTensors
+from ringleader.device.sampling.triton_sampler import check_masks
 from ringleader.device.step.triton_launch import launch, pdl_meta
 from ringleader.ipc.layout import PROMPT_MARK
 from ringleader.ipc.sampling_params import MAX_TOP_K
@@ -61,7 +65,7 @@ BLOCK_V = 2048
 NUM_WARPS = 8
 
 if HAVE_TRITON:
-    from ringleader.device.sampling.triton_sampler import _mix32
+    from ringleader.device.sampling.triton_sampler import _allowed, _mask_row, _mask_words, _mix32
 
     @triton.jit
     def _counter_uniform(seed, counter):
@@ -84,10 +88,13 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _scaled_block(row_args, offs, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr):
+    def _scaled_block(
+        row_args, offs, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr
+    ):
         # penalize_and_scale on one chunk of the row; past the vocabulary -inf, and only a
-        # penalized row (count_limit = vocab, else 0) reads its counts
-        logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor = row_args
+        # penalized row (count_limit = vocab, else 0) reads its counts, only a constrained one
+        # (mask_limit = vocab, else 0) its mask
+        logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor = row_args[:8]
         x = tl.load(logits_row + offs, mask=offs < vocab, other=float("-inf"))
         if HAS_COUNTS:
             hit = offs < count_limit
@@ -97,7 +104,12 @@ if HAVE_TRITON:
             penalized = tl.where(c != 0, repeated, x)
             penalized = penalized - frequency * count - presence * (count > 0).to(tl.float32)
             x = tl.where(hit, penalized, x)
-        return tl.math.div_rn(x, divisor)
+        x = tl.math.div_rn(x, divisor)
+        if HAS_MASK:
+            mask_row, last_word, mask_limit = row_args[8:]
+            word = _mask_words(mask_row, last_word, offs, offs < mask_limit)
+            x = tl.where(_allowed(word, offs), x, float("-inf"))
+        return x
 
     @triton.jit
     def _min_p_keeps(x, row_max, min_p):
@@ -110,7 +122,9 @@ if HAVE_TRITON:
         return tl.where(in_vocab & _min_p_keeps(x, row_max, min_p), tl.exp(x - row_max), 0.0)
 
     @triton.jit
-    def _max_pass(row_args, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr):
+    def _max_pass(
+        row_args, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+    ):  # fmt: skip
         # the row max and its first index (a lane keeps its first maximum, the lowest lane wins)
         vocab = row_args[2]
         lanes = tl.arange(0, BLOCK_V)
@@ -118,7 +132,7 @@ if HAVE_TRITON:
         lane_arg = tl.zeros([BLOCK_V], tl.int32) + vocab
         for start in range(0, vocab, BLOCK_V):
             offs = start + lanes
-            x = _scaled_block(row_args, offs, HAS_COUNTS, PROMPT_MARK)
+            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
             take = (offs < vocab) & ((x > lane_max) | (lane_arg == vocab))
             lane_arg = tl.where(take, offs, lane_arg)
             lane_max = tl.where(take, x, lane_max)
@@ -128,22 +142,23 @@ if HAVE_TRITON:
 
     @triton.jit
     def _mass_pass(
-        row_args, row_max, min_p, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr
-    ):
+        row_args, row_max, min_p,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+    ):  # fmt: skip
         # the min_p-kept mass of the whole row, summed chunk by chunk as _scan_draw re-sums it
         vocab = row_args[2]
         lanes = tl.arange(0, BLOCK_V)
         total = 0.0
         for start in range(0, vocab, BLOCK_V):
             offs = start + lanes
-            x = _scaled_block(row_args, offs, HAS_COUNTS, PROMPT_MARK)
+            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
             total += tl.sum(_kept_mass(x, row_max, min_p, offs < vocab), axis=0)
         return total
 
     @triton.jit
     def _scan_draw(
         row_args, row_max, min_p, target, total, token,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # the first index whose inclusive prefix mass reaches target * total, in vocabulary order;
         # chunks after the crossing one are skipped (`carried` only grows)
@@ -154,7 +169,7 @@ if HAVE_TRITON:
         for start in range(0, vocab, BLOCK_V):
             if carried < threshold:
                 offs = start + lanes
-                x = _scaled_block(row_args, offs, HAS_COUNTS, PROMPT_MARK)
+                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
                 mass = _kept_mass(x, row_max, min_p, offs < vocab)
                 chunk_total = tl.sum(mass, axis=0)
                 if carried + chunk_total >= threshold:
@@ -166,8 +181,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _radix_select(
-        row_args, n_candidates, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr
-    ):
+        row_args, n_candidates,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+    ):  # fmt: skip
         # the key prefix (and its mask) that the n_candidates largest keys reach: those above it,
         # and the first `remaining` of those matching it; stops once all that match are taken
         vocab = row_args[2]
@@ -184,7 +200,7 @@ if HAVE_TRITON:
                 hist = tl.zeros([256], tl.int32)
                 for start in range(0, vocab, BLOCK_V):
                     offs = start + lanes
-                    x = _scaled_block(row_args, offs, HAS_COUNTS, PROMPT_MARK)
+                    x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
                     key = _order_key(x)
                     match = (offs < vocab) & ((key & prefix_mask) == prefix)
                     hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
@@ -203,7 +219,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gather_candidates(
         row_args, scratch_row, n_candidates, prefix, prefix_mask, remaining,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # writes the candidates as (key << 32 | ~index) into scratch_row[0, n_candidates): the
         # keys above the prefix first, then the lowest-index `remaining` that match it
@@ -215,7 +231,7 @@ if HAVE_TRITON:
         for start in range(0, vocab, BLOCK_V):
             if (seen_above < n_above) | (seen_tied < remaining):
                 offs = start + lanes
-                x = _scaled_block(row_args, offs, HAS_COUNTS, PROMPT_MARK)
+                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
                 key = _order_key(x)
                 high = key & prefix_mask
                 above = (offs < vocab) & (high > prefix)
@@ -233,15 +249,15 @@ if HAVE_TRITON:
     def _candidate_draw(
         row_args, scratch_row, row_max, min_p, top_k, top_p, target, vocab_total,
         N_CANDIDATES: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # sample()'s restricted draw over the K most likely tokens in descending order
         prefix, prefix_mask, remaining = _radix_select(
-            row_args, N_CANDIDATES, BLOCK_V, HAS_COUNTS, PROMPT_MARK
+            row_args, N_CANDIDATES, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK
         )
         _gather_candidates(
             row_args, scratch_row, N_CANDIDATES, prefix, prefix_mask, remaining,
-            BLOCK_V, HAS_COUNTS, PROMPT_MARK,
+            BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
         )  # fmt: skip
         # other threads wrote the scratch row: the barrier makes their stores visible
         tl.debug_barrier()
@@ -277,14 +293,15 @@ if HAVE_TRITON:
     def _sample_row_kernel(
         logits_ptr, out_ptr, n_samples_ptr, greedy_token_ptr, next_token_ptr, sample_slot_ptr,
         scratch_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, repetition_ptr, frequency_ptr,
-        presence_ptr, seed_ptr, counter_ptr, counts_ptr, count_slot_ptr,
-        vocab, n_count_rows, n_next, logits_stride, counts_stride,
+        presence_ptr, seed_ptr, counter_ptr, counts_ptr, count_slot_ptr, grammar_ptr, mask_at_ptr,
+        vocab, n_count_rows, n_next, grammar_words, logits_stride, counts_stride,
         temperature_stride, top_p_stride, top_k_stride, min_p_stride, repetition_stride,
         frequency_stride, presence_stride, seed_stride, counter_stride, count_slot_stride,
-        greedy_token_stride, sample_slot_stride,
+        greedy_token_stride, sample_slot_stride, mask_at_stride,
         N_CANDIDATES: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
         PROMPT_MARK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_COUNT_SLOT: tl.constexpr,
-        HAS_GREEDY_TOKEN: tl.constexpr, HAS_NEXT_TOKEN: tl.constexpr, USE_PDL: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_GREEDY_TOKEN: tl.constexpr, HAS_NEXT_TOKEN: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         if USE_PDL:
@@ -311,17 +328,28 @@ if HAVE_TRITON:
             else:
                 count_slot = row
             counts_row = counts_ptr + count_slot.to(tl.int64) * counts_stride
+        mask_row = grammar_ptr
+        last_word = 0
+        mask_limit = 0
+        if HAS_MASK:
+            mask_at = tl.load(mask_at_ptr + row * mask_at_stride)
+            mask_row, last_word = _mask_row(grammar_ptr, mask_at, grammar_words)
+            # a stale row's token is never used: it skips its mask (and keeps the fast path)
+            mask_limit = tl.where(valid & (mask_at >= 0), vocab, 0)
         if HAS_GREEDY_TOKEN:
-            use_greedy_token = greedy & (count_limit == 0)
+            use_greedy_token = greedy & (count_limit == 0) & (mask_limit == 0)
         else:
             use_greedy_token = row < 0
         if use_greedy_token:
             token = tl.load(greedy_token_ptr + row * greedy_token_stride).to(tl.int32)
         else:
-            # greedy rows divide by 1: their argmax is that of the penalized logits
+            # greedy rows divide by 1: their argmax is that of the penalized, masked logits
             divisor = tl.where(greedy, 1.0, temperature)
-            row_args = (logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor)
-            row_max, token = _max_pass(row_args, BLOCK_V, HAS_COUNTS, PROMPT_MARK)
+            row_args = (
+                logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor,
+                mask_row, last_word, mask_limit,
+            )  # fmt: skip
+            row_max, token = _max_pass(row_args, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
             if greedy == 0:
                 top_p = tl.load(top_p_ptr + row * top_p_stride).to(tl.float32)
                 top_k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int32)
@@ -332,16 +360,19 @@ if HAVE_TRITON:
                 # with top_k off, top_p measures against the whole min_p-kept mass
                 vocab_total = 1.0
                 if top_k <= 0:
-                    vocab_total = _mass_pass(row_args, row_max, min_p, BLOCK_V, HAS_COUNTS, PROMPT_MARK)
+                    vocab_total = _mass_pass(
+                        row_args, row_max, min_p, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK
+                    )
                 if (top_k <= 0) & (top_p >= 1.0):
                     token = _scan_draw(
-                        row_args, row_max, min_p, target, vocab_total, token, BLOCK_V, HAS_COUNTS, PROMPT_MARK
-                    )
+                        row_args, row_max, min_p, target, vocab_total, token,
+                        BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
+                    )  # fmt: skip
                 else:
                     scratch_row = scratch_ptr + row.to(tl.int64) * N_CANDIDATES
                     token = _candidate_draw(
                         row_args, scratch_row, row_max, min_p, top_k, top_p, target, vocab_total,
-                        N_CANDIDATES, CANDIDATE_BLOCK, BLOCK_V, HAS_COUNTS, PROMPT_MARK,
+                        N_CANDIDATES, CANDIDATE_BLOCK, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
                     )  # fmt: skip
         if HAS_NEXT_TOKEN:
             next_slot = tl.load(sample_slot_ptr + row * sample_slot_stride).to(tl.int32)
@@ -392,8 +423,11 @@ def sample_rows_triton(
     are fine; any int / float width), its token_counts table [S, V] (dense rows) read through
     params.slot (None: row i's counts are row i), or None (no penalties apply). n_samples: int32
     [1] on the device; rows i >= n_samples[0] are stale: greedy, and they write no next_token.
+    params.grammar / params.mask_at: structured output's masks (int32 [G], integers [m]), or
+    None; a stale row ignores its mask (its token is never used, so it keeps the fast path).
     greedy_token: int32 [m], each row's argmax of the raw logits (first index on ties), taken by
-    greedy rows with neutral penalties without reading their logits; None: computed here.
+    greedy rows with neutral penalties and no constraint without reading their logits; None:
+    computed here.
     next_token (int32 [S']) and sample_slot (int [m]): when given, each valid row's token is also
     written to next_token[clamp(sample_slot[i], 0, S' - 1)]. use_pdl: programmatic dependent
     launch (pdl_meta; never under the Triton interpreter). scratch: int64 [m, K] (candidate_count),
@@ -438,6 +472,7 @@ def sample_rows_triton(
             _check_rows("slot", count_slot, m, device, integer=True)
         elif counts.shape[0] != m:
             raise ValueError("sample_rows_triton: without params.slot, token_counts has a row per row [m, V]")
+    grammar, mask_at = check_masks("sample_rows_triton", params, m, device)
     n_candidates = candidate_count(vocab)
     if scratch is None:
         scratch = torch.empty(m, n_candidates, dtype=torch.int64, device=device)
@@ -455,6 +490,7 @@ def sample_rows_triton(
 
     per_row = [rows(fields[name]) for name in _KERNEL_FIELDS]
     slot_rows, greedy_rows, sample_slot_rows = rows(count_slot), rows(greedy_token), rows(sample_slot)
+    mask_rows = rows(mask_at)
     launch(
         _sample_row_kernel,
         (m,),
@@ -468,21 +504,26 @@ def sample_rows_triton(
         *(tensor for tensor, _ in per_row),
         logits if counts is None else counts,
         slot_rows[0],
+        out if grammar is None else grammar,
+        mask_rows[0],
         vocab,
         0 if counts is None else counts.shape[0],
         0 if next_token is None else next_token.shape[0],
+        1 if grammar is None else grammar.numel(),
         logits.stride(0),
         0 if counts is None else counts.stride(0),
         *(stride for _, stride in per_row),
         slot_rows[1],
         greedy_rows[1],
         sample_slot_rows[1],
+        mask_rows[1],
         N_CANDIDATES=n_candidates,
         CANDIDATE_BLOCK=triton.next_power_of_2(n_candidates),
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
         PROMPT_MARK=PROMPT_MARK,
         HAS_COUNTS=counts is not None,
         HAS_COUNT_SLOT=count_slot is not None,
+        HAS_MASK=mask_at is not None,
         HAS_GREEDY_TOKEN=greedy_token is not None,
         HAS_NEXT_TOKEN=next_token is not None,
         num_warps=NUM_WARPS,

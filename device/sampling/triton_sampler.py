@@ -12,8 +12,10 @@ counts, every step of the graph whether any request has a penalty or not. Here o
 (row, vocabulary block) reads the row's three penalties first and touches the counts only when
 one is on (reading the count table through the row's slot), then divides by the row's divisor
 (its temperature, 1 for greedy rows) into a new tensor: the raw logits stay for the logprobs.
-The arithmetic is penalize_and_scale's in its order, with IEEE division and no fused
-multiply-add, so both forms give the same bits.
+Structured output's mask comes last (sampling.mask_disallowed): a row whose mask_at is >= 0
+reads its block's words of the bitmask and sets -inf where a token has no bit; a row without a
+constraint branches past it and reads nothing more. The arithmetic is penalize_and_scale's in
+its order, with IEEE division and no fused multiply-add, so both forms give the same bits.
 
 The logprobs in torch are a logsumexp, a top-k and a scatter over every row, every step, asked
 or not. Here one program per row reads the row's top_n first and does nothing unless the row
@@ -57,6 +59,23 @@ if HAVE_TRITON:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _mask_row(grammar_ptr, mask_at, grammar_words):
+        # the row's bitmask and its last readable word: a stale row's offset may be anything, so
+        # the start and every word index stay inside the array (as sampling.mask_disallowed)
+        start = tl.minimum(tl.maximum(mask_at, 0), grammar_words - 1)
+        return grammar_ptr + start, grammar_words - 1 - start
+
+    @triton.jit
+    def _mask_words(mask_row, last_word, offs, load):
+        # each token's word of the row's bitmask (all bits set where not loaded)
+        return tl.load(mask_row + tl.minimum(offs >> 5, last_word), mask=load, other=-1)
+
+    @triton.jit
+    def _allowed(word, offs):
+        # bit t & 31 of token t's word (ipc/automaton.py)
+        return ((word >> (offs & 31)) & 1) != 0
+
+    @triton.jit
     def _counter_uniform_kernel(seed_ptr, counter_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -84,12 +103,17 @@ if HAVE_TRITON:
         repetition_ptr,
         frequency_ptr,
         presence_ptr,
+        grammar_ptr,
+        mask_at_ptr,
         vocab,
         n_slots,
+        grammar_words,
         logits_stride,
         param_stride,
+        mask_at_stride,
         PROMPT_MARK: tl.constexpr,
         HAS_COUNTS: tl.constexpr,
+        HAS_MASK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -111,7 +135,15 @@ if HAVE_TRITON:
             penalized = penalized - f * count - p * (count > 0).to(tl.float32)
             x = tl.where(hit, penalized, x)
         divisor = tl.load(divisor_ptr + row)
-        tl.store(out_ptr + row * vocab + offs, tl.math.div_rn(x, divisor), mask=ok)
+        x = tl.math.div_rn(x, divisor)
+        if HAS_MASK:
+            mask_at = tl.load(mask_at_ptr + row * mask_at_stride)
+            # a row without a constraint reads no mask word
+            if mask_at >= 0:
+                mask_row, last_word = _mask_row(grammar_ptr, mask_at, grammar_words)
+                word = _mask_words(mask_row, last_word, offs, ok)
+                x = tl.where(_allowed(word, offs), x, float("-inf"))
+        tl.store(out_ptr + row * vocab + offs, x, mask=ok)
 
     @triton.jit
     def _store_logprobs_kernel(
@@ -199,6 +231,24 @@ def counter_uniform_triton(seed: torch.Tensor, counter: torch.Tensor) -> torch.T
     return out
 
 
+def check_masks(
+    caller: str, params: SamplingTensors, n: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """params' (grammar, mask_at) as a kernel reads them, (None, None) without masks; ValueError
+    naming what is wrong: a dense, non-empty int32 grammar [G] and integers mask_at [n], both on
+    `device`."""
+    grammar, mask_at = params.grammar, params.mask_at
+    if mask_at is None:
+        return None, None
+    if grammar is None or grammar.dtype != torch.int32 or grammar.dim() != 1 or grammar.numel() < 1:
+        raise ValueError(f"{caller}: grammar must be a non-empty int32 [G]")
+    if grammar.stride(0) != 1 or grammar.device != device:
+        raise ValueError(f"{caller}: grammar must be dense and on the logits' device")
+    if mask_at.shape != (n,) or mask_at.dtype.is_floating_point or mask_at.device != device:
+        raise ValueError(f"{caller}: mask_at must be integers [{n}] on the logits' device")
+    return grammar, mask_at
+
+
 PENALTY_BLOCK = 1024
 
 
@@ -208,7 +258,9 @@ def penalize_and_scale_triton(
     """sampling.penalize_and_scale(logits, params, divisor) for fp32 logits [N, V] with a unit
     inner stride and an fp32 divisor [N], bit for bit, one launch, into a new tensor [N, V];
     `params` carries the count table [S, V] and each row's slot (a missing slot: row i's counts
-    are row i), or no table (then only the division)."""
+    are row i), or no table (then only the division); and structured output's grammar (int32
+    [G]) and mask_at (integers [N]), or none: a row with mask_at >= 0 gets -inf where its mask
+    has no bit, one with mask_at < 0 reads no mask word."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; use sampling.penalize_and_scale")
     n, vocab = logits.shape
@@ -222,6 +274,7 @@ def penalize_and_scale_triton(
     penalties = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     if any(t.dtype != torch.float32 or t.stride(0) != penalties[0].stride(0) for t in penalties):
         raise ValueError("penalize_and_scale_triton: the three penalties as fp32 views of one stride")
+    grammar, mask_at = check_masks("penalize_and_scale_triton", params, n, logits.device)
     if counts is None:
         slot = None
     elif params.slot is not None:
@@ -239,12 +292,17 @@ def penalize_and_scale_triton(
         logits if counts is None else counts,  # unread without counts (HAS_COUNTS False)
         divisor if slot is None else slot,
         *penalties,
+        logits if grammar is None else grammar,  # unread without masks (HAS_MASK False)
+        divisor if mask_at is None else mask_at,
         vocab,
         0 if counts is None else counts.shape[0],
+        1 if grammar is None else grammar.numel(),
         logits.stride(0),
         penalties[0].stride(0),
+        0 if mask_at is None else mask_at.stride(0),
         PROMPT_MARK=PROMPT_MARK,
         HAS_COUNTS=counts is not None,
+        HAS_MASK=mask_at is not None,
         BLOCK=PENALTY_BLOCK,
         enable_fp_fusion=False,
     )

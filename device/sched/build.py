@@ -27,6 +27,7 @@ SCHEDULER_SOURCES = (
     "primitives.h",
     "sched_common.h",
     "sched_prefix.h",
+    "sched_grammar.h",
     "sched_critical.h",
     "sched_overlapped.h",
     "sched_step.h",

@@ -3,7 +3,8 @@
 #pragma once
 
 // One sampled slot's token: slot progress, the penalized request's count, its logprobs record
-// kept, and the stop checks (a finished request becomes ENDING).  Returns the RL_FINISH_* code.
+// kept, a constrained request's automaton state, and the stop checks (a finished request
+// becomes ENDING; a completed constraint is a stop).  Returns the RL_FINISH_* code.
 RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32_t tok) {
   const RlConfig& cfg = *c.cfg;
   sl.sampled = 0;
@@ -16,7 +17,8 @@ RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32
   // the step's record of this sample, kept until its event is written (the next step, which
   // runs beside that, overwrites step_logprobs)
   if (sl.flags & RL_FLAG_LOGPROBS) c.slot_logprobs[s] = c.step_logprobs[s];
-  uint32_t why = rl_finish_reason(cfg, sl, tok);
+  const bool completed = rl_constrained(sl) && rl_grammar_advance(c, sl, tok);
+  uint32_t why = completed ? (uint32_t)RL_FINISH_STOP : rl_finish_reason(cfg, sl, tok);
   if (why != RL_FINISH_NONE) {
     sl.finish = why;
     sl.state = RL_SLOT_ENDING;
@@ -64,11 +66,11 @@ RL_FN void rl_note_step(const RlContext& c, uint64_t began, uint32_t n_rows, uin
 // all decode rows, and the overlapped phase found that the next one repeats them: no slot
 // joins, is aborted or lacks a page).  Row r is segment r and sample entry r of slot
 // seg_slot[r]; each row's sample is consumed and, unless some request ended, the layout is
-// advanced in place: the row's token, position and sample counter; slot_of, the sample
-// entries, the counts and the bucket stay as they are.  WARP: run by warp 0 alone (n fits it:
-// no block barrier); else by the block.  Returns 1 when it laid out the step (and noted it),
-// 0 when some request ended: its rows' samples are consumed, the full build follows (and
-// steady_rows is 0 for it).
+// advanced in place: the row's token, position and sample counter (and a constrained row's
+// mask); slot_of, the other sample fields, the counts and the bucket stay as they are.  WARP:
+// run by warp 0 alone (n fits it: no block barrier); else by the block.  Returns 1 when it laid out
+// the step (and noted it), 0 when some request ended: its rows' samples are consumed, the full
+// build follows (and steady_rows is 0 for it).
 template <bool WARP>
 RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began) {
   RlSchedState& st = *c.sched;
@@ -93,6 +95,7 @@ RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began
     RlSlot& sl = c.slots[(uint32_t)c.seg_slot[r]];
     sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // as rl_build_step sets it for decode
     sl.sampled = 1;
+    if (rl_constrained(sl)) c.sample_mask[r] = rl_grammar_mask(c, sl);
   }
 #undef RL_STEADY_FOR
   if (RL_LEADER) {
@@ -254,6 +257,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
       c.sample_row[q] = c.seg_row_start[g] + (int32_t)n - 1;
       c.sample_slot[q] = (int32_t)s;
       c.sample_params[q] = sl.sampling;
+      c.sample_mask[q] = rl_grammar_mask(c, sl);
       c.sample_counter[q] = (int32_t)sl.n_generated;
       sl.sampled = 1;
     }

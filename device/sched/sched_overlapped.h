@@ -538,6 +538,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.last_token = -1;
     sl.n_stop = e.n_stop < RL_MAX_STOP_IDS ? e.n_stop : RL_MAX_STOP_IDS;
     for (uint32_t q = 0; q < RL_MAX_STOP_IDS; ++q) sl.stop_ids[q] = e.stop_ids[q];
+    rl_grammar_admit(c, sl, e.grammar_off);
     sl.sampled = 0;
     sl.ev_token = 0;
     sl.finish = RL_FINISH_NONE;

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.sampling.sampler import any_penalty, sample, store_logprobs
+from ringleader.device.sampling.sampler import any_penalty, mask_disallowed, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
 from ringleader.device.step.step_layout import StepLayout
@@ -44,11 +44,17 @@ class EagerStep:
         logits = self.model.step(batch, self.kv)
         if n_samples:
             params = layout.sampling(n_samples, counts=False)
-            if any_penalty(params):  # a host read of host memory here: gather counts only then
-                tokens = sample(logits, layout.sampling(n_samples))
+            # host reads of host memory here: mask and gather counts only where some row needs it
+            constrained = params.any_constrained()
+            if not constrained:
+                params = params.unconstrained()
+            if any_penalty(params):
+                full = layout.sampling(n_samples)
+                tokens = sample(logits, full if constrained else full.unconstrained())
             elif bool((params.temperature <= 0).all()):
                 # all greedy, nothing penalized: the argmax sample() would take, without its draw
-                tokens = logits.argmax(dim=-1)
+                allowed = mask_disallowed(logits, params.grammar, params.mask_at) if constrained else logits
+                tokens = allowed.argmax(dim=-1)
             else:
                 tokens = sample(logits, params)
             slots = layout.sample_slot[:n_samples].long()

@@ -10,7 +10,8 @@ Per layer five kernels (device/step/fused_projections.py, triton_gemv.py's desig
 
 and around the layers: the embedding lookup, `lm_head_argmax` (the final RMSNorm on the sampled
 rows, the logits, and each row's argmax reduced inside the projection), one sampling kernel
-(greedy rows with nothing to apply take that argmax and read nothing else) and the logprobs
+(greedy rows with no penalty and no structured output constraint take that argmax and read
+nothing else; a constrained row samples from its masked logits in every mode) and the logprobs
 kernel (a row that asked none writes nothing). The residual stream is one [T, hidden] tensor
 the o and down projections add into in place, so no kernel exists only for an add.
 
@@ -160,6 +161,7 @@ class FusedDecode:
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int) -> None:
         """StaticStep._sample_into's part here: one sampling kernel (greedy rows with nothing to
         apply take the lm_head's argmax) that writes next_token itself, then the logprobs."""
+        # the layout's settings carry the grammar and each entry's mask (sample_mask[:m])
         params = layout.sampling(m)
         slot = layout.sample_slot[:m]
         tokens = sample_rows_triton(

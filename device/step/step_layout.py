@@ -33,6 +33,7 @@ _FIELDS = {
     "sample_slot": (np.int32, "sample_slot"),
     "sample_params": (np.int32, "sample_params"),  # RlSampling [n_slots], its words
     "sample_counter": (np.int32, "sample_counter"),
+    "sample_mask": (np.int32, "sample_mask"),  # per sample: its constraint's mask in grammar, or -1
     "n_tokens": (np.int32, "step.n_tokens"),  # RlStepHeader fields (uint32), shape [1]
     "n_segments": (np.int32, "step.n_segments"),
     "n_samples": (np.int32, "step.n_samples"),
@@ -40,6 +41,7 @@ _FIELDS = {
     "step_logprobs": (np.int32, "step_logprobs"),  # RlLogprobs [n_slots], its words per slot
     "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
     "token_counts": (np.int32, "token_counts"),  # flat [n_slots * vocab_size] in the arrays
+    "grammar": (np.int32, "grammar"),  # structured output's automata (ipc/automaton.py)
 }
 # [token_budget]; the counts [1]; block_table, token_counts, step_logprobs [n_slots, ...]; the
 # rest [n_slots]
@@ -48,6 +50,8 @@ _ROW_FIELDS = ("token_ids", "positions", "slot_of")
 SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
 # of those, the ones the step writes
 STEP_OUTPUTS = frozenset({"next_token", "step_logprobs"})
+# and the one the host writes itself, an automaton at a time (GrammarArena: never uploaded per step)
+HOST_WRITTEN = frozenset({"grammar"})
 
 # a count's int32 word in the step header (RlStepHeader, ringleader.ipc.layout.STEP)
 _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().fields.items()}
@@ -91,7 +95,9 @@ class StepLayout:
 
     token_ids, positions, slot_of: int32 [token_budget] (pad rows: slot_of = -1); seg_slot,
     seg_row_start, seg_n_rows: int32 [n_slots]; sample_row, sample_slot, sample_counter: int32
-    [n_slots]; sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
+    [n_slots]; sample_mask: int32 [n_slots], each sample's constraint's mask, the word offset of
+    its bitmask in `grammar` (int32 [grammar_words], ipc/automaton.py), -1 for none;
+    sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
     views one field each); n_tokens, n_segments, n_samples: int32 [1], the header's counts;
     next_token: int32 [n_slots], written by a step's run; step_logprobs: int32 [n_slots, 42], the
     RlLogprobs record a step writes for each sampled slot whose request asked; block_table: int32 [n_slots,
@@ -110,6 +116,7 @@ class StepLayout:
     sample_slot: torch.Tensor
     sample_params: torch.Tensor
     sample_counter: torch.Tensor
+    sample_mask: torch.Tensor
     n_tokens: torch.Tensor
     n_segments: torch.Tensor
     n_samples: torch.Tensor
@@ -117,6 +124,7 @@ class StepLayout:
     step_logprobs: torch.Tensor
     block_table: torch.Tensor
     token_counts: torch.Tensor
+    grammar: torch.Tensor
 
     def __post_init__(self) -> None:
         self.params = sampling_views(self.sample_params)
@@ -139,7 +147,13 @@ class StepLayout:
 
     @classmethod
     def allocate(
-        cls, n_slots: int, token_budget: int, device: Device, pages_per_slot: int, vocab_size: int = 0
+        cls,
+        n_slots: int,
+        token_budget: int,
+        device: Device,
+        pages_per_slot: int,
+        vocab_size: int = 0,
+        grammar_words: int = 1,
     ) -> StepLayout:
         """Zeroed tensors of the right sizes (pad rows have slot_of = -1; every block-table
         entry names page 0; every sample entry holds the declared defaults)."""
@@ -155,6 +169,8 @@ class StepLayout:
                 return (n_slots, layout.LOGPROBS.size // 4)
             if name == "sample_params":
                 return (n_slots * _SAMPLING.size // 4,)
+            if name == "grammar":
+                return (grammar_words,)
             return (1,) if _FIELDS[name][1].startswith("step.") else (n_slots,)
 
         out = {
@@ -162,6 +178,7 @@ class StepLayout:
             for name, (dtype, _) in _FIELDS.items()
         }
         out["slot_of"].fill_(-1)
+        out["sample_mask"].fill_(-1)
         made = cls(**out)
         for name, view in made.params.items():
             view.fill_(FIELD[name].ring_default)
@@ -169,21 +186,24 @@ class StepLayout:
 
     def copy_from_arrays(self, arrays: dict[str, np.ndarray], non_blocking: bool = False) -> None:
         """Uploads the scheduler's host arrays into these tensors (host-scheduled mode); what
-        the step writes (STEP_OUTPUTS) is left alone."""
+        the step writes (STEP_OUTPUTS) and the host writes itself (HOST_WRITTEN) are left alone."""
         source = StepLayout.from_arrays(arrays)
         for f in fields(self):
-            if f.name not in STEP_OUTPUTS:
+            if f.name not in STEP_OUTPUTS | HOST_WRITTEN:
                 getattr(self, f.name).copy_(getattr(source, f.name), non_blocking=non_blocking)
 
     def sampling(self, m: int, counts: bool = True) -> SamplingTensors:
         """The sampling settings of sample entries [0, m), as views; with `counts` (and counts
-        kept: vocab_size > 0) the token-count table and each entry's slot in it."""
+        kept: vocab_size > 0) the token-count table and each entry's slot in it; structured
+        output's masks (the grammar array and each entry's mask offset) always."""
         keep = counts and self.token_counts.shape[1] > 0
         params = {name: view[:m] for name, view in self.params.items()}
         return SamplingTensors(
             self.sample_counter[:m],
             self.token_counts if keep else None,
             self.sample_slot[:m] if keep else None,
+            grammar=self.grammar,
+            mask_at=self.sample_mask[:m],
             **params,
         )
 

@@ -1,17 +1,19 @@
 """`ringleader generate`: stream one completion from a running server, or with --chat and no
 prompt, a conversation on stdin (one user turn per line).  The sampling options are one per
 sampling field, named, explained, defaulted and judged by its declaration
-(ringleader.ipc.sampling_params)."""
+(ringleader.ipc.sampling_params).  --json-schema, --regex, --choice and --json-object constrain
+the output (protocol 1.8's `structured`, enforced on the device)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 from ringleader.hostctl.commands.client_options import add_client_options, client_from_args
 from ringleader.ipc.sampling_params import FIELDS, SamplingError, SamplingField, SamplingParams
+from ringleader.ipc.structured import StructuredError, StructuredSpec, structured_from_wire
 
 
 def int_list(text: str) -> list[int]:
@@ -34,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--system", help="with --chat: a system turn first")
     add_sampling_options(p)
+    add_structured_options(p)
     p.add_argument("--priority", type=int, default=0, help="under serve --policy priority: higher goes first")
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
     p.add_argument(
@@ -85,6 +88,51 @@ def _checked(spec: SamplingField) -> Callable[[str], Any]:
     return value_of
 
 
+def add_structured_options(p: argparse.ArgumentParser) -> None:
+    """The output's constraint: at most one of --json-schema, --regex, --choice (repeated) and
+    --json-object (argparse refuses two, exit code 2)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", metavar="FILE", help="the output follows the JSON schema in FILE (-: read stdin)"
+    )
+    group.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
+    group.add_argument(
+        "--choice",
+        action="append",
+        metavar="TEXT",
+        help="the output is exactly one of these texts (repeat the option: --choice yes --choice no)",
+    )
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+
+
+def structured_from_args(args: argparse.Namespace, stdin: TextIO | None = None) -> StructuredSpec | None:
+    """The constraint the options ask for, judged as the server judges it; a ValueError with a
+    one-line message naming the option when the schema file cannot be read or a value is refused."""
+    if args.json_schema is not None:
+        option = f"--json-schema {args.json_schema}"
+        try:
+            if args.json_schema == "-":
+                text = (stdin or sys.stdin).read()
+            else:
+                with open(args.json_schema, encoding="utf-8") as f:
+                    text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{option}: cannot read it: {exc}") from None
+        wire: dict[str, Any] = {"json": text}
+    elif args.regex is not None:
+        option, wire = "--regex", {"regex": args.regex}
+    elif args.choice is not None:
+        option, wire = "--choice", {"choice": args.choice}
+    elif args.json_object:
+        option, wire = "--json-object", {"json_object": True}
+    else:
+        return None
+    try:
+        return structured_from_wire(wire)
+    except StructuredError as err:
+        raise ValueError(f"{option}: {err.reason}") from None
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The options' values, each judged already by its type."""
     return SamplingParams(**{spec.name: getattr(args, spec.name) for spec in FIELDS})
@@ -98,16 +146,32 @@ def run(args: argparse.Namespace) -> int:
     elif (args.prompt is None) == (args.prompt_ids is None):
         print("give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
+    if args.json_schema == "-" and args.chat and args.prompt is None:
+        print(
+            "--json-schema -: stdin holds the conversation (--chat without a prompt); give a file",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        structured = structured_from_args(args)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     with client_from_args(args) as client:
         if not args.chat:
-            return _print_stream(client, args, prompt=args.prompt, prompt_ids=args.prompt_ids)[0]
+            return _print_stream(
+                client, args, prompt=args.prompt, prompt_ids=args.prompt_ids, structured=structured
+            )[0]
         turns = [{"role": "system", "content": args.system}] if args.system else []
         if args.prompt is not None:  # one question, one answer
-            return _print_stream(client, args, messages=turns + [{"role": "user", "content": args.prompt}])[0]
-        return _chat_loop(client, args, turns)
+            messages = turns + [{"role": "user", "content": args.prompt}]
+            return _print_stream(client, args, messages=messages, structured=structured)[0]
+        return _chat_loop(client, args, turns, structured)
 
 
-def _chat_loop(client, args: argparse.Namespace, turns: list[dict[str, str]]) -> int:
+def _chat_loop(
+    client, args: argparse.Namespace, turns: list[dict[str, str]], structured: StructuredSpec | None
+) -> int:
     """A conversation on stdin: each line is a user turn; the answers join the history."""
     interactive = sys.stdin.isatty()
     while True:
@@ -119,7 +183,7 @@ def _chat_loop(client, args: argparse.Namespace, turns: list[dict[str, str]]) ->
         if not line.strip():
             continue
         turns.append({"role": "user", "content": line.rstrip("\n")})
-        rc, answer = _print_stream(client, args, messages=turns)
+        rc, answer = _print_stream(client, args, messages=turns, structured=structured)
         if rc:
             return rc
         turns.append({"role": "assistant", "content": answer})

@@ -44,6 +44,7 @@ async def answer_request(
             messages=req.messages,
             sampling=req.sampling,
             priority=req.priority,
+            structured=req.structured,
         )
     except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
         raise APIError(400, str(exc)) from None
@@ -113,7 +114,7 @@ class RequestAnswer:
 
     def upstream_error(self, done: Done) -> APIError:
         self.metrics.upstream_error(done.error_code or "unknown")
-        return APIError.from_upstream(done.error_code, done.error_message)
+        return APIError.from_upstream(done.error_code, done.error_message, self.req.structured_param)
 
     # ---- whole ----------------------------------------------------------------------------
     async def collect(self, item: TokenChunk | Done) -> dict[str, Any]:

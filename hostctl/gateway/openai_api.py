@@ -9,6 +9,11 @@ OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_p
 `logprobs` (chat's `logprobs` + `top_logprobs`) among them; vLLM's extensions among them: `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.  The gateway's own:
 `return_token_ids` (each choice carries the ids of its tokens), `priority`.
+
+The output's constraint (protocol 1.8's `structured`, enforced on the device) comes from one of
+OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` or vLLM's
+older `guided_json` / `guided_regex` / `guided_choice`, on both endpoints (vLLM takes
+`response_format` on completions too); grammars are refused by name, and so are two constraints at once.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from ringleader.ipc.sampling_params import (
     clipped_repr,
     sampling_from_openai,
 )
+from ringleader.ipc.structured import WIRE_FIELD as STRUCTURED_WIRE_FIELD
+from ringleader.ipc.structured import StructuredError, StructuredSpec, structured_from_wire
 
 # the body fields each endpoint takes besides the sampling fields (OPENAI_FIELDS): those the
 # gateway honours, or refuses unless their value asks for nothing, and OpenAI's no-ops (_no_op_fields)
@@ -39,10 +46,28 @@ _HANDLED = (
     "priority",
 )
 _NO_OPS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
-CHAT_FIELDS = OPENAI_FIELDS.union(
-    _HANDLED, _NO_OPS, ("messages", "top_logprobs", "tools", "tool_choice", "response_format")
+# the fields that constrain the output (_structured), in the order a conflict between them is told
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
-COMPLETIONS_FIELDS = OPENAI_FIELDS.union(_HANDLED, _NO_OPS, ("prompt", "best_of", "echo", "suffix"))
+# vLLM's older knobs of its constraints: a backend's name (ignored: there is one compiler) and a
+# JSON whitespace pattern (refused unless null)
+_GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
+CHAT_FIELDS = OPENAI_FIELDS.union(
+    _HANDLED,
+    _NO_OPS,
+    CONSTRAINT_FIELDS,
+    _GUIDED_OPTIONS,
+    ("messages", "top_logprobs", "tools", "tool_choice"),
+)
+COMPLETIONS_FIELDS = OPENAI_FIELDS.union(
+    _HANDLED, _NO_OPS, CONSTRAINT_FIELDS, _GUIDED_OPTIONS, ("prompt", "best_of", "echo", "suffix")
+)
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 
@@ -82,15 +107,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     @classmethod
-    def from_upstream(cls, code: str | None, message: str | None) -> APIError:
+    def from_upstream(
+        cls, code: str | None, message: str | None, structured_param: str | None = None
+    ) -> APIError:
         """The error of a ringleader `done`: its code picks the status; a bad_request names its
-        field first ("field: ..."), which becomes `param`."""
+        field first ("field: ..."), which becomes `param`.  structured_param: the request's field
+        that gave the constraint, which replaces the wire's name ("structured.json") in both."""
         status, kind = STATUS_OF_CODE.get(code or "", (500, "server_error"))
         text = message or code or "unknown error"
         param = None
         if code == P.ERR_BAD_REQUEST and ":" in text:
             head = text.split(":", 1)[0]
-            if head.isidentifier():
+            if structured_param and head.split(".", 1)[0] == STRUCTURED_WIRE_FIELD:
+                param = structured_param_of(head, structured_param)
+                text = param + text[len(head) :]
+            elif head.isidentifier():
                 param = PARAM_OF_FIELD.get(head, head)
         return cls(status, text, type=kind, param=param, code=code)
 
@@ -114,6 +145,8 @@ class GenerationRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     priority: int = 0
+    structured: StructuredSpec | None = None  # the output's constraint (protocol 1.8)
+    structured_param: str | None = None  # the field it came from, which the server's refusals are told in
 
 
 # ---------------------------------------------------------------- parsing
@@ -283,9 +316,6 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     if chat:
         _refuse_unless_default(body, "tools", (None, []), "tools are not supported")
         _refuse_unless_default(body, "tool_choice", (None, "none"), "tools are not supported")
-        rf = body.get("response_format")
-        if rf is not None and rf != {"type": "text"}:
-            raise bad("response_format", f"only {{'type': 'text'}} is supported, got {clipped_repr(rf)}")
     else:
         _refuse_unless_default(
             body, "best_of", (None, 1), "best_of is not supported; send n and pick the best yourself"
@@ -311,7 +341,131 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     req.include_usage = _stream_options(body, stream)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.priority = _int(body, "priority", 0, -1000, 1000)
+    req.structured, req.structured_param = _structured(body)
     return req
+
+
+# ---------------------------------------------------------------- the output's constraint
+
+# vLLM's older top-level fields, each one key of the wire's `structured` map
+_GUIDED_KINDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# structured_outputs' options beside its constraint (vLLM's StructuredOutputsParams) and the values
+# this server honours: it has one compiler that never falls back, and no knobs for JSON's shape
+_STRUCTURED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "disable_fallback": (None, False, True),
+    "disable_any_whitespace": (None, False),
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+}
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+def structured_param_of(wire_field: str, source: str) -> str:
+    """The request's name of a field the wire's `structured` names ("structured.regex"): the same
+    key under structured_outputs, else the field that gave the constraint."""
+    if source == "structured_outputs":
+        return source + wire_field[len(STRUCTURED_WIRE_FIELD) :]
+    return source
+
+
+def _judged(wire: dict[str, Any], source: str) -> StructuredSpec | None:
+    """The wire's `structured` map judged as the server's decoder judges it (ipc/structured.py),
+    a refusal naming the request's field."""
+    try:
+        return structured_from_wire(wire)
+    except StructuredError as err:
+        raise bad(structured_param_of(err.field, source), err.reason) from None
+
+
+def _response_format(rf: Any) -> tuple[StructuredSpec | None, str]:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema with its schema."""
+    types = "text, json_object or json_schema"
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad("response_format", f"must be an object with a type ({types}), got {clipped_repr(rf)}")
+    kind = rf["type"]
+    allowed = ("type", "json_schema") if kind == "json_schema" else ("type",)
+    for key in rf:
+        if key not in allowed:
+            raise bad(f"response_format.{key}", f"unknown field for type {kind}")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return StructuredSpec("json_object"), "response_format"
+    if kind != "json_schema":
+        raise bad("response_format.type", f"must be {types}, got {clipped_repr(kind)}")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", f"must be an object with a schema, got {clipped_repr(spec)}")
+    for key in spec:
+        if key not in _JSON_SCHEMA_KEYS:
+            raise bad(
+                f"response_format.json_schema.{key}",
+                f"unknown field; it takes {', '.join(_JSON_SCHEMA_KEYS)}",
+            )
+    # name and description label the schema; strict changes nothing: the device enforces every schema
+    for key, kind, kind_name in (
+        ("name", str, "a string"),
+        ("description", str, "a string"),
+        ("strict", bool, "true or false"),
+    ):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise bad(
+                f"response_format.json_schema.{key}", f"must be {kind_name}, got {clipped_repr(spec[key])}"
+            )
+    where = "response_format.json_schema.schema"
+    if spec.get("schema") is None:
+        raise bad(where, "is required: the JSON schema the output must follow")
+    return _judged({"json": spec["schema"]}, where), where
+
+
+def _structured_outputs(value: Any) -> StructuredSpec | None:
+    """vLLM's structured_outputs: one constraint key, and the options this server honours."""
+    if not isinstance(value, dict):
+        raise bad(
+            "structured_outputs", f"must be an object such as {{'json': schema}}, got {clipped_repr(value)}"
+        )
+    for name, allowed in _STRUCTURED_OPTIONS.items():
+        got = value.get(name)
+        if not any(got is a for a in allowed):  # `is`: 0 is not false here
+            shown = " or ".join("null" if a is None else str(a).lower() for a in allowed)
+            raise bad(
+                f"structured_outputs.{name}", f"this server takes only {shown}; got {clipped_repr(got)}"
+            )
+    return _judged({k: v for k, v in value.items() if k not in _STRUCTURED_OPTIONS}, "structured_outputs")
+
+
+def _structured(body: dict) -> tuple[StructuredSpec | None, str | None]:
+    """The output's constraint and the field that gave it, from at most one of CONSTRAINT_FIELDS
+    (two at once is a 400 naming both); (None, None): unconstrained."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise bad("guided_decoding_backend", f"must be a string, got {clipped_repr(backend)}")
+    if body.get("guided_whitespace_pattern") is not None:
+        raise bad(
+            "guided_whitespace_pattern", "is not supported: JSON constraints allow their default whitespace"
+        )
+    found: list[tuple[str, StructuredSpec, str]] = []
+    for name in CONSTRAINT_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "response_format":
+            spec, where = _response_format(value)
+        elif name == "structured_outputs":
+            spec, where = _structured_outputs(value), name
+        else:
+            spec, where = _judged({_GUIDED_KINDS[name]: value}, name), name
+        if spec is not None:
+            found.append((name, spec, where))
+    if len(found) > 1:
+        first, second = found[0][0], found[1][0]
+        raise bad(second, f"conflicts with {first}: give one constraint on the output")
+    return (found[0][1], found[0][2]) if found else (None, None)
 
 
 @dataclass(frozen=True)
@@ -351,6 +505,9 @@ def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> Generat
         )
     if req.stop and not model.has_tokenizer:
         raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
+    if req.structured is not None and not model.has_tokenizer:  # its automaton is built from token texts
+        field = (req.structured_param or "structured_outputs").split(".", 1)[0]
+        raise bad(field, "structured output needs a model with a tokenizer")
     return req
 
 

@@ -62,8 +62,9 @@ class Admission:
         return len(self._waiting)
 
     def waits_for_ring_space(self) -> bool:
-        """True when work is held back by a full SQ, arena or abort ring, which the device frees
-        without telling the host (a full window opens on a DONE, which wakes the frontend)."""
+        """True when work is held back by a full SQ, arena or abort ring (or a grammar array
+        full of running requests' automata), which the device frees without telling the host (a
+        full window opens on a DONE, which wakes the frontend)."""
         queued = len(self._waiting) > len(self._gated)
         return bool(self._abort_backlog) or (queued and self._window_open())
 
@@ -184,12 +185,26 @@ class Admission:
         sq = self._rings.submissions
         if sq.free_entries() < 1 or not self._rings.can_write_prompt(req.prompt_len):
             return False
+        grammar, grammar_off = self._rings.grammar, None
+        if req.automaton is not None:  # its constraint's automaton, in place before the entry
+            assert req.constraint is not None and grammar is not None
+            grammar_off = grammar.place(req.constraint.key, req.automaton.words)
+            if grammar_off is None:  # running requests hold the room it needs: wait for them
+                return False
         offset = self._rings.write_prompt(np.asarray(req.prompt_ids, dtype=np.int32))
         if offset is None:
+            if grammar is not None and req.constraint is not None and grammar_off is not None:
+                grammar.release(req.constraint.key)
             return False
         pos = sq.push(
-            req.handle, req.sampling, prompt_off=offset, prompt_len=req.prompt_len, priority=req.priority
+            req.handle,
+            req.sampling,
+            prompt_off=offset,
+            prompt_len=req.prompt_len,
+            priority=req.priority,
+            grammar_off=grammar_off,
         )
+        req.grammar_off = grammar_off
         req.arena_offset = offset
         req.submit_ns = time.perf_counter_ns()
         self._table.mark_in_sq(req, pos)

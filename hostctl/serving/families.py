@@ -23,7 +23,7 @@ import numpy as np
 
 from ringleader.hostctl.serving.admission import Admission
 from ringleader.hostctl.serving.deadlines import Deadlines
-from ringleader.hostctl.serving.inflight import Family, RequestTable
+from ringleader.hostctl.serving.inflight import Family, InFlight, RequestTable
 from ringleader.hostctl.serving.tokenization import Tokenization
 from ringleader.ipc import protocol
 from ringleader.ipc.sampling_params import UINT64_MAX, SamplingParams
@@ -57,11 +57,17 @@ class Families:
         self._opened: deque[Family] = deque()  # families whose later choices may now be queued
 
     def submit(
-        self, client: bytes, r: protocol.GenerateRequest, prompt: np.ndarray, sampling: SamplingParams
+        self,
+        client: bytes,
+        r: protocol.GenerateRequest,
+        prompt: np.ndarray,
+        sampling: SamplingParams,
+        ready: Callable[[list[InFlight]], bool] = lambda members: True,
     ) -> None:
         """Accepts the request's sampling.n choices: each in the table with its deadlines, choice 0
         (every choice, where the prompt is not shared) into admission, the others held until the
-        gate opens.  The caller checked that admission can take all n."""
+        gate opens.  ready(members): False holds them all on the host (their constraint is being
+        compiled: constraints.py queues them).  The caller checked that admission can take all n."""
         base = sampling.seed
         seeds = [random_seed() if base is None else (base + i) & UINT64_MAX for i in range(sampling.n)]
         family = self._table.add_family(
@@ -70,15 +76,17 @@ class Families:
             [sampling.with_seed(seed) for seed in seeds],
             prompt_ids=prompt,
             priority=r.priority,
+            constraint=r.structured,
         )
         # the page of the prompt's last token runs again whatever the cache holds: its row samples
         shared = 0 < self._shared_prefill_len < len(prompt)
         if shared:
             family.gate = self._open
+        held = not ready(family.members)
         for member in family.members:
             member.detokenizer = self._tokenization.new_detokenizer() if r.detokenize else None
             self._deadlines.arm(member, r.timeout_ms)
-            if member.index == 0 or not shared:
+            if not held and (member.index == 0 or not shared):
                 self._admission.submit(member)
             else:
                 self._admission.hold_gated(member)

@@ -21,6 +21,7 @@ import time
 from ringleader.hostctl.serving.inflight import Ending, Family, InFlight, RequestTable
 from ringleader.hostctl.serving.metrics import ServerMetrics
 from ringleader.ipc import protocol
+from ringleader.ipc.automaton import GrammarArena
 from ringleader.ipc.rings import PromptArena
 
 Frame = tuple[bytes, bytes]  # (client identity, encoded message)
@@ -111,10 +112,17 @@ def no_logprobs(req: InFlight) -> list[dict] | None:
 class Finisher:
     """Ends accepted requests; used by both threads (the table and the metrics lock)."""
 
-    def __init__(self, table: RequestTable, metrics: ServerMetrics, arena: PromptArena):
+    def __init__(
+        self,
+        table: RequestTable,
+        metrics: ServerMetrics,
+        arena: PromptArena,
+        grammar: GrammarArena | None = None,
+    ):
         self._table = table
         self._metrics = metrics
         self._arena = arena
+        self._grammar = grammar
 
     def end(
         self,
@@ -133,13 +141,17 @@ class Finisher:
 
         device_queued_us is given exactly when the DONE came from the device: only then is the
         prompt's arena space released here (if its first token did not release it already),
-        since the device no longer reads it.  A request ended on the host either never reached
-        the arena, or belongs to a device that is dead or did not answer at shutdown."""
+        since the device no longer reads it; so is its constraint's automaton's place in the
+        grammar array.  A request ended on the host either never reached the arena, or belongs to
+        a device that is dead or did not answer at shutdown."""
         family = req.family
         if self._table.finish(req.handle, Ending(reason, code, message)) is not req:
             return []
         if device_queued_us is not None and req.completion_tokens == 0 and req.arena_offset is not None:
             self._arena.release(req.arena_offset)
+        if device_queued_us is not None and req.grammar_off is not None and self._grammar is not None:
+            assert req.constraint is not None
+            self._grammar.release(req.constraint.key)
         timing = server_timing(req, device_queued_us)
         self._metrics.finished(req, reason, code, timing)
         if log.isEnabledFor(logging.INFO):

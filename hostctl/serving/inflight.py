@@ -26,6 +26,9 @@ Fields of InFlight and their one writer (the other thread only reads):
                                ends the request (time per output token).  A hot request's two
                                live in the table's columns until it leaves the table, which
                                writes them back first (stream_columns.py)
+  constraint                   set at creation: its output's constraint (ipc/structured.py)
+  automaton, grammar_off       frontend thread, before its GENERATE is published (constraints.py
+                               and admission.py); the finisher reads grammar_off after its DONE
   index, family                set at creation (a request with n > 1 is a Family of n InFlights
                                under one id, each with its own handle, seed and SQ entry); the
                                family's `ends` are written under the table lock (RequestTable.finish)
@@ -43,7 +46,9 @@ import numpy as np
 
 from ringleader.hostctl.serving.stream_columns import StreamColumns
 from ringleader.ipc import protocol
+from ringleader.ipc.automaton import Automaton
 from ringleader.ipc.sampling_params import SamplingParams
+from ringleader.ipc.structured import StructuredSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,9 @@ class InFlight:
     queue_deadline_ns: int = 0  # frontend thread only: by when its first token must come (0: none)
     index: int = 0  # its choice, of a request with n > 1
     family: Family | None = None  # the request's choices when n > 1; set at creation
+    constraint: StructuredSpec | None = None  # structured output: set at creation
+    automaton: Automaton | None = None  # the constraint compiled; frontend thread
+    grammar_off: int | None = None  # where admission placed it in the grammar array
 
     @property
     def prompt_len(self) -> int:

@@ -4,8 +4,10 @@ A refused generate was never accepted: it has no table entry, and reject() sends
 (finisher.py:reject_frame), counted by its code.  It is refused, checked in this order, for a
 duplicate id, a server shutting down, an engine that died, a client at its
 --max-inflight-per-client, a prompt the model cannot tokenize or that does not fit the context,
-and a host queue that is full.  An accepted one enters the table with its deadlines and goes to
-admission (admission.py), or as n choices to families.py; from then on Finisher.end alone ends it.
+a constraint (`structured`) the server cannot enforce, and a host queue that is full.  An
+accepted one enters the table with its deadlines and goes to admission (admission.py; a
+constraint not yet compiled holds it there: constraints.py), or as n choices to families.py; from
+then on Finisher.end alone ends it.
 
 Used by the frontend thread only.  It reads the engine's death from the completion thread
 (CompletionRouter.dead_reason: written once, never changed) and the table under the table's lock.
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ringleader.hostctl.serving.admission import Admission
+from ringleader.hostctl.serving.constraints import Constraints
 from ringleader.hostctl.serving.deadlines import Deadlines
 from ringleader.hostctl.serving.families import Families, random_seed
 from ringleader.hostctl.serving.finisher import reject_frame
@@ -26,6 +29,7 @@ from ringleader.hostctl.serving.metrics import ServerMetrics
 from ringleader.hostctl.serving.outbox import Outbox
 from ringleader.hostctl.serving.tokenization import Prompt, Tokenization
 from ringleader.ipc import protocol
+from ringleader.ipc.structured import StructuredError
 
 
 class Refused(Exception):
@@ -48,6 +52,7 @@ class Intake:
         deadlines: Deadlines,
         tokenization: Tokenization,
         families: Families,
+        constraints: Constraints,
         metrics: ServerMetrics,
         outbox: Outbox,
         dead_reason: Callable[[], str | None],
@@ -59,6 +64,7 @@ class Intake:
         self._deadlines = deadlines
         self._tokenization = tokenization
         self._families = families
+        self._constraints = constraints
         self._metrics = metrics
         self._outbox = outbox
         self._dead_reason = dead_reason
@@ -102,8 +108,11 @@ class Intake:
             )
         try:
             prompt = self._tokenization.prompt(r)
+            self._constraints.check(r.structured)
         except protocol.BadRequest as exc:
             raise Refused(protocol.ERR_BAD_REQUEST, exc.message) from None
+        except StructuredError as exc:
+            raise Refused(protocol.ERR_BAD_REQUEST, str(exc)) from None
         if not self._admission.can_accept(len(prompt.ids), r.sampling.n):
             raise Refused(
                 protocol.ERR_OVERLOADED,
@@ -127,9 +136,20 @@ class Intake:
                 sampling=sampling,
                 priority=r.priority,
                 detokenizer=self._tokenization.new_detokenizer() if r.detokenize else None,
+                constraint=r.structured,
             )
             self._deadlines.arm(req, r.timeout_ms)
-            self._admission.submit(req)  # _check made sure admission can take it
-        else:
-            self._families.submit(client, r, ids, sampling)  # can_accept counted all n
+            if r.structured is None or self._constraints.attach([req], r.structured):
+                self._admission.submit(req)  # _check made sure admission can take it
+            else:
+                self._admission.hold_gated(req)  # until its constraint is compiled
+        else:  # can_accept counted all n; a constraint not yet compiled holds them all
+            structured = r.structured
+            self._families.submit(
+                client,
+                r,
+                ids,
+                sampling,
+                ready=lambda members: structured is None or self._constraints.attach(members, structured),
+            )
         self._metrics.accepted += n  # a request of n choices counts as n, as each ends on its own

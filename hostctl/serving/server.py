@@ -32,6 +32,7 @@ import zmq
 from ringleader.hostctl.serving.admission import Admission
 from ringleader.hostctl.serving.completions import CompletionRouter
 from ringleader.hostctl.serving.config import ServerConfig
+from ringleader.hostctl.serving.constraints import Constraints
 from ringleader.hostctl.serving.deadlines import Deadlines
 from ringleader.hostctl.serving.families import Families
 from ringleader.hostctl.serving.finisher import Finisher
@@ -93,7 +94,7 @@ class Server:
         # through them
         self.table = RequestTable()
         self.metrics = ServerMetrics()
-        self.finisher = Finisher(self.table, self.metrics, backend.rings.arena)
+        self.finisher = Finisher(self.table, self.metrics, backend.rings.arena, backend.rings.grammar)
         # the frontend thread's alone, but for the wake pipe's notify, the outbox's put_many and
         # a family's gate, which any thread may call
         self._socket = frontend.socket
@@ -117,6 +118,13 @@ class Server:
             self.wake.notify,
             shared_prefill_len=cfg.page_size if cfg.prefix_caching else 0,
         )
+        self.constraints = Constraints(
+            model,
+            backend.rings.grammar,
+            self.admission,
+            self.wake.notify,
+            lambda req, message: self._abort(req, (protocol.ERR_BAD_REQUEST, message)),
+        )
         # the completion thread's (it starts in serve_forever)
         assert config.watchdog_s is not None  # resolved() filled it in
         self.router = CompletionRouter(
@@ -128,6 +136,7 @@ class Server:
             self.deadlines,
             self.tokenization,
             self.families,
+            self.constraints,
             self.metrics,
             self.outbox,
             lambda: self.router.dead_reason,
@@ -195,8 +204,10 @@ class Server:
                 self._handle_parts(parts)
         # 3. deadlines: time out what passed its queue limit or its timeout_ms
         self._expire_deadlines()
-        # 4. admission pump: choices whose first one's prompt is now cached join the queue;
-        #    held-back aborts, then queued requests into the SQ
+        # 4. admission pump: requests whose constraint is now compiled, and choices whose first
+        #    one's prompt is now cached, join the queue; held-back aborts, then queued requests
+        #    into the SQ
+        self.constraints.release_compiled()
         self.families.release_opened()
         self.admission.pump()
         # 5. publish what was written to the rings, and wake the device if anything was
@@ -287,6 +298,7 @@ class Server:
             completion_batches=self.router.batches,  # CQ batches routed (per step: device.steps)
             batched_connections=self.outbox.batched_clients,
             arena_used=self.backend.rings.arena.used(),
+            structured=self.constraints.stats(),
             model=self.backend.model.name,
             model_info=self._model_info(),
             engine_dead=self.router.dead_reason,  # None while the engine lives
@@ -359,6 +371,7 @@ class Server:
         self.outbox.send_routed()
         self.outbox.retry_backlog()
         self.router.stop()
+        self.constraints.close()
         try:
             self.backend.stop()  # raises EngineDead if the device did not stop: never silent
         finally:

@@ -16,6 +16,7 @@ from ringleader.ipc.client.core import (
     TokenLogprob,
 )
 from ringleader.ipc.client.sync_client import Client, Stream
+from ringleader.ipc.structured import StructuredError, StructuredSpec
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -31,6 +32,8 @@ __all__ = [
     "Client",
     "Done",
     "Stream",
+    "StructuredError",
+    "StructuredSpec",
     "TokenChunk",
     "TokenLogprob",
 ]

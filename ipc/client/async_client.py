@@ -28,10 +28,11 @@ from ringleader.ipc.client.core import (
     Done,
     StreamState,
     TokenChunk,
-    resolve_sampling,
 )
+from ringleader.ipc.client.request_args import resolve_sampling, resolve_structured
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
+from ringleader.ipc.structured import StructuredSpec
 
 RECV_BATCH = 256  # frames taken per wake-up of the receive task without awaiting
 
@@ -175,6 +176,7 @@ class AsyncClient(CoreView):
         priority: int = 0,
         timeout_ms: int | None = None,
         detokenize: bool = True,
+        structured: StructuredSpec | Mapping[str, Any] | None = None,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -182,8 +184,9 @@ class AsyncClient(CoreView):
         """See Client.generate."""
         self._ensure_started()
         params = resolve_sampling(sampling, sampling_fields)
+        spec = resolve_structured(structured)
         rid, frame = self._core.prepare_generate(
-            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize
+            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize, spec
         )
         stream = AsyncStream(self, rid, self.timeout if timeout is None else timeout)
         self._core.add_stream(stream, self._on_stream_collected)  # before sending: no reply can miss it

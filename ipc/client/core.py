@@ -23,8 +23,10 @@ import zmq  # event constants only: the core never touches a socket
 
 from ringleader.ipc import protocol as P
 from ringleader.ipc.batch_frames import BadBatch, expand_batch
+from ringleader.ipc.client.request_args import check_request_id
 from ringleader.ipc.curve import HANDSHAKE_FAILED_EVENTS, describe_handshake_failure
-from ringleader.ipc.sampling_params import WIRE_FIELDS, SamplingParams
+from ringleader.ipc.sampling_params import SamplingParams
+from ringleader.ipc.structured import StructuredSpec
 
 log = logging.getLogger("ringleader.ipc.client")
 
@@ -82,36 +84,6 @@ class Done:
 
 
 # ---------------------------------------------------------------- requests
-
-
-def check_request_id(request_id: Any) -> None:
-    """Ids are checked locally: the server answers a bad id with an id-less error we could not route."""
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-        raise TypeError(f"request_id must be a str or an int, got {type(request_id).__name__}")
-    if isinstance(request_id, str) and not 1 <= len(request_id) <= P.Limits().max_id_len:
-        raise ValueError(f"request_id must be 1..{P.Limits().max_id_len} characters")
-    if isinstance(request_id, int) and not P.INT64_MIN <= request_id <= P.INT64_MAX:
-        raise ValueError("request_id int must fit in int64")
-
-
-def resolve_sampling(sampling: SamplingParams | None, fields: Mapping[str, Any]) -> SamplingParams:
-    """generate()'s `sampling=` or its sampling fields as keywords (WIRE_FIELDS) -> one
-    SamplingParams, which judges every value against its declaration (SamplingError, a ValueError
-    naming the field); what depends on the model and the server (the vocabulary, the max_tokens
-    cap) the server judges.  Without max_tokens the request runs to the end of the context (at
-    most the server's --default-max-tokens)."""
-    unknown = [name for name in fields if name not in WIRE_FIELDS]
-    if unknown:
-        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
-    if sampling is not None:
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if fields:
-            raise TypeError(
-                f"generate() takes sampling= or sampling fields, not both (got sampling= and {', '.join(fields)})"
-            )
-        return sampling
-    return SamplingParams(**fields)
 
 
 def _is_index(value: Any) -> bool:
@@ -409,8 +381,10 @@ class ClientCore(Generic[S, W]):
         timeout_ms: int | None,
         messages: Sequence[Mapping[str, str]] | None = None,
         detokenize: bool = True,
+        structured: StructuredSpec | None = None,
     ) -> tuple[P.RequestId, bytes]:
-        """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream)."""
+        """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream).
+        `structured` is judged already (request_args.resolve_structured)."""
         if request_id is None:
             request_id = next(self._ids)
             while request_id in self.streams:
@@ -423,7 +397,7 @@ class ClientCore(Generic[S, W]):
             prompt_ids = list(prompt_ids)
         turns = None if messages is None else [dict(m) for m in messages]
         request = P.GenerateRequest(
-            request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns, detokenize
+            request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns, detokenize, structured
         )
         return request_id, self.encode_checked(P.generate_msg(request))
 

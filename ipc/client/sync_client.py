@@ -44,11 +44,11 @@ from ringleader.ipc.client.core import (
     Done,
     StreamState,
     TokenChunk,
-    check_request_id,
-    resolve_sampling,
 )
+from ringleader.ipc.client.request_args import check_request_id, resolve_sampling, resolve_structured
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
+from ringleader.ipc.structured import StructuredSpec
 
 __all__ = ["Client", "Stream"]
 
@@ -204,6 +204,7 @@ class Client(CoreView):
         priority: int = 0,
         timeout_ms: int | None = None,
         detokenize: bool = True,
+        structured: StructuredSpec | Mapping[str, Any] | None = None,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -215,14 +216,17 @@ class Client(CoreView):
         [{"role", "content"}, ...], rendered by the model's chat template on the server). The
         sampling settings are `sampling` or SamplingParams fields as keywords, not both; without
         max_tokens the request runs to the end of the context (at most the server's
-        --default-max-tokens)."""
+        --default-max-tokens). `structured` (protocol 1.8) constrains the output: a StructuredSpec
+        or {"json": schema}, {"regex": pattern}, {"choice": [...]} or {"json_object": True}; a
+        bad one raises ValueError naming the field, before anything is sent."""
         params = resolve_sampling(sampling, sampling_fields)
+        spec = resolve_structured(structured)
         if request_id is not None:
             check_request_id(request_id)  # the caller's mistake whatever state the client is in
         with self._lock:
             self._check_open()
             rid, frame = self._core.prepare_generate(
-                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize
+                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize, spec
             )
             stream = Stream(self, rid, self.timeout if timeout is None else timeout)
             self._core.add_stream(stream, self._on_stream_collected)

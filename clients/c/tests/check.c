@@ -8,8 +8,10 @@
  *   ringleader-c-check unit   (the batch decoder's unit checks, tests/batch_checks.c; no server)
  *
  * A request line: space-separated key=value (ids=1,2,3 max_tokens=8 temperature=0.8 seed=3
- * top_k=5 top_p=0.9 min_p=0.1 ignore_eos=1 stop=7,8 n=2 logprobs=2 priority=1 timeout_ms=500),
- * and text=... last (the rest of the line). run sends them all at once; callback form: served by
+ * top_k=5 top_p=0.9 min_p=0.1 ignore_eos=1 stop=7,8 n=2 logprobs=2 priority=1 timeout_ms=500;
+ * the constraint (1.8): json_schema=TEXT, regex=TEXT, choice=TEXT (repeated), json_object=1, and
+ * for refusals structured_kind=K (the kind alone, no text) and many_choices=N), and text=... last
+ * (the rest of the line). run sends them all at once; callback form: served by
  * rl_client_poll; blocking form: read with rl_next, the last request first (the others' replies
  * are buffered meanwhile). --abort-after K aborts request 0 after its K-th token message.
  * --one-by-one (callback form): each request after the done of the one before and a pause of
@@ -29,14 +31,21 @@
 #include "checks.h"
 
 #define MAX_REQS 64
+#define MAX_SPEC_CHOICES 16
+#define MAX_MANY_CHOICES 2048
 
 typedef struct {
   rl_request req;
   int32_t ids[512], stop[16];
   char text[1024];
+  char structured_text[RL_MAX_CONSTRAINT_CHARS + 64]; /* room for a pattern past the limit */
+  char choice_texts[MAX_SPEC_CHOICES][64];
+  const char* choices[MAX_SPEC_CHOICES];
   int64_t id;
   int tokens, dones;
 } spec;
+
+static const char* many_choices[MAX_MANY_CHOICES]; /* many_choices=N: N times "x" */
 
 static spec specs[MAX_REQS];
 static int n_specs, abort_after = -1, one_by_one_pause_ms = -1;
@@ -58,6 +67,33 @@ static double num(const char* s) {
   if (!strcmp(s, "nan")) return NAN;
   if (!strcmp(s, "inf")) return INFINITY;
   return strtod(s, NULL);
+}
+
+/* A constraint's key=value into r (the values are copied: a line's buffer is reused). */
+static int set_structured(spec* sp, const char* key, const char* v) {
+  rl_request* r = &sp->req;
+  if (!strcmp(key, "json_schema") || !strcmp(key, "regex")) {
+    r->structured = key[0] == 'j' ? RL_STRUCTURED_JSON : RL_STRUCTURED_REGEX;
+    snprintf(sp->structured_text, sizeof sp->structured_text, "%s", v);
+    r->structured_text = sp->structured_text;
+  } else if (!strcmp(key, "choice")) {
+    if (r->n_choices == MAX_SPEC_CHOICES) return -1;
+    snprintf(sp->choice_texts[r->n_choices], sizeof sp->choice_texts[0], "%s", v);
+    sp->choices[r->n_choices] = sp->choice_texts[r->n_choices];
+    r->structured = RL_STRUCTURED_CHOICE, r->choices = sp->choices, r->n_choices++;
+  } else if (!strcmp(key, "json_object")) {
+    r->structured = RL_STRUCTURED_JSON_OBJECT;
+  } else if (!strcmp(key, "structured_kind")) {
+    r->structured = (rl_structured_kind)atoi(v);
+  } else if (!strcmp(key, "many_choices")) {
+    size_t n = strtoul(v, NULL, 10);
+    if (n > MAX_MANY_CHOICES) return -1;
+    for (size_t i = 0; i < n; i++) many_choices[i] = "x";
+    r->structured = RL_STRUCTURED_CHOICE, r->choices = many_choices, r->n_choices = n;
+  } else {
+    return -1;
+  }
+  return 0;
 }
 
 /* One key=value into r (text= takes the rest of the line: the caller passes it whole). */
@@ -96,7 +132,7 @@ static int set_field(spec* sp, const char* key, const char* v) {
   else if (!strcmp(key, "timeout_ms"))
     r->has_timeout_ms = true, r->timeout_ms = strtoll(v, NULL, 10);
   else
-    return -1;
+    return set_structured(sp, key, v);
   return 0;
 }
 
