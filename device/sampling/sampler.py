@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ringleader.ipc.layout import LOGPROBS, PROMPT_MARK
@@ -213,8 +214,6 @@ def mask_disallowed(logits: torch.Tensor, grammar: torch.Tensor, mask_at: torch.
 
 def _allowed_on_host(grammar, mask_at, words_per_row: int, vocab: int) -> torch.Tensor:
     """mask_disallowed's allowed tokens [N, V] (bool) from host arrays, a row at a time."""
-    import numpy as np  # the CPU step's form only
-
     allowed = np.ones((len(mask_at), words_per_row * 32), dtype=bool)
     for i, at in enumerate(mask_at.tolist()):
         if at >= 0:

@@ -67,10 +67,10 @@ class Constraints:
         self._cache: OrderedDict[tuple, Automaton] = OrderedDict()
         self._counts = {"compiles": 0, "cache_hits": 0}
         self._last_compile_s: float | None = None
-        self._failed: OrderedDict[tuple, str] = OrderedDict()  # key -> the refusal's words
+        self._failed: OrderedDict[tuple, StructuredError] = OrderedDict()  # key -> its refusal
         self._waiting: dict[tuple, list[InFlight]] = {}  # key -> requests held for its compile
         self._jobs: queue.SimpleQueue[StructuredSpec | None] = queue.SimpleQueue()
-        self._compiled: deque[tuple[StructuredSpec, Automaton | None, str | None]] = deque()
+        self._compiled: deque[tuple[StructuredSpec, Automaton | None, StructuredError | None]] = deque()
         self._worker: threading.Thread | None = None
 
     @staticmethod
@@ -91,8 +91,8 @@ class Constraints:
         if self._unavailable is not None:
             raise StructuredError(WIRE_FIELD, self._unavailable)
         failure = self._failed.get(spec.key)
-        if failure is not None:
-            raise StructuredError(*failure.split(": ", 1))
+        if failure is not None:  # a new one each time: a raised exception keeps its traceback
+            raise StructuredError(failure.field, failure.reason)
 
     def attach(self, requests: list[InFlight], spec: StructuredSpec) -> bool:
         """Gives the requests (one request's choices) the spec's automaton: True when it was
@@ -132,7 +132,7 @@ class Constraints:
                     self._failed.popitem(last=False)
             for req in self._waiting.pop(spec.key, []):
                 if failure is not None:
-                    self._fail(req, failure)
+                    self._fail(req, str(failure))
                     continue
                 req.automaton = automaton
                 if req.family is None or req.index == 0 or req.family.gate is None:
@@ -183,10 +183,10 @@ class Constraints:
                     automaton.nbytes / 1024,
                 )
             except StructuredError as err:
-                automaton, failure = None, str(err)
+                automaton, failure = None, err
             except Exception as exc:  # the compiler's own fault: the request is refused, never lost
                 log.exception("compiling a %s constraint failed", spec.describe())
-                automaton, failure = None, f"{WIRE_FIELD}: could not be compiled: {exc}"[:500]
+                automaton, failure = None, StructuredError(WIRE_FIELD, f"could not be compiled: {exc}"[:500])
             self._compiled.append((spec, automaton, failure))
             self._wake()
 
