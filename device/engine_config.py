@@ -19,7 +19,7 @@ from ringleader.device.null.null_options import (
     NULL_STEP_WAITS,
     NullOptions,
 )
-from ringleader.ipc.config_options import option, options_of
+from ringleader.ipc.config_options import named, option
 from ringleader.ipc.limits import MAX_SLOTS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -164,7 +164,7 @@ class EngineConfig:
             ("weights", WEIGHTS),
         ):
             value = getattr(self, name)
-            if value is not None and value not in allowed:
+            if value is not None and value not in allowed:  # argparse refuses these by flag already
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         for name, low, high in _INT_BOUNDS:
             value = getattr(self, name)
@@ -172,8 +172,7 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
-                named = f"{_FLAGS[name]} ({name})" if name in _FLAGS else name
-                raise ValueError(f"{named} must be an integer {limits}, got {value!r}")
+                raise ValueError(f"{named(EngineConfig, name)} must be an integer {limits}, got {value!r}")
         if self.weights == "quantized" and not self._names_gguf:
             raise ValueError(
                 f"--weights quantized keeps a GGUF file's quantization; {self.model} is not a "
@@ -184,9 +183,12 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+            raise ValueError(f"{named(EngineConfig, 'page_size')} must be a power of two, got {self.page_size}")
         if self.run_budget_s is not None and not self.run_budget_s > 0:
-            raise ValueError(f"run_budget_s must be a positive number of seconds, got {self.run_budget_s!r}")
+            raise ValueError(
+                f"{named(EngineConfig, 'run_budget_s')} must be a positive number of seconds, "
+                f"got {self.run_budget_s!r}"
+            )
         self.null_options()  # refuses a bad null-model option, or one without --model null
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))  # a Path is accepted
@@ -314,7 +316,6 @@ _INT_BOUNDS = (
     ("pending_cap", 1, _NO_LIMIT),
     ("structured_memory_mib", 1, 4095),  # the grammar array's words are u32 offsets
 )
-_FLAGS = {declared.name: declared.flag for declared in options_of(EngineConfig)}
 
 _UNITS = {
     "": 1, "b": 1,

@@ -18,6 +18,7 @@ from ringleader.hostctl.commands import (
     stats,
     wait_ready,
 )
+from ringleader.hostctl.commands.cannot_start import CommandError
 from ringleader.ipc.curve import CurveError
 
 # one module per command (hostctl/commands/), in the order `--help` lists them: each has
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
+    except CommandError as exc:  # one line naming the flag at fault
+        print(f"ringleader {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except CurveError as exc:  # the message names the option or file
         print(f"ringleader: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from ringleader.ipc.histogram import HistogramSnapshot
 
 if TYPE_CHECKING:  # a type only: importing the rings builds their native atomics
+    from ringleader.ipc.request_extensions import ChatEncoder, DetokenizerFactory
     from ringleader.ipc.rings import HostRings
 
 
@@ -40,12 +41,13 @@ class ModelInfo:
     max_context: int
     eos_token_ids: tuple[int, ...]
     tokenizer: TextEncoder | None = None  # None: the model serves token ids only
-    new_detokenizer: Callable[[], Detokenizer] | None = None  # one per request that wants text
+    # one per request that wants text, decoding as it asked (skip_special_tokens, ...)
+    new_detokenizer: DetokenizerFactory | None = None
     # one token id's own text (logprobs name each token and alternative by it); None: no tokenizer
     token_text: Callable[[int], str] | None = None
     # chat turns -> prompt ids through the model's chat template (ValueError naming the fault);
     # None: the model has no template
-    encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None
+    encode_chat: ChatEncoder | None = None
     # per token id, the bytes it adds to the text (None: a special token), built on first call:
     # what structured output's constraints compile against; None: the model has no tokenizer
     token_bytes: Callable[[], Sequence[bytes | None]] | None = None

@@ -97,6 +97,14 @@ def options_by_name(*configs: type) -> dict[str, ConfigOption]:
     return out
 
 
+def named(config: type, name: str) -> str:
+    """How a message names the field `name` of `config`: by its flag, with the field's name after
+    it ("--page-size (page_size)"), where it has one; else by the field's name alone (a field that
+    only a program embedding the config sets)."""
+    flags = {declared.name: declared.flag for declared in options_of(config)}
+    return f"{flags[name]} ({name})" if name in flags else name
+
+
 def command_line(options: Mapping[str, ConfigOption], values: Mapping[str, Any]) -> list[str]:
     """The flags that set these fields (by name, each in `options`) to these values; a None
     value is left to the command's default."""

@@ -34,8 +34,9 @@ The SQ carries only GENERATE entries.  Aborts travel in their own ring (aq), whi
 reads every step before it drains the SQ, so no queued GENERATE can hold an abort back: an abort
 names its request's handle and the SQ position of its GENERATE; one whose GENERATE is still in
 the SQ is parked in the device-private sq_cancel (per SQ position) and applied when that entry is
-drained, one whose request already finished is ignored.  The host may publish an abort before or
-after the GENERATE it names.
+drained, one whose request already finished is ignored; one flagged IF_QUEUED (the queue limit)
+leaves a request that holds a slot running.  The host may publish an abort before or after the
+GENERATE it names.
 The KV pages are the scheduler's alone (device memory, no host access): it pops pages off
 free_pages and writes them into a slot's block_table at admission (the whole prompt, less the
 pages the prefix cache already holds) and as decode reaches a new page, and drops its references
@@ -64,6 +65,7 @@ from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both side
     EXIT_REASON_NAMES,
     STATE_NAMES,
     TRACE_FIELDS,
+    AbortFlag,
     EventKind,
     ExitReason,
     Finish,
@@ -83,7 +85,7 @@ from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both side
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 11
+LAYOUT_VERSION = 12
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
@@ -252,9 +254,10 @@ SQ_ENTRY = Struct("RlSqEntry", (
     _f("grammar_off", "u32"), _f("_pad", "u32"),
 ))
 
-# Abort ring entry (host -> device): the request's handle and the free-running u32 SQ index its
-# GENERATE was written at (which tells the device whether it has drained that GENERATE yet).
-ABORT_ENTRY = Struct("RlAbortEntry", (_f("handle", "u32"), _f("sq_pos", "u32")))
+# Abort ring entry (host -> device): the request's handle, the free-running u32 SQ index its
+# GENERATE was written at (which tells the device whether it has drained that GENERATE yet) and
+# AbortFlag bits (IF_QUEUED: a queue deadline's abort, which a request in a slot ignores).
+ABORT_ENTRY = Struct("RlAbortEntry", (_f("handle", "u32"), _f("sq_pos", "u32"), _f("flags", "u32")))
 
 # Completion queue event (device -> host).
 CQ_EVENT = Struct("RlCqEvent", (

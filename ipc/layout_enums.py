@@ -21,6 +21,14 @@ class SqFlag(IntFlag):
     LOGPROBS = 4  # its tokens' logprobs go out with their events (SamplingParams.logprobs)
 
 
+class AbortFlag(IntFlag):
+    """RlAbortEntry.flags."""
+
+    # only if its prefill has not started: cancels it in the SQ or the pending queue, leaves a
+    # slot's request running (the server's --max-queue-ms counts waiting, not computing)
+    IF_QUEUED = 1
+
+
 class EventKind(IntEnum):
     TOKEN = 1
     DONE = 2
@@ -126,6 +134,7 @@ class StepStatus(IntEnum):
 C_ENUMS: tuple[tuple[type[Enum], str], ...] = (
     (Op, "RL_OP_"),
     (SqFlag, "RL_FLAG_"),
+    (AbortFlag, "RL_ABORT_"),
     (EventKind, "RL_EV_"),
     (Finish, "RL_FINISH_"),
     (SlotState, "RL_SLOT_"),

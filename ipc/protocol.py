@@ -14,19 +14,23 @@ from typing import Any
 import msgpack
 
 from ringleader.ipc.batch_frames import OP_BATCH
-from ringleader.ipc.chat_turns import CHAT_ROLES, ChatTurnsError, chat_turns  # noqa: F401 (CHAT_ROLES: P.CHAT_ROLES)
+from ringleader.ipc.chat_turns import CHAT_ROLES, ChatTurnsError  # noqa: F401 (CHAT_ROLES: P.CHAT_ROLES)
+from ringleader.ipc.prompt_input import InputError, prompt_input
+from ringleader.ipc.request_extensions import WIRE_FIELDS as EXTENSION_FIELDS
+from ringleader.ipc.request_extensions import ExtensionError, check_extensions, check_int_field, wire_fields
 from ringleader.ipc.sampling_params import (
     WIRE_FIELDS,
     SamplingError,
     SamplingParams,
     clipped_repr,
+    in_server_range,
     sampling_from_wire,
 )
 from ringleader.ipc.structured import StructuredSpec, structured_from_wire
 
 PROTOCOL_VERSION = 1
-# what each revision added: docs/protocol.md's opening paragraphs (1.8: generate.structured)
-PROTOCOL_REVISION = 8
+# what each revision added: docs/protocol.md's opening paragraphs (1.9: vLLM's request extensions)
+PROTOCOL_REVISION = 9
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -92,6 +96,10 @@ class Limits:
     max_timeout_ms: int = 24 * 3600 * 1000
 
 
+# the decoder's default ranges, which generate_msg holds priority and timeout_ms to
+_RANGES = Limits()
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     id: RequestId
@@ -103,6 +111,12 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None  # chat turns, rendered by the model's template (1.2)
     detokenize: bool = True  # 1.7: False asks for token ids only (no text, no token strings)
     structured: StructuredSpec | None = None  # 1.8: the output's constraint (ipc/structured.py)
+    # 1.9, vLLM's (ipc/request_extensions.py): how `messages` are rendered, how the output is decoded
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass(slots=True)
@@ -215,23 +229,6 @@ def _int_field(value: Any, rid: RequestId, name: str, lo: int, hi: int) -> int:
     return value
 
 
-def _prompt_ids(value: Any, rid: RequestId, limits: Limits) -> list[int]:
-    name = "prompt_ids"
-    # at most max_context - 1 ids, so a request without max_tokens has room for one token
-    max_len = max(1, limits.max_context - 1)
-    if not isinstance(value, list):
-        raise BadRequest(rid, name, f"must be an array of ints, got {type(value).__name__}")
-    if not 1 <= len(value) <= max_len:
-        raise BadRequest(rid, name, f"must hold 1..{max_len} token ids, got {len(value)}")
-    vocab = limits.vocab_size
-    for index, token in enumerate(value):
-        if not _is_int(token) or not 0 <= token < vocab:
-            raise BadRequest(
-                rid, name, f"element {index} must be an int in [0, {vocab}), got {clipped_repr(token)}"
-            )
-    return value
-
-
 def check_context(
     prompt_len: int,
     max_tokens: int,
@@ -277,7 +274,7 @@ def resolve_max_tokens(
 # every field of generate: its own, then the sampling fields (their declaration's)
 GENERATE_FIELDS = (
     "op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms", "detokenize", "structured",
-) + WIRE_FIELDS  # fmt: skip
+) + EXTENSION_FIELDS + WIRE_FIELDS  # fmt: skip
 _KNOWN_GENERATE_FIELDS = frozenset(GENERATE_FIELDS)
 
 
@@ -303,7 +300,8 @@ def _sampling(obj: dict, rid: RequestId, limits: Limits) -> tuple[SamplingParams
         sampling.check_for_model(limits.vocab_size, limits.max_tokens_cap)
         structured = structured_from_wire(obj.get("structured"))
     except SamplingError as err:  # a StructuredError is one
-        raise BadRequest(rid, err.field, err.reason) from None
+        said = in_server_range(err, limits.max_tokens_cap)
+        raise BadRequest(rid, said.field, said.reason) from None
     return sampling, structured
 
 
@@ -312,38 +310,12 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     _refuse_unknown_fields(obj, rid)
     sampling, structured = _sampling(obj, rid, limits)
 
-    prompt, prompt_ids, messages = obj.get("prompt"), obj.get("prompt_ids"), obj.get("messages")
-    given = [
-        name
-        for name, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("messages", messages))
-        if v is not None
-    ]
-    if len(given) > 1:
-        raise BadRequest(
-            rid, given[0], f"give exactly one of prompt, prompt_ids and messages, not {' and '.join(given)}"
-        )
-    if not given:
-        raise BadRequest(
-            rid,
-            "prompt",
-            "one of prompt (str), prompt_ids (array of ints) or messages (array of maps) is required",
-        )
-    if messages is not None:
-        try:
-            messages = chat_turns(messages, limits.max_messages, limits.max_prompt_chars)
-        except ChatTurnsError as err:
-            raise BadRequest(rid, err.field, err.reason) from None
-    elif prompt is not None:
-        if not isinstance(prompt, str):
-            raise BadRequest(rid, "prompt", f"must be a str, got {type(prompt).__name__}")
-        if not 1 <= len(prompt) <= limits.max_prompt_chars:
-            raise BadRequest(
-                rid, "prompt", f"must be a str of 1..{limits.max_prompt_chars} characters, got {len(prompt)}"
-            )
-    else:
-        prompt_ids = _prompt_ids(prompt_ids, rid, limits)
-        if sampling.max_tokens is not None:
-            check_context(len(prompt_ids), sampling.max_tokens, limits, request_id=rid, field="prompt_ids")
+    try:
+        prompt, prompt_ids, messages = prompt_input(obj, limits)
+    except (InputError, ChatTurnsError) as err:
+        raise BadRequest(rid, err.field, err.reason) from None
+    if prompt_ids is not None and sampling.max_tokens is not None:
+        check_context(len(prompt_ids), sampling.max_tokens, limits, request_id=rid, field="prompt_ids")
 
     priority = _int_field(obj.get("priority", 0), rid, "priority", limits.min_priority, limits.max_priority)
     timeout_ms = obj.get("timeout_ms")
@@ -352,9 +324,14 @@ def _decode_generate(obj: dict, limits: Limits) -> GenerateRequest:
     detokenize = obj.get("detokenize")
     if detokenize is not None and not isinstance(detokenize, bool):
         raise BadRequest(rid, "detokenize", f"must be true or false, got {clipped_repr(detokenize)}")
+    try:
+        extensions = check_extensions(obj, messages)
+    except ExtensionError as err:
+        raise BadRequest(rid, err.field, err.reason) from None
     return GenerateRequest(
-        rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages, detokenize is not False, structured
-    )
+        rid, prompt, prompt_ids, sampling, priority, timeout_ms, messages, detokenize is not False, structured,
+        **extensions,
+    )  # fmt: skip
 
 
 def _decode_abort(obj: dict, limits: Limits) -> AbortRequest:
@@ -438,8 +415,12 @@ def encode(msg: dict) -> bytes:
 
 def generate_msg(req: GenerateRequest) -> dict:
     """Wire map for a GenerateRequest (prompt, prompt_ids or messages, whichever is set): the one encoder of
-    the generate message, which both clients use.  Values are not judged here (the server's
-    decoder does that), only shaped so they encode."""
+    the generate message, which both clients use.  Values are judged by the server's decoder, but
+    priority and timeout_ms here too, against its ranges (ValueError naming the field: a huge int
+    would not even pack); the 1.9 extensions go out only where they differ from their defaults."""
+    check_int_field("priority", req.priority, _RANGES.min_priority, _RANGES.max_priority)
+    if req.timeout_ms is not None:
+        check_int_field("timeout_ms", req.timeout_ms, 1, _RANGES.max_timeout_ms)
     msg: dict[str, Any] = {"op": OP_GENERATE, "id": req.id}
     if req.messages is not None:
         msg["messages"] = req.messages
@@ -455,6 +436,9 @@ def generate_msg(req: GenerateRequest) -> dict:
         msg["detokenize"] = False
     if req.structured is not None:
         msg["structured"] = req.structured.wire()
+    extensions = wire_fields({name: getattr(req, name) for name in EXTENSION_FIELDS})
+    check_extensions(extensions, req.messages)  # as the decoder (ExtensionError, a ValueError naming it)
+    msg.update(extensions)
     return msg
 
 

@@ -313,13 +313,15 @@ class AbortQueue(_RingProducer):
     def __init__(self, ctl: np.ndarray, aq: np.ndarray):
         super().__init__(ctl, aq, "aq_tail", "aq_head")
 
-    def push(self, handle: int, sq_pos: int) -> bool:
+    def push(self, handle: int, sq_pos: int, *, if_queued: bool = False) -> bool:
         """Writes one abort of the request whose GENERATE went to SQ position sq_pos (what
-        SubmissionQueue.push returned); visible at the next publish().  False when full."""
+        SubmissionQueue.push returned); visible at the next publish().  if_queued: only while
+        its prefill has not started (a request in a slot ignores it).  False when full."""
         if self.free_entries() < 1:
             return False
         e = self._ring[self._tail & self._mask]
         e["handle"], e["sq_pos"] = handle, sq_pos & 0xFFFFFFFF
+        e["flags"] = layout.AbortFlag.IF_QUEUED if if_queued else 0
         self._tail = (self._tail + 1) & 0xFFFFFFFF
         return True
 

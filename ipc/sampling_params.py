@@ -43,6 +43,7 @@ MAX_N = 128
 # float32 (RlSampling), where anything larger becomes +inf.
 FLOAT32_MAX = 3.4028234663852886e38
 UINT32_MAX = (1 << 32) - 1
+INT32_MAX = (1 << 31) - 1
 UINT64_MAX = (1 << 64) - 1
 # the two OpenAI endpoints whose defaults may differ (SamplingField.api_defaults)
 APIS = ("chat", "completions")
@@ -192,6 +193,10 @@ class SamplingParams:
         "most tokens to generate; nil: the rest of the model's context, at most the server's "
         "--default-max-tokens (every server caps it at its context)",
         openai=("max_completion_tokens", "max_tokens"), api_defaults={"completions": 16})
+    min_tokens: int = _declare(
+        0, "int", IntRange(0, INT32_MAX),
+        "until this many tokens are generated, the model's end tokens cannot be drawn (vLLM's); at "
+        "most max_tokens when that is given; not yet with stop_token_ids; 0 is off", ring="i32")
     temperature: float = _declare(
         0.0, "float", FloatRange(0.0, FLOAT32_MAX),
         "0 picks the most likely token (greedy); higher samples more freely. vLLM's range: no "
@@ -244,6 +249,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for spec in FIELDS:
             object.__setattr__(self, spec.name, spec.check(getattr(self, spec.name)))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingError(
+                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.min_tokens and self.stop_token_ids:  # the step masks the model's end ids only
+            raise SamplingError(
+                "min_tokens", "is not supported together with stop_token_ids yet; send one of them"
+            )
 
     def with_seed(self, seed: int) -> SamplingParams:
         return self._with("seed", seed)
@@ -295,6 +308,15 @@ class SamplingParams:
                 )
         if self.max_tokens is not None and self.max_tokens > max_tokens_cap:
             raise SamplingError("max_tokens", f"must be an int in [1, {max_tokens_cap}], got {self.max_tokens}")
+
+
+def in_server_range(err: SamplingError, max_tokens_cap: int) -> SamplingError:
+    """err, with max_tokens' range said as the server's [1, max_tokens_cap] (check_for_model's
+    words), whatever the value's fault: one range in every message about max_tokens."""
+    if err.field != "max_tokens" or ", got " not in err.reason:
+        return err
+    got = err.reason[err.reason.index(", got ") :]
+    return SamplingError(err.field, f"must be an int in [1, {max_tokens_cap}]{got}")
 
 
 def _fields() -> tuple[SamplingField, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 
 import msgpack
@@ -13,6 +14,27 @@ import zmq
 from ringleader.device.backends.cpu import CpuBackend
 from ringleader.hostctl.serving.background_server import BackgroundServer
 from ringleader.hostctl.serving.server import Server
+
+# The ports a user's own server takes by default (serve's ZeroMQ address, the gateway's HTTP):
+# held for the whole run, so a test that needs one of them free fails here as it would beside a
+# server the README's first session left running (where that server holds it already).
+DEFAULT_PORTS = (5555, 8000)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_ports_held():
+    held = []
+    for port in DEFAULT_PORTS:
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(1)
+            held.append(sock)
+        except OSError:  # someone's server has it: the same test
+            sock.close()
+    yield
+    for sock in held:
+        sock.close()
 
 
 def wait_until(pred, timeout: float = 20.0, step: float = 0.01) -> bool:
@@ -118,3 +140,60 @@ def smollm2_gguf():
     from ringleader.bench import smollm2
 
     return fetched("the SmolLM2 GGUF file", smollm2.cached_path, smollm2.fetch)
+
+
+# ---- the heavy tests: left out of a plain `pytest -q`, which stays under 10 minutes on two idle
+# cores; CI runs them too (`pytest -q -m heavy`, .ci/run).  Each costs 10-60 s on such a machine:
+# Triton kernels under the interpreter, greedy parity with transformers under load, soak-like runs.
+HEAVY_TESTS = (
+    "tests/test_split_k_attention.py::test_split_k_under_interpreter",
+    "tests/test_fused_step.py::test_fused_step_under_interpreter",
+    "tests/test_static_step.py::test_triton_under_interpreter",
+    "tests/test_triton_sample_row.py::test_sample_rows_under_interpreter",
+    "tests/test_fused_projections.py::test_fused_projections_under_interpreter",
+    "tests/test_triton_structured_sampling.py::test_structured_sampling_under_interpreter",
+    "tests/test_triton_fused.py::test_fused_kernels_under_interpreter",
+    "tests/test_triton_aot.py::test_every_product_kernel_compiles_for_sm90",
+    "tests/test_real_model.py::test_greedy_matches_transformers_under_concurrency",
+    "tests/test_real_model.py::test_greedy_matches_transformers_when_a_tiny_kv_pool_forces_preemption",
+    "tests/test_structured_bench.py::test_quick_run_writes_sane_figures",
+    "tests/test_memory_growth.py::",
+    "tests/test_ray_serve.py::test_a_stalled_engine_fails_the_health_check_and_its_streams_end_once",
+    "tests/test_ray_serve.py::test_the_readmes_ray_serve_command_serves_and_stops_on_sigint",
+    "tests/test_logprobs.py::test_greedy_logprobs_equal_transformers_log_softmax",
+    "tests/test_structured_output.py::test_the_openai_clients_response_format_returns_valid_json_every_time",
+    "tests/test_gpu_bringup.py::test_every_gpu_only_test_runs_in_some_stage",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "heavy: one of conftest.HEAVY_TESTS; `pytest -q -m heavy` runs them (CI does)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # marked before -m selects
+def pytest_collection_modifyitems(config, items):
+    """Marks HEAVY_TESTS `heavy`, and leaves them out when neither -m nor a test file was named
+    (`pytest -q`, `pytest -q tests/`): naming a file or a test runs its heavy tests too."""
+    heavy = [item for item in items if item.nodeid.startswith(HEAVY_TESTS)]
+    for item in heavy:
+        item.add_marker(pytest.mark.heavy)
+    named_a_file = any(os.path.isfile(arg.split("::")[0]) for arg in config.args)
+    if not named_a_file and not config.option.keyword:  # the whole suite: no entry may go stale
+        stale = [p for p in HEAVY_TESTS if not any(item.nodeid.startswith(p) for item in items)]
+        if stale:
+            raise pytest.UsageError(f"conftest.HEAVY_TESTS names no test: {stale}")
+    if heavy and not config.option.markexpr and not named_a_file:
+        config.hook.pytest_deselected(items=heavy)
+        left_out = set(heavy)
+        items[:] = [item for item in items if item not in left_out]
+        config._heavy_left_out = len(heavy)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = getattr(config, "_heavy_left_out", 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} heavy tests left out: `pytest -q -m heavy` runs them (CI does)"
+        )

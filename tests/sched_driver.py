@@ -71,9 +71,9 @@ class Driver:
         self.records[handle] = Record(handle, prompt, max_tokens, arena_offset=off)
         return handle
 
-    def abort(self, handle: int) -> bool:
+    def abort(self, handle: int, *, if_queued: bool = False) -> bool:
         """Queues an abort for the next step; False only when the abort ring is full."""
-        return self.rings.aborts.push(handle, self.sq_pos[handle])
+        return self.rings.aborts.push(handle, self.sq_pos[handle], if_queued=if_queued)
 
     def step(self, *, drain: bool = True) -> int:
         self.rings.submissions.publish()

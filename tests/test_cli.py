@@ -210,7 +210,7 @@ def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything()
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert (
         r.stderr.strip()
-        == "ringleader: cannot start: run_budget_s must be a positive number of seconds, got 0.0"
+        == "ringleader: cannot start: --run-budget-s (run_budget_s) must be a positive number of seconds, got 0.0"
     )
 
 
@@ -224,7 +224,7 @@ def test_serve_refuses_a_bad_engine_option_in_one_line_before_loading_anything()
         (["--token-budget", "0"], "--token-budget (token_budget) must be an integer >= 1, got 0"),
         (["--threads", "0"], "--threads (threads) must be an integer >= 1, got 0"),
         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1], got 1.5"),
-        (["--page-size", "24"], "page_size must be a power of two, got 24"),
+        (["--page-size", "24"], "--page-size (page_size) must be a power of two, got 24"),
         (
             ["--weights", "quantized"],
             "--weights quantized keeps a GGUF file's quantization; tiny is not a .gguf file "

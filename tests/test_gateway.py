@@ -220,7 +220,7 @@ def test_new_sampling_fields_are_served_and_unknown_ones_refused(gateway):
         user="someone",
     )
     assert penalized.usage.completion_tokens == 6
-    for name, value in (("mirostat", 2), ("min_tokens", 3), ("min_p", 1.5)):
+    for name, value in (("mirostat", 2), ("typical_p", 0.9), ("min_p", 1.5)):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=2, extra_body={name: value})
         assert info.value.status_code == 400 and info.value.body["param"] == name

@@ -35,6 +35,8 @@ def free_port() -> int:
 def serve_fails(*flags: str, env: dict | None = None, before_load: bool = True) -> str:
     """Runs `serve FLAGS` expecting a start-up failure; its stderr, checked to be one line
     (found before the model began to load unless before_load is False)."""
+    if "--bind" not in flags:  # never the default port: a server of the README's may hold it
+        flags = ("--bind", "tcp://127.0.0.1:0", *flags)
     r = subprocess.run(
         CLI + ["serve", *flags],
         capture_output=True,

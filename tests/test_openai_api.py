@@ -88,7 +88,7 @@ def test_no_op_fields_are_accepted(body):
     "name, value",
     [
         ("mirostat", 2),
-        ("min_tokens", 4),
+        ("dry_multiplier", 0.8),  # llama-server's
         ("typical_p", 0.9),
         ("repeat_penalty", 1.1),  # llama-server's name of repetition_penalty
         ("length_penalty", 1.0),

@@ -238,7 +238,7 @@ def test_an_unknown_generate_field_is_refused_naming_it():
         decode(gen(some_future_field={"nested": [1, 2]}))
     assert info.value.field == "some_future_field" and info.value.id == "r1"
     assert info.value.message.startswith(
-        "some_future_field: unknown field; this server (protocol 1.8) knows: op, id,"
+        "some_future_field: unknown field; this server (protocol 1.9) knows: op, id,"
     )
     assert "min_p" in info.value.message and "timeout_ms" in info.value.message
     with pytest.raises(P.BadRequest) as info:
@@ -298,12 +298,10 @@ def test_invalid_field_is_named(name, value):
 
 def test_max_tokens_message_format():
     # the server's cap where the declaration's range allows more
-    with pytest.raises(P.BadRequest, match=r"^max_tokens: must be an int in \[1, 1024\], got 1025$"):
-        decode(gen(max_tokens=1025))
-    with pytest.raises(
-        P.BadRequest, match=r"^max_tokens: must be null or an int in \[1, 4294967295\], got -3$"
-    ):
-        decode(gen(max_tokens=-3))
+    # one range in every message: the server's cap, whatever the value's fault
+    for value, shown in ((1025, "1025"), (-3, "-3"), (2**40, str(2**40)), ("8", "'8'")):
+        with pytest.raises(P.BadRequest, match=rf"^max_tokens: must be an int in \[1, 1024\], got {shown}$"):
+            decode(gen(max_tokens=value))
 
 
 def test_float_fields_must_fit_float32():

@@ -101,11 +101,11 @@ def test_abort_ring_full_publish_and_wrap():
     assert aq.publish() and not aq.publish()
     assert ctl["aq_tail"] == (start + 4) % 2**32
     slots = [(start + i) % 4 for i in range(4)]
-    assert [tuple(entries[i]) for i in slots] == [(h, 100 + h) for h in range(1, 5)]
+    assert [tuple(entries[i]) for i in slots] == [(h, 100 + h, 0) for h in range(1, 5)]
     ctl["aq_head"] = (start + 3) % 2**32  # the device consumed three
     assert aq.free_entries() == 3
-    assert aq.push(6, 2**32 + 7)  # sq_pos is a u32
-    assert tuple(entries[(start + 4) % 4]) == (6, 7)
+    assert aq.push(6, 2**32 + 7, if_queued=True)  # sq_pos is a u32
+    assert tuple(entries[(start + 4) % 4]) == (6, 7, layout.AbortFlag.IF_QUEUED)
 
 
 def test_abort_ring_size_defaults_to_what_the_device_can_hold():

@@ -207,7 +207,7 @@ def test_the_protocol_refuses_an_unknown_generate_field():
         P.decode_request(P.encode(msg), LIMITS)
     done = P.reject_msg(info.value)
     assert done["id"] == "a" and done["error"]["code"] == P.ERR_BAD_REQUEST
-    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.8) knows: ")
+    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.9) knows: ")
     assert P.decode_request(P.encode({**msg, "min_q": None}), LIMITS).id == "a"  # nil: absent
 
 
@@ -234,6 +234,7 @@ def test_a_default_request_carries_only_what_an_old_server_knows():
 def test_every_field_round_trips():
     sampling = SamplingParams(
         max_tokens=7,
+        min_tokens=2,
         temperature=0.7,
         top_p=0.9,
         top_k=-1,
@@ -242,12 +243,18 @@ def test_every_field_round_trips():
         frequency_penalty=1.5,
         repetition_penalty=1.3,
         seed=2**64 - 1,
-        stop_token_ids=(3, 4),
         ignore_eos=True,
         logprobs=3,
         n=2,
     )
-    # every field away from its default, so a field added to the declaration must be added here
-    assert all(getattr(sampling, spec.name) != spec.default for spec in FIELDS)
-    req = P.GenerateRequest(9, None, [1, 2, 3], sampling, priority=3, timeout_ms=100)
-    assert P.decode_request(P.encode_request(req), LIMITS) == req
+    # stop_token_ids on a copy: not with min_tokens (refused until the step masks them)
+    with_stops = SamplingParams(max_tokens=7, stop_token_ids=(3, 4))
+    # every field away from its default in one of the two, so a field added to the declaration
+    # must be added here
+    assert all(
+        getattr(sampling, spec.name) != spec.default or getattr(with_stops, spec.name) != spec.default
+        for spec in FIELDS
+    )
+    for params in (sampling, with_stops):
+        req = P.GenerateRequest(9, None, [1, 2, 3], params, priority=3, timeout_ms=100)
+        assert P.decode_request(P.encode_request(req), LIMITS) == req

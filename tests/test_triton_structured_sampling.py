@@ -281,6 +281,7 @@ def check_the_steps_sampling() -> None:
     step.n_slots = n_slots
     step._entry_ids = torch.arange(n_slots, dtype=torch.int32)
     step._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32)
+    step._end_ids = None  # no end ids: min_tokens' are test_request_extensions_55's
     step._uniform, step._scale, step._store_logprobs = (
         counter_uniform_triton,
         penalize_and_scale_triton,

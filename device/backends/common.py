@@ -196,7 +196,9 @@ def model_info(spec: str, model: LlamaModel | NullModel, max_ctx: int) -> ModelI
         max_context=max_ctx,
         eos_token_ids=tuple(model.config.eos_token_ids),
         tokenizer=tokenizer,
-        new_detokenizer=(lambda: IncrementalDetokenizer(tokenizer)) if tokenizer else None,
+        new_detokenizer=(lambda **options: IncrementalDetokenizer(tokenizer, **options))
+        if tokenizer
+        else None,
         token_text=token_texts(tokenizer) if tokenizer else None,
         encode_chat=tokenizer.encode_chat if getattr(tokenizer, "chat_template", None) else None,
         token_bytes=functools.cache(lambda: token_bytes(tokenizer)) if tokenizer else None,

@@ -13,6 +13,7 @@ fused Triton ones on the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterable
@@ -31,7 +32,8 @@ from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
 from ringleader.device.weights.checkpoint import hf_to_internal, load_config, load_state_dict
 from ringleader.device.weights.gguf_checkpoint import is_gguf, load_gguf
-from ringleader.device.weights.quant_weights import GGUFMatrix, Weight
+from ringleader.device.weights.load_phase import load_phase
+from ringleader.device.weights.quant_weights import GGUFMatrix, RowBands, Weight
 from ringleader.device.weights.seeded_weights import fill_uniform_
 from ringleader.device.weights.weight_kernels import (
     KernelLinear,
@@ -84,8 +86,9 @@ class LlamaModel(nn.Module):
     ) -> LlamaModel:
         """Seeded random weights (the same seed gives the same weights on the same device type)."""
         config = dataclasses.replace(preset_config(name))
-        model = cls(config, dtype, "meta").to_empty(device=device)
-        model._init_random(seed)
+        with load_phase(f"making the random weights of {name} (seed {seed})"):
+            model = cls(config, dtype, "meta").to_empty(device=device)
+            model._init_random(seed)
         return model.use_weight_kernels(_dense_only(weights, name))
 
     @classmethod
@@ -98,7 +101,8 @@ class LlamaModel(nn.Module):
     ) -> LlamaModel:
         """HF-format directory: config.json + model.safetensors (or sharded with an index)."""
         config = load_config(path)
-        state = hf_to_internal(load_state_dict(path, dtype=dtype, device=device), config)
+        with load_phase(f"reading the checkpoint {Path(path).name}"):
+            state = hf_to_internal(load_state_dict(path, dtype=dtype, device=device), config)
         if "lm_head.weight" not in state and not config.tie_word_embeddings:
             config.tie_word_embeddings = True  # no lm_head tensor in the files: it is tied
         model = cls(config, dtype, "meta")
@@ -116,11 +120,12 @@ class LlamaModel(nn.Module):
         """A Llama-family GGUF file: dequantized to `dtype` at load, or with weights="quantized"
         its quantized matrices kept as they are in the file (device/weights/quant_weights.py)."""
         config, state = load_gguf(path, dtype, device, keep_quantized=weights == "quantized")
-        internal = hf_to_internal(state, config)
-        stored = {k: v for k, v in internal.items() if not isinstance(v, torch.Tensor)}
-        model = cls(config, dtype, "meta")
-        dense = {k: v for k, v in internal.items() if isinstance(v, torch.Tensor)}
-        missing, _ = model.load_state_dict(dense, strict=False, assign=True)
+        with load_phase(f"arranging the tensors as the model's {config.num_layers} layers"):
+            internal = hf_to_internal(state, config)  # q|k|v and gate|up joined
+            stored = {k: v for k, v in internal.items() if not isinstance(v, torch.Tensor)}
+            model = cls(config, dtype, "meta")
+            dense = {k: v for k, v in internal.items() if isinstance(v, torch.Tensor)}
+            missing, _ = model.load_state_dict(dense, strict=False, assign=True)
         if set(missing) != set(stored):
             raise ValueError(
                 f"{path}: weights missing from the file: {sorted(set(missing) - set(stored))[:8]}"
@@ -158,6 +163,15 @@ class LlamaModel(nn.Module):
         on_cpu = dev.type == "cpu"
         splits = torch.get_num_threads() if on_cpu else 1
         kept_dtype = torch.bfloat16 if weights == "bfloat16" else dtype
+        kernels = {k: w for k, w in stored.items() if k != "embed.weight" or self.lm_head is None}
+        work = _kernel_work(kernels, on_cpu, kept_dtype != dtype)  # "": the weights as they are
+        with load_phase(work) if work else contextlib.nullcontext():
+            self._put_behind_kernels(stored, kept_dtype, splits)
+        return self
+
+    def _put_behind_kernels(self, stored: dict[str, Weight], kept_dtype: torch.dtype, splits: int) -> None:
+        dev, dtype = self.device, self.dtype
+        on_cpu = dev.type == "cpu"
 
         def kernel_linear(name: str, module: nn.Module) -> nn.Module:
             weight = stored.get(name + ".weight")
@@ -184,7 +198,6 @@ class LlamaModel(nn.Module):
             self._tied_head = band_matmul(table_kernel, dtype, dev, splits)
             self._tied_head_kind = band_kind(table_kernel)
         self._head_splits = splits
-        return self
 
     @torch.no_grad()
     def _init_random(self, seed: int) -> None:
@@ -354,6 +367,20 @@ class LlamaModel(nn.Module):
         sin = self._sin.index_select(0, batch.positions)
         cache = EagerAttention(batch, plan, kv, block_table, cos, sin)
         return self(batch.token_ids, cache, batch.sample_rows)
+
+
+def _kernel_work(kernels: dict[str, Weight], on_cpu: bool, widening: bool) -> str:
+    """What use_weight_kernels spends its time on, for the start-up log ("" when it only wraps
+    the weights): repacking the int4 matrices of `kernels` (the stored matrices that get a
+    matmul kernel) for it, or converting dense ones to bf16."""
+    quantized = sum(
+        any(isinstance(p, GGUFMatrix) and p.has_digits for p in (w.parts if isinstance(w, RowBands) else [w]))
+        for w in kernels.values()
+    )
+    if quantized:
+        kernel = "the CPU's int4 kernel" if on_cpu else "the Triton int4 kernel"
+        return f"repacking {quantized} quantized matrices for {kernel}"
+    return "converting the weights to bfloat16" if widening else ""
 
 
 def _dense_only(weights: str, spec: str) -> str:

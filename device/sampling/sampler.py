@@ -26,6 +26,11 @@ whole vocabulary in vocabulary order: exact, no candidates involved. min_p is on
 whole vocabulary (p_i / p_max >= min_p, computed as exp(scaled_i - max)), read by both draws, so
 it keeps exactly the same tokens in either; min_p 0 masks nothing and leaves every other
 computation, hence every draw, bit for bit what it is without it.
+
+min_tokens (vLLM's MinTokensLogitsProcessor): while a row's counter (the tokens its request has
+generated) is below its min_tokens, its end ids (the model's end-of-sequence ids, `end_ids`, and
+the request's stop_token_ids, `stop_ids`) are -inf, with the constraint's mask, before any draw,
+greedy included (`mask_ends`); a row at or past its min_tokens, or with none, is left as it is.
 """
 
 from __future__ import annotations
@@ -97,8 +102,10 @@ class SamplingTensors:
     row `slot[i]` is row i's (slot None: row i's is row i), or None where no row can have a
     penalty; `grammar` and `mask_at`, structured output's (mask_disallowed): the automata's int32
     words and each row's mask offset in them (-1: no constraint), or None where no row can have
-    one.  Any device and integer/float width; sample() converts.  A field not given holds its
-    declared default (so it does nothing)."""
+    one; `end_ids` (int [E], the model's end-of-sequence ids) and `stop_ids` (int [N, S], each
+    row's stop_token_ids, -1 for none), the ids a row below its min_tokens cannot draw
+    (mask_ends), or None where no row can be below it.  Any device and integer/float width;
+    sample() converts.  A field not given holds its declared default (so it does nothing)."""
 
     def __init__(
         self,
@@ -108,6 +115,8 @@ class SamplingTensors:
         *,
         grammar: torch.Tensor | None = None,
         mask_at: torch.Tensor | None = None,
+        end_ids: torch.Tensor | None = None,
+        stop_ids: torch.Tensor | None = None,
         **values: torch.Tensor,
     ):
         unknown = sorted(set(values) - set(RING_NAMES))
@@ -117,6 +126,7 @@ class SamplingTensors:
             )
         self.counter, self.token_counts, self.slot = counter, token_counts, slot
         self.grammar, self.mask_at = (grammar, mask_at) if mask_at is not None else (None, None)
+        self.end_ids, self.stop_ids = end_ids, stop_ids
         self.values = {
             name: values[name]
             if name in values
@@ -131,23 +141,33 @@ class SamplingTensors:
             raise AttributeError(name) from None
 
     def replace(self, **values: torch.Tensor) -> SamplingTensors:
-        """These settings with some fields' tensors replaced."""
+        """These settings with some fields' tensors replaced (the masks' too: grammar, mask_at,
+        end_ids, stop_ids, each None to drop it)."""
+        masks = dict(grammar=self.grammar, mask_at=self.mask_at, end_ids=self.end_ids, stop_ids=self.stop_ids)
+        masks.update((name, values.pop(name)) for name in list(masks) if name in values)
         return SamplingTensors(
-            self.counter,
-            self.token_counts,
-            self.slot,
-            grammar=self.grammar,
-            mask_at=self.mask_at,
-            **{**self.values, **values},
+            self.counter, self.token_counts, self.slot, **masks, **{**self.values, **values}
         )
 
     def unconstrained(self) -> SamplingTensors:
         """These settings without structured output's masks (no row has a constraint)."""
-        return SamplingTensors(self.counter, self.token_counts, self.slot, **self.values)
+        return self.replace(grammar=None, mask_at=None)
+
+    def without_min_tokens(self) -> SamplingTensors:
+        """These settings without min_tokens' end ids (no row is below its min_tokens)."""
+        return self.replace(end_ids=None, stop_ids=None)
 
     def any_constrained(self) -> bool:
         """Whether some row has a constraint; a host read (the eager step's, of host memory)."""
         return self.mask_at is not None and bool((self.mask_at >= 0).any())
+
+    def any_below_min_tokens(self) -> bool:
+        """Whether some row is below its min_tokens (and end ids are known); a host read, as above."""
+        return self.has_ends() and bool((self.counter.long() < self.values["min_tokens"].long()).any())
+
+    def has_ends(self) -> bool:
+        """Whether these settings carry end ids for min_tokens (end_ids or stop_ids)."""
+        return self.end_ids is not None or self.stop_ids is not None
 
     def row_counts(self) -> torch.Tensor:
         """Each row's token counts [N, V] (a gather when they come as a table and slots)."""
@@ -225,14 +245,43 @@ def _allowed_on_host(grammar, mask_at, words_per_row: int, vocab: int) -> torch.
     return torch.from_numpy(allowed[:, :vocab])
 
 
+def mask_ends(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """fp32 logits [N, V] with -inf at row i's end ids (params.end_ids, the model's, and its
+    stop_ids row, -1 entries ignored) where its counter is below its min_tokens; the other rows,
+    and every other token, as they are.  A new tensor; static shapes, no host sync."""
+    n, vocab = logits.shape
+    dev = logits.device
+    ids = []
+    if params.end_ids is not None:
+        ids.append(params.end_ids.to(dev, torch.int64).reshape(1, -1).expand(n, -1))
+    if params.stop_ids is not None:
+        ids.append(params.stop_ids.to(dev, torch.int64).reshape(n, -1))
+    if not ids:
+        return logits
+    index = torch.cat(ids, dim=1)
+    below = params.counter.to(dev, torch.int64) < params.min_tokens.to(dev, torch.int64)
+    banned = below[:, None] & (index >= 0) & (index < vocab)
+    # +inf leaves a token as it was (amin), so ids that are not banned may point anywhere in range
+    fill = torch.full(index.shape, float("inf"), dtype=logits.dtype, device=dev)
+    fill.masked_fill_(banned, float("-inf"))
+    return logits.scatter_reduce(1, index.clamp(0, vocab - 1), fill, reduce="amin")
+
+
+def apply_masks(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """`logits` with what params' masks keep out at -inf: structured output's (mask_disallowed)
+    where params carry them, then min_tokens' end ids (mask_ends) where they carry those."""
+    if params.mask_at is not None:
+        logits = mask_disallowed(logits, params.grammar, params.mask_at)
+    if params.has_ends():
+        logits = mask_ends(logits, params)
+    return logits
+
+
 def penalize_and_scale(logits: torch.Tensor, params: SamplingTensors, divisor: torch.Tensor) -> torch.Tensor:
     """A new fp32 tensor [N, V]: apply_penalties(logits, params), row i divided by divisor[i]
-    (fp32 [N]), then where params carry structured output's masks, the tokens a row's constraint
-    does not allow at -inf (mask_disallowed); `logits` is left as it was."""
-    scaled = apply_penalties(logits, params) / divisor[:, None]
-    if params.mask_at is not None:
-        scaled = mask_disallowed(scaled, params.grammar, params.mask_at)
-    return scaled
+    (fp32 [N]), then params' masks (apply_masks: a row's constraint, its end ids below its
+    min_tokens) at -inf; `logits` is left as it was."""
+    return apply_masks(apply_penalties(logits, params) / divisor[:, None], params)
 
 
 def sample(
@@ -245,7 +294,8 @@ def sample(
     """Sampled token ids [N] (int64) from fp32 logits [N, V], row i under params' row i.
 
     Per row: the penalties (apply_penalties) first, then a constraint's mask (mask_disallowed:
-    what it does not allow can never be drawn, in any mode); temperature <= 0 -> argmax of those.
+    what it does not allow can never be drawn, in any mode) and, below its min_tokens, its end
+    ids' (mask_ends); temperature <= 0 -> argmax of those.
     Otherwise logits / temperature; drop the tokens whose probability is below min_p x the top
     token's (0 = no limit); keep the top_k largest of the rest (0 or -1 = no limit); then the
     smallest prefix whose probability, renormalised over what is kept so far, reaches top_p

@@ -6,9 +6,10 @@ does what its row needs and nothing more, reading its parameters first:
 
   - fast path: a greedy row (temperature <= 0, or a stale entry i >= n_samples) with neutral
     penalties and no constraint takes the lm_head's argmax of the raw logits (`greedy_token`) and
-    reads nothing else;
-  - greedy with a penalty or a constraint: one pass, the argmax of the penalized, masked logits
-    (first index on ties);
+    reads nothing else (below its min_tokens, it reads its end ids too, and keeps the fast path
+    unless that argmax is one of them);
+  - greedy with a penalty, a constraint or an end id to avoid: one pass, the argmax of the
+    penalized, masked logits (first index on ties);
   - unrestricted (top_k off and top_p 1, min_p or not): a pass for the row max, one for the
     min_p-kept mass, one inclusive scan in vocabulary order that stops at the drawn token;
   - restricted (top_k or top_p): the row max (and, with top_k off, the mass top_p measures
@@ -22,12 +23,14 @@ does what its row needs and nothing more, reading its parameters first:
 Every pass walks the row in BLOCK_V chunks and recomputes its penalized, temperature-scaled
 logits on the fly (penalize_and_scale's arithmetic in its order: IEEE division, no fused
 multiply-add, so the same bits), then a constrained row's mask (-inf where its bitmask in
-`grammar` has no bit; a row with mask_at < 0 reads no mask word), so no [rows, V] intermediate
-is ever written. Candidates tied at the threshold key are taken lowest index first, and equal
-keys sort lowest index first: the order (value descending, index ascending), which is what
-torch.topk gives for distinct values (-0.0 ranks below +0.0 here; torch ties them). Passes over
-the row: fast path none, greedy with a penalty or a constraint 1, unrestricted 3 (the scan stops at the draw), restricted at most 6 (7 with top_k
-off), and one sort of K entries. With USE_PDL the program waits (gdc_wait) before its first read
+`grammar` has no bit; a row with mask_at < 0 reads no mask word) and, for a row below its
+min_tokens, -inf at its end ids (the model's end_ids and its stop_ids row; every other row
+loops over none), so no [rows, V] intermediate is ever written. Candidates tied at the
+threshold key are taken lowest index first, and equal keys sort lowest index first: the order
+(value descending, index ascending), which is what torch.topk gives for distinct values (-0.0
+ranks below +0.0 here; torch ties them). Passes over the row: fast path none, greedy with a
+penalty, a constraint or an end id to avoid 1, unrestricted 3 (the scan stops at the draw),
+restricted at most 6 (7 with top_k off), and one sort of K entries. With USE_PDL the program waits (gdc_wait) before its first read
 and lets the next kernel launch once its last input is read, just before its stores.
 
 Where the result may differ from sample(): only where the draw's target (or the top_p cut, or
@@ -45,7 +48,7 @@ import os
 import torch
 
 from ringleader.device.sampling.sampler import RING_NAMES, SamplingTensors
-from ringleader.device.sampling.triton_sampler import check_masks
+from ringleader.device.sampling.triton_sampler import check_ends, check_masks
 from ringleader.device.step.triton_launch import launch, pdl_meta
 from ringleader.ipc.layout import PROMPT_MARK
 from ringleader.ipc.sampling_params import MAX_TOP_K
@@ -65,7 +68,13 @@ BLOCK_V = 2048
 NUM_WARPS = 8
 
 if HAVE_TRITON:
-    from ringleader.device.sampling.triton_sampler import _allowed, _mask_row, _mask_words, _mix32
+    from ringleader.device.sampling.triton_sampler import (
+        _allowed,
+        _mask_end_ids,
+        _mask_row,
+        _mask_words,
+        _mix32,
+    )
 
     @triton.jit
     def _counter_uniform(seed, counter):
@@ -89,11 +98,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _scaled_block(
-        row_args, offs, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr
-    ):
+        row_args, offs, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
+    ):  # fmt: skip
         # penalize_and_scale on one chunk of the row; past the vocabulary -inf, and only a
         # penalized row (count_limit = vocab, else 0) reads its counts, only a constrained one
-        # (mask_limit = vocab, else 0) its mask
+        # (mask_limit = vocab, else 0) its mask, only one below its min_tokens (n_end, n_stop
+        # not 0) its end ids
         logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor = row_args[:8]
         x = tl.load(logits_row + offs, mask=offs < vocab, other=float("-inf"))
         if HAS_COUNTS:
@@ -106,10 +117,23 @@ if HAVE_TRITON:
             x = tl.where(hit, penalized, x)
         x = tl.math.div_rn(x, divisor)
         if HAS_MASK:
-            mask_row, last_word, mask_limit = row_args[8:]
+            mask_row, last_word, mask_limit = row_args[8:11]
             word = _mask_words(mask_row, last_word, offs, offs < mask_limit)
             x = tl.where(_allowed(word, offs), x, float("-inf"))
+        if HAS_ENDS:
+            end_ptr, n_end, stop_row, n_stop = row_args[11:]
+            x = _mask_end_ids(x, offs, end_ptr, n_end, stop_row, n_stop)
         return x
+
+    @triton.jit
+    def _is_end_id(token, end_ptr, n_end, stop_row, n_stop):
+        # whether `token` is one of the row's end ids (n_end model ids, n_stop stop ids)
+        hit = token < 0
+        for k in range(0, n_end):
+            hit = hit | (tl.load(end_ptr + k) == token)
+        for k in range(0, n_stop):
+            hit = hit | (tl.load(stop_row + k) == token)
+        return hit
 
     @triton.jit
     def _min_p_keeps(x, row_max, min_p):
@@ -123,7 +147,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _max_pass(
-        row_args, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        row_args, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # the row max and its first index (a lane keeps its first maximum, the lowest lane wins)
         vocab = row_args[2]
@@ -132,7 +157,7 @@ if HAVE_TRITON:
         lane_arg = tl.zeros([BLOCK_V], tl.int32) + vocab
         for start in range(0, vocab, BLOCK_V):
             offs = start + lanes
-            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
             take = (offs < vocab) & ((x > lane_max) | (lane_arg == vocab))
             lane_arg = tl.where(take, offs, lane_arg)
             lane_max = tl.where(take, x, lane_max)
@@ -143,7 +168,8 @@ if HAVE_TRITON:
     @triton.jit
     def _mass_pass(
         row_args, row_max, min_p,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # the min_p-kept mass of the whole row, summed chunk by chunk as _scan_draw re-sums it
         vocab = row_args[2]
@@ -151,14 +177,15 @@ if HAVE_TRITON:
         total = 0.0
         for start in range(0, vocab, BLOCK_V):
             offs = start + lanes
-            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+            x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
             total += tl.sum(_kept_mass(x, row_max, min_p, offs < vocab), axis=0)
         return total
 
     @triton.jit
     def _scan_draw(
         row_args, row_max, min_p, target, total, token,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # the first index whose inclusive prefix mass reaches target * total, in vocabulary order;
         # chunks after the crossing one are skipped (`carried` only grows)
@@ -169,7 +196,7 @@ if HAVE_TRITON:
         for start in range(0, vocab, BLOCK_V):
             if carried < threshold:
                 offs = start + lanes
-                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
                 mass = _kept_mass(x, row_max, min_p, offs < vocab)
                 chunk_total = tl.sum(mass, axis=0)
                 if carried + chunk_total >= threshold:
@@ -182,7 +209,8 @@ if HAVE_TRITON:
     @triton.jit
     def _radix_select(
         row_args, n_candidates,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # the key prefix (and its mask) that the n_candidates largest keys reach: those above it,
         # and the first `remaining` of those matching it; stops once all that match are taken
@@ -200,7 +228,7 @@ if HAVE_TRITON:
                 hist = tl.zeros([256], tl.int32)
                 for start in range(0, vocab, BLOCK_V):
                     offs = start + lanes
-                    x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+                    x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
                     key = _order_key(x)
                     match = (offs < vocab) & ((key & prefix_mask) == prefix)
                     hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
@@ -219,7 +247,8 @@ if HAVE_TRITON:
     @triton.jit
     def _gather_candidates(
         row_args, scratch_row, n_candidates, prefix, prefix_mask, remaining,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # writes the candidates as (key << 32 | ~index) into scratch_row[0, n_candidates): the
         # keys above the prefix first, then the lowest-index `remaining` that match it
@@ -231,7 +260,7 @@ if HAVE_TRITON:
         for start in range(0, vocab, BLOCK_V):
             if (seen_above < n_above) | (seen_tied < remaining):
                 offs = start + lanes
-                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+                x = _scaled_block(row_args, offs, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
                 key = _order_key(x)
                 high = key & prefix_mask
                 above = (offs < vocab) & (high > prefix)
@@ -249,15 +278,16 @@ if HAVE_TRITON:
     def _candidate_draw(
         row_args, scratch_row, row_max, min_p, top_k, top_p, target, vocab_total,
         N_CANDIDATES: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr,
-        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, PROMPT_MARK: tl.constexpr,
+        BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr,
+        PROMPT_MARK: tl.constexpr,
     ):  # fmt: skip
         # sample()'s restricted draw over the K most likely tokens in descending order
         prefix, prefix_mask, remaining = _radix_select(
-            row_args, N_CANDIDATES, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK
+            row_args, N_CANDIDATES, BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK
         )
         _gather_candidates(
             row_args, scratch_row, N_CANDIDATES, prefix, prefix_mask, remaining,
-            BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
+            BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK,
         )  # fmt: skip
         # other threads wrote the scratch row: the barrier makes their stores visible
         tl.debug_barrier()
@@ -293,15 +323,16 @@ if HAVE_TRITON:
     def _sample_row_kernel(
         logits_ptr, out_ptr, n_samples_ptr, greedy_token_ptr, next_token_ptr, sample_slot_ptr,
         scratch_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, repetition_ptr, frequency_ptr,
-        presence_ptr, seed_ptr, counter_ptr, counts_ptr, count_slot_ptr, grammar_ptr, mask_at_ptr,
-        vocab, n_count_rows, n_next, grammar_words, logits_stride, counts_stride,
+        presence_ptr, seed_ptr, counter_ptr, min_tokens_ptr, counts_ptr, count_slot_ptr, grammar_ptr,
+        mask_at_ptr, end_ptr, stop_ptr,
+        vocab, n_count_rows, n_next, grammar_words, n_end, n_stop, logits_stride, counts_stride,
         temperature_stride, top_p_stride, top_k_stride, min_p_stride, repetition_stride,
-        frequency_stride, presence_stride, seed_stride, counter_stride, count_slot_stride,
-        greedy_token_stride, sample_slot_stride, mask_at_stride,
+        frequency_stride, presence_stride, seed_stride, counter_stride, min_tokens_stride,
+        count_slot_stride, greedy_token_stride, sample_slot_stride, mask_at_stride, stop_stride,
         N_CANDIDATES: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
         PROMPT_MARK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_COUNT_SLOT: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_GREEDY_TOKEN: tl.constexpr, HAS_NEXT_TOKEN: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_ENDS: tl.constexpr, HAS_GREEDY_TOKEN: tl.constexpr,
+        HAS_NEXT_TOKEN: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         if USE_PDL:
@@ -336,8 +367,24 @@ if HAVE_TRITON:
             mask_row, last_word = _mask_row(grammar_ptr, mask_at, grammar_words)
             # a stale row's token is never used: it skips its mask (and keeps the fast path)
             mask_limit = tl.where(valid & (mask_at >= 0), vocab, 0)
+        n_end_row = 0
+        n_stop_row = 0
+        if HAS_ENDS:
+            # a row below its min_tokens reads its end ids in every pass; the others none (a
+            # stale row's token is never used: it skips them too)
+            min_tokens = tl.load(min_tokens_ptr + row * min_tokens_stride)
+            below = valid & (tl.load(counter_ptr + row * counter_stride) < min_tokens)
+            n_end_row = tl.where(below, n_end, 0)
+            n_stop_row = tl.where(below, n_stop, 0)
+        stop_row = stop_ptr + row.to(tl.int64) * stop_stride
         if HAS_GREEDY_TOKEN:
             use_greedy_token = greedy & (count_limit == 0) & (mask_limit == 0)
+            if HAS_ENDS:  # noqa: SIM102 (a constexpr branch: the runtime test below is a tensor)
+                # below min_tokens the head's argmax stands unless it is an end id (the mask
+                # lowers only those)
+                if use_greedy_token & ((n_end_row + n_stop_row) > 0):
+                    head = tl.load(greedy_token_ptr + row * greedy_token_stride).to(tl.int32)
+                    use_greedy_token = _is_end_id(head, end_ptr, n_end_row, stop_row, n_stop_row) == 0
         else:
             use_greedy_token = row < 0
         if use_greedy_token:
@@ -347,9 +394,9 @@ if HAVE_TRITON:
             divisor = tl.where(greedy, 1.0, temperature)
             row_args = (
                 logits_row, counts_row, vocab, count_limit, repetition, frequency, presence, divisor,
-                mask_row, last_word, mask_limit,
+                mask_row, last_word, mask_limit, end_ptr, n_end_row, stop_row, n_stop_row,
             )  # fmt: skip
-            row_max, token = _max_pass(row_args, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK)
+            row_max, token = _max_pass(row_args, BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK)
             if greedy == 0:
                 top_p = tl.load(top_p_ptr + row * top_p_stride).to(tl.float32)
                 top_k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int32)
@@ -361,18 +408,18 @@ if HAVE_TRITON:
                 vocab_total = 1.0
                 if top_k <= 0:
                     vocab_total = _mass_pass(
-                        row_args, row_max, min_p, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK
+                        row_args, row_max, min_p, BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK
                     )
                 if (top_k <= 0) & (top_p >= 1.0):
                     token = _scan_draw(
                         row_args, row_max, min_p, target, vocab_total, token,
-                        BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
+                        BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK,
                     )  # fmt: skip
                 else:
                     scratch_row = scratch_ptr + row.to(tl.int64) * N_CANDIDATES
                     token = _candidate_draw(
                         row_args, scratch_row, row_max, min_p, top_k, top_p, target, vocab_total,
-                        N_CANDIDATES, CANDIDATE_BLOCK, BLOCK_V, HAS_COUNTS, HAS_MASK, PROMPT_MARK,
+                        N_CANDIDATES, CANDIDATE_BLOCK, BLOCK_V, HAS_COUNTS, HAS_MASK, HAS_ENDS, PROMPT_MARK,
                     )  # fmt: skip
         if HAS_NEXT_TOKEN:
             next_slot = tl.load(sample_slot_ptr + row * sample_slot_stride).to(tl.int32)
@@ -387,8 +434,8 @@ if HAVE_TRITON:
 
 # the per-row fields in the kernel's argument order, and those that are integers (the rest: floats)
 _KERNEL_FIELDS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_KERNEL_FIELDS += ("frequency_penalty", "presence_penalty", "seed", "counter")
-_INT_FIELDS = ("top_k", "seed", "counter")
+_KERNEL_FIELDS += ("frequency_penalty", "presence_penalty", "seed", "counter", "min_tokens")
+_INT_FIELDS = ("top_k", "seed", "counter", "min_tokens")
 
 
 def candidate_count(vocab: int) -> int:
@@ -425,6 +472,9 @@ def sample_rows_triton(
     [1] on the device; rows i >= n_samples[0] are stale: greedy, and they write no next_token.
     params.grammar / params.mask_at: structured output's masks (int32 [G], integers [m]), or
     None; a stale row ignores its mask (its token is never used, so it keeps the fast path).
+    params.end_ids / params.stop_ids: min_tokens' end ids (integers [E] and [m, S], -1 for none,
+    unit inner stride), or None: a valid row whose counter is below its min_tokens never draws
+    them.
     greedy_token: int32 [m], each row's argmax of the raw logits (first index on ties), taken by
     greedy rows with neutral penalties and no constraint without reading their logits; None:
     computed here.
@@ -473,6 +523,7 @@ def sample_rows_triton(
         elif counts.shape[0] != m:
             raise ValueError("sample_rows_triton: without params.slot, token_counts has a row per row [m, V]")
     grammar, mask_at = check_masks("sample_rows_triton", params, m, device)
+    end_ids, stop_ids = check_ends("sample_rows_triton", params, m, device)
     n_candidates = candidate_count(vocab)
     if scratch is None:
         scratch = torch.empty(m, n_candidates, dtype=torch.int64, device=device)
@@ -490,7 +541,7 @@ def sample_rows_triton(
 
     per_row = [rows(fields[name]) for name in _KERNEL_FIELDS]
     slot_rows, greedy_rows, sample_slot_rows = rows(count_slot), rows(greedy_token), rows(sample_slot)
-    mask_rows = rows(mask_at)
+    mask_rows, stop_rows = rows(mask_at), rows(stop_ids)
     launch(
         _sample_row_kernel,
         (m,),
@@ -506,10 +557,14 @@ def sample_rows_triton(
         slot_rows[0],
         out if grammar is None else grammar,
         mask_rows[0],
+        out if end_ids is None else end_ids,
+        stop_rows[0],
         vocab,
         0 if counts is None else counts.shape[0],
         0 if next_token is None else next_token.shape[0],
         1 if grammar is None else grammar.numel(),
+        0 if end_ids is None else end_ids.shape[0],
+        0 if stop_ids is None else stop_ids.shape[1],
         logits.stride(0),
         0 if counts is None else counts.stride(0),
         *(stride for _, stride in per_row),
@@ -517,6 +572,7 @@ def sample_rows_triton(
         greedy_rows[1],
         sample_slot_rows[1],
         mask_rows[1],
+        stop_rows[1],
         N_CANDIDATES=n_candidates,
         CANDIDATE_BLOCK=triton.next_power_of_2(n_candidates),
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
@@ -524,6 +580,7 @@ def sample_rows_triton(
         HAS_COUNTS=counts is not None,
         HAS_COUNT_SLOT=count_slot is not None,
         HAS_MASK=mask_at is not None,
+        HAS_ENDS=end_ids is not None or stop_ids is not None,
         HAS_GREEDY_TOKEN=greedy_token is not None,
         HAS_NEXT_TOKEN=next_token is not None,
         num_warps=NUM_WARPS,

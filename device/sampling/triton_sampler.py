@@ -14,7 +14,9 @@ one is on (reading the count table through the row's slot), then divides by the 
 (its temperature, 1 for greedy rows) into a new tensor: the raw logits stay for the logprobs.
 Structured output's mask comes last (sampling.mask_disallowed): a row whose mask_at is >= 0
 reads its block's words of the bitmask and sets -inf where a token has no bit; a row without a
-constraint branches past it and reads nothing more. The arithmetic is penalize_and_scale's in
+constraint branches past it and reads nothing more. Then min_tokens (sampling.mask_ends): a row
+whose counter is below its min_tokens sets -inf at its end ids (the model's, then its stop ids);
+any other row reads its two scalars and no id. The arithmetic is penalize_and_scale's in
 its order, with IEEE division and no fused multiply-add, so both forms give the same bits.
 
 The logprobs in torch are a logsumexp, a top-k and a scatter over every row, every step, asked
@@ -76,6 +78,16 @@ if HAVE_TRITON:
         return ((word >> (offs & 31)) & 1) != 0
 
     @triton.jit
+    def _mask_end_ids(x, offs, end_ptr, n_end, stop_row, n_stop):
+        # -inf at each of the row's end ids: n_end model ids, then n_stop stop ids (-1: none);
+        # a row that is not below its min_tokens passes n_end = n_stop = 0 and reads no id
+        for k in range(0, n_end):
+            x = tl.where(offs == tl.load(end_ptr + k), float("-inf"), x)
+        for k in range(0, n_stop):
+            x = tl.where(offs == tl.load(stop_row + k), float("-inf"), x)
+        return x
+
+    @triton.jit
     def _counter_uniform_kernel(seed_ptr, counter_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -105,15 +117,25 @@ if HAVE_TRITON:
         presence_ptr,
         grammar_ptr,
         mask_at_ptr,
+        min_tokens_ptr,
+        counter_ptr,
+        end_ptr,
+        stop_ptr,
         vocab,
         n_slots,
         grammar_words,
+        n_end,
+        n_stop,
         logits_stride,
         param_stride,
         mask_at_stride,
+        min_tokens_stride,
+        counter_stride,
+        stop_stride,
         PROMPT_MARK: tl.constexpr,
         HAS_COUNTS: tl.constexpr,
         HAS_MASK: tl.constexpr,
+        HAS_ENDS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -143,6 +165,17 @@ if HAVE_TRITON:
                 mask_row, last_word = _mask_row(grammar_ptr, mask_at, grammar_words)
                 word = _mask_words(mask_row, last_word, offs, ok)
                 x = tl.where(_allowed(word, offs), x, float("-inf"))
+        if HAS_ENDS:
+            min_tokens = tl.load(min_tokens_ptr + row * min_tokens_stride)
+            below = tl.load(counter_ptr + row * counter_stride) < min_tokens
+            x = _mask_end_ids(
+                x,
+                offs,
+                end_ptr,
+                tl.where(below, n_end, 0),
+                stop_ptr + row * stop_stride,
+                tl.where(below, n_stop, 0),
+            )
         tl.store(out_ptr + row * vocab + offs, x, mask=ok)
 
     @triton.jit
@@ -249,6 +282,24 @@ def check_masks(
     return grammar, mask_at
 
 
+def check_ends(
+    caller: str, params: SamplingTensors, n: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """params' (end_ids, stop_ids) as a kernel reads them (a dense [E] and an [n, S] with a unit
+    inner stride, None where absent); ValueError naming what is wrong: integers on `device`."""
+    end_ids, stop_ids = params.end_ids, params.stop_ids
+    for name, t, dims in (("end_ids", end_ids, 1), ("stop_ids", stop_ids, 2)):
+        if t is None:
+            continue
+        if t.dim() != dims or t.dtype.is_floating_point or t.dtype == torch.bool or t.device != device:
+            raise ValueError(
+                f"{caller}: {name} must be integers [{'E' if dims == 1 else f'{n}, S'}] on the logits' device"
+            )
+        if t.stride(-1) != 1 or (dims == 2 and t.shape[0] != n):
+            raise ValueError(f"{caller}: {name} must have a unit inner stride (and a row per logits row)")
+    return end_ids, stop_ids
+
+
 PENALTY_BLOCK = 1024
 
 
@@ -260,7 +311,8 @@ def penalize_and_scale_triton(
     `params` carries the count table [S, V] and each row's slot (a missing slot: row i's counts
     are row i), or no table (then only the division); and structured output's grammar (int32
     [G]) and mask_at (integers [N]), or none: a row with mask_at >= 0 gets -inf where its mask
-    has no bit, one with mask_at < 0 reads no mask word."""
+    has no bit, one with mask_at < 0 reads no mask word; and min_tokens' end_ids ([E]) and
+    stop_ids ([N, S]), or none: a row whose counter is below its min_tokens gets -inf at them."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed; use sampling.penalize_and_scale")
     n, vocab = logits.shape
@@ -275,6 +327,11 @@ def penalize_and_scale_triton(
     if any(t.dtype != torch.float32 or t.stride(0) != penalties[0].stride(0) for t in penalties):
         raise ValueError("penalize_and_scale_triton: the three penalties as fp32 views of one stride")
     grammar, mask_at = check_masks("penalize_and_scale_triton", params, n, logits.device)
+    end_ids, stop_ids = check_ends("penalize_and_scale_triton", params, n, logits.device)
+    has_ends = end_ids is not None or stop_ids is not None
+    min_tokens, counter = params.min_tokens, params.counter
+    if has_ends and any(t.shape != (n,) or t.dtype.is_floating_point for t in (min_tokens, counter)):
+        raise ValueError("penalize_and_scale_triton: min_tokens and counter as integers [N]")
     if counts is None:
         slot = None
     elif params.slot is not None:
@@ -294,15 +351,25 @@ def penalize_and_scale_triton(
         *penalties,
         logits if grammar is None else grammar,  # unread without masks (HAS_MASK False)
         divisor if mask_at is None else mask_at,
+        min_tokens if has_ends else divisor,  # unread without end ids (HAS_ENDS False)
+        counter if has_ends else divisor,
+        divisor if end_ids is None else end_ids,
+        divisor if stop_ids is None else stop_ids,
         vocab,
         0 if counts is None else counts.shape[0],
         1 if grammar is None else grammar.numel(),
+        0 if end_ids is None else end_ids.shape[0],
+        0 if stop_ids is None else stop_ids.shape[1],
         logits.stride(0),
         penalties[0].stride(0),
         0 if mask_at is None else mask_at.stride(0),
+        min_tokens.stride(0) if has_ends else 0,
+        counter.stride(0) if has_ends else 0,
+        0 if stop_ids is None else stop_ids.stride(0),
         PROMPT_MARK=PROMPT_MARK,
         HAS_COUNTS=counts is not None,
         HAS_MASK=mask_at is not None,
+        HAS_ENDS=has_ends,
         BLOCK=PENALTY_BLOCK,
         enable_fp_fusion=False,
     )

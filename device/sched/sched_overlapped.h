@@ -2,8 +2,8 @@
 // phase built; every access to host-shared memory is here (or in init and exit).
 #pragma once
 
-// Whether `h` is among sorted[0..n) (ascending).
-RL_FN bool rl_sorted_contains(const uint32_t* sorted, uint32_t n, uint32_t h) {
+// The first index of sorted[0..n) (ascending) whose value is >= h.
+RL_FN uint32_t rl_lower_bound(const uint32_t* sorted, uint32_t n, uint32_t h) {
   uint32_t lo = 0, hi = n;
   while (lo < hi) {
     uint32_t mid = (lo + hi) / 2;
@@ -12,6 +12,12 @@ RL_FN bool rl_sorted_contains(const uint32_t* sorted, uint32_t n, uint32_t h) {
     else
       hi = mid;
   }
+  return lo;
+}
+
+// Whether `h` is among sorted[0..n) (ascending).
+RL_FN bool rl_sorted_contains(const uint32_t* sorted, uint32_t n, uint32_t h) {
+  uint32_t lo = rl_lower_bound(sorted, n, h);
   return lo < n && sorted[lo] == h;
 }
 
@@ -21,7 +27,9 @@ RL_FN bool rl_sorted_contains(const uint32_t* sorted, uint32_t n, uint32_t h) {
 // so each pending entry and each slot looks itself up once (O(n log n), not one scan of every
 // pending entry and slot per abort).  An abort whose request already finished matches nothing.
 // A running request's DONE is written in this same phase; its slot stays out of every new step
-// and is freed by the next critical phase, once the step in flight no longer uses it.
+// and is freed by the next critical phase, once the step in flight no longer uses it.  An
+// IF_QUEUED abort (a queue deadline) cancels a request in the SQ or the pending queue only: a
+// request in a slot has started its prefill and keeps running.
 RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   RlSchedState& st = *c.sched;
@@ -29,6 +37,7 @@ RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
   if (head == tail) return;
   const uint32_t sq_head = st.sq_head, n_pending = st.n_pending;
   uint32_t* key = c.work_a;  // per batch entry: the handle if drained, else 0 (handles are never 0)
+  uint32_t* if_queued = c.work_e;  // per batch entry: its IF_QUEUED bit (scratch until admission)
   uint32_t my_slot_aborts = 0, my_cancelled = 0;
   for (uint32_t base = head; base != tail;) {
     uint32_t m = tail - base < cfg.work_len ? tail - base : cfg.work_len;
@@ -38,6 +47,7 @@ RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
       bool in_sq = (int32_t)(e.sq_pos - sq_head) >= 0;
       if (in_sq) c.sq_cancel[e.sq_pos & (cfg.sq_size - 1)] = e.handle;
       key[i] = in_sq ? 0u : e.handle;
+      if_queued[i] = e.flags & RL_ABORT_IF_QUEUED;
       c.work_b[i] = i;
       my_drained += in_sq ? 0u : 1u;
     }
@@ -55,9 +65,12 @@ RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
       }
       RL_FOR(s, cfg.n_slots) {
         RlSlot& sl = c.slots[s];
-        if ((!rl_slot_runs(sl) && sl.state != RL_SLOT_PREEMPTED) ||
-            !rl_sorted_contains(sorted, m, sl.handle))
-          continue;
+        if (!rl_slot_runs(sl) && sl.state != RL_SLOT_PREEMPTED) continue;
+        bool aborted = false;  // by an abort of its handle without IF_QUEUED
+        for (uint32_t r = rl_lower_bound(sorted, m, sl.handle); r < m && sorted[r] == sl.handle;
+             ++r)
+          aborted = aborted || !if_queued[order[r]];
+        if (!aborted) continue;
         if (sl.ev_token) {  // an aborted request gets no further tokens
           sl.ev_token = 0;
           sl.n_generated -= 1;

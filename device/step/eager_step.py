@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.sampling.sampler import any_penalty, mask_disallowed, sample, store_logprobs
+from ringleader.device.sampling.sampler import any_penalty, apply_masks, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
-from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.step_layout import StepLayout, end_ids_for
 
 if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_step, static_step)
     from ringleader.device.model.llama import LlamaModel
@@ -30,6 +30,7 @@ class EagerStep:
 
     def __init__(self, model: LlamaModel, kv: KVCache) -> None:
         self.model, self.kv = model, kv
+        self._end_ids = end_ids_for(model.config.eos_token_ids, "cpu")  # min_tokens' (host reads)
 
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
@@ -43,18 +44,19 @@ class EagerStep:
         batch = StepBatch.from_layout(layout, n_tokens, n_segments, n_samples)
         logits = self.model.step(batch, self.kv)
         if n_samples:
-            params = layout.sampling(n_samples, counts=False)
+            params = layout.sampling(n_samples, counts=False, end_ids=self._end_ids)
             # host reads of host memory here: mask and gather counts only where some row needs it
-            constrained = params.any_constrained()
-            if not constrained:
+            if not params.any_constrained():
                 params = params.unconstrained()
+            if not params.any_below_min_tokens():
+                params = params.without_min_tokens()
             if any_penalty(params):
                 full = layout.sampling(n_samples)
-                tokens = sample(logits, full if constrained else full.unconstrained())
+                masks = ("grammar", "mask_at", "end_ids", "stop_ids")
+                tokens = sample(logits, full.replace(**{name: getattr(params, name) for name in masks}))
             elif bool((params.temperature <= 0).all()):
                 # all greedy, nothing penalized: the argmax sample() would take, without its draw
-                allowed = mask_disallowed(logits, params.grammar, params.mask_at) if constrained else logits
-                tokens = allowed.argmax(dim=-1)
+                tokens = apply_masks(logits, params).argmax(dim=-1)
             else:
                 tokens = sample(logits, params)
             slots = layout.sample_slot[:n_samples].long()

@@ -161,8 +161,9 @@ class FusedDecode:
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int) -> None:
         """StaticStep._sample_into's part here: one sampling kernel (greedy rows with nothing to
         apply take the lm_head's argmax) that writes next_token itself, then the logprobs."""
-        # the layout's settings carry the grammar and each entry's mask (sample_mask[:m])
-        params = layout.sampling(m)
+        # the layout's settings carry the grammar and each entry's mask (sample_mask[:m]), and the
+        # model's end ids for the rows below their min_tokens
+        params = layout.sampling(m, end_ids=self.step._end_ids)
         slot = layout.sample_slot[:m]
         tokens = sample_rows_triton(
             logits, params, layout.n_samples, greedy, layout.next_token, slot, use_pdl=self.use_pdl

@@ -41,7 +41,7 @@ from ringleader.device.model.decoder_layer import PointwiseKernels
 from ringleader.device.model.ops import rope_split
 from ringleader.device.sampling.sampler import counter_uniform, penalize_and_scale, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
-from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.step.step_layout import StepLayout, end_ids_for
 from ringleader.device.step.triton_attention import ragged_attention_reference
 from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.device.step.triton_launch import pdl_supported
@@ -189,6 +189,8 @@ class StaticStep:
         self._entry_ids = torch.arange(n_slots, dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
         self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
+        # the model's end ids, which a row below its min_tokens cannot draw (a graph reads them)
+        self._end_ids = end_ids_for(c.eos_token_ids, dev)
         self.fused_decode, self.fused_off = self._fused_decode(step_kernels)
 
     def _fused_decode(self, step_kernels: str):
@@ -237,7 +239,7 @@ class StaticStep:
         valid = self._entry_ids[:m] < layout.n_samples  # [m], n_samples read on the device
         # stale entries sample greedily with nothing applied (no NaN from stale parameters)
         # and land in the sink
-        params = layout.sampling(m)
+        params = layout.sampling(m, end_ids=self._end_ids)
         tokens = sample(logits, params, uniform=self._uniform, valid=valid, scale=self._scale)
         slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
         target = torch.where(valid, slot, self.n_slots)

@@ -9,7 +9,7 @@ and the counts on the host, which on the CPU are zero-copy views.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -58,6 +58,14 @@ _HEADER_WORD = {name: off // 4 for name, (_, off) in layout.STEP.numpy_dtype().f
 # per RlSampling field: (torch dtype, its word in the struct, in words of that dtype)
 _SAMPLING = layout.SAMPLING
 _PARAM_WORDS = {f.name: (RING_DTYPES[str(f.kind)], off // f.item_size) for f, off in _SAMPLING.offsets()}
+
+
+def end_ids_for(eos_token_ids: Sequence[int], device: Device) -> torch.Tensor | None:
+    """The model's end-of-sequence ids as the scheduler ends a request at them (RlConfig.eos_ids:
+    the first MAX_EOS_IDS), int32 [E] on `device`: what a row below its min_tokens cannot draw,
+    besides its stop ids (StepLayout.sampling's end_ids); None for a model without any."""
+    ids = [int(i) for i in eos_token_ids][: layout.MAX_EOS_IDS]
+    return torch.tensor(ids, dtype=torch.int32, device=device) if ids else None
 
 
 def sampling_views(words: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -192,10 +200,12 @@ class StepLayout:
             if f.name not in STEP_OUTPUTS | HOST_WRITTEN:
                 getattr(self, f.name).copy_(getattr(source, f.name), non_blocking=non_blocking)
 
-    def sampling(self, m: int, counts: bool = True) -> SamplingTensors:
+    def sampling(self, m: int, counts: bool = True, end_ids: torch.Tensor | None = None) -> SamplingTensors:
         """The sampling settings of sample entries [0, m), as views; with `counts` (and counts
         kept: vocab_size > 0) the token-count table and each entry's slot in it; structured
-        output's masks (the grammar array and each entry's mask offset) always."""
+        output's masks (the grammar array and each entry's mask offset) always; `end_ids`, the
+        model's (end_ids_for), kept out of an entry's draw while its sample_counter (the tokens
+        its request generated) is below its min_tokens."""
         keep = counts and self.token_counts.shape[1] > 0
         params = {name: view[:m] for name, view in self.params.items()}
         return SamplingTensors(
@@ -204,6 +214,7 @@ class StepLayout:
             self.sample_slot[:m] if keep else None,
             grammar=self.grammar,
             mask_at=self.sample_mask[:m],
+            end_ids=end_ids,
             **params,
         )
 

@@ -20,17 +20,27 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from ringleader.ipc.request_extensions import ExtensionError, check_template_kwargs
+
 log = logging.getLogger("ringleader.chat")
 
 MAX_MESSAGES = 1024
 MESSAGE_KEYS = ("role", "content", "name")
 # a --chat-template argument that is no file but holds one of these is the template text itself
 INLINE_TEMPLATE_MARKS = ("{%", "{{")
+# transformers' mark of the end of the final message (continue_final_message): appended to its
+# content, found in the rendered text, and the text cut there
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(ValueError):
     """A chat request that cannot be rendered: bad messages, no template, or a template that fails
-    (its own `raise_exception` message, or a Jinja error)."""
+    (its own `raise_exception` message, or a Jinja error).  `field`: the request's field at fault
+    (`messages` unless another one is, such as continue_final_message or chat_template_kwargs)."""
+
+    def __init__(self, message: str, field: str = "messages"):
+        super().__init__(message)
+        self.field = field
 
 
 def validate_messages(messages: Any) -> None:
@@ -135,8 +145,10 @@ class ChatTemplate:
 
     render(messages) validates the messages (validate_messages) and renders them with the
     variables transformers passes (messages, add_generation_prompt, bos_token / eos_token when
-    known, tools=None, documents=None). Any failure is a ChatTemplateError: the template's own
-    raise_exception message verbatim, or "chat template ...: <jinja error>".
+    known, tools=None, documents=None, and the caller's template_kwargs beside them), leaving the
+    final message open with continue_final_message as transformers' apply_chat_template does.
+    Any failure is a ChatTemplateError: the template's own raise_exception message verbatim, or
+    "chat template ...: <jinja error>".
     """
 
     def __init__(self, source: str) -> None:
@@ -163,13 +175,27 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, str]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """The prompt text of `messages`.  template_kwargs: extra variables (vLLM's
+        chat_template_kwargs, e.g. enable_thinking), JSON values, none of them one set here
+        (ringleader.ipc.request_extensions.RESERVED_TEMPLATE_KWARGS).  continue_final_message (not with add_generation_prompt):
+        the text ends where the final message's content does, as transformers renders it (its
+        content with a tag appended, the text cut at the tag; where the template trimmed the
+        tag's space, trailing whitespace goes too), so the model continues that message."""
         validate_messages(messages)
+        extra = _template_kwargs(template_kwargs)
         # plain copies: the template sees only str-valued dicts, never the caller's objects
         msgs = [{str(k): str(v) for k, v in m.items()} for m in messages]
+        if continue_final_message:
+            _check_continue(self.source, add_generation_prompt)
+            final = msgs[-1]["content"]
+            msgs[-1]["content"] = final + CONTINUE_TAG
         variables: dict[str, Any] = {
+            **extra,
             "messages": msgs,
             "add_generation_prompt": bool(add_generation_prompt),
             "tools": None,
@@ -180,11 +206,50 @@ class ChatTemplate:
         if eos_token is not None:
             variables["eos_token"] = eos_token
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except self._raised as e:
             raise ChatTemplateError(e.message or "chat template raised an exception") from e
         except Exception as e:  # Jinja errors, and Python errors from template expressions
             raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        return _cut_at_tag(text, final) if continue_final_message else text
+
+
+def _template_kwargs(template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The extra variables, judged as the protocol judges chat_template_kwargs (ChatTemplateError
+    naming the field for a reserved name or a value that is no JSON)."""
+    try:
+        return check_template_kwargs(template_kwargs) or {}
+    except ExtensionError as e:
+        raise ChatTemplateError(str(e), e.field) from None
+
+
+def _check_continue(source: str, add_generation_prompt: bool) -> None:
+    """transformers' refusals of continue_final_message: with add_generation_prompt, and for a
+    template that never reads a message's content."""
+    field = "continue_final_message"
+    if add_generation_prompt:
+        raise ChatTemplateError(
+            f"{field}: cannot be true with add_generation_prompt true: the final message is "
+            "continued, not answered",
+            field,
+        )
+    if "content" not in source:
+        raise ChatTemplateError(f'{field}: this chat template never writes a message\'s "content"', field)
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """The rendered text cut where the final message's content ends (its tag), as transformers'
+    render_jinja_template cuts it."""
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the rendered chat (the "
+            "chat template changes or drops it), so it cannot be continued",
+            "continue_final_message",
+        )
+    at = text.rindex(CONTINUE_TAG.strip())
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return text[:at]  # the template kept the tag's space: the message's own text is intact
+    return text[:at].rstrip()  # it trimmed the message: trailing whitespace goes with it
 
 
 def load_chat_template(source: str | None, where: str) -> ChatTemplate | None:

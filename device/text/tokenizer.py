@@ -27,7 +27,14 @@ class Tokenizer(TextEncoder, Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
 
     def special_token_ids(self) -> set[int]: ...
 
@@ -61,14 +68,27 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """The bytes of the rendered chat, after BOS (presets have a template only from
-        `serve --chat-template`)."""
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The bytes of the rendered chat (ChatTemplate.render's options), after BOS (presets
+        have a template only from `serve --chat-template`)."""
         if self.chat_template is None:
             raise _no_template()
+        text = self.chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
         # no text spells BOS in a byte vocabulary (bos_token renders as nothing): it is added as
         # a plain prompt gets it
-        return self.encode(self.chat_template.render(messages, add_generation_prompt=True))
+        return self.encode(text)
 
     def special_token_ids(self) -> set[int]:
         return {self.BOS, self.EOS, self.PAD}
@@ -175,22 +195,46 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt text the chat template makes of `messages`, ending with the assistant's
-        turn opener (add_generation_prompt=True)."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the chat template makes of `messages`: by default ending with the
+        assistant's turn opener (add_generation_prompt); with continue_final_message (and
+        add_generation_prompt False) ending inside the final message, which the model continues;
+        template_kwargs: extra template variables (ChatTemplate.render)."""
         if self.chat_template is None:
             raise _no_template()
         return self.chat_template.render(
             messages,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            template_kwargs=template_kwargs,
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of render_chat(messages), encoded without adding special tokens (the
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of render_chat(messages, ...), encoded without adding special tokens (the
         template writes BOS and the turn markers itself), as transformers' apply_chat_template."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False)
 
     def special_token_ids(self) -> set[int]:
         """BOS, the EOS ids and every special added token (a GGUF's control tokens, the `special`
@@ -206,6 +250,13 @@ class IncrementalDetokenizer:
     push(ids) returns only newly completed text; flush() returns whatever was held back
     (an incomplete UTF-8 tail becomes U+FFFD).
 
+    skip_special_tokens (vLLM's, default True): special tokens leave no text; False spells them
+    out.  spaces_between_special_tokens (vLLM's, default True) is kept and changes nothing: both
+    tokenizers here decode with the `tokenizers` library (or bytes), which, like transformers'
+    fast tokenizers and vLLM's fast detokenizer, has no such option (only transformers' slow
+    tokenizers join special tokens with spaces); the byte vocabulary's special ids have no text
+    either way.
+
     The rule: the stream's text ("".join(pushes) + flush()) equals decoding the whole output
     (tokenizer.decode(all ids, skip_special_tokens)); an output that ends inside a character
     ends with U+FFFD, and only flush() emits it. While the decoded text ends in U+FFFD (the last
@@ -214,9 +265,12 @@ class IncrementalDetokenizer:
     vocabulary with random ids in tests/test_detokenizer_real_vocab.py.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self._bytes = None
         if isinstance(tokenizer, ByteTokenizer):
             # bytes map 1:1 to tokens, so a streaming UTF-8 codec is exact and O(new tokens)

@@ -27,6 +27,7 @@ import torch
 
 from ringleader.device.model.config import ModelConfig
 from ringleader.device.weights.gguf_quants import dequantize
+from ringleader.device.weights.load_phase import load_phase
 from ringleader.device.weights.quant_weights import DIGIT_FORMS, GGUFMatrix
 from ringleader.ipc.install_hint import install_hint
 
@@ -306,11 +307,19 @@ def load_gguf(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFMatrix]]:
     """(config, HF-named state dict) of a Llama-family GGUF file on `device`: dequantized to
     `dtype`, or with keep_quantized its quantized matrices as GGUFMatrix (iter_hf_tensors)."""
-    file = open_gguf(path)
-    config = config_from_gguf(file)
-    progress = LoadProgress(file.path.name, sum(int(t.n_bytes) for t in file.tensors))
+    with load_phase(f"reading the GGUF metadata of {Path(path).name}"):
+        file = open_gguf(path)
+        config = config_from_gguf(file)
+    total = sum(int(t.n_bytes) for t in file.tensors)
+    how = (
+        "keeping the quantized matrices"
+        if keep_quantized
+        else f"dequantizing to {str(dtype).removeprefix('torch.')}"
+    )
+    progress = LoadProgress(file.path.name, total)
     try:
-        state = dict(iter_hf_tensors(file, config, dtype, device, progress.advance, keep_quantized))
+        with load_phase(f"reading {len(file.tensors)} tensors ({total / (1 << 20):.1f} MiB), {how}"):
+            state = dict(iter_hf_tensors(file, config, dtype, device, progress.advance, keep_quantized))
     finally:
         progress.finish()
     return config, state

@@ -15,6 +15,16 @@ log = logging.getLogger("ringleader.cli")
 CLEAN_ERRORS = (ValueError, OSError, ImportError, RuntimeError, KeyError, MemoryError, CurveError)
 
 
+class CommandError(Exception):
+    """A command's failure, its message one line naming the flag at fault; cli.main prints it as
+    `ringleader COMMAND: message` and exits with exit_code (2: a mistake in the command line, 1:
+    the server did not answer)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def cannot_start(exc: BaseException, what: str = "cannot start") -> int:
     """One line on stderr naming the fault; exit code 2.  Under --log-level debug the traceback
     is printed first."""

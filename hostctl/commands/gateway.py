@@ -15,11 +15,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "gateway", help="an OpenAI-compatible HTTP API in front of a running ringleader server"
     )
-    p.add_argument("--upstream", default=DEFAULT_ADDRESS, help="the ringleader server (ZeroMQ address)")
+    p.add_argument(
+        "--upstream",
+        default=DEFAULT_ADDRESS,
+        help="the ringleader server's ZeroMQ address (tcp:// or ipc://)",
+    )
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="HTTP address")
     add_http_options(p)
     p.add_argument(
-        "--startup-timeout", type=float, default=60.0, help="seconds to wait for the upstream to answer"
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the upstream to answer; meanwhile the HTTP API answers 503 (loading)",
     )
     add_curve_client_options(p)
     p.set_defaults(run=run)
@@ -43,17 +50,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringleader gateway: {exc}", file=sys.stderr)
         return 2
 
-    from ringleader.hostctl.commands.http_fronts import parse_listen
+    from ringleader.hostctl.commands.http_fronts import bind_listen
+    from ringleader.hostctl.gateway.upstream import check_upstream_address
 
-    try:
-        host, port = parse_listen(args.listen)
+    try:  # each in one line naming its flag, before anything connects
+        check_upstream_address(args.upstream)
     except ValueError as exc:
-        print(f"ringleader gateway: --listen: {exc}", file=sys.stderr)
+        print(f"ringleader gateway: --upstream: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_listen("--listen", args.listen)
+    except ValueError as exc:
+        print(f"ringleader gateway: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # bind_listen's words, without "[Errno 98]"
+        print(f"ringleader gateway: {exc.strerror or exc}", file=sys.stderr)
         return 2
     config = GatewayConfig(
         upstream=args.upstream,
-        host=host,
-        port=port,
+        sock=sock,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         curve=client_curve_from_args(args),

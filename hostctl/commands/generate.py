@@ -11,7 +11,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ringleader.hostctl.commands.client_options import add_client_options, client_from_args
+from ringleader.hostctl.commands.cannot_start import CommandError
+from ringleader.hostctl.commands.client_options import add_client_options, client_from_args, no_answer
+from ringleader.ipc.client.core import ERR_DISCONNECTED
+from ringleader.ipc.protocol import Limits
 from ringleader.ipc.sampling_params import FIELDS, SamplingError, SamplingField, SamplingParams
 from ringleader.ipc.structured import StructuredError, StructuredSpec, structured_from_wire
 
@@ -22,6 +25,28 @@ def int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+# the ranges the server's decoder takes (ringleader.ipc.protocol.Limits, docs/protocol.md)
+_LIMITS = Limits()
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (a usage error naming the option otherwise)."""
+
+    def value_of(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in [{low}, {high}], got {text!r}"
+            ) from None
+        if not low <= value <= high:
+            shown = text if len(text) <= 24 else text[:20] + "..."
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {shown}")
+        return value
+
+    return value_of
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,13 +62,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--system", help="with --chat: a system turn first")
     add_sampling_options(p)
     add_structured_options(p)
-    p.add_argument("--priority", type=int, default=0, help="under serve --policy priority: higher goes first")
+    p.add_argument(
+        "--priority",
+        type=int_in(_LIMITS.min_priority, _LIMITS.max_priority),
+        default=0,
+        help=f"in [{_LIMITS.min_priority}, {_LIMITS.max_priority}]; higher goes first among this "
+        "client's requests, and on the device under serve --policy priority",
+    )
     p.add_argument("--ids", action="store_true", help="print token ids even when text is available")
     p.add_argument(
         "--timeout-ms",
-        type=int,
+        type=int_in(1, _LIMITS.max_timeout_ms),
         default=None,
-        help="the server ends the request with error code timeout after this long",
+        metavar="MS",
+        help=f"the server ends the request with error code timeout after this long (1..{_LIMITS.max_timeout_ms}: "
+        "a day at most)",
     )
     add_client_options(p, timeout=120.0)
     p.set_defaults(run=run)
@@ -198,7 +231,7 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
     several = args.n > 1  # the choices are printed one after another once they all ended
     text: list[str] = []
     try:
-        for chunk in stream:
+        for chunk in _chunks(stream, args):
             if several:
                 continue
             if show_ids or chunk.text is None:
@@ -214,6 +247,12 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
     else:
         interrupted = False
     done = stream.done
+    if (
+        done is not None
+        and done.error_code == ERR_DISCONNECTED
+        and (done.error_message or "").startswith("no connection")
+    ):
+        raise no_answer(args, ConnectionError(done.error_message))  # no server there: one line, exit 1
     if several:
         for choice in stream.choices:
             print(f"--- choice {choice.index} [{choice.finish_reason}]")
@@ -235,6 +274,21 @@ def _print_stream(client, args: argparse.Namespace, **inputs) -> tuple[int, str]
     if interrupted:
         return 130, "".join(text)
     return (0 if done.finish_reason != "error" else 1), "".join(text)
+
+
+def _chunks(stream, args: argparse.Namespace):
+    """The stream's chunks; a server that sends nothing for --timeout is a CommandError (exit 1)."""
+    while True:
+        try:
+            yield next(stream)
+        except StopIteration:
+            return
+        except TimeoutError:
+            what = "nothing more" if any(c.token_ids for c in stream.choices) else "nothing"
+            stream.close()  # aborts the request, should the server be there after all
+            raise CommandError(
+                f"the server at {args.connect} sent {what} within {args.timeout:g} s (--timeout)", 1
+            ) from None
 
 
 def _print_logprobs(choice) -> None:

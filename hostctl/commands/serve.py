@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         opened.append(lambda: frontend.close(0))
         _limit_malloc_arenas()
         log.info("loading %s on %s", config.model, config.device)
+        started = time.monotonic()
         backend = open_configured_backend(config)
+        log.info("loaded %s in %.1f s", backend.model.name, time.monotonic() - started)
         server = Server(backend, frontend, server_config)
         opened = [fronts.close]  # the server owns the frontend socket from here
         fronts.start(server, served_model_name=args.served_model_name, api_key=args.api_key)

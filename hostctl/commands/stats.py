@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ringleader.hostctl.commands.client_options import add_client_options, client_from_args
+from ringleader.hostctl.commands.client_options import add_client_options, client_from_args, no_answer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,6 +35,9 @@ def _step(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     with client_from_args(args) as client:
-        stats = client.stats(timeline_after_seq=args.timeline_after_seq)
+        try:
+            stats = client.stats(timeline_after_seq=args.timeline_after_seq)
+        except (TimeoutError, ConnectionError) as exc:
+            raise no_answer(args, exc) from None
         print(json.dumps(stats, indent=2, sort_keys=True))
     return 0

@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from ringleader.ipc.client.core import DEFAULT_ADDRESS
+from ringleader.hostctl.commands.client_options import add_connect_option, checked_address, seconds
 from ringleader.ipc.curve import add_curve_client_options, client_curve_from_args
 
 
@@ -17,8 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "wait-ready",
         help="wait until a server serves (its model loaded); exit 1 if none does in --timeout seconds",
     )
-    p.add_argument("--connect", default=DEFAULT_ADDRESS, help="the server's ZeroMQ address")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait")
+    add_connect_option(p)
+    p.add_argument("--timeout", type=seconds, default=300.0, help="seconds to wait")
     p.add_argument("--quiet", action="store_true", help="print nothing when ready")
     add_curve_client_options(p)
     p.set_defaults(run=run)
@@ -28,9 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from ringleader.ipc.client import Client
 
+    address = checked_address(args)
     # no liveness checks: a server that is still starting is neither connected nor answering
     with Client(
-        args.connect, connect_timeout=None, reply_timeout=None, curve=client_curve_from_args(args)
+        address, connect_timeout=None, reply_timeout=None, curve=client_curve_from_args(args)
     ) as client:
         started = time.monotonic()
         try:
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
                 f"ringleader wait-ready: no ringleader server served at {args.connect} within {args.timeout:g} s",
                 file=sys.stderr,
             )
+            return 1
+        except ConnectionError as exc:  # the connection was lost, or CURVE refused
+            print(f"ringleader wait-ready: {args.connect}: {exc}", file=sys.stderr)
             return 1
     dead = stats.get("engine_dead")
     if dead:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ringleader.hostctl.gateway.metrics import GatewayMetrics
@@ -27,16 +28,38 @@ END_EARLY_WAIT_S = 5.0  # a stop string aborts upstream; its `done` (the usage) 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+@dataclass
+class AnswerSummary:
+    """What a log line tells of one answer, filled in as it goes (the gateway logs it)."""
+
+    id: str | None = None  # the response's id, which is also the upstream request's id
+    finish_reasons: list[str | None] = field(default_factory=list)  # by choice index
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # streams: arrival to the first token's bytes
+    error: str | None = None  # the upstream's code and message, when it ended in error
+
+    def ended(self, finish_reasons: list[str | None], prompt_tokens: int, completion_tokens: int) -> None:
+        self.finish_reasons = finish_reasons
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+
+
 async def answer_request(
     client: AsyncClient,
     metrics: GatewayMetrics,
     req: GenerationRequest,
     model_name: str,
     arrived: float,
+    summary: AnswerSummary | None = None,
 ) -> dict[str, Any] | StreamedAnswer:
     """Sends `req` upstream and answers it: the JSON body of a whole answer, or the stream's SSE
     events (a StreamedAnswer the caller iterates and then closes).  An error before the first
-    token is an APIError: the transport answers it with its status."""
+    token is an APIError: the transport answers it with its status.  The upstream request's id
+    is the response's (`chatcmpl-...`, `cmpl-...`), so the server's log line for it names the
+    id the HTTP client got; `summary` is filled in with how the answer went."""
+    writer = ResponseWriter(req, model_name)
+    summary = summary if summary is not None else AnswerSummary()
+    summary.id = writer.id
     try:
         stream = await client.generate(
             req.prompt,
@@ -45,10 +68,12 @@ async def answer_request(
             sampling=req.sampling,
             priority=req.priority,
             structured=req.structured,
+            request_id=writer.id,
+            **req.generate_options,
         )
     except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
-        raise APIError(400, str(exc)) from None
-    answer = RequestAnswer(metrics, req, ResponseWriter(req, model_name), stream, arrived)
+        raise _refused_by_client(exc, req) from None
+    answer = RequestAnswer(metrics, req, writer, stream, arrived, summary)
     try:
         first = await _next_event(stream)
         if isinstance(first, Done) and not first.ok:
@@ -60,6 +85,15 @@ async def answer_request(
         await stream.aclose()
         raise
     return StreamedAnswer(answer, first)
+
+
+def _refused_by_client(exc: Exception, req: GenerationRequest) -> APIError:
+    """A 400 for what the client refused before sending (a value, the frame's size), told as the
+    server would tell it, and naming the field (`exc.field` where it has one) as the request did."""
+    told = APIError.from_upstream(P.ERR_BAD_REQUEST, str(exc), req.structured_param)
+    field = getattr(exc, "field", None)
+    param = told.param if told.param is not None or not isinstance(field, str) else field
+    return APIError(400, told.message, param=param)
 
 
 class StreamedAnswer:
@@ -103,8 +137,10 @@ class RequestAnswer:
         writer: ResponseWriter,
         stream: AsyncStream,
         arrived: float,
+        summary: AnswerSummary,
     ):
         self.metrics = metrics
+        self.summary = summary
         self.req = req
         self.writer = writer
         self.stream = stream
@@ -114,6 +150,7 @@ class RequestAnswer:
 
     def upstream_error(self, done: Done) -> APIError:
         self.metrics.upstream_error(done.error_code or "unknown")
+        self.summary.error = f"{done.error_code or 'unknown'}: {done.error_message or ''}"
         return APIError.from_upstream(done.error_code, done.error_message, self.req.structured_param)
 
     # ---- whole ----------------------------------------------------------------------------
@@ -150,6 +187,7 @@ class RequestAnswer:
             )
         prompt_tokens = done.prompt_tokens if done is not None else 0
         self.metrics.usage(prompt_tokens, completion)
+        self.summary.ended([a.finish_reason for a in answers], prompt_tokens, completion)
         return writer.response(choices, prompt_tokens, completion)
 
     # ---- streamed -------------------------------------------------------------------------
@@ -159,19 +197,23 @@ class RequestAnswer:
         req, writer, stream = self.req, self.writer, self.stream
         if req.chat:
             yield writer.role_chunk()
-        matcher = StopMatcher(req.stop) if req.stop else None
+        matcher = (
+            StopMatcher(req.stop, include=req.include_stop_str_in_output, min_tokens=req.sampling.min_tokens)
+            if req.stop
+            else None
+        )
         sent = 0  # tokens received so far
         first_written = False
         while isinstance(item, TokenChunk):
             sent += len(item.token_ids)
             text = item.text or ""
             if matcher is not None:
-                text = matcher.push(text)
+                text = matcher.push(text, sent)
             if text or req.return_token_ids:
                 yield writer.token_chunk(text, item.token_ids)
                 if not first_written:
                     first_written = True
-                    self.metrics.first_token_written(time.perf_counter() - self.arrived)
+                    self._first_token_written()
             if matcher is not None and matcher.matched:
                 break
             item = await _next_event(stream)
@@ -188,11 +230,12 @@ class RequestAnswer:
             finish, completion = item.finish_reason, item.completion_tokens
             yield writer.finish_chunk(finish)
         else:  # a stop string matched: finish now, then learn the usage
-            yield writer.finish_chunk("stop")
+            finish = "stop"
+            yield writer.finish_chunk(finish)
             done = await self._end_early()
             completion = sent
         prompt_tokens = done.prompt_tokens if done is not None else 0
-        for chunk in self._usage_end(prompt_tokens, completion):
+        for chunk in self._usage_end([finish], prompt_tokens, completion):
             yield chunk
 
     async def stream_choices(self, item: TokenChunk | Done) -> AsyncGenerator[bytes, None]:
@@ -212,7 +255,7 @@ class RequestAnswer:
                 yield writer.choice_chunk(answer.index, text, event.token_ids, logprobs)
                 if not first_written:
                     first_written = True
-                    self.metrics.first_token_written(time.perf_counter() - self.arrived)
+                    self._first_token_written()
             if answer.stopped:
                 yield writer.finish_chunk("stop", answer.index)
             elif event.finish_reason is not None and event.finish_reason != P.FINISH_ERROR:
@@ -241,7 +284,7 @@ class RequestAnswer:
                     yield chunk
             completion += answer.completion_tokens(end)
         prompt_tokens = done.prompt_tokens if done is not None else 0
-        for chunk in self._usage_end(prompt_tokens, completion):
+        for chunk in self._usage_end([a.finish_reason for a in answers], prompt_tokens, completion):
             yield chunk
 
     def _choice_end(self, answer: ChoiceAnswer, finish_reason: str) -> list[bytes]:
@@ -253,8 +296,15 @@ class RequestAnswer:
     def _error_end(self, done: Done) -> list[bytes]:
         return [ResponseWriter.error_event(self.upstream_error(done)), SSE_DONE]
 
-    def _usage_end(self, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
+    def _first_token_written(self) -> None:
+        self.summary.ttft_s = time.perf_counter() - self.arrived
+        self.metrics.first_token_written(self.summary.ttft_s)
+
+    def _usage_end(
+        self, finish_reasons: list[str | None], prompt_tokens: int, completion_tokens: int
+    ) -> list[bytes]:
         self.metrics.usage(prompt_tokens, completion_tokens)
+        self.summary.ended(finish_reasons, prompt_tokens, completion_tokens)
         usage = [self.writer.usage_chunk(prompt_tokens, completion_tokens)] if self.req.include_usage else []
         return usage + [SSE_DONE]
 

@@ -7,19 +7,32 @@ handler cancellation a client that disconnects cancels its handler, which closes
 stream and so aborts the request on the server (its slot goes to someone else within a step).
 No ASGI layer or model classes sit between a token frame and its bytes: a token costs one
 json.dumps of its text (responses.ResponseWriter).  A request is checked here
-(openai_api.parse_request, the model, the key) and answered by answer.py.
+(openai_api.check_request, the model, the key) and answered by answer.py.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
-GET /health (the upstream answers and its engine lives), GET /metrics (the gateway's own).
-Every failure is an OpenAI-shaped error: 400 naming the field, 401, 404 for another model, 429
-for `overloaded`, 503 for `engine_dead`/`shutdown`/no upstream, 504 for `timeout`; after a
-stream has started, an error is one `data: {"error": ...}` event before `[DONE]`.
+GET /v1/models/{id}, GET /health (the upstream answers and its engine lives), GET /metrics (the
+gateway's own series, and under `serve --http` the engine's after them).  Every failure is an
+OpenAI-shaped error: 400 naming the field, 401, 404 for another model, 429 for `overloaded`, 503
+for `engine_dead`/`shutdown`/no upstream, 504 for `timeout`; after a stream has started, an error
+is one `data: {"error": ...}` event before `[DONE]`.
+
+Until it is ready (`serve --http` binds its port before the model loads; `ringleader gateway`
+serves while it asks the upstream for its model) every route but /metrics answers at once with a
+503 that says so, as llama-server does: /health `{"status": "loading", "error": {...}}`, the others
+"the model is loading" (type service_unavailable, code loading); nothing waits on the port.  Once
+ready, an upstream whose connection is known to be down (upstream.connection_up: the client's
+socket monitor says so, past a short grace after it started) is a 503 at once, not after the
+connect timeout.
+Every request leaves one log line (request_log.py) and its X-Request-Id in the response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -35,15 +48,20 @@ except ImportError:
 
     raise ImportError(f"the HTTP gateway needs aiohttp: {INSTALL_HINT}") from None
 
-from ringleader.hostctl.gateway.answer import SSE_HEADERS, answer_request
+from ringleader.hostctl.gateway.answer import SSE_HEADERS, AnswerSummary, answer_request
+from ringleader.hostctl.gateway.errors import unavailable
 from ringleader.hostctl.gateway.metrics import GatewayCollector, GatewayMetrics
 from ringleader.hostctl.gateway.openai_api import (
     APIError,
     ServedModel,
     authorize,
     check_request,
+    model_not_found,
+    model_object,
     models_list,
 )
+from ringleader.hostctl.gateway.request_log import REQUEST_ID_HEADER, log_request, request_id_of
+from ringleader.hostctl.gateway.upstream import check_upstream_address, connection_up
 from ringleader.ipc.client import AsyncClient
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
 from ringleader.ipc.curve import ClientCurve
@@ -52,6 +70,13 @@ log = logging.getLogger("ringleader.gateway")
 
 MAX_BODY_BYTES = 8 << 20
 UNMATCHED_ROUTE = "unmatched"  # the `route` label of every request no route took (404, 405)
+LOADING = "the model is loading"
+# a client not connected this long after it started (ZeroMQ reconnects every 0.1 s) has an
+# upstream that is down: a request is answered 503 at once rather than after connect_timeout_s
+CONNECT_GRACE_S = 1.0
+CLOSE_TIMEOUT_S = 10.0  # the upstream client's close; past it, `ringleader gateway` exits anyway
+# the request being answered, for its handler: its X-Request-Id and what its log line tells
+_EXCHANGE: contextvars.ContextVar[tuple[str, AnswerSummary]] = contextvars.ContextVar("rl_gateway_exchange")
 
 
 @dataclass
@@ -65,12 +90,18 @@ class GatewayConfig:
     # known when the gateway runs beside its server; else asked from the upstream's stats
     max_model_len: int | None = None
     has_tokenizer: bool | None = None
+    vocab_size: int | None = None
+    max_tokens_cap: int | None = None  # the server's (None: max_model_len)
     startup_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0  # no upstream connection this long: requests end with 503
     process_metrics: bool = True  # off when the server's process exports them already
     # a listening socket bound already (`serve --http` binds before the model loads); host and
     # port are then its own
     sock: socket.socket | None = None
+    # start() only serves, answering 503 "loading" until ready() is called (`serve --http`)
+    loading: bool = False
+    # a prometheus_client registry whose series GET /metrics serves after the gateway's own
+    engine_registry: Any = None
 
 
 def route_label(request: web.Request) -> str:
@@ -85,27 +116,59 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self._metrics_collector = GatewayCollector(self.metrics, process=config.process_metrics)
-        self.model_name = config.served_model_name or ""
-        self.max_model_len = config.max_model_len
-        self.has_tokenizer = config.has_tokenizer
+        self.model = ServedModel(config.served_model_name or "")
         self.url = ""
         self.created = int(time.time())
         self._client: AsyncClient | None = None
+        self._client_started = 0.0
+        self._was_up = False  # its connection was seen up (so its being down is news, not a start)
         self._runner: web.AppRunner | None = None
+        self._loading: str | None = LOADING  # why every request is a 503 now; None once ready
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> str:
-        """Connects to the upstream (asking it for the model's name and limits unless they were
-        given), binds the HTTP port and returns the gateway's URL."""
-        self._client = AsyncClient(
-            self.config.upstream, curve=self.config.curve, connect_timeout=self.config.connect_timeout_s
+        """Binds the HTTP port and serves; then, unless config.loading, connects to the upstream
+        (asking it for the model's name and limits unless they were given) and is ready.
+        Returns the gateway's URL."""
+        if not self.config.loading:
+            check_upstream_address(self.config.upstream)  # before anything is bound
+            self._loading = f"waiting for the ringleader server at {self.config.upstream} to answer"
+        await self._serve_http()
+        if not self.config.loading:
+            await self.ready()
+        return self.url
+
+    async def ready(self, **changes: Any) -> None:
+        """Connects to the upstream and ends the loading state; `changes` replace fields of the
+        config first (`serve --http`: the server's address, its model's name and limits)."""
+        config = self.config = dataclasses.replace(self.config, **changes)
+        check_upstream_address(config.upstream)
+        self.model = ServedModel(
+            config.served_model_name or "",
+            config.max_model_len,
+            bool(config.has_tokenizer),
+            config.vocab_size,
+            config.max_tokens_cap,
         )
-        if not self.model_name or self.max_model_len is None or self.has_tokenizer is None:
+        self._client = AsyncClient(
+            config.upstream, curve=config.curve, connect_timeout=config.connect_timeout_s
+        )
+        self._client_started, self._was_up = time.monotonic(), False
+        await self._client.__aenter__()  # its socket connects from now on, not at the first request
+        if not self.model.name or config.max_model_len is None or config.has_tokenizer is None:
             await self._learn_upstream()
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors_as_json])
+        self._loading = None
+
+    async def _serve_http(self) -> None:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._front])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)  # ids may hold a "/"
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -118,15 +181,21 @@ class Gateway:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-        return self.url
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """Closes the HTTP side (open streams are cancelled, which aborts them upstream), then
-        the upstream client."""
+        the upstream client; False if that client did not close within CLOSE_TIMEOUT_S."""
         if self._runner is not None:
             await self._runner.cleanup()
+        elif self.config.sock is not None:
+            self.config.sock.close()
         if self._client is not None:
-            await self._client.aclose()
+            try:
+                await asyncio.wait_for(self._client.aclose(), CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:  # TimeoutError from Python 3.11
+                log.warning("the upstream client did not close within %.0f s", CLOSE_TIMEOUT_S)
+                return False
+        return True
 
     async def _learn_upstream(self) -> None:
         assert self._client is not None
@@ -141,12 +210,27 @@ class Gateway:
                         f"no ringleader server answered at {self.config.upstream} within "
                         f"{self.config.startup_timeout_s:.0f} s ({exc})"
                     ) from None
-        learned = ServedModel.from_stats(stats, self.model_name or None)
-        self.model_name = learned.name
-        if self.max_model_len is None:
-            self.max_model_len = learned.max_model_len
-        if self.has_tokenizer is None:
-            self.has_tokenizer = learned.has_tokenizer
+        learned = ServedModel.from_stats(stats, self.model.name or None)
+        config, model = self.config, self.model
+        self.model = ServedModel(
+            learned.name,
+            learned.max_model_len if config.max_model_len is None else model.max_model_len,
+            learned.has_tokenizer if config.has_tokenizer is None else model.has_tokenizer,
+            model.vocab_size or learned.vocab_size,
+            model.max_tokens_cap or learned.max_tokens_cap,
+        )
+
+    def _upstream_down(self) -> str | None:
+        """Why the upstream cannot be reached now, known without waiting: its connection is
+        down, and was up before or is not up CONNECT_GRACE_S after the client started; None
+        when it is up, or the client does not say."""
+        up = connection_up(self._client) if self._client is not None else None
+        if up is not False:
+            self._was_up = self._was_up or bool(up)
+            return None
+        if not self._was_up and time.monotonic() - self._client_started < CONNECT_GRACE_S:
+            return None
+        return f"no connection to the ringleader server at {self.config.upstream}"
 
     # ---- routes ---------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -156,12 +240,28 @@ class Gateway:
         return await self._generation(request, chat=True)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
+        self._check_ready()
         self._authorize(request)
-        return web.json_response(models_list(self.model_name, self.created, self.max_model_len))
+        return web.json_response(models_list(self.model.name, self.created, self.model.max_model_len))
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        self._check_ready()
+        self._authorize(request)
+        asked = request.match_info["model_id"]
+        if asked != self.model.name:
+            raise model_not_found(asked, self.model.name)
+        return web.json_response(model_object(self.model.name, self.created, self.model.max_model_len))
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        """200 when the upstream answers within 2 s and its engine lives, else 503 saying why."""
+        """200 when the upstream answers within 2 s and its engine lives, else 503 saying why
+        (at once while loading, or while its connection is known to be down)."""
+        if self._loading is not None:
+            body = unavailable(self._loading, "loading").body()
+            return web.json_response({"status": "loading", **body}, status=503)
         assert self._client is not None
+        down = self._upstream_down()
+        if down is not None:
+            raise unavailable(f"upstream {self.config.upstream} does not answer: {down}", "disconnected")
         try:
             stats = await self._client.stats(timeout=2.0)
         except (TimeoutError, ConnectionError) as exc:
@@ -172,31 +272,62 @@ class Gateway:
         if dead:
             raise APIError(503, f"engine dead: {dead}", type="service_unavailable", code="engine_dead")
         return web.json_response(
-            {"status": "ok", "model": self.model_name, "in_flight": stats.get("in_flight")}
+            {"status": "ok", "model": self.model.name, "in_flight": stats.get("in_flight")}
         )
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         body, content_type = self._metrics_collector.exposition()
+        engine = self.config.engine_registry
+        if engine is not None:  # read off the event loop: a scrape reads the server's snapshot
+            body += await asyncio.to_thread(self._metrics_collector.exposition_of, engine)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     @web.middleware
-    async def _errors_as_json(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Every error leaves in OpenAI's shape, counted by route and status."""
+    async def _front(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error leaves in OpenAI's shape, counted by route and status; every response
+        carries the request's X-Request-Id, and every request leaves its log line."""
+        arrived = time.perf_counter()
         route = route_label(request)
+        request_id = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+        summary = AnswerSummary()
+        exchange = _EXCHANGE.set((request_id, summary))
+        status: int | None = None
+        reason: str | None = None
         try:
-            response = await handler(request)
-        except APIError as err:
-            response = web.json_response(err.body(), status=err.status)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            shaped = APIError(exc.status, exc.reason or "error", type="invalid_request_error")
-            response = web.json_response(shaped.body(), status=exc.status)
-        self.metrics.answered(route, response.status)
-        return response
+            try:
+                response = await handler(request)
+            except APIError as err:
+                response, reason = web.json_response(err.body(), status=err.status), err.message
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                reason = exc.reason or "error"
+                shaped = APIError(exc.status, reason, type="invalid_request_error")
+                response = web.json_response(shaped.body(), status=exc.status)
+            if not response.prepared:
+                response.headers[REQUEST_ID_HEADER] = request_id
+            status = response.status
+            self.metrics.answered(route, status)
+            return response
+        except web.HTTPException as exc:  # below 400: a redirect
+            status = exc.status
+            raise
+        except ConnectionResetError:  # as a cancelled handler: the client went away (status None)
+            raise
+        except Exception as exc:  # aiohttp answers it with a 500
+            status, reason = 500, f"internal error: {exc!r}"
+            raise
+        finally:
+            _EXCHANGE.reset(exchange)
+            seconds = time.perf_counter() - arrived
+            log_request(route, request.method, request.raw_path, status, request_id, reason, summary, seconds)
 
     def _authorize(self, request: web.Request) -> None:
         authorize(request.headers.get("Authorization", ""), self.config.api_key)
+
+    def _check_ready(self) -> None:
+        if self._loading is not None:
+            raise unavailable(self._loading, "loading")
 
     # ---- generation -----------------------------------------------------------------------
     async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -204,15 +335,21 @@ class Gateway:
         route = route_label(request)
         self.metrics.generation_started(route)
         try:
+            self._check_ready()
             self._authorize(request)
-            model = ServedModel(self.model_name, self.max_model_len, bool(self.has_tokenizer))
-            req = check_request(await request.read(), chat=chat, model=model)
+            req = check_request(await request.read(), chat=chat, model=self.model)
+            down = self._upstream_down()
+            if down is not None:
+                self.metrics.upstream_error("disconnected")
+                raise unavailable(down, "disconnected")
             assert self._client is not None
-            answer = await answer_request(self._client, self.metrics, req, self.model_name, arrived)
+            request_id, summary = _EXCHANGE.get()
+            answer = await answer_request(self._client, self.metrics, req, self.model.name, arrived, summary)
             if isinstance(answer, dict):
                 return web.json_response(answer)
             try:
-                response = web.StreamResponse(headers=SSE_HEADERS)
+                headers = {**SSE_HEADERS, REQUEST_ID_HEADER: request_id}
+                response = web.StreamResponse(headers=headers)
                 await response.prepare(request)
                 async for chunk in answer:
                     await response.write(chunk)
@@ -230,7 +367,9 @@ class Gateway:
 class BackgroundGateway:
     """A Gateway on a thread with its own event loop: for `serve --http`, tests and embedding.
 
-    `with BackgroundGateway(upstream) as gw:` returns once the HTTP port is bound; `gw.url`."""
+    `with BackgroundGateway(upstream) as gw:` returns once the HTTP port is bound; `gw.url`.
+    With loading=True, start() returns once it answers 503 "loading", and ready(**changes)
+    (changes to the config: the upstream, the model's name and limits) ends that."""
 
     def __init__(
         self, upstream: str = DEFAULT_ADDRESS, host: str = "127.0.0.1", port: int = 0, **options: Any
@@ -253,6 +392,13 @@ class BackgroundGateway:
             raise TimeoutError(f"the gateway did not start within {limit:.0f} s")
         if self._error is not None:
             raise self._error
+        return self
+
+    def ready(self, timeout: float | None = None, **changes: Any) -> BackgroundGateway:
+        """Ends the loading state of a gateway started with loading=True (see Gateway.ready)."""
+        assert self._loop is not None, "start() first"
+        limit = timeout if timeout is not None else self.gateway.config.startup_timeout_s + 10
+        asyncio.run_coroutine_threadsafe(self.gateway.ready(**changes), self._loop).result(limit)
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -292,14 +438,22 @@ class BackgroundGateway:
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    """`ringleader gateway`: serve until SIGINT or SIGTERM."""
+    """`ringleader gateway`: serve until SIGINT or SIGTERM.  A start that fails ends the
+    process with one line, within the startup timeout, whatever the upstream does."""
 
     async def main() -> None:
         gateway = Gateway(config)
         try:
-            url = await gateway.start()
+            # start() is bounded by the startup timeout itself (each stats ask by 2 s); this
+            # bound is the last word
+            url = await asyncio.wait_for(gateway.start(), config.startup_timeout_s + 5)
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11
+            await _close_or_exit(gateway)
+            raise RuntimeError(
+                f"no ringleader server answered at {config.upstream} within {config.startup_timeout_s:.0f} s"
+            ) from None
         except BaseException:
-            await gateway.close()
+            await _close_or_exit(gateway)
             raise
         print(
             f"ringleader: openai gateway at {url} for {gateway.model_name!r} on {config.upstream}",
@@ -313,11 +467,23 @@ def run_gateway(config: GatewayConfig) -> int:
         try:
             await stop.wait()
         finally:
-            await gateway.close()
+            await _close_or_exit(gateway)
 
     try:
         asyncio.run(main())
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, OSError) as exc:
         print(f"ringleader gateway: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _close_or_exit(gateway: Gateway) -> None:
+    """Closes the gateway; if its upstream client would not close (a thread stuck in ZeroMQ's
+    Context.term, which asyncio.run would then wait for forever), the process exits now."""
+    if not await gateway.close():
+        print(
+            "ringleader gateway: the upstream connection would not close; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)

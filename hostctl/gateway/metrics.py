@@ -118,3 +118,8 @@ class GatewayCollector:
     def exposition(self) -> tuple[bytes, Any]:
         """(body, content type) of GET /metrics."""
         return self._prom.generate_latest(self.registry), self._prom.CONTENT_TYPE_LATEST
+
+    def exposition_of(self, registry: Any) -> bytes:
+        """Another registry's series in the same format (under `serve --http`, the engine's,
+        which GET /metrics serves after the gateway's own)."""
+        return self._prom.generate_latest(registry)

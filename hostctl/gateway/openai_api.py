@@ -7,8 +7,12 @@ rather than silently ignored, and so is any body field the gateway does not know
 ignores those, so a sampling knob it lacks would pass unnoticed).  The sampling fields, their
 OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_params), `n` and
 `logprobs` (chat's `logprobs` + `top_logprobs`) among them; vLLM's extensions among them: `top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.  The gateway's own:
-`return_token_ids` (each choice carries the ids of its tokens), `priority`.
+`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.  vLLM's other request extensions
+(`include_stop_str_in_output`, `skip_special_tokens`, `chat_template_kwargs`...) are
+generate_options.py's.  The gateway's own: `return_token_ids` (each choice carries the ids of its
+tokens), `priority`.  check_request adds what depends on the served model: its name, and the
+ranges the server judges against it (SamplingParams.check_for_model: max_tokens within the
+server's cap, which every message about max_tokens then states).
 
 The output's constraint (protocol 1.8's `structured`, enforced on the device) comes from one of
 OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` or vLLM's
@@ -20,18 +24,24 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringleader.hostctl.gateway.errors import PARAM_OF_FIELD as PARAM_OF_FIELD
+from ringleader.hostctl.gateway.errors import STATUS_OF_CODE as STATUS_OF_CODE
+from ringleader.hostctl.gateway.errors import APIError, bad, structured_param_of
+from ringleader.hostctl.gateway.generate_options import CHAT_OPTIONS, COMPLETIONS_OPTIONS, generate_options
 from ringleader.ipc import protocol as P
 from ringleader.ipc.sampling_params import (
+    FIELDS,
     OPENAI_FIELDS,
     SamplingError,
+    SamplingField,
     SamplingParams,
     clipped_repr,
     sampling_from_openai,
 )
-from ringleader.ipc.structured import WIRE_FIELD as STRUCTURED_WIRE_FIELD
 from ringleader.ipc.structured import StructuredError, StructuredSpec, structured_from_wire
 
 # the body fields each endpoint takes besides the sampling fields (OPENAI_FIELDS): those the
@@ -63,71 +73,21 @@ CHAT_FIELDS = OPENAI_FIELDS.union(
     _NO_OPS,
     CONSTRAINT_FIELDS,
     _GUIDED_OPTIONS,
+    CHAT_OPTIONS,
     ("messages", "top_logprobs", "tools", "tool_choice"),
 )
 COMPLETIONS_FIELDS = OPENAI_FIELDS.union(
-    _HANDLED, _NO_OPS, CONSTRAINT_FIELDS, _GUIDED_OPTIONS, ("prompt", "best_of", "echo", "suffix")
+    _HANDLED,
+    _NO_OPS,
+    CONSTRAINT_FIELDS,
+    _GUIDED_OPTIONS,
+    COMPLETIONS_OPTIONS,
+    ("prompt", "best_of", "echo", "suffix"),
 )
+# the chat-only options /v1/completions refuses by name (generate_options), not as unknown
+_CHAT_ONLY_OPTIONS = frozenset(CHAT_OPTIONS) - frozenset(COMPLETIONS_OPTIONS)
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
-
-# protocol error code -> (HTTP status, OpenAI error type)
-STATUS_OF_CODE: dict[str, tuple[int, str]] = {
-    P.ERR_BAD_REQUEST: (400, "invalid_request_error"),
-    P.ERR_OVERLOADED: (429, "rate_limit_error"),
-    P.ERR_ENGINE_DEAD: (503, "service_unavailable"),
-    P.ERR_SHUTDOWN: (503, "service_unavailable"),
-    "disconnected": (503, "service_unavailable"),  # the gateway lost its upstream server
-    P.ERR_TIMEOUT: (504, "timeout"),
-}
-# the server's field names where the OpenAI request used another
-PARAM_OF_FIELD = {"prompt_ids": "prompt"}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def from_upstream(
-        cls, code: str | None, message: str | None, structured_param: str | None = None
-    ) -> APIError:
-        """The error of a ringleader `done`: its code picks the status; a bad_request names its
-        field first ("field: ..."), which becomes `param`.  structured_param: the request's field
-        that gave the constraint, which replaces the wire's name ("structured.json") in both."""
-        status, kind = STATUS_OF_CODE.get(code or "", (500, "server_error"))
-        text = message or code or "unknown error"
-        param = None
-        if code == P.ERR_BAD_REQUEST and ":" in text:
-            head = text.split(":", 1)[0]
-            if structured_param and head.split(".", 1)[0] == STRUCTURED_WIRE_FIELD:
-                param = structured_param_of(head, structured_param)
-                text = param + text[len(head) :]
-            elif head.isidentifier():
-                param = PARAM_OF_FIELD.get(head, head)
-        return cls(status, text, type=kind, param=param, code=code)
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
 
 
 @dataclass(slots=True)
@@ -147,6 +107,9 @@ class GenerationRequest:
     priority: int = 0
     structured: StructuredSpec | None = None  # the output's constraint (protocol 1.8)
     structured_param: str | None = None  # the field it came from, which the server's refusals are told in
+    # AsyncClient.generate's keywords for vLLM's extensions, those not at their defaults
+    generate_options: dict[str, Any] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text (vLLM's)
 
 
 # ---------------------------------------------------------------- parsing
@@ -183,10 +146,10 @@ def _refuse_unless_default(body: dict, name: str, allowed: tuple[Any, ...], why:
 
 def _refuse_unknown_fields(body: dict, chat: bool) -> None:
     """A body field the gateway does not know is refused, not ignored as vllm serve does: a
-    sampling knob it lacks (mirostat, typical_p, min_tokens...) would pass unnoticed."""
+    sampling knob it lacks (mirostat, typical_p...) would pass unnoticed."""
     known = CHAT_FIELDS if chat else COMPLETIONS_FIELDS
     for name, value in body.items():
-        if value is not None and name not in known:
+        if value is not None and name not in known and (chat or name not in _CHAT_ONLY_OPTIONS):
             shown = name if len(name) <= 64 else clipped_repr(name)
             raise bad(
                 shown,
@@ -252,7 +215,7 @@ def _content(value: Any, where: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     if value is None:
-        return ""
+        raise bad(f"{where}.content", "is required: a string or an array of text parts")
     raise bad(f"{where}.content", f"must be a string or an array of text parts, got {clipped_repr(value)}")
 
 
@@ -342,6 +305,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     req.return_token_ids = _bool(body, "return_token_ids")
     req.priority = _int(body, "priority", 0, -1000, 1000)
     req.structured, req.structured_param = _structured(body)
+    req.generate_options, req.include_stop_str_in_output = generate_options(body, chat=chat)
     return req
 
 
@@ -363,14 +327,6 @@ _STRUCTURED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "whitespace_pattern": (None,),
 }
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
-
-
-def structured_param_of(wire_field: str, source: str) -> str:
-    """The request's name of a field the wire's `structured` names ("structured.regex"): the same
-    key under structured_outputs, else the field that gave the constraint."""
-    if source == "structured_outputs":
-        return source + wire_field[len(STRUCTURED_WIRE_FIELD) :]
-    return source
 
 
 def _judged(wire: dict[str, Any], source: str) -> StructuredSpec | None:
@@ -476,6 +432,12 @@ class ServedModel:
     name: str
     max_model_len: int | None = None
     has_tokenizer: bool = True
+    vocab_size: int | None = None  # unknown: token ids are left to the server to judge
+    max_tokens_cap: int | None = None  # the most max_tokens the server takes (None: max_model_len)
+
+    @property
+    def tokens_cap(self) -> int | None:
+        return self.max_tokens_cap or self.max_model_len
 
     @classmethod
     def from_stats(cls, stats: dict[str, Any], served_name: str | None = None) -> ServedModel:
@@ -485,6 +447,8 @@ class ServedModel:
             name=served_name or str(stats.get("model", "ringleader")),
             max_model_len=info.get("max_context") or (stats.get("backend") or {}).get("max_ctx"),
             has_tokenizer=bool(info.get("tokenizer", True)),
+            vocab_size=info.get("vocab_size"),
+            max_tokens_cap=info.get("max_tokens_cap"),
         )
 
 
@@ -495,20 +459,53 @@ def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> Generat
         body = json.loads(raw_body)
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    req = parse_request(body, chat=chat)
+    try:
+        req = parse_request(body, chat=chat)
+    except APIError as err:
+        raise _in_served_range(err, body, model) from None
     if req.model is not None and req.model != model.name:
-        raise APIError(
-            404,
-            f"the model {req.model!r} does not exist; this gateway serves {model.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(req.model, model.name)
     if req.stop and not model.has_tokenizer:
         raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
     if req.structured is not None and not model.has_tokenizer:  # its automaton is built from token texts
         field = (req.structured_param or "structured_outputs").split(".", 1)[0]
         raise bad(field, "structured output needs a model with a tokenizer")
+    _check_for_model(req, body, model)
     return req
+
+
+def _capped_field() -> SamplingField:
+    """The sampling field the server bounds by its cap (SamplingParams.check_for_model): the one
+    with_max_tokens sets, found so that no field's name is written here."""
+    changed = SamplingParams().with_max_tokens(2)
+    return next(spec for spec in FIELDS if getattr(changed, spec.name) != spec.default)
+
+
+_CAPPED = _capped_field()
+
+
+def _in_served_range(err: APIError, body: Any, model: ServedModel) -> APIError:
+    """A refusal of the capped field's value, told with the range the server takes (its cap, not
+    the declaration's bound of any server): one range in every message about it."""
+    cap = model.tokens_cap
+    if cap is None or err.param not in _CAPPED.openai_names or not isinstance(body, dict):
+        return err
+    return bad(err.param, f"must be an int in [1, {cap}], got {clipped_repr(body.get(err.param))}")
+
+
+def _check_for_model(req: GenerationRequest, body: dict, model: ServedModel) -> None:
+    """What the server judges against its model (check_for_model: the cap, top_k and token ids
+    within the vocabulary), judged here in its words and code, naming the field as the body did."""
+    cap = model.tokens_cap
+    if cap is None:
+        return
+    try:
+        req.sampling.check_for_model(model.vocab_size or sys.maxsize, cap)
+    except SamplingError as err:
+        spec = next((s for s in FIELDS if s.name == err.field), None)
+        names = spec.openai_names if spec is not None else ()
+        param = next((n for n in names if body.get(n) is not None), err.field)
+        raise APIError(400, f"{param}: {err.reason}", param=param, code=P.ERR_BAD_REQUEST) from None
 
 
 def authorize(authorization: str, api_key: str | None) -> None:
@@ -519,8 +516,23 @@ def authorize(authorization: str, api_key: str | None) -> None:
         raise APIError(401, "invalid API key", type="invalid_request_error", code="invalid_api_key")
 
 
-def models_list(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+def model_object(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """The served model as GET /v1/models lists it and GET /v1/models/{id} answers it."""
     entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "ringleader"}
     if max_model_len:
         entry["max_model_len"] = max_model_len
-    return {"object": "list", "data": [entry]}
+    return entry
+
+
+def models_list(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(name, created, max_model_len)]}
+
+
+def model_not_found(asked: str, served: str) -> APIError:
+    """The 404 of a request (or a GET /v1/models/{id}) naming another model than the served one."""
+    return APIError(
+        404,
+        f"the model {asked!r} does not exist; this gateway serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )

@@ -124,7 +124,11 @@ class ChoiceAnswer:
         self.token_ids: list[int] = []
         self._chat = req.chat
         self._keep = keep
-        self._matcher = StopMatcher(req.stop) if req.stop else None
+        self._matcher = (
+            StopMatcher(req.stop, include=req.include_stop_str_in_output, min_tokens=req.sampling.min_tokens)
+            if req.stop
+            else None
+        )
         self._logprobs = req.sampling.logprobs is not None
         self._content: list[dict[str, Any]] = []  # chat's logprobs entries, kept
         self._legacy: dict[str, list[Any]] = {
@@ -147,7 +151,7 @@ class ChoiceAnswer:
         text = chunk.text or ""
         logprobs = self._chunk_logprobs(chunk) if self._logprobs else None
         if self._matcher is not None:
-            text = self._matcher.push(text)
+            text = self._matcher.push(text, self.received)
             if self._matcher.matched:
                 self.stopped = True
                 self.finish_reason = "stop"

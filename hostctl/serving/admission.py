@@ -48,7 +48,8 @@ class Admission:
         self._waiting_of: dict[bytes, int] = {}  # client -> how many of its requests are on the host
         self._arrivals = itertools.count()
         self._queued_tokens = 0
-        self._abort_backlog: deque[InFlight] = deque()  # aborts the abort ring had no room for
+        # aborts the abort ring had no room for, each with its IF_QUEUED bit
+        self._abort_backlog: deque[tuple[InFlight, bool]] = deque()
         # handles of requests held on the host until release_gated (later choices of a request
         # with n > 1, waiting for the first one's prompt to be cached); in _waiting, not queued
         self._gated: set[int] = set()
@@ -105,25 +106,33 @@ class Admission:
         if len(heap) > 2 * self._waiting_of[req.client] + 64:  # many ended while queued
             self._compact(req.client)
 
-    def abort(self, req: InFlight) -> bool:
+    def abort(self, req: InFlight, *, if_queued: bool = False) -> bool:
         """Aborts a request.  Returns True when it was still on the host: then no DONE will come
-        from the device, and the caller ends it itself."""
+        from the device, and the caller ends it itself.  if_queued: only while its prefill has
+        not started; the device then cancels it in the SQ or its pending queue, and leaves it
+        running once it holds a slot (a later plain abort still ends it)."""
         if req.handle in self._waiting:
             self._release(req)
             return True
         if not req.in_sq or req.abort_sent:
             return False
-        req.abort_sent = True
-        if self._abort_backlog or not self._rings.aborts.push(req.handle, req.sq_pos):
-            self._abort_backlog.append(req)
+        if not if_queued:
+            req.abort_sent = True
+        if self._abort_backlog or not self._rings.aborts.push(req.handle, req.sq_pos, if_queued=if_queued):
+            self._abort_backlog.append((req, if_queued))
         return False
+
+    def is_gated(self, req: InFlight) -> bool:
+        """Whether hold_gated holds it (waiting for its family's prompt, or its constraint)."""
+        return req.handle in self._gated
 
     def pump(self) -> None:
         """Sends held-back aborts, then moves queued requests into the SQ, one client at a time,
         while the window, the SQ and the arena have room."""
-        while self._abort_backlog and self._rings.aborts.push(
-            self._abort_backlog[0].handle, self._abort_backlog[0].sq_pos
-        ):
+        while self._abort_backlog:
+            req, if_queued = self._abort_backlog[0]
+            if not self._rings.aborts.push(req.handle, req.sq_pos, if_queued=if_queued):
+                break
             self._abort_backlog.popleft()
         while self._queues and self._window_open():
             client, heap = next(iter(self._queues.items()))

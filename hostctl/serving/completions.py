@@ -203,9 +203,10 @@ class CompletionRouter:
         """A DONE from the device: the request's text tail, then its `done` (Finisher.end)."""
         finish = FINISH_NAMES.get(reason, protocol.FINISH_ERROR)
         code = message = None
-        if finish == protocol.FINISH_ABORT and req.end_as is not None:
+        ending = req.end_as or req.queue_end_as  # a plain abort's outcome wins: it ends the request
+        if finish == protocol.FINISH_ABORT and ending is not None:
             # the host's reason for the abort (a request that ended anyway keeps its own)
-            finish, code, message = req.end_as.finish_reason, req.end_as.code, req.end_as.message
+            finish, code, message = ending.finish_reason, ending.code, ending.message
         # flushed first: if the frontend ended it meanwhile (shutdown), the tail goes unsent
         tail = req.detokenizer.flush() if req.detokenizer is not None else None
         ended = self._finisher.end(req, finish, code, message, device_queued_us=queued_us, tail=tail)

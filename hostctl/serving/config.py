@@ -8,10 +8,12 @@ ringleader.ipc.config_options): the command line is generated from the fields
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 from ringleader.ipc import protocol
-from ringleader.ipc.config_options import option
+from ringleader.ipc.config_options import named, option
 
 # the heartbeat stall that declares the engine dead where watchdog_s is None (resolved()): a CPU
 # step of a big model can take seconds; a GPU step cannot
@@ -33,8 +35,8 @@ class ServerConfig:
         help="requests one client may have in flight; beyond: overloaded (0: no cap)")
     max_queue_ms: float | None = option(  # None too: no limit
         60_000, flag="--max-queue-ms", type=float,
-        help="a request without its first token this long after arrival ends with error code "
-        "timeout (0: no limit)")
+        help="a request still waiting for a batch slot this long after arrival ends with error "
+        "code timeout; once its prefill has started it runs on (0: no limit)")
     default_max_tokens: int | None = option(
         None, flag="--default-max-tokens", type=int, metavar="N",
         help="a request without max_tokens (an OpenAI chat request without it, too) generates up "
@@ -53,8 +55,36 @@ class ServerConfig:
     # fmt: on
 
     def __post_init__(self) -> None:
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be at least 1 or None, got {self.default_max_tokens}")
+        """Refuses a value out of range, naming the field by its serve flag where it has one."""
+        for name, low, none_means in (
+            ("max_queued", 0, None),
+            ("max_queued_tokens", 0, None),
+            ("max_inflight_per_client", 0, None),  # 0: no cap
+            ("default_max_tokens", 1, "no cap"),
+            ("max_tokens_cap", 1, "the model's context"),
+            ("max_frame_bytes", 1, None),
+        ):
+            value = getattr(self, name)
+            if value is None and none_means:
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+                unless = f" (or unset: {none_means})" if none_means else ""
+                raise ValueError(f"{named(ServerConfig, name)} must be an integer >= {low}{unless}, got {value!r}")
+        for name, positive, none_means in (
+            ("max_queue_ms", False, "no limit"),  # 0: no limit too
+            ("watchdog_s", True, "per device"),
+            ("drain_timeout_s", False, None),
+        ):
+            value = getattr(self, name)
+            if value is None and none_means:
+                continue
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                unit = "ms" if name.endswith("_ms") else "seconds"
+                shown = f"{value:g}" if ok or isinstance(value, float) else repr(value)
+                raise ValueError(
+                    f"{named(ServerConfig, name)} must be {'> 0' if positive else '>= 0'} {unit}, got {shown}"
+                )
 
     @classmethod
     def of(cls, config: ServerConfig | None = None, /, **fields) -> ServerConfig:

@@ -1,5 +1,9 @@
 """When requests time out: each request's own timeout_ms (its whole life) and the server's
-max_queue_ms (its wait for a first token), in one heap; the frontend thread alone uses it.
+max_queue_ms (its wait for a batch slot), in one heap; the frontend thread alone uses it.
+
+max_queue_ms counts waiting, not computing: when it comes due the server sends an IF_QUEUED
+abort, which the device applies only to a request still in the SQ or its pending queue; one
+whose prefill has started (it holds a slot) runs on, however long its prompt takes.
 
 An entry is (perf_counter_ns, handle, kind); entries of requests that ended, or that started
 in time, are skipped when they come due, and swept when they outnumber the live ones.
@@ -41,8 +45,16 @@ class Deadlines:
         """When the next deadline comes due (perf_counter_ns), None when none is set."""
         return self._heap[0][0] if self._heap else None
 
-    def expired(self) -> list[tuple[InFlight, str]]:
-        """The requests whose deadline passed, each with its timeout's message; the caller ends them."""
+    def rearm_queue(self, req: InFlight) -> None:
+        """Gives a request its queue limit anew from now (one held on the host by admission's
+        gate, waiting for its family's prompt or its constraint, has not begun to wait for a slot)."""
+        if self._max_queue_ns:
+            req.queue_deadline_ns = time.perf_counter_ns() + self._max_queue_ns
+            heapq.heappush(self._heap, (req.queue_deadline_ns, req.handle, _QUEUE_DEADLINE))
+
+    def expired(self) -> list[tuple[InFlight, str, bool]]:
+        """The requests whose deadline passed, each with its timeout's message and whether it is
+        the queue limit (which ends it only while it waits for a slot); the caller ends them."""
         if self._heap and not len(self._table):
             # only the frontend thread adds to the table, so an empty one means every entry is stale
             self._heap.clear()
@@ -55,10 +67,13 @@ class Deadlines:
             if req is None:
                 continue
             if kind == _QUEUE_DEADLINE and when == req.queue_deadline_ns and not req.started:
-                message = f"timeout: not started within the server's queue limit of {self._max_queue_ns / 1e6:.0f} ms"
+                message = (
+                    f"timeout: waited {(now - req.arrival_ns) / 1e6:.0f} ms for a batch slot and its "
+                    f"prefill never started (the server's --max-queue-ms is {self._max_queue_ns / 1e6:.0f})"
+                )
+                out.append((req, message, True))
             elif kind == _REQUEST_DEADLINE and when == req.deadline_ns:
                 message = f"timeout: timeout_ms of {(req.deadline_ns - req.arrival_ns) / 1e6:.0f} ms passed"
-            else:
-                continue  # started in time, or the handle now belongs to another request
-            out.append((req, message))
+                out.append((req, message, False))
+            # else: started in time, or the handle now belongs to another request
         return out

@@ -84,7 +84,7 @@ class Families:
             family.gate = self._open
         held = not ready(family.members)
         for member in family.members:
-            member.detokenizer = self._tokenization.new_detokenizer() if r.detokenize else None
+            member.detokenizer = self._tokenization.new_detokenizer(r) if r.detokenize else None
             self._deadlines.arm(member, r.timeout_ms)
             if not held and (member.index == 0 or not shared):
                 self._admission.submit(member)

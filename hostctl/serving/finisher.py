@@ -176,8 +176,9 @@ def request_log_line(req: InFlight, reason: str, code: str | None, timing: dict)
     if len(rid) > 48:
         rid = rid[:45] + "..."
     ttft = timing.get("ttft_ms")
+    choice = f" choice {req.index}" if req.family is not None else ""  # n > 1: one line per choice
     return (
-        f"request {rid} of client {req.client.hex()}: {reason}{' ' + code if code else ''}, "
+        f"request {rid}{choice} of client {req.client.hex()}: {reason}{' ' + code if code else ''}, "
         f"{req.prompt_len} prompt + {req.completion_tokens} completion tokens, "
         f"TTFT {f'{ttft:.1f} ms' if ttft is not None else '-'}, total {timing['e2e_ms']:.1f} ms"
     )

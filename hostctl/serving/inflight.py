@@ -19,6 +19,8 @@ Fields of InFlight and their one writer (the other thread only reads):
   end_as                       frontend thread, only before the request's abort enters the ring;
                                the completion thread reads it after it sees the request's DONE
                                (the Ending that DONE's abort becomes); never written again
+  queue_end_as                 the same, for its IF_QUEUED abort (the queue deadline's), which
+                               the device applies only while the request waits for a slot
   first_token_ns,
   completion_tokens            completion thread; the frontend reads them (timeouts, and the
                                usage of a `done` it sends itself)
@@ -108,6 +110,7 @@ class InFlight:
     # frontend thread, only before its abort enters the ring; read by the completion thread after
     # the DONE: what the device's abort becomes (a stop, an error such as timeout)
     end_as: Ending | None = None
+    queue_end_as: Ending | None = None  # as end_as, for the queue deadline's IF_QUEUED abort
     completion_tokens: int = 0  # completion thread
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     submit_ns: int = 0  # frontend thread, when it enters the SQ

@@ -135,7 +135,7 @@ class Intake:
                 prompt_ids=ids,
                 sampling=sampling,
                 priority=r.priority,
-                detokenizer=self._tokenization.new_detokenizer() if r.detokenize else None,
+                detokenizer=self._tokenization.new_detokenizer(r) if r.detokenize else None,
                 constraint=r.structured,
             )
             self._deadlines.arm(req, r.timeout_ms)

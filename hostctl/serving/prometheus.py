@@ -14,6 +14,11 @@ them into metric families at scrape time (the gateway's exporter, hostctl/gatewa
 builds its families the same way).  A scrape works before the backend has started (the control block is zero) and
 after it has stopped (counters keep their last values).  docs/metrics.md lists every series.
 
+The same registry (engine_registry) also serves at the OpenAI gateway's GET /metrics under `serve
+--http`, after the gateway's own series, with one ServerCollector shared by both endpoints (its
+lock serialises their scrapes); when --http and --metrics name one address, the gateway's port
+is the only endpoint.
+
 The HTTP server runs on daemon threads (`rl-metrics`, and one per scrape) and serves
 /metrics only.  prometheus_client is imported when an exporter is made, so importing this
 module (or ringleader.hostctl.serving.server) does not need it.
@@ -247,6 +252,20 @@ class ServerCollector:
         return out.families
 
 
+def engine_registry(collector: ServerCollector, *, process: bool = True) -> Any:
+    """A CollectorRegistry of its own holding what a server's endpoint exports: the process
+    (unless another registry of the same endpoint has it), platform and GC collectors and
+    `collector`, the server's series."""
+    prom = load_prometheus_client()
+    registry = prom.CollectorRegistry(auto_describe=False)
+    if process:
+        prom.ProcessCollector(registry=registry)
+    prom.PlatformCollector(registry=registry)
+    prom.GCCollector(registry=registry)
+    registry.register(collector)
+    return registry
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
         pass
@@ -281,10 +300,17 @@ class MetricsExporter:
     naming the install command when prometheus_client is missing."""
 
     def __init__(
-        self, server, host: str = "127.0.0.1", port: int = 9400, *, sock: socket.socket | None = None
+        self,
+        server,
+        host: str = "127.0.0.1",
+        port: int = 9400,
+        *,
+        sock: socket.socket | None = None,
+        collector: ServerCollector | None = None,
     ):
         """sock: a listening socket bound already (serve binds it before the model loads);
-        host and port are then read from it."""
+        host and port are then read from it.  collector: the server's, when another endpoint
+        (the gateway's /metrics) shares it."""
         prom = load_prometheus_client()
         self.server = server
         self._sock = sock
@@ -292,12 +318,8 @@ class MetricsExporter:
             host, port = sock.getsockname()[:2]
         self.host = host
         self.port = port  # the bound port once started
-        self.registry = prom.CollectorRegistry(auto_describe=False)
-        prom.ProcessCollector(registry=self.registry)
-        prom.PlatformCollector(registry=self.registry)
-        prom.GCCollector(registry=self.registry)
-        self.collector = ServerCollector(server)
-        self.registry.register(self.collector)
+        self.collector = collector if collector is not None else ServerCollector(server)
+        self.registry = engine_registry(self.collector)
         self._metrics_app = prom.make_wsgi_app(self.registry)
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None

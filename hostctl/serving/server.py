@@ -60,7 +60,7 @@ class Server:
     bind: the ROUTER's address, or a FrontendSocket bound already (serve binds before the model
     loads).  curve: CURVE keys (ringleader.ipc.curve.ServerCurve); then only clients whose public
     key is authorized get through.  A request's own timeout_ms bounds its whole life, the config's
-    max_queue_ms its wait for a first token.  Shutdown takes at most drain_timeout_s + 5 s,
+    max_queue_ms its wait for a batch slot (a request whose prefill started runs on).  Shutdown takes at most drain_timeout_s + 5 s,
     whatever is in flight."""
 
     def __init__(
@@ -143,7 +143,6 @@ class Server:
             max_inflight_per_client=config.max_inflight_per_client,
         )
         # the loop's own state (frontend thread), but for the stop and the serving flag
-        self.timed_out = 0
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self.wake.receiver, zmq.POLLIN)
@@ -281,9 +280,16 @@ class Server:
         self.outbox.send_replies(self.finisher.end(req, reason, code, message))
 
     def _expire_deadlines(self) -> None:
-        for req, message in self.deadlines.expired():
-            self.timed_out += 1
-            self._abort(req, (protocol.ERR_TIMEOUT, message))
+        for req, message, queue_limit in self.deadlines.expired():
+            if not queue_limit:
+                self._abort(req, (protocol.ERR_TIMEOUT, message))
+            elif self.admission.is_gated(req):
+                self.deadlines.rearm_queue(req)  # not yet waiting for a slot
+            elif req.end_as is None and not req.abort_sent and req.queue_end_as is None:
+                # it ends only if still waiting for a slot: the device decides, where the slots are
+                req.queue_end_as = Ending(protocol.FINISH_ERROR, protocol.ERR_TIMEOUT, message)
+                if self.admission.abort(req, if_queued=True):
+                    self._end_on_host(req, protocol.FINISH_ERROR, protocol.ERR_TIMEOUT, message)
 
     # ---- stats, the exporter's snapshot and shutdown -----------------------------------------
     def stats(self, timeline_after_seq: int = 0) -> dict:
@@ -294,7 +300,7 @@ class Server:
             host_queue=self.admission.queued,
             in_device=self.table.in_sq,  # wire name; requests in the SQ or on the device
             device_window=self.admission.device_window,
-            timed_out=self.timed_out,
+            timed_out=s["errors_by_code"].get(protocol.ERR_TIMEOUT, 0),  # requests ended by a timeout
             completion_batches=self.router.batches,  # CQ batches routed (per step: device.steps)
             batched_connections=self.outbox.batched_clients,
             arena_used=self.backend.rings.arena.used(),
@@ -319,6 +325,7 @@ class Server:
         model = self.backend.model
         return {
             "max_context": model.max_context,
+            "max_tokens_cap": self.limits.max_tokens_cap,  # max_tokens' range is [1, this]
             "vocab_size": model.vocab_size,
             "tokenizer": model.tokenizer is not None,
             "chat_template": model.encode_chat is not None,

@@ -8,6 +8,7 @@ to their requests from then on, and only the completion thread pushes tokens thr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ringleader.ipc import protocol
 from ringleader.ipc.backend import Detokenizer, ModelInfo
@@ -37,10 +38,19 @@ class Tokenization:
         )
         return Prompt(ids, max_tokens)
 
-    def new_detokenizer(self) -> Detokenizer | None:
-        """A request's own detokenizer, or None when the model has no tokenizer."""
+    def new_detokenizer(self, r: protocol.GenerateRequest | None = None) -> Detokenizer | None:
+        """A request's own detokenizer, decoding as it asked (skip_special_tokens,
+        spaces_between_special_tokens; None: the defaults), or None when the model has no
+        tokenizer.  Only a request that asked for other than the defaults passes them on."""
+        if self._model.new_detokenizer is None:
+            return None
         factory = self._model.new_detokenizer
-        return factory() if factory is not None else None
+        if r is None or (r.skip_special_tokens and r.spaces_between_special_tokens):
+            return factory()
+        return factory(
+            skip_special_tokens=r.skip_special_tokens,
+            spaces_between_special_tokens=r.spaces_between_special_tokens,
+        )
 
     def _prompt_ids(self, r: protocol.GenerateRequest) -> tuple[list[int], str]:
         """(prompt token ids, the field they came from)."""
@@ -53,10 +63,24 @@ class Tokenization:
                     r.id, "messages", "this model has no chat template; send prompt or prompt_ids"
                 )
             try:
-                return model.encode_chat(r.messages), "messages"
-            except ValueError as exc:  # the template refused the conversation
-                raise protocol.BadRequest(r.id, "messages", str(exc)) from None
+                return self._encode_chat(r), "messages"
+            except ValueError as exc:  # the template refused the conversation, or an option
+                field = getattr(exc, "field", "messages")  # a ChatTemplateError names its field
+                raise protocol.BadRequest(r.id, field, str(exc)) from None
         if model.tokenizer is None:
             raise protocol.BadRequest(r.id, "prompt", "this model has no tokenizer; send prompt_ids")
         assert r.prompt is not None  # the protocol accepts a generate with exactly one of the three
         return model.tokenizer.encode(r.prompt), "prompt"
+
+    def _encode_chat(self, r: protocol.GenerateRequest) -> list[int]:
+        """The chat turns' prompt ids, rendered with the request's options (1.9); only those that
+        differ from the defaults are passed on."""
+        assert r.messages is not None and self._model.encode_chat is not None
+        options: dict[str, Any] = {}
+        if not r.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if r.continue_final_message:
+            options["continue_final_message"] = True
+        if r.chat_template_kwargs:
+            options["template_kwargs"] = r.chat_template_kwargs
+        return self._model.encode_chat(r.messages, **options)

@@ -29,7 +29,11 @@ from ringleader.ipc.client.core import (
     StreamState,
     TokenChunk,
 )
-from ringleader.ipc.client.request_args import resolve_sampling, resolve_structured
+from ringleader.ipc.client.request_args import (
+    resolve_extensions,
+    resolve_sampling,
+    resolve_structured,
+)
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
@@ -177,6 +181,11 @@ class AsyncClient(CoreView):
         timeout_ms: int | None = None,
         detokenize: bool = True,
         structured: StructuredSpec | Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -185,8 +194,25 @@ class AsyncClient(CoreView):
         self._ensure_started()
         params = resolve_sampling(sampling, sampling_fields)
         spec = resolve_structured(structured)
+        extensions = resolve_extensions(
+            messages,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
         rid, frame = self._core.prepare_generate(
-            request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize, spec
+            request_id,
+            prompt,
+            prompt_ids,
+            params,
+            priority,
+            timeout_ms,
+            messages,
+            detokenize,
+            spec,
+            extensions,
         )
         stream = AsyncStream(self, rid, self.timeout if timeout is None else timeout)
         self._core.add_stream(stream, self._on_stream_collected)  # before sending: no reply can miss it

@@ -23,6 +23,8 @@ import zmq  # event constants only: the core never touches a socket
 
 from ringleader.ipc import protocol as P
 from ringleader.ipc.batch_frames import BadBatch, expand_batch
+from ringleader.ipc.client.connection import check_transport
+from ringleader.ipc.client.liveness import Liveness
 from ringleader.ipc.client.request_args import check_request_id
 from ringleader.ipc.curve import HANDSHAKE_FAILED_EVENTS, describe_handshake_failure
 from ringleader.ipc.sampling_params import SamplingParams
@@ -266,66 +268,6 @@ def local_done(code: str, message: str, stream: StreamState) -> Done:
     return Done(P.FINISH_ERROR, 0, sum(len(c.token_ids) for c in stream.choices), code, message)
 
 
-# ---------------------------------------------------------------- liveness
-
-
-class Liveness:
-    """When a client with work outstanding pings the server, and when it gives up on it.
-
-    Driven with monotonic times.  Idle clients are never woken by it: `poll_interval` is None
-    while nothing is outstanding.
-    """
-
-    def __init__(self, address: str, connect_timeout: float | None, reply_timeout: float | None, now: float):
-        self.address = address
-        self.connect_timeout = connect_timeout
-        self.reply_timeout = reply_timeout
-        self.connected = False
-        self._quiet_since = now  # start of the current wait with nothing heard
-        self._pinged = False
-        self._busy = False
-
-    def heard(self, now: float) -> None:
-        self._quiet_since, self._pinged = now, False
-
-    def on_connected(self, now: float) -> None:
-        self.connected = True
-        self.heard(now)
-
-    def on_disconnected(self, now: float) -> None:
-        self.connected = False
-        self.heard(now)
-
-    def poll_interval(self, busy: bool) -> float | None:
-        limits = [t for t in (self.connect_timeout, self.reply_timeout) if t is not None]
-        if not busy or not limits:
-            return None
-        return min(1.0, max(0.05, min(limits) / 4))
-
-    def check(self, now: float, busy: bool) -> str | None:
-        """ "ping" when a keep-alive ping is due, a failure message when the server is given up, else None."""
-        if busy and not self._busy:
-            self.heard(now)  # the clock starts when work starts, not at the last reply of long ago
-        self._busy = busy
-        if not busy:
-            return None
-        quiet = now - self._quiet_since
-        if not self.connected:
-            if self.connect_timeout is not None and quiet > self.connect_timeout:
-                self.heard(now)
-                return f"no connection to the server at {self.address} within {self.connect_timeout:g} s"
-            return None
-        if self.reply_timeout is None:
-            return None
-        if quiet > self.reply_timeout:
-            self.heard(now)
-            return f"no reply from the server at {self.address} within {self.reply_timeout:g} s"
-        if quiet > self.reply_timeout / 3 and not self._pinged:
-            self._pinged = True
-            return "ping"
-        return None
-
-
 # ---------------------------------------------------------------- the core
 
 S = TypeVar("S", bound=StreamState)  # the shell's stream type
@@ -358,6 +300,7 @@ class ClientCore(Generic[S, W]):
         max_frame_bytes: int | None,
         now: float,
     ):
+        check_transport(address)  # before a socket is made: ZeroMQ says only "Invalid argument"
         self.address = address
         self.max_frame_bytes = max_frame_bytes
         self.last_error: dict | None = None  # latest id-less `error` op from the server
@@ -382,9 +325,11 @@ class ClientCore(Generic[S, W]):
         messages: Sequence[Mapping[str, str]] | None = None,
         detokenize: bool = True,
         structured: StructuredSpec | None = None,
+        extensions: Mapping[str, Any] | None = None,
     ) -> tuple[P.RequestId, bytes]:
         """Pick (or check) the id and encode the request; nothing is registered yet (see add_stream).
-        `structured` is judged already (request_args.resolve_structured)."""
+        `structured` and `extensions` (the 1.9 fields that differ from their defaults) are judged
+        already (request_args.resolve_structured, resolve_extensions)."""
         if request_id is None:
             request_id = next(self._ids)
             while request_id in self.streams:
@@ -397,7 +342,16 @@ class ClientCore(Generic[S, W]):
             prompt_ids = list(prompt_ids)
         turns = None if messages is None else [dict(m) for m in messages]
         request = P.GenerateRequest(
-            request_id, prompt, prompt_ids, sampling, priority, timeout_ms, turns, detokenize, structured
+            request_id,
+            prompt,
+            prompt_ids,
+            sampling,
+            priority,
+            timeout_ms,
+            turns,
+            detokenize,
+            structured,
+            **(extensions or {}),
         )
         return request_id, self.encode_checked(P.generate_msg(request))
 
@@ -520,13 +474,18 @@ class ClientCore(Generic[S, W]):
 
     def tick(self, now: float) -> Actions[S, W]:
         """The liveness check: maybe a keep-alive ping to send, maybe giving the server up."""
-        verdict = self.liveness.check(now, self.busy())
+        verdict = self.liveness.check(now, self.busy(), self._longest_stream_wait)
         if verdict == "ping":
             self.ping_waiters.append((None, now))
             return Actions(send=[P.encode(P.ping_msg())])
         if verdict is not None:
             return self.fail_pending(ERR_DISCONNECTED, verdict, ConnectionError(verdict))
         return Actions()
+
+    def _longest_stream_wait(self) -> float | None:
+        """The longest per-chunk timeout of the open streams (None: none has one)."""
+        waits = [s.timeout for s in (ref() for ref in self.streams.values()) if s is not None]
+        return max((w for w in waits if w is not None), default=None)
 
     def keepalive_not_sent(self) -> None:
         """The ping tick() asked for could not be sent: forget its pong."""
@@ -559,6 +518,11 @@ class CoreView:
     def last_error(self) -> dict | None:
         """The latest id-less `error` op from the server."""
         return self._core.last_error
+
+    @property
+    def connected(self) -> bool:
+        """The connection to the server is up (its socket monitor's last word: handshake done, or lost)."""
+        return self._core.liveness.connected
 
     @property
     def batched(self) -> bool:

@@ -1,13 +1,14 @@
 """What generate() takes, judged in the caller's process before anything is sent: the request id,
-the sampling settings and the output's constraint (a bad one is the caller's mistake, answered at
-once, rather than a `bad_request` done a round trip later)."""
+the sampling settings, the output's constraint and the 1.9 request extensions (a bad one is the
+caller's mistake, answered at once, rather than a `bad_request` done a round trip later)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ringleader.ipc import protocol as P
+from ringleader.ipc.request_extensions import ExtensionError, check_extensions, wire_fields
 from ringleader.ipc.sampling_params import WIRE_FIELDS, SamplingParams
 from ringleader.ipc.structured import StructuredSpec, structured_from_wire
 
@@ -58,3 +59,19 @@ def resolve_structured(structured: StructuredSpec | Mapping[str, Any] | None) ->
             f"got {type(structured).__name__}"
         )
     return structured_from_wire(dict(structured))
+
+
+def resolve_extensions(messages: Sequence[Mapping[str, Any]] | None, **given: Any) -> dict[str, Any]:
+    """generate()'s 1.9 keywords (chat_template_kwargs, add_generation_prompt,
+    continue_final_message, skip_special_tokens, spaces_between_special_tokens): those that
+    differ from their defaults, which alone go on the wire (an older server reads the rest of
+    the frame as before), judged as the server's decoder judges them: an ExtensionError (a
+    ValueError naming the field) for a bad value, a chat option without `messages`, or
+    continue_final_message with add_generation_prompt true or a final turn not the assistant's."""
+    wanted = wire_fields(given)
+    for name, value in wanted.items():
+        if value is None:  # nil is the default on the wire: a flag given as None is a mistake
+            raise ExtensionError(name, "must be true or false, got None")
+    if wanted:
+        check_extensions(wanted, None if messages is None else list(messages))
+    return wanted

@@ -45,7 +45,12 @@ from ringleader.ipc.client.core import (
     StreamState,
     TokenChunk,
 )
-from ringleader.ipc.client.request_args import check_request_id, resolve_sampling, resolve_structured
+from ringleader.ipc.client.request_args import (
+    check_request_id,
+    resolve_extensions,
+    resolve_sampling,
+    resolve_structured,
+)
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
@@ -205,6 +210,11 @@ class Client(CoreView):
         timeout_ms: int | None = None,
         detokenize: bool = True,
         structured: StructuredSpec | Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         request_id: P.RequestId | None = None,
         timeout: float | None = None,
         **sampling_fields: Any,
@@ -218,15 +228,42 @@ class Client(CoreView):
         max_tokens the request runs to the end of the context (at most the server's
         --default-max-tokens). `structured` (protocol 1.8) constrains the output: a StructuredSpec
         or {"json": schema}, {"regex": pattern}, {"choice": [...]} or {"json_object": True}; a
-        bad one raises ValueError naming the field, before anything is sent."""
+        bad one raises ValueError naming the field, before anything is sent.
+
+        Protocol 1.9 (vLLM's request extensions, sent only where they differ from the defaults):
+        with `messages`, chat_template_kwargs (extra template variables, e.g.
+        {"enable_thinking": False}), add_generation_prompt (open the assistant's turn) and
+        continue_final_message (continue the final, assistant's, message; needs
+        add_generation_prompt=False); skip_special_tokens (False: special tokens spelled out in
+        the text) and spaces_between_special_tokens (accepted; this server's tokenizers ignore
+        it, as transformers' fast ones do). min_tokens is a sampling field (SamplingParams). A bad
+        value raises ValueError naming the field; priority and timeout_ms too, outside the
+        server's ranges."""
         params = resolve_sampling(sampling, sampling_fields)
         spec = resolve_structured(structured)
+        extensions = resolve_extensions(
+            messages,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
         if request_id is not None:
             check_request_id(request_id)  # the caller's mistake whatever state the client is in
         with self._lock:
             self._check_open()
             rid, frame = self._core.prepare_generate(
-                request_id, prompt, prompt_ids, params, priority, timeout_ms, messages, detokenize, spec
+                request_id,
+                prompt,
+                prompt_ids,
+                params,
+                priority,
+                timeout_ms,
+                messages,
+                detokenize,
+                spec,
+                extensions,
             )
             stream = Stream(self, rid, self.timeout if timeout is None else timeout)
             self._core.add_stream(stream, self._on_stream_collected)
