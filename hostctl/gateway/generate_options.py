@@ -14,17 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from ringleader.hostctl.gateway.errors import bad
+from ringleader.ipc.request_extensions import CHAT_FIELDS, DEFAULTS
 from ringleader.ipc.sampling_params import clipped_repr
 
-# AsyncClient.generate's keyword -> its default (what vLLM defaults it to)
-GENERATE_DEFAULTS: dict[str, Any] = {
-    "chat_template_kwargs": None,
-    "add_generation_prompt": True,
-    "continue_final_message": False,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-}
-CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+# AsyncClient.generate's keyword -> its default (vLLM's), and the chat-only ones: the protocol's
+GENERATE_DEFAULTS = DEFAULTS
+CHAT_ONLY = CHAT_FIELDS
 INCLUDE_STOP = "include_stop_str_in_output"
 CHAT_OPTIONS = (*GENERATE_DEFAULTS, INCLUDE_STOP)
 COMPLETIONS_OPTIONS = tuple(name for name in CHAT_OPTIONS if name not in CHAT_ONLY)
