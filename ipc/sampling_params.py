@@ -312,8 +312,10 @@ class SamplingParams:
 
 def in_server_range(err: SamplingError, max_tokens_cap: int) -> SamplingError:
     """err, with max_tokens' range said as the server's [1, max_tokens_cap] (check_for_model's
-    words), whatever the value's fault: one range in every message about max_tokens."""
-    if err.field != "max_tokens" or ", got " not in err.reason:
+    words), whatever the value's fault: one range in every message about max_tokens, under any
+    of its names (the native one, OpenAI's)."""
+    capped = FIELD["max_tokens"]
+    if (err.field != capped.name and err.field not in capped.openai_names) or ", got " not in err.reason:
         return err
     got = err.reason[err.reason.index(", got ") :]
     return SamplingError(err.field, f"must be an int in [1, {max_tokens_cap}]{got}")

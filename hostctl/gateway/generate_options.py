@@ -17,12 +17,9 @@ from ringleader.hostctl.gateway.errors import bad
 from ringleader.ipc.request_extensions import CHAT_FIELDS, DEFAULTS
 from ringleader.ipc.sampling_params import clipped_repr
 
-# AsyncClient.generate's keyword -> its default (vLLM's), and the chat-only ones: the protocol's
-GENERATE_DEFAULTS = DEFAULTS
-CHAT_ONLY = CHAT_FIELDS
 INCLUDE_STOP = "include_stop_str_in_output"
-CHAT_OPTIONS = (*GENERATE_DEFAULTS, INCLUDE_STOP)
-COMPLETIONS_OPTIONS = tuple(name for name in CHAT_OPTIONS if name not in CHAT_ONLY)
+CHAT_OPTIONS = (*DEFAULTS, INCLUDE_STOP)
+COMPLETIONS_OPTIONS = tuple(name for name in CHAT_OPTIONS if name not in CHAT_FIELDS)
 
 
 def _flag(body: dict, name: str) -> bool | None:
@@ -37,7 +34,7 @@ def generate_options(body: dict, *, chat: bool) -> tuple[dict[str, Any], bool]:
     string stays in the text); a 400 naming the field for a value of the wrong type, a chat
     option on /v1/completions, or continue_final_message with add_generation_prompt."""
     if not chat:
-        for name in CHAT_ONLY:
+        for name in CHAT_FIELDS:
             if body.get(name) is not None:
                 raise bad(
                     name,
@@ -54,7 +51,7 @@ def generate_options(body: dict, *, chat: bool) -> tuple[dict[str, Any], bool]:
             )
         if kwargs:
             options["chat_template_kwargs"] = kwargs
-    for name, default in GENERATE_DEFAULTS.items():
+    for name, default in DEFAULTS.items():  # generate()'s keywords, vLLM's defaults
         if name == "chat_template_kwargs":
             continue
         value = _flag(body, name)

@@ -33,13 +33,14 @@ from ringleader.hostctl.gateway.errors import STATUS_OF_CODE as STATUS_OF_CODE
 from ringleader.hostctl.gateway.errors import APIError, bad, structured_param_of
 from ringleader.hostctl.gateway.generate_options import CHAT_OPTIONS, COMPLETIONS_OPTIONS, generate_options
 from ringleader.ipc import protocol as P
+from ringleader.ipc.request_extensions import CHAT_FIELDS as CHAT_TEMPLATE_OPTIONS
 from ringleader.ipc.sampling_params import (
     FIELDS,
     OPENAI_FIELDS,
     SamplingError,
-    SamplingField,
     SamplingParams,
     clipped_repr,
+    in_server_range,
     sampling_from_openai,
 )
 from ringleader.ipc.structured import StructuredError, StructuredSpec, structured_from_wire
@@ -85,7 +86,7 @@ COMPLETIONS_FIELDS = OPENAI_FIELDS.union(
     ("prompt", "best_of", "echo", "suffix"),
 )
 # the chat-only options /v1/completions refuses by name (generate_options), not as unknown
-_CHAT_ONLY_OPTIONS = frozenset(CHAT_OPTIONS) - frozenset(COMPLETIONS_OPTIONS)
+_CHAT_ONLY_OPTIONS = frozenset(CHAT_TEMPLATE_OPTIONS)
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 
@@ -462,7 +463,7 @@ def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> Generat
     try:
         req = parse_request(body, chat=chat)
     except APIError as err:
-        raise _in_served_range(err, body, model) from None
+        raise _in_served_range(err, model) from None
     if req.model is not None and req.model != model.name:
         raise model_not_found(req.model, model.name)
     if req.stop and not model.has_tokenizer:
@@ -474,23 +475,14 @@ def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> Generat
     return req
 
 
-def _capped_field() -> SamplingField:
-    """The sampling field the server bounds by its cap (SamplingParams.check_for_model): the one
-    with_max_tokens sets, found so that no field's name is written here."""
-    changed = SamplingParams().with_max_tokens(2)
-    return next(spec for spec in FIELDS if getattr(changed, spec.name) != spec.default)
-
-
-_CAPPED = _capped_field()
-
-
-def _in_served_range(err: APIError, body: Any, model: ServedModel) -> APIError:
-    """A refusal of the capped field's value, told with the range the server takes (its cap, not
-    the declaration's bound of any server): one range in every message about it."""
-    cap = model.tokens_cap
-    if cap is None or err.param not in _CAPPED.openai_names or not isinstance(body, dict):
+def _in_served_range(err: APIError, model: ServedModel) -> APIError:
+    """A refusal of max_tokens' value (under any of its names), told with the range the server
+    takes (sampling_params.in_server_range: its cap, not the declaration's bound of any server)."""
+    cap, prefix = model.tokens_cap, f"{err.param}: "
+    if cap is None or err.param is None or not err.message.startswith(prefix):
         return err
-    return bad(err.param, f"must be an int in [1, {cap}], got {clipped_repr(body.get(err.param))}")
+    said = in_server_range(SamplingError(err.param, err.message[len(prefix) :]), cap)
+    return err if said.reason == err.message[len(prefix) :] else bad(said.field, said.reason)
 
 
 def _check_for_model(req: GenerationRequest, body: dict, model: ServedModel) -> None:
