@@ -25,6 +25,7 @@ from ringleader.ipc.limits import MAX_SLOTS
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULERS = ("device", "host")
 LAUNCHES = ("auto", "pingpong", "resident", "pump")
+STEP_SIGNALS = ("auto", "in-step", "node")
 # the CUDA step's kernels for buckets of up to FUSED_MAX_ROWS rows (device/step/fused_step.py)
 STEP_KERNELS = ("fused", "layered")
 POLICIES = ("fifo", "priority", "static")
@@ -65,6 +66,12 @@ class EngineConfig:
         "thread relaunching an unrolled graph), or auto (pingpong, else resident, else pump; the "
         "mode that runs is in the log and in stats); pingpong and resident fail start-up if they "
         "cannot run")
+    step_signal: str = option(
+        "auto", flag="--step-signal", choices=STEP_SIGNALS,
+        help="CUDA device scheduler: where a step hands the turn back: in-step (the last node of "
+        "each step's own graph, started ahead by a programmatic edge on sm_90+ and waiting there "
+        "for the step's end), node (a node of the launch graph after the step), or auto (in-step, "
+        "else node; the one that runs is in stats)")
     policy: str = option(
         "fifo", flag="--policy", choices=POLICIES,
         help="admission: fifo, priority with aging (which also decides who gives up its KV pages "
@@ -158,6 +165,7 @@ class EngineConfig:
             ("device", DEVICES),
             ("scheduler", SCHEDULERS),
             ("launch", LAUNCHES),
+            ("step_signal", STEP_SIGNALS),
             ("step_kernels", STEP_KERNELS),
             ("policy", POLICIES),
             ("dtype", DTYPES),

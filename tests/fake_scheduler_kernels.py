@@ -11,14 +11,11 @@ with cfg.plan_ahead (read once, at start) it publishes each next step's bucket a
 its overlapped phase when no stop is seen, and
 hands over exactly the planned step; it exits (exit reason, state EXITED, a plan still out made
 void, then turn EXIT) on shutdown, on its run budget, or when compute keeps the turn past the stop
-grace.  The launch graphs' kernels follow device/sched/sched_loop.h: rl_step_wait/rl_step_begin/
-rl_step_signal (resident, pump: the wait ends on COMPUTE or EXIT, or when no scheduler is left:
-EXITED, FAILED; it picks the SWITCH branch of the step's bucket and ends the WHILE loop on exit),
-and rl_plan_wait/rl_step_gate/rl_signal_pingpong (ping-pong graph p: the plan of its next step,
-seq launch.graph_seq[p], in plan slot p, picks the branch, or no branch and the WHILE's end on exit,
-EXIT looked at first; the gate waits
-for released == that seq + 1 and stamps the step's start; the signal moves graph_seq[p] two on and
-hands the turn back).
+grace.  The launch graphs' kernels are not simulated: they are the CPU build's nodes of the
+same names and parameters (device/sched/sched_loop.h, the text kernel.cu compiles), called with
+the context's address and a word per conditional handle, which this driver then gives the handle
+(rl_step_wait/rl_step_begin/rl_step_signal: resident, pump; rl_plan_wait/rl_step_gate/
+rl_signal_pingpong: ping-pong).  So the graphs launch_graph.py builds run the nodes the GPU runs.
 
 Not simulated: the scheduler's real work (SQ, slots, pages, CQ event contents: only the tail
 moves), its block of threads and shared memory (the launch's size is only recorded), the
@@ -37,15 +34,18 @@ from typing import ClassVar
 
 import numpy as np
 
-from ringleader.device.sched.build import KERNEL_NAME
+from ringleader.device.sched.build import GRAPH_NODES, KERNEL_NAME, cpu_scheduler
 from ringleader.ipc import layout
-from tests.fake_cuda_driver import FakeDriver
+from tests.fake_cuda_driver import FakeDriver, _FNode
 from tests.fake_gpu_kernels import now_ns, read_u32, write_u32
 
 TEST_STEP = "rl_test_step"  # the stand-in step graph's one kernel: counts the steps of a bucket
 # A module holding only that kernel, as FakeDriver's module loading reads an image
 TEST_STEP_IMAGE = b"\x7fELF\0.text." + TEST_STEP.encode() + b"\0"
 N_CONTEXT = len(layout.ARRAYS)  # RlContext: one pointer per array
+TURN_INDEX = [name for name, _, _ in layout.ARRAYS].index("turn")
+SIG_OF = {"handle": "Q", "u32": "I"}  # a graph node's parameter kinds as FakeDriver decodes them
+UNSET = 0xFFFFFFFF  # a conditional word no node has set
 POLL_S = 50e-6  # a fake kernel's pause between two polls of a word
 
 S, T, X = layout.SchedulerState, layout.Turn, layout.ExitReason
@@ -109,6 +109,20 @@ class _Context:
         return self.trace[int(self.step["seq"][0]) % len(self.trace)]
 
 
+class _Halt(threading.Event):
+    """The tests' teardown, as a device reset: every fake kernel ends, the CPU build's waiting
+    nodes too (their turn words say EXIT)."""
+
+    def __init__(self, fake):
+        super().__init__()
+        self._fake = fake
+
+    def set(self) -> None:
+        super().set()
+        for address in self._fake._turns:
+            write_u32(address, T.EXIT)
+
+
 class FakeSchedulerDriver(FakeDriver):
     """FakeDriver with the scheduler module's kernels, and what the tests steer and count.
 
@@ -133,17 +147,12 @@ class FakeSchedulerDriver(FakeDriver):
     SIGS: ClassVar[dict[str, str]] = {
         **FakeDriver.SIGS,
         KERNEL_NAME: "R",
-        "rl_step_wait": "RQQI",
-        "rl_step_begin": "R",
-        "rl_step_signal": "R",
-        "rl_plan_wait": "RQQI",
-        "rl_step_gate": "RI",
-        "rl_signal_pingpong": "RI",
+        **{name: "R" + "".join(SIG_OF[kind] for kind in kinds) for name, kinds in GRAPH_NODES.items()},
         TEST_STEP: "QI",
     }
     MAX_BLOCK: ClassVar[dict[str, int]] = {KERNEL_NAME: 1024}
     # static shared memory by kernel (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES; others 16, as FakeDriver's)
-    STATIC_SHARED: ClassVar[dict[str, int]] = {KERNEL_NAME: 496}  # docs/scheduler.md, layout v10
+    STATIC_SHARED: ClassVar[dict[str, int]] = {KERNEL_NAME: 512}  # docs/scheduler.md, layout v12
     DEFAULT_SHARED_LIMIT = 48 << 10  # static + dynamic shared memory of a launch without opt-in
     SHARED_OPTIN = 227 << 10  # an H100's CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -158,7 +167,8 @@ class FakeSchedulerDriver(FakeDriver):
         self._max_dynamic_shared: dict[int, int] = {}  # function id -> its opt-in, once set
         self._instantiations = 0
         self.refuse_scheduler_launch: str | None = None  # a CUresult name the launch returns
-        self.halt = threading.Event()
+        self.halt = _Halt(self)
+        self._turns: set[int] = set()  # the turn words the nodes were given
         self.scheduler_blocks: list[int] = []
         self.scheduler_shared: list[int] = []
         self.scheduler_plan_ahead: list[int] = []
@@ -168,6 +178,7 @@ class FakeSchedulerDriver(FakeDriver):
         self.steps_signalled = 0
         self.graph_launches: collections.Counter = collections.Counter()
         self.destroyed_graphs: set[int] = set()
+        self.cloned_graphs: set[int] = set()  # the step graphs copied for an in-step signal
         self.destroyed_execs: set[int] = set()
 
     def _decode_arg(self, ch, p):
@@ -253,6 +264,47 @@ class FakeSchedulerDriver(FakeDriver):
         if p.conditional.type.name in self.unsupported:
             return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED, None)
         return super().f_cuGraphAddNode(g, deps, dep_data, ndeps, p)
+
+    # -- graph editing for the in-step signal (launch_graph.LaunchGraph._step_with_signal)
+    def f_cuGraphClone(self, g):
+        """A copy: its nodes anew (new ids, the same kinds and arguments), its edges the same."""
+        clone = self._new_graph()
+        self.cloned_graphs.add(clone.id)
+        copies: dict[int, _FNode] = {}
+        for n in self._graphs[int(g)].nodes:
+            fields = {k: v for k, v in n.__dict__.items() if k not in ("id", "kind", "deps")}
+            copy = _FNode(self._id(), n.kind, deps=[copies[d.id] for d in n.deps], **fields)
+            copies[n.id] = copy
+            clone.nodes.append(copy)
+            self._nodes[copy.id] = copy
+        return (self.S, self._real.CUgraph(clone.id))
+
+    def f_cuGraphGetEdges(self, g, n):
+        edges = [(d, x) for x in self._graphs[int(g)].nodes for d in x.deps]
+        if int(n) == 0:
+            return (self.S, None, None, None, len(edges))
+        data = []
+        for d, x in edges:
+            e = self._real.CUgraphEdgeData()
+            if d.id in getattr(x, "programmatic_from", ()):
+                e.type = self._real.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+            data.append(e)
+        node = self._real.CUgraphNode
+        return (self.S, [node(d.id) for d, _ in edges], [node(x.id) for _, x in edges], data, len(edges))
+
+    def f_cuGraphAddDependencies(self, g, froms, tos, data, n):
+        """Edges; a programmatic one only between two kernel nodes, as CUDA allows."""
+        nodes = self._graphs[int(g)].nodes
+        programmatic = int(self._real.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+        for f, t, e in zip(froms, tos, data or [None] * int(n)):
+            a, b = self._nodes[int(f)], self._nodes[int(t)]
+            assert a in nodes and b in nodes, "an edge from another graph"
+            if e is not None and int(e.type) == programmatic:
+                if a.kind != "KERNEL" or b.kind != "KERNEL":
+                    return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE,)
+                b.__dict__.setdefault("programmatic_from", set()).add(a.id)
+            b.deps.append(a)
+        return (self.S,)
 
     def f_cuGraphInstantiate(self, g, flags):
         WHILE = int(self._real.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
@@ -373,91 +425,54 @@ class FakeSchedulerDriver(FakeDriver):
         c.put("exit_reason", reason)  # before state = EXITED
         c.put("state", S.EXITED)
 
-    # -- the launch graph's kernels (kernel.cu: rl_step_wait, rl_step_begin, rl_step_signal)
+    # -- the launch graphs' kernels: the CPU build's nodes of the same names and parameters
+    # (sched_loop.h's text, which kernel.cu runs), the context by address, each conditional
+    # handle a word the node sets and this driver then gives its handle
+    def _node(self, name: str, ctx: tuple[int, ...], *args: int):
+        words = (ctypes.c_uint64 * N_CONTEXT)(*ctx)
+        self._turns.add(int(words[TURN_INDEX]))
+        if self.halt.is_set():  # a device reset: every wait ends, every WHILE with it
+            write_u32(int(words[TURN_INDEX]), T.EXIT)
+        cells, call = [], []
+        for kind, arg in zip(GRAPH_NODES[name], args):
+            if kind == "handle":
+                cells.append((arg, (ctypes.c_uint32 * 1)(UNSET)))
+                call.append(ctypes.addressof(cells[-1][1]))
+            else:
+                call.append(arg)
+        result = cpu_scheduler().node(name, ctypes.addressof(words), *call)
+        for handle, cell in cells:
+            if cell[0] != UNSET:
+                self._set_cond(handle, cell[0])
+        return result
+
+    def _signalled(self, name: str, ctx, *args) -> None:
+        """A signal node; counts the step if it handed the turn back (it stamped the step's end
+        in the row of the step it ran)."""
+        row = _Context(ctx).row()
+        before = int(row[F.STEP_END])
+        self._node(name, ctx, *args)
+        if int(row[F.STEP_END]) != before:
+            self.steps_signalled += 1
+
     def k_rl_step_wait(self, ctx, switch_handle, while_handle, use_while):
-        c = _Context(ctx)
-        turn = self._wait_for_step(c)
-        if turn != T.COMPUTE and use_while:
-            self._set_cond(while_handle, 0)
-        self._set_cond(switch_handle, self._branch(c, turn))
-
-    def _wait_for_step(self, c: _Context) -> int:
-        while True:
-            turn = c.turn
-            if turn != T.SCHED:
-                return turn
-            state = c.get("state")
-            if state in (S.EXITED, S.FAILED) or (state != S.RUNNING and c.get("shutdown")):
-                return T.EXIT
-            if self.halt.is_set():
-                return T.EXIT
-            time.sleep(POLL_S)
-
-    @staticmethod
-    def _branch(c: _Context, turn: int) -> int:
-        """The SWITCH branch of the step's bucket; n_buckets (no branch) when not COMPUTE."""
-        buckets = c.buckets()
-        if turn != T.COMPUTE:
-            return len(buckets)
-        bucket = int(c.step["bucket"][0])
-        return buckets.index(bucket) if bucket in buckets else len(buckets)
+        self._node("rl_step_wait", ctx, switch_handle, while_handle, use_while)
 
     def k_rl_step_begin(self, ctx):
-        c = _Context(ctx)
-        c.row()[F.STEP_BEGIN] = now_ns()
+        self._node("rl_step_begin", ctx)
 
     def k_rl_step_signal(self, ctx):
-        c = _Context(ctx)
-        if c.turn != T.COMPUTE:  # the exit path: the wait already ended the loop
-            return
-        c.row()[F.STEP_END] = now_ns()
-        self.steps_signalled += 1
-        c.turn = T.SCHED
+        self._signalled("rl_step_signal", ctx)
 
-    # -- the ping-pong graphs' kernels (kernel.cu: rl_plan_wait, rl_step_gate, rl_signal_pingpong)
     def k_rl_plan_wait(self, ctx, switch_handle, while_handle, parity):
-        c = _Context(ctx)
-        branch = self._wait_for_plan(c, parity)
-        if branch >= len(c.buckets()):
-            self._set_cond(while_handle, 0)
-        self._set_cond(switch_handle, branch)
-
-    def _wait_for_plan(self, c: _Context, parity: int) -> int:
-        """sched_loop.h: rl_wait_for_plan, in its order (EXIT looked at before the plan)."""
-        want = c.word("graph_seq", parity) + 1
-        buckets = c.buckets()
-        while not self.halt.is_set():
-            if c.compute_must_exit():
-                break
-            if c.word("plan_seq", parity) == want:
-                bucket = c.word("plan_bucket", parity)
-                return buckets.index(bucket) if bucket in buckets else len(buckets)
-            time.sleep(POLL_S)
-        return len(buckets)
+        self._node("rl_plan_wait", ctx, switch_handle, while_handle, parity)
 
     def k_rl_step_gate(self, ctx, parity):
-        """sched_loop.h: rl_gate_step."""
-        c = _Context(ctx)
-        want = c.word("graph_seq", parity) + 1
-        while not self.halt.is_set():
-            if c.word("released") == want:
-                self.gated.append((parity, int(c.step["seq"][0])))
-                c.row()[F.STEP_BEGIN] = now_ns()
-                return
-            if c.compute_must_exit():
-                return
-            time.sleep(POLL_S)
+        if self._node("rl_step_gate", ctx, parity) == T.COMPUTE:
+            self.gated.append((parity, int(_Context(ctx).step["seq"][0])))
 
     def k_rl_signal_pingpong(self, ctx, parity):
-        """sched_loop.h: rl_signal_pingpong_done."""
-        c = _Context(ctx)
-        if c.turn != T.COMPUTE:
-            return
-        mine = c.word("graph_seq", parity)
-        if c.word("released") != mine + 1:  # not ours: an exit path
-            return
-        c.set_word("graph_seq", mine + 2, parity)
-        self.k_rl_step_signal(ctx)
+        self._signalled("rl_signal_pingpong", ctx, parity)
 
     def k_rl_test_step(self, counters, index):
         write_u32(counters + 4 * index, read_u32(counters + 4 * index) + 1)

@@ -161,7 +161,16 @@ class SimBackend(EngineBackend):
     """What CudaBackend builds around DeviceScheduled, with the fake's memory and step graphs."""
 
     def __init__(
-        self, kernel_build, launch: str, *, stop_timeout_s=5.0, run_budget_s=None, corrupt=None, ring=RING
+        self,
+        kernel_build,
+        launch: str,
+        *,
+        stop_timeout_s=5.0,
+        run_budget_s=None,
+        corrupt=None,
+        ring=RING,
+        step_signal="auto",
+        programmatic=True,
     ):
         super().__init__()
         self.mem = SimMemory(ring)
@@ -175,6 +184,8 @@ class SimBackend(EngineBackend):
         self._timer = StepTimer()
         self._engine = self.engine = DeviceScheduled(
             launch=launch,
+            step_signal=step_signal,
+            programmatic=programmatic,
             rings=self.rings,
             device_memory=self.mem,
             graphs=self.graphs,
@@ -415,7 +426,9 @@ def test_auto_falls_back_to_pump_when_while_graphs_are_refused(fake, kernel_buil
     pingpong, resident = b.description["launch_fallback"].split("; ")
     for mode, refusal in (("pingpong", pingpong), ("resident", resident)):
         assert refusal.startswith(f"{mode}: {call} failed: CUDA_ERROR_NOT_SUPPORTED"), refusal
-    assert len(fake.destroyed_graphs) == 2  # neither refused graph is kept half-built
+    # neither refused mode's graph is kept half-built: each tried with the signal in the step,
+    # then as a node (--step-signal auto)
+    assert len(fake.destroyed_graphs - fake.cloned_graphs) == 4
     assert b.mem.cfg_word("plan_ahead") == 0
     b.start()
     assert wait_until(lambda: fake.steps_signalled >= 2 * PUMP_STEPS_PER_LAUNCH)
@@ -429,8 +442,9 @@ def test_auto_falls_back_to_pump_when_while_graphs_are_refused(fake, kernel_buil
 def test_auto_falls_back_to_resident_when_pingpong_is_refused(fake, kernel_build, refused):
     if refused == "rl_plan_wait":  # the first ping-pong graph refused as it is built
         fake.unsupported = {refused}
-    else:  # the second refused, the first already instantiated (then destroyed as well)
-        fake.refuse_instantiations = {2}
+    else:  # the second refused, the first already instantiated (then destroyed as well), with
+        # the signal in the step and then as a node (--step-signal auto)
+        fake.refuse_instantiations = {2, 4}
     b = SimBackend(kernel_build, "auto")
     execs, raws = graphs_of(b)
     assert b.description["launch"] == "resident" and len(execs) == 1
@@ -438,9 +452,10 @@ def test_auto_falls_back_to_resident_when_pingpong_is_refused(fake, kernel_build
     call = "cuGraphAddKernelNode" if refused == "rl_plan_wait" else "cuGraphInstantiate"
     assert refusal.startswith(f"pingpong: {call} failed: CUDA_ERROR_NOT_SUPPORTED"), refusal
     assert b.mem.cfg_word("plan_ahead") == 0 and not b.mem.config.plan_ahead  # as resident needs
-    ping_pong_graphs = fake.destroyed_graphs.copy()  # every ping-pong graph made, none kept
-    assert len(ping_pong_graphs) == (1 if refused == "rl_plan_wait" else 2)
-    assert len(fake.destroyed_execs) == (0 if refused == "rl_plan_wait" else 1)
+    # every ping-pong graph made (each signal placement), none kept
+    ping_pong_graphs = fake.destroyed_graphs - fake.cloned_graphs
+    assert len(ping_pong_graphs) == (2 if refused == "rl_plan_wait" else 4)
+    assert len(fake.destroyed_execs) == (0 if refused == "rl_plan_wait" else 2)
     b.start()
     assert wait_until(lambda: fake.steps_signalled >= 5)
     assert fake.scheduler_plan_ahead == [0] and fake.gated == []
@@ -465,34 +480,67 @@ def test_pingpong_refused_alone_raises_launch_unavailable(fake, kernel_build):
     assert not fake.graph_launches and not fake.scheduler_blocks
 
 
-def test_auto_uses_pingpong_when_available(fake, kernel_build):
-    b = SimBackend(kernel_build, "auto")
+def branch_step(branch, first: str, args: tuple, signal: str | None, programmatic: bool):
+    """A SWITCH branch: [first -> the step graph], the step ending in `signal` when given (by a
+    programmatic edge from the stand-in step's kernel when `programmatic`); returns the step."""
+    head, step = branch.nodes
+    assert (head.name, head.args[1:], step.kind, step.deps) == (first, args, "GRAPH", [head])
+    if signal is None:
+        assert [n.name for n in step.nodes] == [TEST_STEP]
+        return step
+    kernel, signalled = step.nodes
+    assert (kernel.name, signalled.name, signalled.deps) == (TEST_STEP, signal, [kernel])
+    assert getattr(signalled, "programmatic_from", set()) == ({kernel.id} if programmatic else set())
+    return step
+
+
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_auto_uses_pingpong_with_the_signal_in_the_step_when_available(fake, kernel_build, programmatic):
+    b = SimBackend(kernel_build, "auto", programmatic=programmatic)
     assert b.description["launch"] == "pingpong" and "launch_fallback" not in b.description
+    assert b.description["step_signal"] == "in-step" and "step_signal_fallback" not in b.description
+    assert b.description["programmatic_signals"] == (2 * len(RING.buckets) if programmatic else 0)
     assert b.mem.cfg_word("plan_ahead") == 1
+    for parity, raw in enumerate(b.launch_graph.raws):
+        # WHILE { plan wait(p) -> SWITCH { gate(p) -> step -> signal(p) } }
+        (loop,) = fake._graphs[int(raw)].nodes
+        body = loop.bodies[0].nodes
+        assert loop.kind == "CONDITIONAL" and [n.kind for n in body] == ["KERNEL", "CONDITIONAL"]
+        assert body[0].name == "rl_plan_wait" and body[0].args[1:] == (body[1].handle, loop.handle, parity)
+        assert len(body[1].bodies) == len(RING.buckets)
+        for branch in body[1].bodies:
+            step = branch_step(branch, "rl_step_gate", (parity,), "rl_signal_pingpong", programmatic)
+            assert step.nodes[-1].args[1:] == (parity,)
+
+
+def test_pingpong_with_a_signal_node(fake, kernel_build):
+    b = SimBackend(kernel_build, "pingpong", step_signal="node")
+    assert b.description["step_signal"] == "node" and b.description["programmatic_signals"] == 0
     for parity, raw in enumerate(b.launch_graph.raws):
         # WHILE { plan wait(p) -> SWITCH { gate(p) -> step } -> signal(p) }
         (loop,) = fake._graphs[int(raw)].nodes
         body = loop.bodies[0].nodes
-        assert loop.kind == "CONDITIONAL" and [n.kind for n in body] == ["KERNEL", "CONDITIONAL", "KERNEL"]
+        assert [n.kind for n in body] == ["KERNEL", "CONDITIONAL", "KERNEL"]
         assert [body[0].name, body[2].name] == ["rl_plan_wait", "rl_signal_pingpong"]
         assert body[0].args[1:] == (body[1].handle, loop.handle, parity) and body[2].args[1:] == (parity,)
-        assert len(body[1].bodies) == len(RING.buckets)
         for branch in body[1].bodies:
-            gate, step = branch.nodes
-            assert (gate.name, gate.args[1:], step.kind) == ("rl_step_gate", (parity,), "GRAPH")
+            branch_step(branch, "rl_step_gate", (parity,), None, False)
 
 
-def test_resident_graph_is_as_before(fake, kernel_build):
-    b = SimBackend(kernel_build, "resident")
+@pytest.mark.parametrize("signal", ["node", "in-step"])
+def test_resident_graph_with_either_signal(fake, kernel_build, signal):
+    b = SimBackend(kernel_build, "resident", step_signal=signal)
     (raw,) = b.launch_graph.raws
-    (loop,) = fake._graphs[int(raw)].nodes  # WHILE { wait -> SWITCH -> signal }
-    assert loop.kind == "CONDITIONAL" and [n.kind for n in loop.bodies[0].nodes] == [
-        "KERNEL",
-        "CONDITIONAL",
-        "KERNEL",
-    ]
-    assert [n.name for n in loop.bodies[0].nodes[::2]] == ["rl_step_wait", "rl_step_signal"]
-    assert len(loop.bodies[0].nodes[1].bodies) == len(RING.buckets)
+    (loop,) = fake._graphs[int(raw)].nodes  # WHILE { wait -> SWITCH { begin -> step } -> signal }
+    body = loop.bodies[0].nodes
+    if signal == "node":
+        assert [n.kind for n in body] == ["KERNEL", "CONDITIONAL", "KERNEL"]
+        assert [n.name for n in body[::2]] == ["rl_step_wait", "rl_step_signal"]
+    else:  # WHILE { wait -> SWITCH { begin -> step -> signal } }
+        assert [n.kind for n in body] == ["KERNEL", "CONDITIONAL"] and body[0].name == "rl_step_wait"
+    assert len(body[1].bodies) == len(RING.buckets)
+    for branch in body[1].bodies:
+        branch_step(branch, "rl_step_begin", (), "rl_step_signal" if signal == "in-step" else None, True)
 
 
 # ---- 6. the scheduler's dynamic shared memory ---------------------------------------------------

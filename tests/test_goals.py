@@ -127,7 +127,7 @@ def launch_run(launch, c, bubble, crit, tpot_ms=1.39):
     return r
 
 
-def test_the_launch_pair_stages_differ_only_in_the_launch_and_fit_run_f():
+def test_the_launch_pair_stages_differ_only_in_the_launch_and_the_signal_and_fit_run_f():
     stages = {s.name: s for s in builtin_stages()}
     pp, res, goals_f = stages["bubble-pingpong"], stages["bubble-resident"], stages["goals-f"]
     assert pp.run == res.run == "F" and pp.timeout_s == res.timeout_s
@@ -139,7 +139,11 @@ def test_the_launch_pair_stages_differ_only_in_the_launch_and_fit_run_f():
         return argv[argv.index(name) + 1]
 
     assert flag(pp.argv, "--launch") == "pingpong" and flag(res.argv, "--launch") == "resident"
-    assert [a.replace("pingpong", "resident") for a in pp.argv] == res.argv
+    # the design (its signal in the step where it builds) against the launch the H100 measured
+    signal = "--server-arg=--step-signal"
+    assert flag(pp.argv, signal) == "--server-arg=auto" and flag(res.argv, signal) == "--server-arg=node"
+    same = [a.replace("pingpong", "resident").replace("=auto", "=node") for a in pp.argv]
+    assert same == res.argv
     assert flag(pp.argv, "--compare") == "device"
     for name in ("--concurrency", "--slots", "--requests", "--input-len", "--output-len"):
         assert flag(pp.argv, name) == flag(goals_f.argv, name), name  # the same loads as goals-f

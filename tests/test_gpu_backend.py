@@ -164,6 +164,8 @@ def test_gpu_mode_parity_timeline_and_stop(scheduler, launch):
     if scheduler == "device":
         assert f["exit_reason"] == "shutdown" and f["state"] == "exited", f
         timed.append("device_sched_us_p50")
+        d = f["description"]  # --step-signal auto: the signal in the step graphs, not a fallback
+        assert d.get("step_signal") == "in-step", (d.get("step_signal"), d.get("step_signal_fallback"))
     else:  # the CPU's phases and the device's stamps are on two clocks: no mixed figure
         assert f["device"]["handoff_us_p50"] is None and f["device"]["launch_us_p50"] is None, f
     for k in timed:

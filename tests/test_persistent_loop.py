@@ -5,6 +5,7 @@ every failure path that must end the step graph's wait are tested as the GPU run
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -29,6 +30,9 @@ CFG = RingConfig(
 )
 
 
+GONE = (layout.SchedulerState.EXITED, layout.SchedulerState.FAILED, layout.SchedulerState.INIT)
+
+
 class StepGraphStandIn(threading.Thread):
     """What the resident launch graph does per WHILE iteration: wait for the turn, begin, the
     step (a stand-in sampler writes next_token), signal; ends when the wait says EXIT.
@@ -42,11 +46,12 @@ class StepGraphStandIn(threading.Thread):
     def run(self) -> None:
         ctx, a = self.d.mem.context_address, self.d.a
         while True:
-            turn, branch = scheduler().step_wait(ctx)
-            if turn == layout.Turn.EXIT:
+            branch = scheduler().step_wait(ctx)
+            if branch >= len(self.d.cfg.buckets):  # no branch: the WHILE ends (the scheduler's EXIT)
+                assert int(a["turn"][0]) == layout.Turn.EXIT or int(ctl(self.d)["state"]) in GONE
                 self.exit_seen = True
                 return
-            assert turn == layout.Turn.COMPUTE
+            assert int(a["turn"][0]) == layout.Turn.COMPUTE
             self.branches.append(branch)
             if self.hold_turn is not None and self.steps >= self.hold_turn:
                 return  # keeps COMPUTE: the scheduler never gets its turn back
@@ -150,3 +155,96 @@ def test_a_step_that_keeps_the_turn_past_the_grace_ends_the_loop_with_deadline()
     assert int(ctl(d)["exit_reason"]) == layout.ExitReason.DEADLINE
     assert int(ctl(d)["state"]) == layout.SchedulerState.EXITED
     assert int(d.a["turn"][0]) == layout.Turn.EXIT
+
+
+class LayoutLog(threading.Thread):
+    """The resident graph's side, recording every step's layout (rows, tokens, positions and
+    sample entries) before its stand-in sampler runs."""
+
+    def __init__(self, d: Driver):
+        super().__init__(daemon=True)
+        self.d, self.steps = d, []
+
+    def run(self) -> None:
+        ctx = self.d.mem.context_address
+        while scheduler().step_wait(ctx) < len(self.d.cfg.buckets):
+            self.steps.append(step_layout(self.d))
+            stand_in_sampler(self.d)
+            scheduler().step_signal(ctx)
+
+
+def step_layout(d: Driver) -> tuple:
+    a, h = d.a, d.a["step"][0]
+    n, ns = int(h["n_tokens"]), int(h["n_samples"])
+    return (
+        a["slot_of"][:n].tolist(),
+        a["token_ids"][:n].tolist(),
+        a["positions"][:n].tolist(),
+        a["sample_slot"][:ns].tolist(),
+        a["sample_counter"][:ns].tolist(),
+    )
+
+
+def stand_in_sampler(d: Driver) -> None:
+    a = d.a
+    for q in range(int(a["step"][0]["n_samples"])):
+        s = int(a["sample_slot"][q])
+        a["next_token"][s] = token_for(int(a["slots"][s]["handle"]), int(a["sample_counter"][q]))
+
+
+WIDE = dataclasses.replace(
+    CFG, n_slots=40, token_budget=64, buckets=(1, 2, 4, 8, 16, 32, 64), pending_cap=64, sq_size=64,
+    cq_size=4096, arena_size=8192, n_pages=400,
+)  # fmt: skip
+
+
+def submit_all(d: Driver, n: int, spread: int, stop_every: int) -> list[int]:
+    """n requests, published at once: prompts of 3 to 2 + spread tokens, ending by length at one
+    of `spread` lengths (20-50 tokens out), every stop_every-th at its 9th token instead."""
+    handles = []
+    for i in range(n):
+        stop = (token_for(i + 1, 8),) if i % stop_every == 0 else ()
+        handles.append(
+            d.submit(np.arange(1, 4 + i % spread), 20 + (30 * (i % spread)) // spread, stop_ids=stop)
+        )
+    d.rings.submissions.publish()
+    return handles
+
+
+@pytest.mark.parametrize(
+    "cfg,n,spread,stop_every", [(CFG, 7, 3, 3), (WIDE, 38, 1, 10)], ids=["warp", "block"]
+)
+def test_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg, n, spread, stop_every):
+    """The persistent loop (steady steps of up to 32 rows on warp 0 alone, more on the block)
+    against sched_step, on the same requests: every step's rows, tokens, positions and samples,
+    and every token, identical.  Also: the hand-overs of the loop's steady warp path passed no
+    block barrier between the turn coming back and the step going out, the block path a few."""
+    serial = Driver(cfg)
+    submit_all(serial, n, spread, stop_every)
+    serial_steps = []
+    while serial.step(drain=False) == layout.StepStatus.RUN:
+        serial_steps.append(step_layout(serial))
+        serial.drain_cq()
+    serial.drain_cq()  # the events of the pass that found nothing more to run
+    assert all(serial.records[h].done for h in serial.records)
+    d = Driver(cfg)
+    scheduler().reset_hand_over_paths()
+    handles = submit_all(d, n, spread, stop_every)
+    loop, graph = start_loop(d), LayoutLog(d)
+    graph.start()
+    assert wait_until(lambda: d.drain_cq() >= 0 and all(d.records[h].done for h in handles), 20)
+    d.rings.request_shutdown()
+    loop.join(5)
+    graph.join(5)
+    assert not loop.is_alive() and not graph.is_alive()
+    for k, (got, want) in enumerate(zip(graph.steps, serial_steps)):
+        assert got == want, f"step {k}: the loop laid out {got}, sched_step {want}"
+    assert len(graph.steps) == len(serial_steps)
+    for h in handles:
+        assert d.records[h].tokens == serial.records[h].tokens and d.records[h].done == serial.records[h].done
+    paths = scheduler().hand_over_paths()
+    assert sum(paths) == len(graph.steps)
+    # steady steps of up to 32 rows: warp 0 alone, no block barrier on the path; of 33 or more:
+    # the block's barrier after the wait, its vote and the hand-over's; the full builds: more
+    assert paths[0] >= len(graph.steps) // 2 if cfg is CFG else paths[3] >= len(graph.steps) // 3, paths
+    assert paths[1] == paths[2] == 0 and sum(paths[4:]) > 0, paths

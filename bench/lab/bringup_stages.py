@@ -141,11 +141,12 @@ def builtin_stages() -> list[Stage]:
         """`ringleader bench` on llama-1b, 128 in / 128 out, the kernel's run budget, out to {dir}."""
         return stage(name, bench + flags.split() + [*lengths, *budget, "--out", "{dir}"], timeout, needs, run)
 
-    def launch_bubble(launch: str) -> Stage:
+    def launch_bubble(launch: str, signal: str) -> Stage:
         """Run F: device mode in one launch mode at goals-f's loads, its raw trace kept (each
         run's entry carries its void steps too).  Expected ~30 s: the server's
         start (~17 s on the H200), 16/128/512 requests (~8 s), the process (~5 s)."""
         flags = f"--compare device --launch {launch} --concurrency 1,32,256 --slots 256 --requests 16,128,512"
+        flags += f" --server-arg=--step-signal --server-arg={signal}"
         flags += " --server-arg=--trace --server-arg={dir}/device-trace.json"
         return measured(f"bubble-{launch}", flags, LAUNCH_BUBBLE_S, run="F")
 
@@ -282,8 +283,8 @@ def builtin_stages() -> list[Stage]:
         # 42 s: token-path (the null model's host token path has no step kernels in it, no goal
         # row reads it, and its before/after stands measured in results/2026-11-28-cpu-token-path;
         # `python -m ringleader.bench.lab.token_path` runs it by hand) ----
-        launch_bubble("resident"),
-        launch_bubble("pingpong"),
+        launch_bubble("resident", "node"),  # the launch as it was measured on the H100
+        launch_bubble("pingpong", "auto"),  # the design: the signal in the step where it builds
         stage("launch-probes", gpu_limits + ["--only", "8,9", "--max-seconds", "15"], 18, run="F"),
         measured(
             "interference-both",

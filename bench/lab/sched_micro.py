@@ -238,6 +238,8 @@ class Harness:
             "events": 0,
             "critical": np.zeros(5, np.int64),
             "overlapped": np.zeros(5, np.int64),
+            "critical_barriers": 0,  # block barriers (__syncthreads on a GPU) the phase passed
+            "overlapped_barriers": 0,
         }
         if self.whole_step:  # before the split: the whole of sched_step sat between model steps
             t0 = time.perf_counter_ns()
@@ -252,9 +254,11 @@ class Harness:
                 if self.force_full and steady:  # the same state, the full build's way
                     self._steady[0] = 0
                 self.sched.reset_host_accesses()
+                b0 = self.sched.block_barriers()
                 t0 = time.perf_counter_ns()
                 built = self.sched.critical(self.critical_ctx) == STEP_RUN
                 t1 = time.perf_counter_ns()
+                s["critical_barriers"] += self.sched.block_barriers() - b0
                 s["eligible"] += steady > 0  # a steady pass leaves steady_rows; an end zeroes it
                 s["steady"] += steady > 0 and not self.force_full and int(self._steady[0]) > 0
                 s["critical"] += self._accesses()
@@ -263,9 +267,11 @@ class Harness:
                         self.layouts.append(self.snapshot_layout())
                     self.model_step()
                 self.sched.reset_host_accesses()
+                b2 = self.sched.block_barriers()
                 t2 = time.perf_counter_ns()
                 following = self.sched.overlapped(self.ctx, built)
                 t3 = time.perf_counter_ns()
+                s["overlapped_barriers"] += self.sched.block_barriers() - b2
                 s["overlapped"] += self._accesses()
                 s["critical_ns"] += t1 - t0
                 s["overlapped_ns"] += t3 - t2

@@ -204,6 +204,7 @@ def _phase(samples: list[dict], phase: str, micro) -> dict:
     mean = np.mean([s[phase] for s in samples], axis=0)
     st["host_accesses_by_kind"] = {k: float(v) for k, v in zip(HOST_ACCESS_KINDS, mean)}
     st["host_accesses_per_step"] = float(mean.sum())
+    st["block_barriers_per_step"] = float(np.mean([s[phase + "_barriers"] for s in samples]))
     return st
 
 
@@ -308,7 +309,9 @@ def _pq(st: dict) -> str:
 def steady_table(doc: dict) -> str:
     """One row per condition and size: each variant's critical phase, the ratios, the share of
     passes that took the steady path (steady twin) and that could have (full twin), and host
-    accesses per step (critical: the sum over every variant, which must be 0)."""
+    accesses per step (critical: the sum over every variant, which must be 0), and the block
+    barriers of the critical phase per step (a GPU's __syncthreads; the kernel's warp-0 path for
+    steady steps of up to 32 rows has none, which one CPU thread cannot show)."""
     m = doc["machine"]
     flags = " ".join(k for k, on in (m.get("cpu_flags") or {}).items() if on) or "-"
     names = doc["variants"]
@@ -319,7 +322,7 @@ def steady_table(doc: dict) -> str:
         f"{'neighbour':14} {'slots':>5} "
         + "".join(f"{n:>14}" for n in names)
         + "".join(f"{a + '/' + b:>27}" for a, b in RATIOS if a in names)
-        + f"{'steady|eligible':>17} {'host acc. crit|overl.':>22}",
+        + f"{'steady|eligible':>17} {'host acc. crit|overl.':>22} {'barriers steady|full':>21}",
     ]
     for c in doc["conditions"]:
         share = c.get("neighbour_cpu_share")
@@ -334,6 +337,8 @@ def steady_table(doc: dict) -> str:
                 + ratios
                 + f"{v['steady']['steady_share']:>11.2f}|{v['full']['eligible_share']:<5.2f}"
                 + f" {crit:>14.0f}|{v['steady']['overlapped']['host_accesses_per_step']:<7.1f}"
+                + f" {v['steady']['critical']['block_barriers_per_step']:>13.1f}|"
+                + f"{v['full']['critical']['block_barriers_per_step']:<7.1f}"
             )
     lines.append("ratios: of the p50s, and (paired) the median of each repetition's own ratio")
     return "\n".join(lines)

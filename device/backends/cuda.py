@@ -55,6 +55,7 @@ from ringleader.device.sched.build import KERNELS, compile_kernel
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
+from ringleader.device.step.triton_launch import pdl_supported
 from ringleader.ipc import layout
 from ringleader.ipc.automaton import GrammarArena
 from ringleader.ipc.rings import RingConfig
@@ -267,6 +268,8 @@ class CudaBackend(EngineBackend):
     def _device_scheduled(self, cfg: EngineConfig, functions: dict) -> DeviceScheduled:
         engine = DeviceScheduled(
             launch=cfg.launch,
+            step_signal=cfg.step_signal,
+            programmatic=pdl_supported(torch.device("cuda")),
             rings=self.rings,
             device_memory=self._mem,
             graphs=self._graphs,

@@ -415,6 +415,41 @@ def add_kernel_node(graph, deps: list, function, args: KernelArgs, *, grid=1, bl
     return check(cu.cuGraphAddKernelNode(graph, deps or None, len(deps), params), "cuGraphAddKernelNode")
 
 
+def clone_graph(graph):
+    """A copy of graph (its child graphs copied too) that may be changed apart from it."""
+    return check(cu.cuGraphClone(cu.CUgraph(int(graph))), "cuGraphClone")
+
+
+def graph_sinks(graph) -> list[tuple[object, bool]]:
+    """The graph's own nodes that nothing depends on, each with whether it is a kernel node."""
+    kinds = _node_kinds(graph)
+    _, _, _, n = check(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")
+    sources = set()
+    if n:
+        froms, _, _, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
+        sources = {int(f) for f in list(froms)[: int(n)]}
+    kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    return [(h, kind == kernel) for h, kind in kinds if int(h) not in sources]
+
+
+def add_kernel_node_after(graph, deps: list, function, args: KernelArgs, *, programmatic: bool):
+    """A one-thread kernel node after every node of deps; with programmatic, each edge is a
+    programmatic one (the node may start once its predecessors' blocks have all triggered or
+    exited, and must wait for their completion itself: griddepcontrol.wait), which CUDA allows
+    between kernel nodes only (sm_90+)."""
+    if not programmatic:
+        return add_kernel_node(graph, deps, function, args)
+    node = add_kernel_node(graph, [], function, args)
+    edge = cu.CUgraphEdgeData()
+    edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    check(
+        cu.cuGraphAddDependencies(graph, deps, [node] * len(deps), [edge] * len(deps), len(deps)),
+        "cuGraphAddDependencies(programmatic)",
+    )
+    return node
+
+
 def add_conditional_node(graph, deps: list, handle, kind, size: int, ctx):
     """Adds a WHILE/SWITCH node; returns (node, [body graphs])."""
     p = cu.CUgraphNodeParams()

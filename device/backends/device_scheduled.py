@@ -140,6 +140,8 @@ class DeviceScheduled:
         self,
         *,
         launch: str,
+        step_signal: str = "auto",
+        programmatic: bool = False,
         rings,
         device_memory,
         graphs,
@@ -155,7 +157,9 @@ class DeviceScheduled:
     ):
         """Module loaded (functions), graphs captured: makes the streams and the launch graphs,
         writes the device state the launch reads, sizes the scheduler's shared memory, and fills
-        `description` (launch, launch_fallback, step_graph_nodes, scheduler_shared_bytes).
+        `description` (launch, launch_fallback, step_signal, step_signal_fallback,
+        step_graph_nodes, scheduler_shared_bytes).  step_signal: EngineConfig's; programmatic:
+        whether an in-step signal may follow the step's last kernels by programmatic edges.
         device_memory: DeviceMemory's interface (config, context_bytes, write_config,
         write_array, the trace's address and size)."""
         graphs.check_embeddable()  # raises naming the bucket and node type; no mode can embed it
@@ -168,7 +172,7 @@ class DeviceScheduled:
         self._sched_stream = drv.create_stream(highest_priority=True)
         self._graph_streams = [drv.create_stream(highest_priority=False)]
         self._sched_args = drv.KernelArgs(device_memory.context_bytes())
-        graph = self._build_launch_graph(launch, graphs, device_memory)
+        graph = self._build_launch_graph(launch, step_signal, programmatic, graphs, device_memory)
         self._write_launch_state(device_memory, graph.mode)
         self._launch: Launcher | None = self._launcher(graph)
         self._timeline = TimelineReader(device_memory)
@@ -176,17 +180,23 @@ class DeviceScheduled:
         self._threads: list[threading.Thread] = []
         self._poller: CqPoller | None = None  # made by its thread (_event_poller)
         self.failure_of_threads: str | None = None
-        self.description.update(launch=graph.mode, step_graph_nodes=graphs.describe())
+        self.description.update(
+            launch=graph.mode,
+            step_signal=graph.signal,
+            programmatic_signals=graph.programmatic_signals,
+            step_graph_nodes=graphs.describe(),
+        )
 
-    def _build_launch_graph(self, launch: str, graphs, device_memory) -> LaunchGraph:
+    def _build_launch_graph(self, launch: str, signal: str, programmatic: bool, graphs, device_memory):
         """The asked mode's graphs; auto takes the first of AUTO_ORDER that builds, and names
-        each mode refused before it, with the CUDA error, in launch_fallback."""
+        each mode refused before it, with the CUDA error, in launch_fallback.  Within a mode,
+        signal auto takes in-step, else node (step_signal_fallback says why)."""
         context = device_memory.context_bytes()
         modes = AUTO_ORDER if launch == "auto" else (launch,)
         refused: list[str] = []
         for i, mode in enumerate(modes):
             try:
-                return LaunchGraph(mode, graphs, self._fn, context, self._ctx, self._graph_streams[0])
+                return self._signal_placed(mode, signal, programmatic, graphs, context)
             except drv.CudaError as exc:
                 if mode == "pump":  # no conditional node: its refusal is no launch mode's to answer
                     raise
@@ -201,6 +211,33 @@ class DeviceScheduled:
                 refused.append(f"{mode}: {exc}")
                 self.description["launch_fallback"] = "; ".join(refused)
         raise AssertionError(f"launch mode {launch!r}: none built and none raised")
+
+    def _signal_placed(self, mode: str, signal: str, programmatic: bool, graphs, context) -> LaunchGraph:
+        """Mode's graphs with the step's signal where asked (auto: in-step, else node)."""
+        stream = self._graph_streams[0]
+        if signal != "auto":
+            return LaunchGraph(
+                mode, graphs, self._fn, context, self._ctx, stream, signal=signal, programmatic=programmatic
+            )
+        try:
+            return LaunchGraph(
+                mode,
+                graphs,
+                self._fn,
+                context,
+                self._ctx,
+                stream,
+                signal="in-step",
+                programmatic=programmatic,
+            )
+        except drv.CudaError as exc:
+            log.warning(
+                "--step-signal auto: the in-step signal unavailable, a signal node instead", exc_info=True
+            )
+            self.description["step_signal_fallback"] = f"{mode}: {exc}"
+        return LaunchGraph(
+            mode, graphs, self._fn, context, self._ctx, stream, signal="node", programmatic=programmatic
+        )
 
     @staticmethod
     def _write_launch_state(device_memory, mode: str) -> None:

@@ -17,6 +17,13 @@ launches queued.
 HostStampedGraphs, the host-scheduled baseline's: [rl_host_step_begin -> step graph ->
 rl_host_step_end] per bucket, one launch a step, so its bubble is stamped on the device as well.
 
+With the signal in the step (`--step-signal in-step`, what auto takes where it builds), each
+branch's step graph is a copy ending in the mode's signal kernel, after the step's last kernel by
+a programmatic edge on sm_90+: the signal may be resident before the step ends and waits for it
+with griddepcontrol.wait, so the turn comes back without a node launch after the step, and the
+body has no node after the SWITCH (the signal does nothing when the turn is not COMPUTE, so a
+branch that does not run needs none).
+
 All are instantiated and uploaded here, before the scheduler kernel starts: a first launch that
 still has upload or lazy-loading work to do could otherwise wait on a device that the
 persistent kernel never lets go idle.  The step graphs of all modes still run one at a time (the
@@ -32,6 +39,7 @@ from ringleader.device.backends.step_graphs import StepGraphs
 
 PUMP_STEPS_PER_LAUNCH = 8
 LAUNCH_MODES = ("pingpong", "resident", "pump")
+SIGNAL_PLACES = ("in-step", "node")  # where the step hands the turn back (LaunchGraph's signal)
 WHILE = "CU_GRAPH_COND_TYPE_WHILE"
 SWITCH = "CU_GRAPH_COND_TYPE_SWITCH"
 
@@ -41,14 +49,36 @@ def _kind(name: str):
 
 
 class LaunchGraph:
-    """The mode's graphs (pingpong: two, graph p at index p; else one), instantiated and uploaded."""
+    """The mode's graphs (pingpong: two, graph p at index p; else one), instantiated and uploaded.
 
-    def __init__(self, mode: str, graphs: StepGraphs, functions: dict, ctx_arg: bytes, cu_ctx, stream):
+    signal: where the step hands the turn back.  "node": a signal node after the SWITCH, as each
+    mode's diagram above shows.  "in-step": the signal is the last node of each branch's copy of
+    its step graph, after the step's last nodes, by programmatic edges where those are kernel
+    nodes and `programmatic` (sm_90+): it may be resident before the step's last kernel ends
+    and waits for it (griddepcontrol.wait), so no node's launch lies between the step's end and
+    the turn, and the body has one node fewer."""
+
+    def __init__(
+        self,
+        mode: str,
+        graphs: StepGraphs,
+        functions: dict,
+        ctx_arg: bytes,
+        cu_ctx,
+        stream,
+        *,
+        signal: str = "node",
+        programmatic: bool = False,
+    ):
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
-        self.mode = mode
+        if signal not in SIGNAL_PLACES:
+            raise ValueError(f"step signal must be one of {SIGNAL_PLACES}, got {signal!r}")
+        self.mode, self.signal = mode, signal
         self._graphs, self._fn, self._ctx_arg, self._cu_ctx = graphs, functions, ctx_arg, cu_ctx
+        self._programmatic = programmatic
         self._keep_args: list[drv.KernelArgs] = []  # kernel node parameters must outlive the graphs
+        self.programmatic_signals = 0  # in-step: signal nodes reached by programmatic edges
         self.raws: list = []
         self.execs: list = []
         try:
@@ -87,8 +117,11 @@ class LaunchGraph:
         ctx_args = drv.KernelArgs(self._ctx_arg)  # rl_step_begin and rl_step_signal take only ctx
         self._keep_args += [wait_args, ctx_args]
         wait = drv.add_kernel_node(graph, deps, self._fn["rl_step_wait"], wait_args)
+        signal = (self._fn["rl_step_signal"], ctx_args)
+        if self.signal == "in-step":
+            return self._switch(graph, wait, switch, self._fn["rl_step_begin"], ctx_args, signal)
         node = self._switch(graph, wait, switch, self._fn["rl_step_begin"], ctx_args)
-        return drv.add_kernel_node(graph, [node], self._fn["rl_step_signal"], ctx_args)
+        return drv.add_kernel_node(graph, [node], *signal)
 
     def _pingpong_body(self, body, while_handle, parity: int) -> None:
         """Graph `parity`'s WHILE body: [plan wait -> SWITCH(planned bucket) { gate -> step } -> signal]."""
@@ -99,20 +132,46 @@ class LaunchGraph:
         parity_args = drv.KernelArgs(self._ctx_arg, ctypes.c_uint32(parity))  # the gate's, the signal's
         self._keep_args += [plan_args, parity_args]
         plan = drv.add_kernel_node(body, [], self._fn["rl_plan_wait"], plan_args)
+        signal = (self._fn["rl_signal_pingpong"], parity_args)
+        if self.signal == "in-step":
+            self._switch(body, plan, switch, self._fn["rl_step_gate"], parity_args, signal)
+            return
         node = self._switch(body, plan, switch, self._fn["rl_step_gate"], parity_args)
-        drv.add_kernel_node(body, [node], self._fn["rl_signal_pingpong"], parity_args)
+        drv.add_kernel_node(body, [node], *signal)
 
-    def _switch(self, graph, after, switch, first_fn, first_args):
+    def _switch(self, graph, after, switch, first_fn, first_args, signal=None):
         """SWITCH(switch) after node `after`: branch i runs first_fn, then bucket i's step graph
-        (cfg.buckets order, as the wait kernels index them); returns the SWITCH node."""
+        (cfg.buckets order, as the wait kernels index them), with signal = (function, args) as
+        its last node if given; returns the SWITCH node."""
         buckets = self._graphs.buckets
         node, bodies = drv.add_conditional_node(
             graph, [after], switch, _kind(SWITCH), len(buckets), self._cu_ctx
         )
         for body, bucket in zip(bodies, buckets):
             first = drv.add_kernel_node(body, [], first_fn, first_args)
-            drv.add_child_graph_node(body, [first], drv.cu.CUgraph(int(self._graphs.raw(bucket))))
+            if signal is None:
+                drv.add_child_graph_node(body, [first], drv.cu.CUgraph(int(self._graphs.raw(bucket))))
+                continue
+            step = self._step_with_signal(bucket, *signal)
+            try:
+                drv.add_child_graph_node(body, [first], step)  # the driver copies it
+            finally:
+                drv.destroy_graph(step)
         return node
+
+    def _step_with_signal(self, bucket: int, function, args):
+        """A copy of bucket's step graph ending in the signal node, after every node nothing
+        else waits for (programmatic edges when all of those are kernel nodes)."""
+        step = drv.clone_graph(self._graphs.raw(bucket))
+        try:
+            sinks = drv.graph_sinks(step)
+            programmatic = self._programmatic and bool(sinks) and all(kernel for _, kernel in sinks)
+            drv.add_kernel_node_after(step, [h for h, _ in sinks], function, args, programmatic=programmatic)
+        except BaseException:
+            drv.destroy_graph(step)
+            raise
+        self.programmatic_signals += programmatic
+        return step
 
     def launch(self, stream, parity: int = 0) -> None:
         """Launches graph `parity` (pingpong: 0 or 1; else the one graph)."""

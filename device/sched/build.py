@@ -43,6 +43,22 @@ def scheduler_source(entry: str) -> str:
     return "\n".join(parts)
 
 
+# The launch graphs' nodes: kernel.cu's kernels, and the CPU build's exports of the same names
+# and parameters after the context (by value there, by address here).  "handle" is a WHILE or
+# SWITCH handle: on the CPU the address of a uint32 word the node sets.
+GRAPH_NODES: dict[str, tuple[str, ...]] = {
+    "rl_step_wait": ("handle", "handle", "u32"),
+    "rl_step_begin": (),
+    "rl_step_signal": (),
+    "rl_host_step_begin": (),
+    "rl_host_step_end": (),
+    "rl_plan_wait": ("handle", "handle", "u32"),
+    "rl_step_gate": ("u32",),
+    "rl_signal_pingpong": ("u32",),
+}
+NODES_RETURNING = {"rl_step_gate"}  # on the CPU: what the gate saw (Turn.COMPUTE or EXIT)
+_NODE_CTYPES = {"handle": ctypes.c_uint64, "u32": ctypes.c_uint32}
+
 HOST_ACCESS_KINDS = ("acquire_loads", "release_stores", "system_fences", "loads", "stores")
 
 
@@ -51,7 +67,7 @@ class CpuScheduler:
 
     step() runs both phases serially; critical() and overlapped() run one each, for a caller
     that overlaps the model step with the second; persistent() runs the kernel's own loop, and
-    step_wait()/step_begin()/step_signal() the step graph's side of it.  host_accesses() counts, per calling thread,
+    node() any launch graph node (GRAPH_NODES), as its kernel runs.  host_accesses() counts, per calling thread,
     every access the scheduler made to host-shared memory since reset_host_accesses()."""
 
     def __init__(self):
@@ -67,18 +83,16 @@ class CpuScheduler:
         lib.rl_host_access_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.rl_host_access_counts.restype = None
         lib.rl_host_access_reset.restype = None
+        lib.rl_block_barrier_count.restype = ctypes.c_uint64
+        lib.rl_hand_over_path_bins.restype = ctypes.c_uint32
+        lib.rl_hand_over_path_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.rl_hand_over_path_counts.restype = None
+        lib.rl_hand_over_path_reset.restype = None
         lib.rl_sched_persistent.argtypes = [ctypes.c_void_p]
         lib.rl_sched_persistent.restype = None
-        lib.rl_step_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
-        lib.rl_step_wait.restype = ctypes.c_uint32
-        for name in ("rl_step_begin", "rl_step_signal", "rl_host_step_begin", "rl_host_step_end"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p]
-            getattr(lib, name).restype = None
-        for name in ("rl_plan_wait", "rl_step_gate"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-            getattr(lib, name).restype = ctypes.c_uint32
-        lib.rl_signal_pingpong.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-        lib.rl_signal_pingpong.restype = None
+        for name, params in GRAPH_NODES.items():
+            getattr(lib, name).argtypes = [ctypes.c_void_p] + [_NODE_CTYPES[p] for p in params]
+            getattr(lib, name).restype = ctypes.c_uint32 if name in NODES_RETURNING else None
         if lib.rl_layout_fingerprint() != layout.fingerprint():
             raise RuntimeError("scheduler library was built for another layout")
         self._lib = lib
@@ -99,34 +113,50 @@ class CpuScheduler:
         """The kernel's whole loop on this thread (init included); returns when it exits."""
         self._lib.rl_sched_persistent(context_address)
 
-    def step_wait(self, context_address: int) -> tuple[int, int]:
-        """The step graph's wait: (turn, SWITCH branch); turn is Turn.COMPUTE or Turn.EXIT."""
-        branch = ctypes.c_uint32()
-        turn = self._lib.rl_step_wait(context_address, ctypes.byref(branch))
-        return turn, branch.value
+    def node(self, name: str, context_address: int, *args: int) -> int | None:
+        """Launch-graph node `name` (GRAPH_NODES) on this thread, as its kernel runs on a GPU;
+        a conditional handle is the address of a uint32 word, which the node sets."""
+        if name not in GRAPH_NODES:
+            raise ValueError(f"{name!r} is not a launch graph node ({', '.join(GRAPH_NODES)})")
+        return getattr(self._lib, name)(context_address, *args)
+
+    def _branch_node(self, name: str, context_address: int, last: int) -> int:
+        """A wait node with a SWITCH and a WHILE handle: the branch it picked (n_buckets: none,
+        the loop ends)."""
+        words = (ctypes.c_uint32 * 2)(0xFFFFFFFF, 1)  # SWITCH: unset; WHILE: running
+        base = ctypes.addressof(words)
+        self.node(name, context_address, base, base + 4, last)
+        if words[0] == 0xFFFFFFFF:
+            raise AssertionError(f"{name} returned without setting its SWITCH")
+        return words[0]
+
+    def step_wait(self, context_address: int) -> int:
+        """The resident graph's wait: the SWITCH branch of the step handed over, or n_buckets
+        (no branch) when the loop ends."""
+        return self._branch_node("rl_step_wait", context_address, 1)
 
     def step_begin(self, context_address: int) -> None:
-        self._lib.rl_step_begin(context_address)
+        self.node("rl_step_begin", context_address)
 
     def step_signal(self, context_address: int) -> None:
-        self._lib.rl_step_signal(context_address)
+        self.node("rl_step_signal", context_address)
 
     def plan_wait(self, context_address: int, parity: int) -> int:
         """Ping-pong graph `parity`'s first node: the SWITCH branch of its next step's planned
         bucket, or n_buckets when the loop ends."""
-        return self._lib.rl_plan_wait(context_address, parity)
+        return self._branch_node("rl_plan_wait", context_address, parity)
 
     def step_gate(self, context_address: int, parity: int) -> int:
         """The branch's gate: Turn.COMPUTE once graph `parity`'s step is handed over (its start
         stamped), or Turn.EXIT."""
-        return self._lib.rl_step_gate(context_address, parity)
+        return self.node("rl_step_gate", context_address, parity)
 
     def signal_pingpong(self, context_address: int, parity: int) -> None:
-        self._lib.rl_signal_pingpong(context_address, parity)
+        self.node("rl_signal_pingpong", context_address, parity)
 
     def host_step_stamp(self, context_address: int, end: bool) -> None:
         """The host-scheduled graph's stamp kernels (rl_host_step_begin/end), on the CPU."""
-        (self._lib.rl_host_step_end if end else self._lib.rl_host_step_begin)(context_address)
+        self.node("rl_host_step_end" if end else "rl_host_step_begin", context_address)
 
     def page_key(self, config_address: int, parent: int, tokens_address: int) -> int:
         """rl_page_key: the key of the page_size int32 tokens at tokens_address under the
@@ -141,6 +171,22 @@ class CpuScheduler:
     def reset_host_accesses(self) -> None:
         self._lib.rl_host_access_reset()
 
+    def block_barriers(self) -> int:
+        """The block barriers (RL_SYNC, rl_block_any) this thread passed in the scheduler so far:
+        on a GPU each is a __syncthreads of the block."""
+        return self._lib.rl_block_barrier_count()
+
+    def hand_over_paths(self) -> list[int]:
+        """The persistent loop's hand-overs so far, by how many block barriers lay between the
+        turn coming back and the step going out (index i: i barriers; the last: that many or
+        more)."""
+        out = (ctypes.c_uint64 * self._lib.rl_hand_over_path_bins())()
+        self._lib.rl_hand_over_path_counts(out)
+        return [int(v) for v in out]
+
+    def reset_hand_over_paths(self) -> None:
+        self._lib.rl_hand_over_path_reset()
+
 
 @functools.cache
 def cpu_scheduler() -> CpuScheduler:
@@ -148,17 +194,7 @@ def cpu_scheduler() -> CpuScheduler:
     return CpuScheduler()
 
 
-KERNELS = (
-    KERNEL_NAME,
-    "rl_step_wait",
-    "rl_step_begin",
-    "rl_step_signal",
-    "rl_host_step_begin",
-    "rl_host_step_end",
-    "rl_plan_wait",
-    "rl_step_gate",
-    "rl_signal_pingpong",
-)
+KERNELS = (KERNEL_NAME, *GRAPH_NODES)
 
 
 @dataclass

@@ -37,18 +37,19 @@ uint32_t rl_sched_overlapped(const RlContext* ctx, uint32_t step_built) {
 }
 
 // The persistent loop on the calling thread, as the kernel runs it (returns when it exits or
-// its init fails), and the step graph's side of the hand-over, for threads that stand in for
-// the step graph: wait (returns RL_TURN_COMPUTE or RL_TURN_EXIT; the branch through *branch),
-// begin and signal.
+// its init fails).
 void rl_sched_persistent(const RlContext* ctx) {
   RlShared sh;
   sched_persistent(*ctx, &sh);
 }
 
-uint32_t rl_step_wait(const RlContext* ctx, uint32_t* branch) {
-  uint32_t turn = rl_wait_for_step(*ctx);
-  *branch = rl_step_branch(*ctx, turn);
-  return turn;
+// The launch graphs' nodes (kernel.cu's kernels of the same names and parameters, the context
+// by address), for threads that stand in for the graphs: a conditional handle is the address of
+// a uint32 word the node sets as cudaGraphSetConditional would.  The gate also returns what it
+// saw (RL_TURN_COMPUTE or RL_TURN_EXIT).
+void rl_step_wait(const RlContext* ctx, RlCondHandle switch_handle, RlCondHandle while_handle,
+                  uint32_t use_while) {
+  rl_step_wait_node(*ctx, switch_handle, while_handle, use_while);
 }
 
 void rl_step_begin(const RlContext* ctx) {
@@ -59,10 +60,9 @@ void rl_step_signal(const RlContext* ctx) {
   rl_signal_step_done(*ctx);
 }
 
-// The ping-pong launch's nodes (kernel.cu): graph `parity`'s plan wait (its SWITCH branch, or
-// n_buckets on exit), its gate (RL_TURN_COMPUTE or RL_TURN_EXIT) and its signal.
-uint32_t rl_plan_wait(const RlContext* ctx, uint32_t parity) {
-  return rl_wait_for_plan(*ctx, parity);
+void rl_plan_wait(const RlContext* ctx, RlCondHandle switch_handle, RlCondHandle while_handle,
+                  uint32_t parity) {
+  rl_plan_wait_node(*ctx, switch_handle, while_handle, parity);
 }
 
 uint32_t rl_step_gate(const RlContext* ctx, uint32_t parity) {
@@ -94,6 +94,25 @@ void rl_host_access_counts(uint64_t* out) {
 
 void rl_host_access_reset() {
   rl_host_accesses = RlHostAccesses();
+}
+
+// This thread's block barriers (RL_SYNC, rl_block_any) since its start.
+uint64_t rl_block_barrier_count() {
+  return rl_block_barriers;
+}
+
+// The persistent loop's hand-overs by the block barriers on their path (RL_PATH_BINS counts),
+// and their reset.
+uint32_t rl_hand_over_path_bins() {
+  return RL_PATH_BINS;
+}
+
+void rl_hand_over_path_counts(uint64_t* out) {
+  for (uint32_t i = 0; i < RL_PATH_BINS; ++i) out[i] = rl_hand_over_path.by_barriers[i];
+}
+
+void rl_hand_over_path_reset() {
+  rl_hand_over_path = RlHandOverPath();
 }
 
 }  // extern "C"

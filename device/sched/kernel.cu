@@ -68,18 +68,12 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
 // Resident mode wraps [rl_step_wait -> SWITCH(bucket) -> rl_step_signal] in a WHILE node; pump
 // mode unrolls the same nodes a few times per launch.  Neither reads slot state.
 
-typedef unsigned long long cudaGraphConditionalHandle;
-extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
-    cudaGraphConditionalHandle handle, unsigned int value);
-
 // Waits until the scheduler hands over a step and picks its bucket's branch of the SWITCH node;
 // on EXIT it picks no branch and (resident) ends the WHILE loop.
 extern "C" __global__ void rl_step_wait(RlContext ctx, cudaGraphConditionalHandle switch_handle,
                                         cudaGraphConditionalHandle while_handle,
                                         unsigned int use_while) {
-  uint32_t turn = rl_wait_for_step(ctx);
-  if (turn != RL_TURN_COMPUTE && use_while) cudaGraphSetConditional(while_handle, 0u);
-  cudaGraphSetConditional(switch_handle, rl_step_branch(ctx, turn));
+  rl_step_wait_node(ctx, switch_handle, while_handle, use_while);
 }
 
 // The first node of every SWITCH branch: the step's start, stamped inside the step itself (so
@@ -88,8 +82,18 @@ extern "C" __global__ void rl_step_begin(RlContext ctx) {
   rl_stamp_step(ctx, RL_TRACE_STEP_BEGIN);
 }
 
+// The signal kernels may sit in the step graph itself, after its last kernels by programmatic
+// edges (launch_graph.py, --step-signal in-step): then they start before those end, and wait
+// here for their completion and their writes.  Without such an edge this returns at once.
+__device__ __forceinline__ void rl_wait_for_prior_kernels() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Hands the turn back to the scheduler once the step graph has written next_token.
 extern "C" __global__ void rl_step_signal(RlContext ctx) {
+  rl_wait_for_prior_kernels();
   rl_signal_step_done(ctx);
 }
 
@@ -111,9 +115,7 @@ extern "C" __global__ void rl_host_step_end(RlContext ctx) {
 extern "C" __global__ void rl_plan_wait(RlContext ctx, cudaGraphConditionalHandle switch_handle,
                                         cudaGraphConditionalHandle while_handle,
                                         unsigned int parity) {
-  uint32_t branch = rl_wait_for_plan(ctx, parity);
-  if (branch >= ctx.cfg->n_buckets) cudaGraphSetConditional(while_handle, 0u);
-  cudaGraphSetConditional(switch_handle, branch);
+  rl_plan_wait_node(ctx, switch_handle, while_handle, parity);
 }
 
 // Parked, one thread, until the scheduler hands over graph p's step; stamps its start.
@@ -123,5 +125,6 @@ extern "C" __global__ void rl_step_gate(RlContext ctx, unsigned int parity) {
 
 // Hands the turn back once the step graph has written next_token; graph p moves two seqs on.
 extern "C" __global__ void rl_signal_pingpong(RlContext ctx, unsigned int parity) {
+  rl_wait_for_prior_kernels();
   rl_signal_pingpong_done(ctx, parity);
 }

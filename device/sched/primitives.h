@@ -79,6 +79,8 @@ RL_FN void rl_fence_device() {
 // steady state, sched_critical.h).
 #define RL_WARP_SIZE 32u
 #define RL_IN_WARP0 (threadIdx.x < 32u)
+#define RL_LANE (threadIdx.x & 31u)  // this thread's place in its warp, and the warp's threads
+#define RL_LANES 32u
 RL_FN void rl_warp_sync() {
   __syncwarp();
 }
@@ -108,6 +110,17 @@ RL_FN uint32_t rl_atomic_add(uint32_t* p, uint32_t v) {
 RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   return atomicCAS(p, expected, desired);
 }
+// The CPU form counts block barriers around the hand-over (below); nothing to count here.
+RL_FN void rl_mark_turn_seen() {}
+RL_FN void rl_mark_handed_over() {}
+// A WHILE or SWITCH node's handle, which a launch graph's node sets for its graph (sched_loop.h).
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+typedef cudaGraphConditionalHandle RlCondHandle;
+RL_FN void rl_set_conditional(RlCondHandle handle, uint32_t value) {
+  cudaGraphSetConditional(handle, value);
+}
 
 #else  // CPU form
 #include <string.h>
@@ -117,7 +130,10 @@ RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
 #define RL_SHARED
 #define RL_TID 0u
 #define RL_NTHREADS 1u
-#define RL_SYNC() ((void)0)
+// Block barriers this thread passed (RL_SYNC, rl_block_any: __syncthreads on a GPU), which the
+// tests and sched_micro count: one thread needs none.
+static thread_local uint64_t rl_block_barriers;
+#define RL_SYNC() ((void)(rl_block_barriers += 1))
 #define RL_FOR(i, n) for (uint32_t i = 0; i < (uint32_t)(n); ++i)
 #define RL_LEADER true
 
@@ -181,6 +197,8 @@ RL_FN void rl_fence_device() {
 // One thread is the block and its warp 0.
 #define RL_WARP_SIZE 32u
 #define RL_IN_WARP0 true
+#define RL_LANE 0u  // the one thread is the whole warp: a warp loop strides by 1 here
+#define RL_LANES 1u
 RL_FN void rl_warp_sync() {}
 RL_FN uint32_t rl_warp_any(uint32_t v) {
   return v != 0;
@@ -189,7 +207,24 @@ RL_FN uint32_t rl_warp_broadcast(uint32_t v) {
   return v;
 }
 RL_FN uint32_t rl_block_any(uint32_t v) {
+  rl_block_barriers += 1;
   return v != 0;
+}
+// Per hand-over, the block barriers the loop passed between the turn coming back and the next
+// step going out, by count (RL_PATH_BINS - 1: that many or more): the tests' proof that the
+// steady warp path has none.  Process-wide, since one loop runs at a time.
+#define RL_PATH_BINS 16u
+struct RlHandOverPath {
+  uint64_t at_turn;
+  uint64_t by_barriers[RL_PATH_BINS];
+};
+static RlHandOverPath rl_hand_over_path;
+RL_FN void rl_mark_turn_seen() {
+  rl_hand_over_path.at_turn = rl_block_barriers;
+}
+RL_FN void rl_mark_handed_over() {
+  uint64_t n = rl_block_barriers - rl_hand_over_path.at_turn;
+  rl_hand_over_path.by_barriers[n < RL_PATH_BINS ? n : RL_PATH_BINS - 1] += 1;
 }
 // Threads stand in for the scheduler block and the step graph here: give the core away.
 RL_FN void rl_pause_expecting() {
@@ -209,6 +244,12 @@ RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   uint32_t old = *p;
   if (old == expected) *p = desired;
   return old;
+}
+// A conditional handle is the address of a word here: the host's stand-in for the graph (the
+// tests' simulated driver) reads it once the node returns, on the node's own thread.
+typedef uint64_t RlCondHandle;
+RL_FN void rl_set_conditional(RlCondHandle handle, uint32_t value) {
+  *(uint32_t*)(uintptr_t)handle = value;
 }
 #endif
 

@@ -76,7 +76,7 @@ RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began
   RlSchedState& st = *c.sched;
   uint32_t ended = 0;
 #define RL_STEADY_FOR(r) \
-  for (uint32_t r = WARP ? (RL_TID & 31u) : RL_TID; r < n; r += WARP ? 32u : RL_NTHREADS)
+  for (uint32_t r = WARP ? RL_LANE : RL_TID; r < n; r += WARP ? RL_LANES : RL_NTHREADS)
   RL_STEADY_FOR(r) {
     uint32_t s = (uint32_t)c.seg_slot[r];
     RlSlot& sl = c.slots[s];

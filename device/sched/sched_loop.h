@@ -43,6 +43,7 @@ RL_FN uint32_t rl_wait_for_turn(const RlContext& ctx) {
     rl_pause_expecting();
   }
   rl_fence_acquire();  // the step's writes (next_token, its records) before our reads
+  rl_mark_turn_seen();
   return RL_EXIT_NONE;
 }
 
@@ -58,6 +59,7 @@ RL_FN void rl_hand_over(const RlContext& ctx) {
   if (RL_LEADER) {
     rl_store_turn(ctx.turn, RL_TURN_COMPUTE);
     rl_store_turn(&ctx.launch->released, (uint32_t)ctx.sched->step);  // seq + 1, as noted
+    rl_mark_handed_over();
   }
 }
 
@@ -276,4 +278,26 @@ RL_FN void rl_signal_pingpong_done(const RlContext& ctx, uint32_t parity) {
   if (rl_load_turn(&ctx.launch->released) != *mine + 1u) return;  // not ours: an exit path
   *(volatile uint32_t*)mine = *mine + 2u;
   rl_signal_step_done(ctx);
+}
+
+// ---- the launch graphs' nodes, entered alike by both builds ----------------------------------
+// kernel.cu's kernels and cpu_entry.cpp's exports of the same names take the same parameters
+// and call these, so the tests run the nodes the GPU runs, in the graphs launch_graph.py builds.
+
+// Resident and pump: waits for the step and picks its bucket's SWITCH branch; on exit no branch,
+// and (use_while) the WHILE ends.
+RL_FN void rl_step_wait_node(const RlContext& ctx, RlCondHandle switch_handle,
+                             RlCondHandle while_handle, uint32_t use_while) {
+  uint32_t turn = rl_wait_for_step(ctx);
+  if (turn != RL_TURN_COMPUTE && use_while) rl_set_conditional(while_handle, 0u);
+  rl_set_conditional(switch_handle, rl_step_branch(ctx, turn));
+}
+
+// Ping-pong graph p: waits for the plan of its next step and picks its bucket's branch; on exit
+// no branch, and the WHILE ends.
+RL_FN void rl_plan_wait_node(const RlContext& ctx, RlCondHandle switch_handle,
+                             RlCondHandle while_handle, uint32_t parity) {
+  uint32_t branch = rl_wait_for_plan(ctx, parity);
+  if (branch >= ctx.cfg->n_buckets) rl_set_conditional(while_handle, 0u);
+  rl_set_conditional(switch_handle, branch);
 }
