@@ -106,7 +106,8 @@ class LaunchGraph:
             self._pingpong_body(body, loop, parity)
 
     def _step_body(self, graph, deps, while_handle, use_while: int):
-        """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps`; returns the last node."""
+        """[wait -> SWITCH(bucket) -> signal] appended to `graph` after `deps` (in-step: the signal
+        inside each branch); returns the last node."""
         switch = drv.conditional_handle(graph, self._cu_ctx, len(self._graphs.buckets))
         wait_args = drv.KernelArgs(
             self._ctx_arg,
@@ -124,7 +125,8 @@ class LaunchGraph:
         return drv.add_kernel_node(graph, [node], *signal)
 
     def _pingpong_body(self, body, while_handle, parity: int) -> None:
-        """Graph `parity`'s WHILE body: [plan wait -> SWITCH(planned bucket) { gate -> step } -> signal]."""
+        """Graph `parity`'s WHILE body: [plan wait -> SWITCH(planned bucket) { gate -> step } -> signal]
+        (in-step: the signal inside each branch, after the step)."""
         switch = drv.conditional_handle(body, self._cu_ctx, len(self._graphs.buckets))
         plan_args = drv.KernelArgs(
             self._ctx_arg, drv.handle_arg(switch), drv.handle_arg(while_handle), ctypes.c_uint32(parity)

@@ -66,7 +66,8 @@ extern "C" __global__ void __launch_bounds__(RL_MAX_THREADS, 1)
 
 // ---- the compute side's small kernels, nodes of the step graph -------------------------------
 // Resident mode wraps [rl_step_wait -> SWITCH(bucket) -> rl_step_signal] in a WHILE node; pump
-// mode unrolls the same nodes a few times per launch.  Neither reads slot state.
+// mode unrolls the same nodes a few times per launch (with --step-signal in-step the signal is
+// each branch's step graph's last node instead).  Neither reads slot state.
 
 // Waits until the scheduler hands over a step and picks its bucket's branch of the SWITCH node;
 // on EXIT it picks no branch and (resident) ends the WHILE loop.
