@@ -13,7 +13,6 @@ import ctypes
 import dataclasses
 import re
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -28,9 +27,17 @@ from ringleader.device.sched.build import GRAPH_NODES
 from ringleader.ipc import layout
 from tests.conftest import wait_until
 from tests.fake_scheduler_kernels import FakeSchedulerDriver
-from tests.sched_driver import Driver, token_for
-from tests.test_persistent_loop import ctl, start_loop
-from tests.test_pingpong_loop import CFG, check_requests, check_steps, check_timeline, pingpong_driver, submit
+from tests.sched_driver import Driver
+from tests.test_persistent_loop import ctl, stand_in_sampler, start_loop
+from tests.test_pingpong_loop import (
+    CFG,
+    check_requests,
+    check_steps,
+    check_timeline,
+    journal_entry,
+    pingpong_driver,
+    traffic,
+)
 
 SAMPLER = "rl_test_sampler"  # the stand-in step: one kernel, writing next_token for the samples
 
@@ -48,27 +55,10 @@ class LoopDriver(FakeSchedulerDriver):
         self.parity_of_thread: dict[str, int] = {}
 
     def k_rl_test_sampler(self, branch):
-        a = self.d.a
-        h = a["step"][0]
-        seq, bucket = int(h["seq"]), int(h["bucket"])
         parity = self.parity_of_thread[threading.current_thread().name]
-        trace = a["trace"].reshape(-1, layout.TRACE_FIELDS)[seq % self.d.cfg.trace_len]
-        self.journal.append(
-            {
-                "parity": parity,
-                "waits_for": int(a["launch"][0]["graph_seq"][parity]),  # moved on by the signal
-                "seq": seq,
-                "branch": branch,
-                "bucket": bucket,
-                "n_tokens": int(h["n_tokens"]),
-                "n_samples": int(h["n_samples"]),
-                "slot_of": a["slot_of"][:bucket].tolist(),
-                "flags": int(trace[layout.TraceField.FLAGS]),
-            }
-        )
-        for q in range(int(h["n_samples"])):
-            s = int(a["sample_slot"][q])
-            a["next_token"][s] = token_for(int(a["slots"][s]["handle"]), int(a["sample_counter"][q]))
+        waits_for = int(self.d.a["launch"][0]["graph_seq"][parity])  # the signal moves it on
+        self.journal.append(journal_entry(self.d, parity, waits_for, branch))
+        stand_in_sampler(self.d)
 
 
 class StandInSteps:
@@ -127,27 +117,6 @@ def launched(monkeypatch):
         fake.close()
         assert not loop.is_alive() and all(ended), "the loop or a launch graph did not end"
         assert not fake.errors, fake.errors[0]
-
-
-def traffic(d: Driver, rng, wanted: int) -> set[int]:
-    """Joins at random times (now and then after the loop went idle), stop ids, aborts, and
-    long requests at once so that the KV pool runs short; returns the aborted handles."""
-    aborted: set[int] = set()
-    for _ in range(3):
-        submit(d, rng, 20, 40)
-    deadline = time.monotonic() + 6
-    while len(d.records) < wanted and time.monotonic() < deadline:
-        time.sleep(0.02 if rng.random() < 0.1 else float(rng.uniform(0, 0.004)))
-        d.drain_cq()
-        stop_at = int(rng.integers(0, 8)) if rng.random() < 0.4 else None
-        submit(d, rng, int(rng.integers(1, 30)), int(rng.integers(1, 30)), stop_at)
-        live = [h for h, r in d.records.items() if not r.done and h not in aborted]
-        if live and rng.random() < 0.1:
-            h = live[int(rng.integers(0, len(live)))]
-            if d.abort(h):
-                aborted.add(h)
-                d.rings.aborts.publish()
-    return aborted
 
 
 @pytest.mark.parametrize("signal", ["in-step", "node"])

@@ -59,6 +59,25 @@ def pingpong_driver(cfg: RingConfig = CFG) -> Driver:
     return d
 
 
+def journal_entry(d: Driver, parity: int, waits_for: int, branch: int) -> dict:
+    """What the step handed over to graph `parity` (waiting for seq `waits_for`, in SWITCH
+    branch `branch`) is, as its step starts: its seq, bucket, rows, samples and trace flags."""
+    a, h = d.a, d.a["step"][0]
+    seq, bucket = int(h["seq"]), int(h["bucket"])
+    trace = a["trace"].reshape(-1, layout.TRACE_FIELDS)[seq % d.cfg.trace_len]
+    return {
+        "parity": parity,
+        "waits_for": waits_for,
+        "seq": seq,
+        "branch": branch,
+        "bucket": bucket,
+        "n_tokens": int(h["n_tokens"]),
+        "n_samples": int(h["n_samples"]),
+        "slot_of": a["slot_of"][:bucket].tolist(),
+        "flags": int(trace[layout.TraceField.FLAGS]),
+    }
+
+
 class PingPongGraph(threading.Thread):
     """Graph `parity`'s WHILE loop: plan wait -> (a branch: gate -> step -> signal | none: end).
     The step is a stand-in sampler writing next_token for the step's sample entries, as
@@ -100,19 +119,8 @@ class PingPongGraph(threading.Thread):
                     self.errors.append(f"the WHILE kept running after EXIT: {self.gate_exits[-1]}")
                     return
                 continue
-            seq, bucket = int(h["seq"]), int(h["bucket"])
-            trace = a["trace"].reshape(-1, layout.TRACE_FIELDS)[seq % CFG.trace_len]
-            entry = {
-                "parity": self.parity,
-                "waits_for": waits_for,
-                "seq": seq,
-                "branch": branch,
-                "bucket": bucket,
-                "n_tokens": int(h["n_tokens"]),
-                "n_samples": int(h["n_samples"]),
-                "slot_of": a["slot_of"][:bucket].tolist(),
-                "flags": int(trace[layout.TraceField.FLAGS]),
-            }
+            entry = journal_entry(self.d, self.parity, waits_for, branch)
+            seq = entry["seq"]
             with self.lock:
                 self.journal.append(entry)
             if seq == self.hold:
@@ -210,6 +218,29 @@ def submit(d: Driver, rng, prompt_len: int, max_tokens: int, stop_at: int | None
     return handle
 
 
+def traffic(d: Driver, rng, wanted: int, check=lambda: None) -> set[int]:
+    """Long requests at once (the KV pool runs short: someone is preempted), then joins at random
+    times (now and then after the loop went idle), stop ids and aborts, until `wanted` requests
+    were sent; check() between joins.  Returns the aborted handles."""
+    aborted: set[int] = set()
+    for _ in range(3):
+        submit(d, rng, 20, 40)
+    deadline = time.monotonic() + 6
+    while len(d.records) < wanted and time.monotonic() < deadline:
+        time.sleep(0.02 if rng.random() < 0.1 else float(rng.uniform(0, 0.004)))
+        d.drain_cq()
+        check()
+        stop_at = int(rng.integers(0, 8)) if rng.random() < 0.4 else None
+        submit(d, rng, int(rng.integers(1, 30)), int(rng.integers(1, 30)), stop_at)
+        live = [h for h, r in d.records.items() if not r.done and h not in aborted]
+        if live and rng.random() < 0.1:
+            h = live[int(rng.integers(0, len(live)))]
+            if d.abort(h):
+                aborted.add(h)
+                d.rings.aborts.publish()
+    return aborted
+
+
 class Watch:
     """Fails fast, saying where each side stands, when requests wait and no step has run for
     `stall_s` (a lost hand-over hangs the launch for good: no need to wait out a timeout)."""
@@ -247,26 +278,10 @@ def test_random_traffic_runs_every_step_once_on_its_graph_in_its_planned_bucket(
     ctl(d)["stop_grace_ns"] = 1_000_000_000
     run = Run(d)
     watch = Watch(d, run)
-    aborted: set[int] = set()
+    wanted = 40
     try:
         assert wait_until(lambda: int(ctl(d)["state"]) == layout.SchedulerState.RUNNING, 5)
-        for _ in range(3):  # long requests at once: the pool runs short, someone is preempted
-            submit(d, rng, 20, 40)
-        deadline = time.monotonic() + 6
-        wanted = 40
-        while len(d.records) < wanted and time.monotonic() < deadline:
-            # joins at random times, now and then after the scheduler went idle
-            time.sleep(0.02 if rng.random() < 0.1 else float(rng.uniform(0, 0.004)))
-            d.drain_cq()
-            watch.check()
-            stop_at = int(rng.integers(0, 8)) if rng.random() < 0.4 else None
-            submit(d, rng, int(rng.integers(1, 30)), int(rng.integers(1, 30)), stop_at)
-            live = [h for h, r in d.records.items() if not r.done and h not in aborted]
-            if live and rng.random() < 0.1:
-                h = live[int(rng.integers(0, len(live)))]
-                if d.abort(h):
-                    aborted.add(h)
-                    d.rings.aborts.publish()
+        aborted = traffic(d, rng, wanted, watch.check)
         assert watch.served(lambda: all(r.done for r in d.records.values()), 6)
         # a lone request whose second sample is its stop id: the plan for the step after names
         # its row, which ends first, so that step goes out void
