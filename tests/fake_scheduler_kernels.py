@@ -273,6 +273,8 @@ class FakeSchedulerDriver(FakeDriver):
         copies: dict[int, _FNode] = {}
         for n in self._graphs[int(g)].nodes:
             fields = {k: v for k, v in n.__dict__.items() if k not in ("id", "kind", "deps")}
+            if "programmatic_from" in fields:  # the copies' ids, not the original's
+                fields["programmatic_from"] = {copies[i].id for i in fields["programmatic_from"]}
             copy = _FNode(self._id(), n.kind, deps=[copies[d.id] for d in n.deps], **fields)
             copies[n.id] = copy
             clone.nodes.append(copy)
