@@ -108,6 +108,23 @@ def tiny_server():
         yield bg
 
 
+@pytest.fixture(scope="module")
+def server():
+    """The tiny model's server with 8 slots and 512 positions, one per test module (the gateway
+    tests' upstream); a module that needs another defines its own."""
+    with running_server("tiny", n_slots=8, max_ctx=512) as bg:
+        yield bg
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    """The HTTP gateway in front of the module's `server`."""
+    from ringleader.hostctl.gateway.app import BackgroundGateway  # aiohttp: the http extra
+
+    with BackgroundGateway(server.address) as gw:
+        yield gw
+
+
 @pytest.fixture
 def peer(tiny_server):
     p = RawPeer(tiny_server.address)

@@ -28,18 +28,6 @@ from tests.conftest import RawPeer, running_server, wait_until
 PROMPT_IDS = list(range(40, 60))
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("tiny", n_slots=8, max_ctx=512) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def gateway(server):
-    with BackgroundGateway(server.address) as gw:
-        yield gw
-
-
 def api(gw: BackgroundGateway, **options) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=gw.url + "/v1", api_key=options.pop("api_key", "none"), max_retries=0, **options

@@ -12,18 +12,6 @@ from tests.conftest import running_server
 from tests.test_gateway_choices import PROMPT_IDS, api
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("tiny", n_slots=8, max_ctx=512) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def gateway(server):
-    with BackgroundGateway(server.address) as gw:
-        yield gw
-
-
 def native(server, **kwargs):
     with Client(server.address, timeout=60) as c:
         stream = c.generate(**kwargs)

@@ -58,18 +58,6 @@ def http(url: str, method: str = "GET", body: dict | None = None, headers=None, 
         return status, raw.decode(), got
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("tiny", n_slots=8, max_ctx=512) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def gateway(server):
-    with BackgroundGateway(server.address) as gw:
-        yield gw
-
-
 # ---------------------------------------------------------------- 1. the command's mistakes
 
 

@@ -214,30 +214,19 @@ class DeviceScheduled:
 
     def _signal_placed(self, mode: str, signal: str, programmatic: bool, graphs, context) -> LaunchGraph:
         """Mode's graphs with the step's signal where asked (auto: in-step, else node)."""
-        stream = self._graph_streams[0]
-        if signal != "auto":
-            return LaunchGraph(
-                mode, graphs, self._fn, context, self._ctx, stream, signal=signal, programmatic=programmatic
-            )
-        try:
-            return LaunchGraph(
-                mode,
-                graphs,
-                self._fn,
-                context,
-                self._ctx,
-                stream,
-                signal="in-step",
-                programmatic=programmatic,
-            )
-        except drv.CudaError as exc:
-            log.warning(
-                "--step-signal auto: the in-step signal unavailable, a signal node instead", exc_info=True
-            )
-            self.description["step_signal_fallback"] = f"{mode}: {exc}"
-        return LaunchGraph(
-            mode, graphs, self._fn, context, self._ctx, stream, signal="node", programmatic=programmatic
-        )
+        places = ("in-step", "node") if signal == "auto" else (signal,)
+        for place in places:
+            try:
+                return LaunchGraph(
+                    mode, graphs, self._fn, context, self._ctx, self._graph_streams[0],
+                    signal=place, programmatic=programmatic,
+                )  # fmt: skip
+            except drv.CudaError as exc:
+                if place == places[-1]:
+                    raise
+                log.warning("--step-signal auto: no in-step signal, a signal node instead", exc_info=True)
+                self.description["step_signal_fallback"] = f"{mode}: {exc}"
+        raise AssertionError("unreachable: the last place raised or returned")
 
     @staticmethod
     def _write_launch_state(device_memory, mode: str) -> None:
