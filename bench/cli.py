@@ -39,6 +39,7 @@ from ringleader.bench.options import (
     ENGINE_DEFAULTS,
     SERVER_DEFAULTS,
     apply_model_defaults,
+    busy_list,
     check_options,
     count_list,
     int_list,
@@ -217,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is cut")
     g.add_argument(
         "--cpu-interference",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also run each point with N busy processes and report the degradation",
+        type=busy_list,
+        default=[],
+        metavar="N[,N...]",
+        help="also run each point beside N busy processes (a comma list: each count in turn) and "
+        "report what each keeps of the quiet run",
     )
 
     g.add_argument(

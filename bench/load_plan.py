@@ -82,5 +82,5 @@ def plan_loads(args, max_ctx: int, id_range: tuple[int, int]) -> LoadPlan:
         else []
     )
     options = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed)
-    busy_levels = [0, args.cpu_interference] if args.cpu_interference else [0]
+    busy_levels = sorted({0, *args.cpu_interference})
     return LoadPlan(points, warm, options, busy_levels)

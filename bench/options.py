@@ -32,6 +32,17 @@ def int_list(text: str) -> list[int]:
     return vals
 
 
+def busy_list(text: str) -> list[int]:
+    """--cpu-interference: busy-process counts, each run beside a quiet run (`1,2`: 0, 1 and 2)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--cpu-interference must be >= 0, got {text!r}")
+    return vals
+
+
 def count_list(text: str) -> int | list[int]:
     """--requests: one count (an int, for every load point) or a comma list (one per point)."""
     try:
@@ -98,8 +109,6 @@ def check_options(args) -> list[str]:
         out.append("--input-len and --output-len must be >= 1")
     if args.burstiness <= 0:
         out.append("--burstiness must be > 0")
-    if args.cpu_interference < 0:
-        out.append("--cpu-interference must be >= 0")
     if args.warmup < 0:
         out.append("--warmup must be >= 0")
     out += _prefix_problems(args)

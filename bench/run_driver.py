@@ -178,7 +178,11 @@ def _say_plan(
         f"ringleader bench: model {target_plan.model}, device {target_plan.device}, variants {', '.join(target_plan.names)}; "
         f"{len(load_plan.points)} load point(s) x {'/'.join(str(len(sp)) for _, sp in load_plan.points)} requests, "
         f"prompt ids in [{id_range[0]}, {id_range[1]})"
-        + (f", with and without {args.cpu_interference} busy processes" if args.cpu_interference else "")
+        + (
+            f", quiet and beside {' or '.join(map(str, busy))} busy processes"
+            if (busy := [n for n in args.cpu_interference if n])
+            else ""
+        )
     )
     if prefix is None:
         return

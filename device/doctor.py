@@ -46,6 +46,7 @@ class Doctor:
         self.report: dict = {
             "versions": package_versions(),
             "environment": {},
+            "cpu": None,
             "gpu": None,
             "kernel": None,
             "problems": [],
@@ -61,6 +62,7 @@ class Doctor:
     def run(self) -> dict:
         self._environment()
         torch = self._torch()
+        self._cpu(torch)
         gpu = self._gpu(torch) if torch is not None else False
         self._bindings()
         build = self._compile(gpu)
@@ -96,6 +98,16 @@ class Doctor:
         except Exception as exc:
             self.problem(f"torch does not import: {exc!r}")
             return None
+
+    def _cpu(self, torch) -> None:
+        """The CPU the cpu backend runs on: its extensions, the cores it may use, and the kernels
+        they select (torch's dispatch level)."""
+        from ringleader.device.backends.cpu_features import cpu_features
+
+        cpu = cpu_features()
+        self.report["cpu"] = {"summary": cpu.summary(), **cpu.as_description()}
+        if torch is not None:
+            self.report["cpu"]["aten"] = torch.backends.cpu.get_cpu_capability()
 
     def _gpu(self, torch) -> bool:
         self.report["versions"]["torch_cuda"] = torch.version.cuda
@@ -188,6 +200,9 @@ class Doctor:
 def format_report(report: dict) -> str:
     lines = ["versions:"]
     lines += [f"  {k}: {v}" for k, v in report["versions"].items()]
+    cpu = report.get("cpu")
+    if cpu:
+        lines.append(f"cpu: {cpu['summary']}" + (f", torch kernels {cpu['aten']}" if cpu.get("aten") else ""))
     gpu = report.get("gpu")
     lines.append("gpu: " + (", ".join(f"{k} {v}" for k, v in gpu.items()) if gpu else "none"))
     if report["environment"]:

@@ -110,9 +110,10 @@ class EngineConfig:
         64, flag="--aging-steps", type=int,
         help="priority policy: a waiting request gains one level per this many steps")
     seed: int = option(0, flag="--seed", type=int, help="seed of the preset's random weights")
-    threads: int | None = option(  # the CPU backend's; None: torch's default
+    threads: int | None = option(  # the CPU backend's; None: adaptive (cpu_threads.py)
         None, flag="--threads", type=int,
-        help="torch CPU threads (default: torch's, one per core it may use)")
+        help="CPU backend: the step's threads, fixed (default: adaptive, one per core this "
+        "process may use that other processes leave free)")
     trace_path: str | None = option(
         None, flag="--trace",
         help="CUDA: write the device timeline as Chrome-trace JSON to this file at shutdown")

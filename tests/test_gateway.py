@@ -390,7 +390,7 @@ def smollm2_stack(smollm2_gguf):
 
 def test_chat_on_the_real_model_matches_the_native_client(smollm2_stack):
     srv, gw = smollm2_stack
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     ids, text, done = native(srv, messages=messages, max_tokens=24)
     client = api(gw)
     name = client.models.list().data[0].id
@@ -461,7 +461,7 @@ def test_stop_strings_on_real_text(smollm2_stack):
     _, gw = smollm2_stack
     client = api(gw)
     name = client.models.list().data[0].id
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     full = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     assert " is " in text

@@ -139,7 +139,7 @@ def smollm2_stack(smollm2_gguf):
             yield srv, gw
 
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [{"role": "user", "content": "Name the capital of France."}]
 
 
 def test_chat_logprobs_streamed_and_not(smollm2_stack):

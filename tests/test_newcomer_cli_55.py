@@ -210,7 +210,7 @@ def test_a_gguf_load_logs_each_phase_with_its_time(tmp_path, caplog):
         "reading the GGUF metadata of m.gguf",
         r"reading 21 tensors \(\d+\.\d MiB\), keeping the quantized matrices",
         "arranging the tensors as the model's 2 layers",
-        r"repacking 9 quantized matrices for the CPU's int4 kernel",
+        r"repacking 9 quantized matrices for the CPU's quantized kernel",
     ]
     assert len(said) == 2 * len(phases), said
     for i, phase in enumerate(phases):  # a line as it begins, a line with its time as it ends

@@ -189,7 +189,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def test_chat_answers_a_fact_and_stops_at_im_end(server, tokenizer):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     with Client(server.address, timeout=300) as client:
         stream = client.complete(messages=messages, max_tokens=64)
     assert "Paris" in stream.text
@@ -268,16 +268,14 @@ def test_serve_names_the_gguf_by_its_stem_and_chats_with_an_override(gguf_path, 
         assert f"ringleader: serving {stem} on {address} (" in log.read_text()
         with urllib.request.urlopen(f"http://{http}/v1/models", timeout=30) as resp:
             assert [m["id"] for m in json.load(resp)["data"]] == [stem]
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        messages = [{"role": "user", "content": "Name the capital of France."}]
         with Client(address, timeout=300) as client:
             assert client.stats()["model"] == stem
             stream = client.complete(messages=messages, max_tokens=32)
         rendered = ChatTemplate(CHATML_NO_SYSTEM).render(
             messages, bos_token="<|im_start|>", eos_token="<|im_end|>"
         )
-        assert (
-            rendered == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-        )
+        assert rendered == "<|im_start|>user\nName the capital of France.<|im_end|>\n<|im_start|>assistant\n"
         want = tokenizer.encode(rendered, add_special_tokens=False)
         assert stream.done.prompt_tokens == len(want) < len(tokenizer.encode_chat(messages))  # no system turn
         assert stream.done.finish_reason == "stop" and "Paris" in stream.text

@@ -10,6 +10,7 @@ idle; the frontend rings it after publishing SQ entries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,7 +22,9 @@ from ringleader.device.backends.common import (
     model_info,
     ring_config_for,
 )
+from ringleader.device.backends.cpu_features import cpu_features
 from ringleader.device.backends.cpu_runtime import release_callers_openmp_team, return_freed_heap
+from ringleader.device.backends.cpu_threads import ThreadGovernor
 from ringleader.device.backends.eager_runner import EagerStepRunner
 from ringleader.device.backends.engine_backend import EngineBackend
 from ringleader.device.backends.host_memory import HostMemory
@@ -30,6 +33,8 @@ from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
+from ringleader.device.weights.cpu_weight_choice import choose_cpu_weights
+from ringleader.device.weights.gguf_checkpoint import is_gguf
 
 log = logging.getLogger("ringleader.cpu")
 
@@ -43,9 +48,20 @@ class CpuBackend(EngineBackend):
         """config: an EngineConfig, or a model spec; fields: EngineConfig fields by name
         (CpuBackend("tiny", n_slots=8)).  The CUDA-only fields are not used here."""
         super().__init__()
-        cfg = self.config = EngineConfig.of(config, **fields).resolved("cpu")
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        requested = EngineConfig.of(config, **fields)
+        cfg = requested.resolved("cpu")  # every field checked before anything loads
+        cpu = cpu_features()
+        # --threads N fixes the team; by default it follows the cores other processes leave free
+        self.thread_governor = ThreadGovernor(
+            cfg.threads or min(torch.get_num_threads(), cpu.cores), fixed=cfg.threads is not None
+        )
+        torch.set_num_threads(self.thread_governor.max_threads)  # the load's team (released before start)
+        log.info("cpu: %s; step threads %s", cpu.summary(), self.thread_governor.describe())
+        self.weight_choice = None  # --weights auto, GGUF: the form measured fastest here
+        if requested.weights == "auto" and is_gguf(cfg.model):
+            self.weight_choice = choose_cpu_weights(cfg.model)
+            cfg = dataclasses.replace(requested, weights=self.weight_choice.form).resolved("cpu")
+        self.config = cfg
         dtype = getattr(torch, cfg.dtype)
         self._model = load_model(cfg, dtype, "cpu")
         assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
@@ -75,11 +91,16 @@ class CpuBackend(EngineBackend):
             "policy": cfg.policy,
             "prefix_caching": cfg.prefix_caching,
             "torch_threads": torch.get_num_threads(),
+            **({"weights_auto": self.weight_choice.as_description()} if self.weight_choice else {}),
+            "step_threads": self.thread_governor.describe(),
+            "cpu": {**cpu.as_description(), "aten": torch.backends.cpu.get_cpu_capability()},
             **self.kv_pool.as_description(),
         }
         self._timer = StepTimer()
         # zero-copy views of the scheduler's arrays, built once: the step reads and writes them in place
-        runner = self.runner_class(step, StepLayout.from_arrays(self._memory.arrays))
+        runner = self.runner_class(
+            step, StepLayout.from_arrays(self._memory.arrays), before_step=self.thread_governor.before_step
+        )
         self._engine = HostScheduled(
             self._memory,
             runner,
@@ -91,6 +112,9 @@ class CpuBackend(EngineBackend):
         )
         self._stop_timeout_s = STOP_TIMEOUT_S
         return_freed_heap()  # the load's temporaries (cpu_runtime.py)
+
+    def stats(self, timeline_after_seq: int = 0) -> dict:
+        return {**super().stats(timeline_after_seq), **self.thread_governor.figures()}
 
     def start(self) -> None:
         release_callers_openmp_team()  # the engine thread's team runs every step: the only one

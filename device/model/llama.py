@@ -27,6 +27,7 @@ from ringleader.device.model.config import ModelConfig
 from ringleader.device.model.decoder_layer import CacheAttention, DecoderLayer, PointwiseKernels, RMSNorm
 from ringleader.device.model.ops import rope_tables
 from ringleader.device.model.presets import LOGIT_STD, PRESETS, preset_config
+from ringleader.device.step.cpu_step_kernels import cpu_step_kernels
 from ringleader.device.step.eager_attention import EagerAttention
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
@@ -365,8 +366,9 @@ class LlamaModel(nn.Module):
         self.prepare(block_table.shape[1] * kv.page_size)  # the longest context the table reaches
         cos = self._cos.index_select(0, batch.positions)
         sin = self._sin.index_select(0, batch.positions)
-        cache = EagerAttention(batch, plan, kv, block_table, cos, sin)
-        return self(batch.token_ids, cache, batch.sample_rows)
+        kernels = cpu_step_kernels() if block_table.device.type == "cpu" else None
+        cache = EagerAttention(batch, plan, kv, block_table, cos, sin, kernels)
+        return self(batch.token_ids, cache, batch.sample_rows, kernels or ops)
 
 
 def _kernel_work(kernels: dict[str, Weight], on_cpu: bool, widening: bool) -> str:
@@ -378,7 +380,7 @@ def _kernel_work(kernels: dict[str, Weight], on_cpu: bool, widening: bool) -> st
         for w in kernels.values()
     )
     if quantized:
-        kernel = "the CPU's int4 kernel" if on_cpu else "the Triton int4 kernel"
+        kernel = "the CPU's quantized kernel" if on_cpu else "the Triton int4 kernel"
         return f"repacking {quantized} quantized matrices for {kernel}"
     return "converting the weights to bfloat16" if widening else ""
 

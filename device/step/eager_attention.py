@@ -12,6 +12,7 @@ not capturable; the CUDA backend uses `StaticAttention` (device/step/static_step
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 from ringleader.device.model.ops import rope_split
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch, StepPlan
+
+if TYPE_CHECKING:
+    from ringleader.device.step.cpu_step_kernels import CpuStepKernels
 
 
 @dataclass
@@ -85,6 +89,17 @@ def attend_gathered(
             out = od
         else:
             out.index_copy_(0, rows, od)
+    attend_prefill(q, gathers, k_cache, v_cache, out)
+    return out
+
+
+def attend_prefill(
+    q: torch.Tensor, gathers: StepGathers, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The prefill chunks' part of attend_gathered, written into out's rows."""
+    T, H, D = q.shape
+    PS, KV = k_cache.shape[1:3]
+    G = H // KV
     for start, n, pages, mask in gathers.prefill:
         ctx_end = mask.shape[1]
         qs = q[start : start + n].view(n, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * n, D)
@@ -92,7 +107,6 @@ def attend_gathered(
         vs = v_cache[pages].view(-1, KV, D)[:ctx_end].transpose(0, 1)[None]
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
         out[start : start + n] = os_.view(KV, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
-    return out
 
 
 def ragged_attention(
@@ -123,8 +137,11 @@ class EagerAttention:
         block_table: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        cpu_kernels: CpuStepKernels | None = None,
     ) -> None:
+        """cpu_kernels: the CPU step's few-row kernels (rope and store, decode attention), when given."""
         self.batch, self.plan, self.kv, self.cos, self.sin = batch, plan, kv, cos, sin
+        self.cpu_kernels = cpu_kernels
         self.block_table = block_table.long()
         PS = kv.page_size
         page = self.block_table[batch.slot_of, batch.positions // PS]
@@ -134,6 +151,11 @@ class EagerAttention:
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         KV, D = self.kv.num_kv_heads, self.kv.head_dim
         k_cache, v_cache = self.kv.layer(layer)
+        if self.cpu_kernels is not None:
+            args = (self.cos, self.sin, self.cache_row, k_cache, v_cache, KV, D)
+            q_rotated = self.cpu_kernels.rope_store(qkv, *args)
+            if q_rotated is not None:
+                return q_rotated
         q, k, v = rope_split(qkv, self.cos, self.sin, KV, D)
         k_cache.view(-1, KV, D).index_copy_(0, self.cache_row, k.to(k_cache.dtype))
         v_cache.view(-1, KV, D).index_copy_(0, self.cache_row, v.to(v_cache.dtype))
@@ -147,4 +169,15 @@ class EagerAttention:
             self._gathers = StepGathers.build(
                 self.batch, self.plan, self.block_table, n_pages, page_size, group
             )
+        if self.cpu_kernels is not None and self.plan.decode_groups:
+            out = torch.empty_like(q)  # the decode rows read their pages in place, in C++
+            b = self.batch
+            if all(
+                self.cpu_kernels.decode_attention(
+                    q, rows, b.slot_of, b.positions, self.block_table, k_cache, v_cache, out
+                )
+                for rows, _ in self.plan.decode_groups
+            ):
+                attend_prefill(q, self._gathers, k_cache, v_cache, out)
+                return out
         return attend_gathered(q, self._gathers, k_cache, v_cache)

@@ -3,10 +3,15 @@
 `KernelLinear` is nn.Linear's forward, y = x @ W.T (+ b), over W's row bands
 (device/weights/quant_weights.py), each band computed by its own kernel and the outputs set side
 by side:
-- `CpuInt4Matmul`: a GGUF matrix with int4 digits on the CPU, torch's int4 weight-only kernel
-  (`_weight_int4pack_mm_for_cpu`), one call per digit (Q4_x: one; Q5_x, Q8_0: two). Its fast
-  path takes bf16 activations (fp32 ones run a scalar loop ~30x slower), so activations, scales
-  and zeros enter it in bf16 and the result leaves in fp32; it accumulates in fp32.
+- `CpuQuantMatmul` (cpu_quant_matmul.py): a GGUF matrix on the CPU, int8 activations times the
+  file's int4/int8 codes in integer dot products, built for this CPU's ISA (AVX2, AVX-VNNI,
+  AVX-512 VNNI, or plain loops). 3.1x torch's int4 kernel per decode step on an AVX-512-BF16
+  machine, 6x on the AVX2 path (bench/results/2026-11-29-cpu-shared/).
+- `CpuInt4Matmul`: torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), one call per
+  digit (Q4_x: one; Q5_x, Q8_0: two), kept for side-by-side runs
+  (RINGLEADER_CPU_QUANT_KERNEL=torch). Its fast path takes bf16 activations (fp32 ones run a
+  scalar loop ~30x slower), so activations, scales and zeros enter it in bf16; it accumulates
+  in fp32.
 - the Triton kernel of device/weights/triton_quant_matmul.py for the same digits on CUDA.
 - `dense_matmul`: a dense weight. On the CPU its rows are split into one batch entry per torch
   thread and run as one bmm: torch runs a 1-row GEMM (a decode step at concurrency 1) on a
@@ -14,14 +19,16 @@ by side:
   2026-11-26-cpu-weights/).
 `StoredEmbedding` looks rows up in a GGUF matrix and widens only the rows a step reads.
 
-Where rounding enters against the file's own dequantization (gguf_quants, float32): the int4 CPU
-kernel rounds each group's scale and zero to bf16 (zero' = zero + 8 * scale: the kernel takes
-q - 8), and the activations to bf16; its summation order is its own. Dense fp32 weights are the
+Where rounding enters against the file's own dequantization (gguf_quants, float32): CpuQuantMatmul
+holds the weights exactly and rounds the activations to int8 per group of 32 (scale max|x|/127);
+torch's int4 kernel rounds each group's scale and zero to bf16 (zero' = zero + 8 * scale: it
+takes q - 8), and the activations to bf16; each sums in its own order. Dense fp32 weights are the
 file's values exactly; only the summation order differs from one F.linear.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,6 +37,7 @@ from torch import nn
 
 from ringleader.device.weights.quant_weights import GROUP, Digit, GGUFMatrix, RowBands, Weight
 
+CPU_QUANT_KERNEL_ENV = "RINGLEADER_CPU_QUANT_KERNEL"
 CPU_ROWS_PER_PACK = 4096  # rows packed at once: the packing takes int32 codes (4 B each)
 CPU_N_MULTIPLE = 16  # torch's CPU int4 packing wants N a multiple of 16: rows are padded
 CPU_INT4_DTYPE = torch.bfloat16  # the activations' dtype of the kernel's vectorized path
@@ -114,13 +122,25 @@ def band_matmul(
         return DenseMatmul(part.to(device), splits)
     if not part.has_digits:
         return DenseMatmul(part.dense(dtype, device), splits)
-    digits = part.digits()
     if device.type == "cuda":
         from ringleader.device.weights.triton_quant_matmul import TritonInt4Weight
 
-        kernel = TritonInt4Weight.from_digits(digits, GROUP, device)  # takes Digit as it is
+        kernel = TritonInt4Weight.from_digits(part.digits(), GROUP, device)  # takes Digit as it is
         return kernel.matmul
-    return CpuInt4Matmul(digits, part.shape[0])
+    if cpu_quant_kernel() == "torch":
+        return CpuInt4Matmul(part.digits(), part.shape[0])
+    from ringleader.device.weights.cpu_quant_matmul import CpuQuantMatmul
+
+    return CpuQuantMatmul.from_gguf(part)
+
+
+def cpu_quant_kernel() -> str:
+    """The CPU's kernel for GGUF matrices: "ringleader" (cpu_quant_matmul.py, the default) or
+    "torch" (CpuInt4Matmul, kept for side-by-side runs), from RINGLEADER_CPU_QUANT_KERNEL."""
+    name = os.environ.get(CPU_QUANT_KERNEL_ENV, "ringleader")
+    if name not in ("ringleader", "torch"):
+        raise ValueError(f"{CPU_QUANT_KERNEL_ENV}={name!r}: one of ringleader, torch")
+    return name
 
 
 def band_kind(part: torch.Tensor | GGUFMatrix) -> str:
