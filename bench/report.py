@@ -198,18 +198,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
 
 
 def cpu_identity() -> tuple[str | None, dict[str, bool]]:
-    """The CPU's model name and which of CPU_FLAGS it has (the first CPU's /proc/cpuinfo entry:
-    a machine's are alike)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(info.get("flags", "").split())
-    return info.get("model name") or platform.processor() or None, {k: k in flags for k in CPU_FLAGS}
+    """The CPU's model name and which of CPU_FLAGS it has (device/backends/cpu_features.py)."""
+    from ringleader.device.backends.cpu_features import cpu_features
+
+    cpu = cpu_features()
+    return (None if cpu.model == "unknown CPU" else cpu.model), {k: k in cpu.flags for k in CPU_FLAGS}
 
 
 # ---------------------------------------------------------------- the document

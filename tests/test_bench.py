@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ringleader.bench import cli
-from ringleader.bench.load_plan import loads, request_counts
+from ringleader.bench.load_plan import loads, plan_loads, request_counts
 from ringleader.bench.metrics import RequestRecord, run_metrics, summarize
 from ringleader.bench.options import check_options
 from ringleader.bench.servers import ServerError, ServerProcess, cpu_deltas, plan_variants
@@ -188,6 +188,16 @@ def test_no_argument_run_is_the_quick_comparison():
     assert args.concurrency == [1, 16] and args.requests == 48 and args.ignore_eos
     assert args.out == "ringleader-bench" and args.device == "auto" and args.compare is None
     assert cli.main(["--requests", "0"]) == 2
+
+
+def test_cpu_interference_takes_a_list_of_busy_counts():
+    parse = cli.build_parser().parse_args
+    assert parse([]).cpu_interference == []
+    assert parse(["--cpu-interference", "1,2"]).cpu_interference == [1, 2]
+    plan = plan_loads(parse(["--cpu-interference", "2,1,2", "--requests", "2"]), 128, (17, 100))
+    assert plan.busy_levels == [0, 1, 2]  # each count once, beside the quiet run
+    with pytest.raises(SystemExit):
+        parse(["--cpu-interference", "-1"])
 
 
 def test_requests_per_load_point():

@@ -143,9 +143,10 @@ def test_the_engine_threads_team_shrinks_beside_a_busy_process():
         finally:
             busy.kill()
             busy.wait()
-    assert stats["cpu_threads"] == gov.max_threads - 1 and stats["cpu_thread_changes"] >= 1
+    # at least the busy child's core given up (more where other work shares the machine too)
+    assert stats["cpu_threads"] < gov.max_threads and stats["cpu_thread_changes"] >= 1
     assert stats["cpu_others_cores"] > 0.4
-    assert ThreadsSeen.seen[-1] == gov.max_threads - 1  # the engine thread's own team, as torch says
+    assert ThreadsSeen.seen[-1] == stats["cpu_threads"]  # the engine thread's own team, as torch says
 
 
 def test_the_machine_is_named_with_its_extensions_and_cores():

@@ -22,7 +22,7 @@ GB/s counts each variant's own weight bytes (ours: 20 B per 32 Q4_1 weights with
 
     python -m ringleader.bench.lab.cpu_quant_micro --threads 1,2 --aten-avx2 --step --json out.json
 
-Measured on a 2-core AMD EPYC (Zen 4) VM (avx2, avx512_vnni, avx512_bf16, avx_vnni), torch
+Measured on a 2-core AMD EPYC (family 26) VM (avx2, avx512_vnni, avx512_bf16, avx_vnni), torch
 2.13 (random Q4_1 bytes; the real SmolLM2 file gives the same within noise), us per call:
 
   2 threads, M=1        ours-native ours-avx2 torch-int4 int4@aten-avx2 dense-fp32 dense-bf16

@@ -1,10 +1,14 @@
-"""The CPU step's pointwise work for few-row steps, one C++ call each (cpu_step_kernels.cpp): a
-decode step of SmolLM2 spends ~1.2 ms in the 4 x 30 torch calls these replace (3-8 ops each, a
-few microseconds of dispatch apiece), against ~0.15 ms here (bench/results/2026-11-29-cpu-shared/).
+"""The CPU step's work around its matmuls, one C++ call each (cpu_step_kernels.cpp): add +
+RMSNorm, SiLU x up, RoPE with the k/v store, and the decode rows' attention read in place from
+their pages. Measured on SmolLM2 (2-core EPYC): the 4 x 30 pointwise torch calls of a decode step
+(3-8 ops each, microseconds of dispatch apiece) cost ~1.2 ms, and the in-place attention is
+2.6-3.3x the gather + SDPA it replaces; with the quantized kernel a 1-row step went from 9.9 to
+5.5 ms (bench/results/2026-11-29-cpu-shared/).
 
-Taken only where it is the same computation: fp32 tensors, contiguous, at most FEW_ROWS rows (a
-prefill chunk's many rows keep torch's ops, which spread over the team's threads). Anything else
-goes to device/model/ops.py unchanged.
+Taken only where it is the same computation: fp32 contiguous tensors; the pointwise calls at most
+FEW_ROWS rows (a prefill chunk's many rows keep torch's ops, which spread over the team's
+threads); the attention for every decode row (its loop runs on the team when long). Anything
+else goes to device/model/ops.py and attend_gathered unchanged.
 """
 
 from __future__ import annotations

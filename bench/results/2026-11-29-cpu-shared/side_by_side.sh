@@ -15,7 +15,7 @@ LOAD=(--model "$M" --http-prompt-text --concurrency 1,8 --requests 8,16 --input-
 wait_http() { for _ in $(seq 120); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
 
 env_isa=()
-[ "$ISA" = avx2 ] && env_isa=(RINGLEADER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2)
+[ "$ISA" = avx2 ] && env_isa=(RINGLEADER_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2)
 env "${env_isa[@]}" ringleader serve --model "$M" --bind tcp://127.0.0.1:5711 --http 127.0.0.1:8711 2>"$OUT/ringleader.serve.log" &
 RP=$!
 wait_http http://127.0.0.1:8711 || { echo "ringleader did not start"; kill $RP; exit 1; }
