@@ -117,9 +117,8 @@ def test_decode_attention_reads_the_pages_in_place_as_the_gathered_sdpa_does(ker
     gathers = StepGathers.build(batch, plan, block_table, P, PS, H // KV)
     want = attend_gathered(q, gathers, k_cache, v_cache)
     got = torch.zeros_like(q)
-    assert kernels.decode_attention(
-        q, rows, batch.slot_of, batch.positions, block_table, k_cache, v_cache, got
-    )
+    assert kernels.attends_in_place(q, k_cache, v_cache, batch.slot_of, batch.positions, block_table)
+    kernels.decode_attention(q, rows, batch.slot_of, batch.positions, block_table, k_cache, v_cache, got)
     picked = slice(None) if rows is None else rows
     torch.testing.assert_close(got[picked], want[picked], rtol=1e-5, atol=1e-5)
     if rows is not None:

@@ -141,18 +141,11 @@ def model_matrices(path: str) -> dict[str, GGUFMatrix]:
 
 
 def cpu_header() -> dict:
-    model = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), ""
-        )
-    except OSError:
-        pass
-    flags = cpu_features().flags
+    cpu = cpu_features()
+    model, flags = cpu.model, cpu.flags
     return {
         "model": model,
-        "cores": os.cpu_count(),
+        "cores": cpu.cores,
         "flags": [f for f in FLAGS_SHOWN if f in flags],
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

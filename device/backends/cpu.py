@@ -31,6 +31,7 @@ from ringleader.device.backends.host_memory import HostMemory
 from ringleader.device.backends.host_scheduled import HostScheduled
 from ringleader.device.backends.kv_pool import plan_pool
 from ringleader.device.engine_config import EngineConfig
+from ringleader.device.model import LlamaModel
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.weights.cpu_weight_choice import choose_cpu_weights
@@ -57,13 +58,16 @@ class CpuBackend(EngineBackend):
         )
         torch.set_num_threads(self.thread_governor.max_threads)  # the load's team (released before start)
         log.info("cpu: %s; step threads %s", cpu.summary(), self.thread_governor.describe())
+        dtype = getattr(torch, cfg.dtype)
+        self._model = load_model(cfg, dtype, "cpu")  # auto, GGUF: quantized (resolved("cpu"))
         self.weight_choice = None  # --weights auto, GGUF: the form measured fastest here
         if requested.weights == "auto" and is_gguf(cfg.model):
-            self.weight_choice = choose_cpu_weights(cfg.model)
-            cfg = dataclasses.replace(requested, weights=self.weight_choice.form).resolved("cpu")
+            assert isinstance(self._model, LlamaModel)
+            self.weight_choice = choose_cpu_weights(self._model)
+            if self.weight_choice.form != cfg.weights:
+                cfg = dataclasses.replace(requested, weights=self.weight_choice.form).resolved("cpu")
+                self._model = load_model(cfg, dtype, "cpu")
         self.config = cfg
-        dtype = getattr(torch, cfg.dtype)
-        self._model = load_model(cfg, dtype, "cpu")
         assert cfg.max_ctx is not None and isinstance(cfg.kv_cache_memory, int)  # resolved("cpu")
         max_ctx = min(cfg.max_ctx, self._model.config.max_position_embeddings)
         self.kv_pool = plan_pool(

@@ -145,6 +145,14 @@ class CpuStepKernels:
         )
         return q
 
+    @staticmethod
+    def attends_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *tables) -> bool:
+        """Whether decode_attention takes these: fp32 contiguous q and caches, int64 contiguous
+        row tables (the same for every layer of a step: checked once per step)."""
+        return _fp32(q, k_cache, v_cache) and all(
+            t.dtype == torch.int64 and t.is_contiguous() for t in tables
+        )
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -155,15 +163,10 @@ class CpuStepKernels:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         out: torch.Tensor,
-    ) -> bool:
+    ) -> None:
         """Writes the attention of q's decode rows `rows` (all rows when None) into `out`
-        [T, H, D], reading their slots' pages of k/v_cache [P, PS, KV, D] in place; False
-        (nothing written) where this is not the fp32 case."""
-        tables = (slot_of, positions, block_table, *(() if rows is None else (rows,)))
-        if not _fp32(q, k_cache, v_cache, out) or any(
-            t.dtype != torch.int64 or not t.is_contiguous() for t in tables
-        ):
-            return False
+        [T, H, D], reading their slots' pages of k/v_cache [P, PS, KV, D] in place; the tensors
+        as attends_in_place says (rows int64 contiguous too)."""
         _, heads, dim = q.shape
         page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         self._lib_released.rl_decode_attention(
@@ -183,7 +186,6 @@ class CpuStepKernels:
             dim**-0.5,
             out.data_ptr(),
         )
-        return True
 
 
 @functools.cache

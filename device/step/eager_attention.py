@@ -44,10 +44,12 @@ class StepGathers:
         n_pages: int,
         page_size: int,
         group: int,
+        with_decode: bool = True,
     ) -> StepGathers:
+        """with_decode=False: the prefill chunks' only (the decode rows attend elsewhere)."""
         PS, dev = page_size, batch.positions.device
         decode = []
-        for rows, max_ctx in plan.decode_groups:
+        for rows, max_ctx in plan.decode_groups if with_decode else ():
             slots = batch.slot_of if rows is None else batch.slot_of.index_select(0, rows)
             pos = batch.positions if rows is None else batch.positions.index_select(0, rows)
             # padded only to the pages of the group's longest context; a shorter row's entries
@@ -63,7 +65,7 @@ class StepGathers:
             q_pos = torch.arange(ctx_end - n, ctx_end, device=dev)
             mask = torch.arange(ctx_end, device=dev)[None, :] <= q_pos[:, None]  # [n, ctx_end]
             prefill.append((start, n, pages, mask.repeat(group, 1)))
-        whole = bool(plan.decode_groups) and plan.decode_groups[0][0] is None
+        whole = bool(decode) and decode[0][0] is None
         return cls(decode, prefill, whole)
 
 
@@ -147,6 +149,7 @@ class EagerAttention:
         page = self.block_table[batch.slot_of, batch.positions // PS]
         self.cache_row = page * PS + batch.positions % PS  # row of the flat [P * PS, KV, D] view
         self._gathers: StepGathers | None = None
+        self._in_place = False  # decode rows through cpu_kernels.decode_attention (set with _gathers)
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         KV, D = self.kv.num_kv_heads, self.kv.head_dim
@@ -163,21 +166,24 @@ class EagerAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.layer(layer)
+        b = self.batch
         if self._gathers is None:  # the same for every layer: built at the first one's call
             n_pages, page_size, n_kv = k_cache.shape[:3]
-            group = q.shape[1] // n_kv
-            self._gathers = StepGathers.build(
-                self.batch, self.plan, self.block_table, n_pages, page_size, group
+            # the decode rows read their pages in place, in C++, where the tensors allow it
+            tables = (b.slot_of, b.positions, self.block_table)
+            self._in_place = self.cpu_kernels is not None and self.cpu_kernels.attends_in_place(
+                q, k_cache, v_cache, *tables
             )
-        if self.cpu_kernels is not None and self.plan.decode_groups:
-            out = torch.empty_like(q)  # the decode rows read their pages in place, in C++
-            b = self.batch
-            if all(
-                self.cpu_kernels.decode_attention(
-                    q, rows, b.slot_of, b.positions, self.block_table, k_cache, v_cache, out
-                )
-                for rows, _ in self.plan.decode_groups
-            ):
-                attend_prefill(q, self._gathers, k_cache, v_cache, out)
-                return out
-        return attend_gathered(q, self._gathers, k_cache, v_cache)
+            self._gathers = StepGathers.build(
+                b, self.plan, self.block_table, n_pages, page_size, q.shape[1] // n_kv, not self._in_place
+            )
+        if not self._in_place:
+            return attend_gathered(q, self._gathers, k_cache, v_cache)
+        assert self.cpu_kernels is not None
+        out = torch.empty_like(q)
+        for rows, _ in self.plan.decode_groups:
+            self.cpu_kernels.decode_attention(
+                q, rows, b.slot_of, b.positions, self.block_table, k_cache, v_cache, out
+            )
+        attend_prefill(q, self._gathers, k_cache, v_cache, out)
+        return out

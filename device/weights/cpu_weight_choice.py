@@ -1,16 +1,18 @@
 """`--weights auto` on the CPU for a GGUF file: the form of its matrices that runs fastest on this
 machine, measured at start-up rather than assumed.
 
-The trial takes the file's first feed-forward matrix (the largest in a layer), kept quantized,
-and times it in each form at 1 row (a decode step at one stream) and TRIAL_ROWS[-1] rows (many
-streams, or a prefill chunk's slice), interleaved, median of TRIAL_REPEATS, on this process's
-threads:
+The file loads with its quantization kept (what `auto` serves unless the trial says otherwise);
+the trial then takes the loaded model's first feed-forward matrix (gate|up, the largest in a
+layer) and times it in each form at 1 row (a decode step at one stream) and TRIAL_ROWS[-1] rows
+(many streams, or a prefill chunk's slice), interleaved, median of TRIAL_REPEATS, on this
+process's threads:
 - "quantized": the file's codes through cpu_quant_matmul.py (int8 activations, this CPU's ISA);
-- "fp32": the matrix dequantized to float32 through the thread-split dense matmul.
-The form with the lower product of the two times wins (each load point weighs the same). On the
-2-core EPYC VM the quantized form is 4-10x faster on both ISAs (bench/results/2026-11-29-cpu-shared/);
-a machine whose dense GEMM outruns the integer kernel (a wide AMX or many-core server at many
-rows) would choose fp32. Costs ~50 ms once.
+- "fp32": the same matrix dequantized to float32 through the thread-split dense matmul.
+The form with the lower product of the two times wins (each load point weighs the same); only
+then is the file read again, dense. On the 2-core EPYC VM the quantized form is 3-5x faster on
+both ISAs (bench/results/2026-11-29-cpu-shared/); a machine whose dense GEMM outruns the integer
+kernel would choose fp32. The trial costs ~50 ms; the matrix comes from the loaded model, so
+the file (whose metadata takes ~2 s to parse for SmolLM2) is not read for it.
 """
 
 from __future__ import annotations
@@ -19,22 +21,24 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ringleader.device.weights.quant_weights import DIGIT_FORMS, GGUFMatrix
+if TYPE_CHECKING:
+    from ringleader.device.model.llama import LlamaModel
+    from ringleader.device.weights.cpu_quant_matmul import CpuQuantMatmul
 
 log = logging.getLogger("ringleader.cpu")
 
 TRIAL_ROWS = (1, 16)
 TRIAL_REPEATS = 7
-TRIAL_TENSORS = ("blk.0.ffn_up.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
 
 
 @dataclass
 class WeightChoice:
     form: str  # "quantized" or "fp32"
-    matrix: str = ""  # the tensor timed
+    matrix: str = ""  # the matrix timed
     us: dict[str, dict[int, float]] = field(default_factory=dict)  # form -> rows -> median us
 
     def describe(self) -> str:
@@ -48,31 +52,29 @@ class WeightChoice:
         return {"form": self.form, "matrix": self.matrix, "us": self.us}
 
 
-def trial_matrix(path: str) -> GGUFMatrix | None:
-    """The first layer's feed-forward matrix of a GGUF file, kept quantized; None without one
-    of a type the quantized kernel takes."""
-    from ringleader.device.weights.gguf_checkpoint import _kept_quantized, open_gguf
-
-    tensors = {t.name: t for t in open_gguf(path).tensors}
-    for name in TRIAL_TENSORS:
-        tensor = tensors.get(name)
-        if tensor is not None and tensor.tensor_type.name in DIGIT_FORMS:
-            return _kept_quantized(tensor, "cpu")
-    return None
-
-
-def time_forms(matrix: GGUFMatrix, rows: tuple[int, ...] = TRIAL_ROWS, repeats: int = TRIAL_REPEATS) -> dict:
-    """form -> rows -> median microseconds of x @ W.T, the forms interleaved call by call."""
+def trial_kernel(model: LlamaModel) -> CpuQuantMatmul | None:
+    """The loaded model's first gate|up matrix when it runs through the CPU quantized kernel
+    (one band); None when it does not (a file without quantized feed-forward matrices)."""
     from ringleader.device.weights.cpu_quant_matmul import CpuQuantMatmul
+
+    linear = model.layers[0].gate_up if len(model.layers) else None
+    bands = getattr(linear, "bands", [])
+    return bands[0] if len(bands) == 1 and isinstance(bands[0], CpuQuantMatmul) else None
+
+
+def time_forms(
+    kernel: CpuQuantMatmul, rows: tuple[int, ...] = TRIAL_ROWS, repeats: int = TRIAL_REPEATS
+) -> dict:
+    """form -> rows -> median microseconds of x @ W.T, the forms interleaved call by call."""
     from ringleader.device.weights.weight_kernels import DenseMatmul
 
     forms = {
-        "quantized": CpuQuantMatmul.from_gguf(matrix),
-        "fp32": DenseMatmul(matrix.dense(torch.float32), torch.get_num_threads()),
+        "quantized": kernel,
+        "fp32": DenseMatmul(kernel.dequantized(), torch.get_num_threads()),
     }
     samples: dict[str, dict[int, list[float]]] = {f: {m: [] for m in rows} for f in forms}
     with torch.inference_mode():
-        xs = {m: torch.randn(m, matrix.shape[1], generator=torch.Generator().manual_seed(m)) for m in rows}
+        xs = {m: torch.randn(m, kernel.k, generator=torch.Generator().manual_seed(m)) for m in rows}
         for _ in range(repeats + 1):  # the first round warms caches and builds: not kept
             for m, x in xs.items():
                 for name, fn in forms.items():
@@ -82,13 +84,13 @@ def time_forms(matrix: GGUFMatrix, rows: tuple[int, ...] = TRIAL_ROWS, repeats: 
     return {f: {m: round(statistics.median(v[1:]), 1) for m, v in by.items()} for f, by in samples.items()}
 
 
-def choose_cpu_weights(path: str) -> WeightChoice:
-    """The form `--weights auto` takes for the GGUF file at `path` on this machine."""
-    matrix = trial_matrix(path)
-    if matrix is None:
+def choose_cpu_weights(model: LlamaModel) -> WeightChoice:
+    """The form `--weights auto` serves for a GGUF file, from its model loaded quantized."""
+    kernel = trial_kernel(model)
+    if kernel is None:
         return WeightChoice("fp32")  # nothing the quantized kernel takes: the dense form
-    us = time_forms(matrix)
+    us = time_forms(kernel)
     cost = {form: by_rows[TRIAL_ROWS[0]] * by_rows[TRIAL_ROWS[-1]] for form, by_rows in us.items()}
-    choice = WeightChoice(min(cost, key=cost.__getitem__), matrix.name, us)
+    choice = WeightChoice(min(cost, key=cost.__getitem__), "layers.0.gate_up", us)
     log.info("--weights auto: %s", choice.describe())
     return choice
