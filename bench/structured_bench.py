@@ -125,8 +125,7 @@ TRIVIAL = {"choice": ["ok"]}
 QUICK_CONSTRAINTS = ("regex: date", "choice of 3", "json: string (the json arm)")
 E2E_SCHEMAS = {"person": PERSON, "order": ORDER}
 LABELS = ("cold", "cached", "none")
-# part 3's bystander: longer than the three requests it watches on any machine, aborted once they end
-BYSTANDER_TOKENS = 768
+BYSTANDER_TOKENS = 768  # part 3's: outlasts the three requests it watches, aborted once they end
 
 
 @dataclass
@@ -170,18 +169,15 @@ def _story(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about {topic}, as one JSON string."}]
 
 
-def _one_request(
-    client, i: int, structured: dict | None, max_tokens: int, rec=None, streams: list | None = None
-) -> RequestRecord:
-    """rec: the record to fill (another thread may read its chunk times as they come); streams:
-    where to leave the stream (for another thread to abort it)."""
+def _one_request(client, i: int, structured: dict | None, max_tokens: int, rec=None, held=None):
+    """rec: the record to fill (another thread reads its chunk times); held: gets the stream."""
     rec = rec or RequestRecord(i, 0, max_tokens)
     rec.send_t = time.perf_counter()
     stream = client.generate(
         messages=_story(i), structured=structured, max_tokens=max_tokens, ignore_eos=True, temperature=0.0
     )
-    if streams is not None:
-        streams.append(stream)
+    if held is not None:
+        held.append(stream)  # another thread may abort it
     for chunk in stream:
         rec.chunk_t.append(time.perf_counter())
         rec.chunk_n.append(len(chunk.token_ids))
@@ -401,9 +397,8 @@ def first_vs_cached(client, plan: Plan) -> list[dict]:
             titled = {"json": {**schema, "title": f"bench-{name}-{time.time_ns()}-{k}"}}
             row: dict = {"schema": name, "repeat": k}
             bystander, held = RequestRecord(k + 1, 0, BYSTANDER_TOKENS), []
-            thread = threading.Thread(
-                target=_one_request, args=(client, k + 1, None, BYSTANDER_TOKENS, bystander, held)
-            )
+            args = (client, k + 1, None, BYSTANDER_TOKENS, bystander, held)
+            thread = threading.Thread(target=_one_request, args=args)
             thread.start()
             while len(bystander.chunk_t) < 4 and thread.is_alive():  # it streams before we ask
                 time.sleep(0.005)
@@ -415,7 +410,7 @@ def first_vs_cached(client, plan: Plan) -> list[dict]:
                 row[f"ttft_{label}_ms"] = 1e3 * (rec.ttft() or float("nan"))
                 windows[label] = (rec.send_t, rec.done_t)
             if held:
-                held[0].abort()  # watched long enough: its tokens past the windows are not read
+                held[0].abort()  # its tokens past the windows are not read
             thread.join()
             times = bystander.token_times()
             for label, (start, end) in windows.items():
