@@ -106,6 +106,12 @@ class EngineConfig:
         help="CUDA: share of device memory for weights, KV cache and workspace")
     token_budget: int = option(  # raised to n_slots if below
         256, flag="--token-budget", type=int, help="max token rows per step")
+    prompt_logprobs_rows: int | None = option(
+        None, flag="--prompt-logprobs-rows", type=int, metavar="N",
+        help="the most prompt rows one step scores for requests with prompt_logprobs (echo with "
+        "logprobs); a longer prompt is scored over several steps; 0: such requests are refused "
+        "(default: the token budget on cpu; 16 on cuda, whose step graphs compute that many more "
+        "lm_head rows each step)")
     aging_steps: int = option(
         64, flag="--aging-steps", type=int,
         help="priority policy: a waiting request gains one level per this many steps")
@@ -177,7 +183,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         for name, low, high in _INT_BOUNDS:
             value = getattr(self, name)
-            if value is None and name in ("max_ctx", "threads"):  # None: per device, or torch's own
+            if value is None and name in ("max_ctx", "threads", "prompt_logprobs_rows"):  # None: per device
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
                 limits = f"in [{low}, {high}]" if high < _NO_LIMIT else f">= {low}"
@@ -320,6 +326,7 @@ _INT_BOUNDS = (
     ("page_size", 1, _NO_LIMIT),
     ("token_budget", 1, _NO_LIMIT),
     ("aging_steps", 1, _NO_LIMIT),
+    ("prompt_logprobs_rows", 0, _NO_LIMIT),
     ("threads", 1, _NO_LIMIT),
     ("sq_size", 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
     ("pending_cap", 1, _NO_LIMIT),

@@ -15,7 +15,9 @@ from typing import Any
 OP_BATCH = "batch"
 # the per-chunk lists a batch may carry besides ids and n_tokens: present only when some chunk
 # has the field, nil in the entries of chunks without it
-CHUNK_COLUMNS = ("text", "index", "logprobs", "finish_reason")
+# (1.10) a request's prompt message's fields (protocol.prompt_msg), columns like the others
+PROMPT_COLUMNS = ("prompt_token_ids", "prompt_logprobs", "prompt_tokens", "prompt_text")
+CHUNK_COLUMNS = ("text", "index", "logprobs", "finish_reason", *PROMPT_COLUMNS)
 
 
 class BatchFrame:

@@ -15,8 +15,9 @@ Ownership (one writer per index; payload first, index last; release/acquire at s
   Control.cq_head        host writes (release) after reading CQ events; device reads (acquire) only
                          when the last value it read leaves too little CQ room
   cq_logprobs[pos]       device writes (plain) with the TOKEN event at pos, of a request with
-                         RL_FLAG_LOGPROBS only, before the release of cq_tail past pos; host reads
-                         before its release of cq_head past pos (the CQ's own order)
+                         RL_FLAG_LOGPROBS only, or the PROMPT event at pos (RL_FLAG_PROMPT_LOGPROBS),
+                         before the release of cq_tail past pos; host reads before its release of
+                         cq_head past pos (the CQ's own order)
   Control.aq_tail        host writes (release) after the abort entries; device reads (acquire)
   Control.aq_head        device writes (release) after reading abort entries; host reads (acquire)
   Control.shutdown       host writes; device reads (the leader thread, once per step in the
@@ -206,6 +207,9 @@ CONFIG = Struct("RlConfig", (
     _f("n_eos", "u32"), _f("eos_ids", "i32", MAX_EOS_IDS),
     _f("n_buckets", "u32"), _f("buckets", "u32", MAX_BUCKETS),
     _f("trace_len", "u32"),
+    # the most prompt rows one step scores (prompt logprobs: the step's score entries, each an
+    # lm_head row and a logprobs record); 0: no request may ask for prompt logprobs
+    _f("score_rows", "u32"),
     # 1: the overlapped phase publishes each next step's bucket ahead (RlLaunchWords), the
     # critical phase runs it and hands over a void step when every planned row ended (the
     # ping-pong launch, whose next graph picks its branch while the step before it computes)
@@ -287,6 +291,9 @@ SLOT = Struct("RlSlot", (
     _f("sampling", SAMPLING),
     # structured output: its automaton (RL_NO_GRAMMAR: none) and the state its tokens so far led to
     _f("grammar_off", "u32"), _f("grammar_state", "u32"),
+    # prompt logprobs: its prompt positions whose next token's record is laid out (kept across a
+    # preemption, so a recompute scores no position twice)
+    _f("n_scored", "u32"), _f("_pad", "u32"),
 ))
 
 # Device-private: one KV page's record.  ref_count: the block tables that hold it.  A full page
@@ -330,12 +337,17 @@ SCHED = Struct("RlSchedState", (
     # its live entries (cached pages no slot holds), and prefix_table cells marked gone
     _f("lru_head", "u32"), _f("lru_tail", "u32"), _f("n_cached_free", "u32"), _f("n_gone", "u32"),
     _f("prefix_queries", "u64"), _f("prefix_hits", "u64"),
+    # prompt logprobs: the score entries of the step just consumed, kept for the overlapped
+    # phase's events (kept_score_events, kept_logprobs)
+    _f("n_kept_score", "u32"), _f("_pad", "u32"),
 ))
 
 # The step the scheduler built, read by the model step.
 STEP = Struct("RlStepHeader", (
     _f("n_tokens", "u32"), _f("bucket", "u32"), _f("n_segments", "u32"), _f("n_samples", "u32"),
-    _f("n_decode", "u32"), _f("seq", "u32"), _f("_pad", "u32", 2),
+    _f("n_decode", "u32"), _f("seq", "u32"),
+    _f("n_score", "u32"),  # score entries (prompt logprobs), at most cfg.score_rows
+    _f("_pad", "u32"),
 ))
 
 # The launch's words in device memory, beside `turn`, each with one writer: the scheduler
@@ -373,9 +385,17 @@ ARRAYS = (
     ("sample_mask", "int32_t", "n_slots"),
     # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
     ("block_table", "int32_t", "block_table_len"),
+    # per score entry (prompt logprobs; n_score in the header): the row whose logits score, the
+    # prompt token it scores, its request's count of alternatives, its slot
+    ("score_row", "int32_t", "score_len"), ("score_token", "int32_t", "score_len"),
+    ("score_top", "int32_t", "score_len"), ("score_slot", "int32_t", "score_len"),
     ("next_token", "int32_t", "n_slots"),
     # per slot: its sample's logprobs as the step wrote them, and the critical phase's copy
     ("step_logprobs", "RlLogprobs", "n_slots"), ("slot_logprobs", "RlLogprobs", "n_slots"),
+    # per score entry (prompt logprobs): the record the step writes, and the critical phase's
+    # copies for the overlapped phase: the PROMPT event (its time aside) and the record
+    ("step_prompt_logprobs", "RlLogprobs", "score_len"),
+    ("kept_score_events", "RlCqEvent", "score_len"), ("kept_logprobs", "RlLogprobs", "score_len"),
     # scheduler work space for scans, sorts and compaction; work_len = max(n_slots, pending_cap)
     ("work_a", "uint32_t", "work_len"), ("work_b", "uint32_t", "work_len"),
     ("work_c", "uint32_t", "work_len"), ("work_d", "uint32_t", "work_len"),

@@ -19,6 +19,8 @@ class SqFlag(IntFlag):
     IGNORE_EOS = 1
     PENALIZED = 2  # keep its token counts (SamplingParams.penalized)
     LOGPROBS = 4  # its tokens' logprobs go out with their events (SamplingParams.logprobs)
+    # its prompt tokens' logprobs go out as PROMPT events (SamplingParams.prompt_logprobs)
+    PROMPT_LOGPROBS = 8
 
 
 class AbortFlag(IntFlag):
@@ -32,6 +34,9 @@ class AbortFlag(IntFlag):
 class EventKind(IntEnum):
     TOKEN = 1
     DONE = 2
+    # one prompt token's logprobs record (cq_logprobs at its position): `token` is the prompt
+    # token, `index` its position in the prompt; all of a request's come before its first TOKEN
+    PROMPT = 3
 
 
 class Finish(IntEnum):

@@ -16,6 +16,7 @@ import msgpack
 from ringleader.ipc.batch_frames import OP_BATCH
 from ringleader.ipc.chat_turns import CHAT_ROLES, ChatTurnsError  # noqa: F401 (CHAT_ROLES: P.CHAT_ROLES)
 from ringleader.ipc.prompt_input import InputError, prompt_input
+from ringleader.ipc.prompt_message import prompt_logprob_entries, prompt_msg  # noqa: F401 (1.10)
 from ringleader.ipc.request_extensions import WIRE_FIELDS as EXTENSION_FIELDS
 from ringleader.ipc.request_extensions import ExtensionError, check_extensions, check_int_field, wire_fields
 from ringleader.ipc.sampling_params import (
@@ -27,10 +28,16 @@ from ringleader.ipc.sampling_params import (
     sampling_from_wire,
 )
 from ringleader.ipc.structured import StructuredSpec, structured_from_wire
+from ringleader.ipc.tokenize_ops import (
+    TOKENIZE_OPS,
+    TOKENIZE_REPLY_OPS,
+    TokenizeOp,
+    decode_tokenize_op,
+)  # 1.10
 
 PROTOCOL_VERSION = 1
 # what each revision added: docs/protocol.md's opening paragraphs (1.9: vLLM's request extensions)
-PROTOCOL_REVISION = 9
+PROTOCOL_REVISION = 10
 
 # ops, client -> server
 OP_GENERATE = "generate"
@@ -43,8 +50,10 @@ OP_TOKEN = "token"
 OP_DONE = "done"
 OP_ERROR = "error"
 OP_PONG = "pong"
-REQUEST_OPS = frozenset({OP_GENERATE, OP_ABORT, OP_STATS, OP_PING, OP_HELLO})
-REPLY_OPS = frozenset({OP_TOKEN, OP_DONE, OP_ERROR, OP_STATS, OP_PONG, OP_HELLO, OP_BATCH})
+REQUEST_OPS = frozenset({OP_GENERATE, OP_ABORT, OP_STATS, OP_PING, OP_HELLO, *TOKENIZE_OPS})
+REPLY_OPS = frozenset(
+    {OP_TOKEN, OP_DONE, OP_ERROR, OP_STATS, OP_PONG, OP_HELLO, OP_BATCH, *TOKENIZE_REPLY_OPS}
+)
 
 # finish reasons carried by `done`
 FINISH_STOP = "stop"
@@ -94,6 +103,8 @@ class Limits:
     min_priority: int = -1000
     max_priority: int = 1000
     max_timeout_ms: int = 24 * 3600 * 1000
+    # the server scores prompts (its rings' score_rows > 0): requests may ask for prompt_logprobs
+    prompt_logprobs: bool = True
 
 
 # the decoder's default ranges, which generate_msg holds priority and timeout_ms to
@@ -141,7 +152,7 @@ class HelloRequest:
     batch: bool = False  # 1.7: this connection's streams come as `batch` frames from now on
 
 
-Request = GenerateRequest | AbortRequest | StatsRequest | PingRequest | HelloRequest
+Request = GenerateRequest | AbortRequest | StatsRequest | PingRequest | HelloRequest | TokenizeOp
 
 
 class ProtocolError(Exception):
@@ -297,7 +308,7 @@ def _sampling(obj: dict, rid: RequestId, limits: Limits) -> tuple[SamplingParams
     against the model and the server's cap, and the output's constraint (1.8)."""
     try:
         sampling = sampling_from_wire(obj)
-        sampling.check_for_model(limits.vocab_size, limits.max_tokens_cap)
+        sampling.check_for_model(limits.vocab_size, limits.max_tokens_cap, limits.prompt_logprobs)
         structured = structured_from_wire(obj.get("structured"))
     except SamplingError as err:  # a StructuredError is one
         said = in_server_range(err, limits.max_tokens_cap)
@@ -393,6 +404,8 @@ def decode_request(frame: bytes, limits: Limits | None = None) -> Request:
         if batch is not None and not isinstance(batch, bool):
             raise FrameError(f"hello: batch: must be true or false, got {clipped_repr(batch)}")
         return HelloRequest(batch is True)
+    if op in TOKENIZE_OPS:  # 1.10: a bad field is answered on the op's own reply (tokenize_ops.py)
+        return decode_tokenize_op(op, obj, _check_id(obj, op, limits), limits)
     raise FrameError(f"unknown op {clipped_repr(op)}")
 
 

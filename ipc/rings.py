@@ -74,6 +74,9 @@ class RingConfig:
     # int32 words of the grammar array, structured output's automata (ipc/automaton.py); at
     # least 1, so every plan has the array
     grammar_words: int = 1
+    # the most prompt rows one step scores for prompt logprobs (RlConfig.score_rows); None: the
+    # token budget, as far as the CQ holds one step's events; 0: prompt logprobs refused
+    score_rows: int | None = None
 
     def __post_init__(self):
         for name, low, high in (
@@ -117,6 +120,14 @@ class RingConfig:
             raise ValueError(f"max_ctx must be below {layout.PROMPT_MARK} where token counts are kept")
         if self.cq_size < 2 * self.n_slots + self.pending_cap:
             raise ValueError("cq_size must hold one step's events: >= 2*n_slots + pending_cap")
+        room = self.cq_size - 2 * self.n_slots - self.pending_cap  # a step's PROMPT events fit
+        score_rows = min(self.token_budget, room) if self.score_rows is None else self.score_rows
+        object.__setattr__(self, "score_rows", score_rows)
+        if not 0 <= score_rows <= min(self.token_budget, room):
+            raise ValueError(
+                f"score_rows must be in [0, {min(self.token_budget, room)}] (the token budget, and "
+                f"what cq_size holds besides 2*n_slots + pending_cap), got {self.score_rows}"
+            )
 
     @property
     def work_len(self) -> int:
@@ -152,6 +163,7 @@ class RingConfig:
                 "block_table_len": self.n_slots * self.pages_per_slot,
                 "slot_tokens_len": self.n_slots * self.max_ctx,
                 "token_counts_len": self.n_slots * self.vocab_size,
+                "score_len": max(1, self.score_rows or 0),  # every plan has the arrays
                 "grammar_words": self.grammar_words,
                 "table_size": self.prefix_table_size,
                 "lru_size": self.prefix_table_size,
@@ -217,6 +229,7 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
         "n_pages",
         "vocab_size",
         "grammar_words",
+        "score_rows",
     ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len
@@ -293,6 +306,7 @@ class SubmissionQueue(_RingProducer):
             (layout.SqFlag.IGNORE_EOS if sampling.ignore_eos else 0)
             | (layout.SqFlag.PENALIZED if sampling.penalized else 0)
             | (layout.SqFlag.LOGPROBS if sampling.logprobs is not None else 0)
+            | (layout.SqFlag.PROMPT_LOGPROBS if sampling.prompt_logprobs is not None else 0)
         )
         ring = e["sampling"]
         for name, value in sampling.ring_values().items():

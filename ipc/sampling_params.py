@@ -189,9 +189,10 @@ class SamplingParams:
     """One request's sampling settings.  The fields, in this order, are the declaration."""
 
     max_tokens: int | None = _declare(
-        None, "optional_int", IntRange(1, UINT32_MAX),
-        "most tokens to generate; nil: the rest of the model's context, at most the server's "
-        "--default-max-tokens (every server caps it at its context)",
+        None, "optional_int", IntRange(0, UINT32_MAX),
+        "most tokens to generate (0: none, the prompt is only scored: with prompt_logprobs); nil: "
+        "the rest of the model's context, at most the server's --default-max-tokens (every server "
+        "caps it at its context)",
         openai=("max_completion_tokens", "max_tokens"), api_defaults={"completions": 16})
     min_tokens: int = _declare(
         0, "int", IntRange(0, INT32_MAX),
@@ -239,6 +240,12 @@ class SamplingParams:
         "with each generated token, its log-probability and this many most likely alternatives "
         "with theirs (0: the token's alone), from the model's raw logits (before penalties and "
         "temperature, as vLLM's default); nil: none", ring="i32", ring_null=-1)
+    prompt_logprobs: int | None = _declare(
+        None, "optional_int", IntRange(0, MAX_LOGPROBS),
+        "(1.10) with the request's first message, every prompt token's log-probability given the "
+        "tokens before it and this many most likely alternatives (the first token's: nil), from "
+        "the raw logits of its prefill (vLLM's prompt_logprobs); nil: none",
+        ring="i32", ring_null=-1)
     n: int = _declare(
         1, "int", IntRange(1, MAX_N),
         "how many answers (choices) to generate for the prompt, each with its own seed stream "
@@ -263,6 +270,9 @@ class SamplingParams:
 
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         return self._with("max_tokens", max_tokens)
+
+    def without_prompt_logprobs(self) -> SamplingParams:
+        return self if self.prompt_logprobs is None else self._with("prompt_logprobs", None)
 
     def _with(self, name: str, value: Any) -> SamplingParams:
         """A copy with one field judged anew, the others taken as they are (they were judged
@@ -296,9 +306,16 @@ class SamplingParams:
         values = {name: getattr(self, name) for name, _ in RING_FIELDS}
         return {name: FIELD[name].ring_null if value is None else value for name, value in values.items()}
 
-    def check_for_model(self, vocab_size: int, max_tokens_cap: int) -> None:
+    def check_for_model(self, vocab_size: int, max_tokens_cap: int, scores_prompts: bool = True) -> None:
         """SamplingError unless the model and the server can run these settings: top_k and the
-        stop token ids within the vocabulary, max_tokens within the server's cap."""
+        stop token ids within the vocabulary, max_tokens within the server's cap, prompt_logprobs
+        only from a server that scores prompts."""
+        if self.prompt_logprobs is not None and not scores_prompts:
+            raise SamplingError(
+                "prompt_logprobs",
+                "this server scores no prompts (started with --prompt-logprobs-rows 0, or the null "
+                "model on cuda); send nil",
+            )
         if self.top_k > vocab_size:
             raise SamplingError("top_k", f"must be at most the vocabulary's {vocab_size}, got {self.top_k}")
         for index, token in enumerate(self.stop_token_ids):
@@ -307,18 +324,18 @@ class SamplingParams:
                     "stop_token_ids", f"element {index} must be a token id in [0, {vocab_size}), got {token}"
                 )
         if self.max_tokens is not None and self.max_tokens > max_tokens_cap:
-            raise SamplingError("max_tokens", f"must be an int in [1, {max_tokens_cap}], got {self.max_tokens}")
+            raise SamplingError("max_tokens", f"must be an int in [0, {max_tokens_cap}], got {self.max_tokens}")
 
 
 def in_server_range(err: SamplingError, max_tokens_cap: int) -> SamplingError:
-    """err, with max_tokens' range said as the server's [1, max_tokens_cap] (check_for_model's
+    """err, with max_tokens' range said as the server's [0, max_tokens_cap] (check_for_model's
     words), whatever the value's fault: one range in every message about max_tokens, under any
     of its names (the native one, OpenAI's)."""
     capped = FIELD["max_tokens"]
     if (err.field != capped.name and err.field not in capped.openai_names) or ", got " not in err.reason:
         return err
     got = err.reason[err.reason.index(", got ") :]
-    return SamplingError(err.field, f"must be an int in [1, {max_tokens_cap}]{got}")
+    return SamplingError(err.field, f"must be an int in [0, {max_tokens_cap}]{got}")
 
 
 def _fields() -> tuple[SamplingField, ...]:

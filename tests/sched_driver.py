@@ -29,6 +29,15 @@ class Record:
     done: list[int] = field(default_factory=list)  # finish reasons (must end with exactly one)
     arena_offset: int = 0
     logprobs: list = field(default_factory=list)  # each TOKEN event's cq_logprobs record, as read
+    # its PROMPT events (prompt logprobs): (prompt position, token, the record's logprob), and
+    # how many TOKEN events had come before each
+    scores: list = field(default_factory=list)
+    scores_after_tokens: list = field(default_factory=list)
+
+
+def score_for(position: int, token: int) -> float:
+    """The stand-in's prompt logprob of `token` at prompt `position` (what a record must carry)."""
+    return -float(position * 1000 + token % 1000)
 
 
 class Driver:
@@ -112,6 +121,11 @@ class Driver:
                 record = self.a["step_logprobs"][s]
                 record["logprob"], record["n_top"] = -float(token), int(self.a["sample_counter"][q])
                 record["top_ids"][:] = token
+            for i in range(int(h["n_score"])):  # prompt logprobs: a function of position and token
+                row, token = int(self.a["score_row"][i]), int(self.a["score_token"][i])
+                record = self.a["step_prompt_logprobs"][i]
+                record["logprob"] = score_for(int(self.a["positions"][row]) + 1, token)
+                record["n_top"] = int(self.a["score_top"][i])
         if drain:
             self.drain_cq()
         return status
@@ -119,9 +133,14 @@ class Driver:
     def drain_cq(self) -> int:
         events, records = self.rings.completions.take_with_logprobs(lambda events: True)
         for e, lp in zip(events, records if records is not None else [None] * len(events)):
+            if e["kind"] == layout.EventKind.PROMPT and int(e["handle"]) == 0:
+                continue  # an aborted request's: the host drops it
             rec = self.records[int(e["handle"])]
             assert not rec.done, f"event after DONE for handle {rec.handle}"
-            if e["kind"] == layout.EventKind.TOKEN:
+            if e["kind"] == layout.EventKind.PROMPT:
+                rec.scores.append((int(e["index"]), int(e["token"]), float(lp["logprob"])))
+                rec.scores_after_tokens.append(len(rec.tokens))
+            elif e["kind"] == layout.EventKind.TOKEN:
                 if not rec.tokens:
                     self.rings.arena.release(rec.arena_offset)
                 rec.tokens.append(int(e["token"]))

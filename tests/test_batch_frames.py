@@ -148,7 +148,7 @@ def test_a_connection_that_says_hello_gets_one_frame_per_step(null_server):
     peer = RawPeer(null_server.address)
     try:
         peer.send({"op": "hello", "batch": True})
-        assert peer.recv() == {"op": "hello", "protocol": "1.9", "batch": True}
+        assert peer.recv() == {"op": "hello", "protocol": "1.10", "batch": True}
         frames, tokens = _run(peer, 16, 40, detokenize=False)
         assert all(t == [PROMPT[-1] + 1 + k for k in range(40)] for t in tokens.values())
         batches = [f for f in frames if f["op"] == "batch"]

@@ -119,7 +119,7 @@ def batch_answer(server) -> int:
     server, 0 from a 1.6 one (its `error` op, taken silently)."""
     with Client(server, timeout=10) as c:
         protocol = c.stats()["protocol"]
-    assert protocol in ("1.6", "1.7", "1.8", "1.9"), protocol
+    assert protocol in ("1.6", "1.7", "1.8", "1.9", "1.10"), protocol
     return 0 if protocol == "1.6" else 1
 
 
@@ -296,7 +296,7 @@ def test_abort_mid_stream(cbin, server, reason):
 def test_stats_and_ping(cbin, server, batch_answer):
     events = run_c(cbin, "ringleader-c-check", "stats", "--address", server)
     stats, ping, hello = events
-    assert stats["code"] == "ok" and stats["protocol"] in ("1.6", "1.7", "1.8", "1.9")
+    assert stats["code"] == "ok" and stats["protocol"] in ("1.6", "1.7", "1.8", "1.9", "1.10")
     assert hello["batch_frames"] == batch_answer
     assert stats["vocab_size"] == 264 and stats["max_context"] == MAX_CTX
     assert ping["code"] == "ok" and 0 < ping["rtt"] < 5

@@ -159,9 +159,11 @@ def check_parity(
     steps, caches = {}, {}
     for kind in ("layered", "fused"):
         caches[kind] = StaticStep.new_kv_cache(model, N_PAGES, PS)
-        steps[kind] = StaticStep(model, caches[kind], N_SLOTS, CTX, BUDGET, step_kernels=kind)
+        steps[kind] = StaticStep(
+            model, caches[kind], N_SLOTS, CTX, BUDGET, step_kernels=kind, score_rows=SCORE_ROWS
+        )
     assert steps["fused"].fused_decode is not None, steps["fused"].fused_off
-    lay = StepLayout.allocate(N_SLOTS, BUDGET, device, M)
+    lay = StepLayout.allocate(N_SLOTS, BUDGET, device, M, score_rows=SCORE_ROWS)
     table = _shuffled_table(N_SLOTS, M, N_PAGES, seed=6)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 250, (40,), generator=gen).tolist() for _ in range(N_SLOTS)]
@@ -175,7 +177,7 @@ def check_parity(
         (1, [(0, 1)]),
         (32, [(0, 1), (1, 1), (2, 1), (3, 1), (4, 21)]),
     ]
-    seen = {"compared_tokens": 0, "clear_tokens": 0}
+    seen = {"compared_tokens": 0, "clear_tokens": 0, "scored_rows": 0}
     for bucket, segs in schedule:
         segs = [(slot, n) for slot, n in segs if n]
         segments = []
@@ -183,13 +185,15 @@ def check_parity(
             segments.append((slot, prompts[slot][ctx[slot] : ctx[slot] + n], ctx[slot]))
             ctx[slot] += n
         _fill(lay, segments, table)
+        n_score = _score_chunks(lay, segments)
         out = {}
         for kind in ("layered", "fused") if bucket <= 32 else ("layered",):
             lay.next_token.fill_(-7)
+            lay.step_prompt_logprobs.fill_(-7)
             logits = steps[kind].run(bucket, lay)[: len(segs)].clone()
-            out[kind] = (logits, lay.next_token.clone())
+            out[kind] = (logits, lay.next_token.clone(), lay.step_prompt_logprobs.clone())
         if "fused" in out:
-            (want, want_tokens), (got, got_tokens) = out["layered"], out["fused"]
+            (want, want_tokens, want_scores), (got, got_tokens, got_scores) = out["layered"], out["fused"]
             what = f"{weights} {dtype} bucket {bucket}"
             tolerance = ulps * EPS[rounded] * want.abs().max().item()
             err = (got - want).abs().max().item()
@@ -198,6 +202,12 @@ def check_parity(
             clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance
             slots = torch.tensor([s for s, _ in segs], device=device)
             assert torch.equal(got_tokens[slots][clear], want_tokens[slots][clear]), what
+            # prompt logprobs: the fused step scores its rows as the layered one, and no others
+            assert bool((got_scores[n_score:] == -7).all()), what
+            scored = [t[:n_score, 0].view(torch.float32) for t in (want_scores, got_scores)]
+            if n_score:
+                assert (scored[1] - scored[0]).abs().max().item() <= 2 * tolerance, what
+            seen["scored_rows"] += n_score
             seen["compared_tokens"] += len(segs)
             seen["clear_tokens"] += int(clear.sum())
             for name in ("k", "v"):  # the scheduler's pages (the scratch page is the last)
@@ -207,8 +217,25 @@ def check_parity(
         # the same inputs go on: the next step reads each cache as the layered step left it
         caches["fused"].k.copy_(caches["layered"].k)
         caches["fused"].v.copy_(caches["layered"].v)
-    assert seen["clear_tokens"] >= seen["compared_tokens"] // 2, seen
+    assert seen["clear_tokens"] >= seen["compared_tokens"] // 2 and seen["scored_rows"], seen
     return seen
+
+
+SCORE_ROWS = 6  # prompt logprobs: the score entries each step takes
+
+
+def _score_chunks(lay: StepLayout, segments) -> int:
+    """Score entries for the rows of the step's multi-row chunks (each scoring the chunk's next
+    token, 3 alternatives), at most SCORE_ROWS; returns their count (n_score)."""
+    entries, row = [], 0
+    for _, ids, _ in segments:
+        entries += [(row + j, ids[j + 1]) for j in range(len(ids) - 1)]
+        row += len(ids)
+    entries = entries[:SCORE_ROWS]
+    lay.n_score[0] = len(entries)
+    for i, (r, token) in enumerate(entries):
+        lay.score_row[i], lay.score_token[i], lay.score_top[i] = r, token, 3
+    return len(entries)
 
 
 def run_interpreted_checks() -> None:

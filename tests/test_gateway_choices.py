@@ -82,8 +82,8 @@ def test_n_and_logprobs_are_accepted():
     [
         ({"best_of": 3}, "best_of", "send n"),
         ({"best_of": 2, "n": 2}, "best_of", "not supported"),
-        ({"echo": True}, "echo", "echo is not supported"),
-        ({"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+        ({"echo": 1}, "echo", "true or false"),
+        ({"max_tokens": 0}, "max_tokens", "goes with echo"),  # generates nothing, scores nothing
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
         ({"logprobs": True}, "logprobs", "[0, 20]"),
         ({"n": 0}, "n", "[1, 128]"),

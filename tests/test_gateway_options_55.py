@@ -75,18 +75,29 @@ def test_a_message_without_content_through_the_gateway(gateway):
 # ---------------------------------------------------------------- 8. max_tokens' one range
 
 
-@pytest.mark.parametrize("value", [0, -1, "many", 1.5, 2**40, 65])
+@pytest.mark.parametrize("value", [-1, "many", 1.5, 2**40, 65])
 def test_every_max_tokens_message_gives_the_servers_range(value):
+    # 0 is in the range (protocol 1.10: the prompt only scored), refused below without echo
     for chat, name in ((False, "max_tokens"), (True, "max_tokens"), (True, "max_completion_tokens")):
         err = refusal(
             {"prompt": "x", name: value} if not chat else {"messages": USER, name: value}, chat=chat
         )
         assert err.param == name
-        assert err.message == f"{name}: must be an int in [1, 64], got {value!r}"
+        assert err.message == f"{name}: must be an int in [0, 64], got {value!r}"
     capped = refusal(
         {"prompt": "x", "max_tokens": value}, chat=False, model=ServedModel("m", 64, True, None, 32)
     )
-    assert "[1, 32]" in capped.message
+    assert "[0, 32]" in capped.message
+
+
+def test_max_tokens_0_goes_with_a_scored_prompt():
+    for chat, name in ((False, "max_tokens"), (True, "max_completion_tokens")):
+        body = {"prompt": "x", name: 0} if not chat else {"messages": USER, name: 0}
+        err = refusal(body, chat=chat)
+        assert err.param == name and "goes with echo" in err.message
+    assert parse_request({"prompt": "x", "max_tokens": 0, "echo": True}, chat=False).sampling.max_tokens == 0
+    scored = parse_request({"messages": USER, "max_tokens": 0, "prompt_logprobs": 2}, chat=True)
+    assert scored.sampling.prompt_logprobs == 2 and scored.prompt_logprobs_asked
 
 
 def test_the_model_checks_the_server_makes_are_made_in_its_words():
@@ -101,13 +112,13 @@ def test_max_tokens_through_the_gateway_is_the_native_servers_message(server, ga
         list(stream)
         assert stream.done is not None and stream.done.error_code == "bad_request"
         want = stream.done.error_message
-    assert want == "max_tokens: must be an int in [1, 512], got 10000"
-    for value, text in ((10_000, want), (0, "max_tokens: must be an int in [1, 512], got 0")):
+    assert want == "max_tokens: must be an int in [0, 512], got 10000"
+    for value, text in ((10_000, want), (-1, "max_tokens: must be an int in [0, 512], got -1")):
         status, body = post(gateway, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": value})
         assert status == 400 and body["error"]["message"] == text and body["error"]["param"] == "max_tokens"
     status, body = post(gateway, "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 600})
     assert status == 400 and body["error"]["param"] == "max_completion_tokens"
-    assert body["error"]["message"] == "max_completion_tokens: must be an int in [1, 512], got 600"
+    assert body["error"]["message"] == "max_completion_tokens: must be an int in [0, 512], got 600"
 
 
 # ---------------------------------------------------------------- 9. include_stop_str_in_output

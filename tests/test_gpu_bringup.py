@@ -558,13 +558,13 @@ def test_the_wheel_list_covers_every_dependency_the_image_lacks():
         wanted |= {_requirement_name(r) for r in extras.get(extra, [])}
     image, wheels = _listed("bench/lab/gpu_image_packages.txt"), _listed("bench/lab/gpu_wheels.txt")
     assert "pyzmq" in wheels and "pyzmq" not in image
-    # Ray Serve's tests run in CI on the CPU; no GPU stage runs them, and ray's wheels would not fit
-    # a device call's carry
-    cpu_only = {"ray"}
+    # Ray Serve's and lm-eval's tests run in CI on the CPU; no GPU stage runs them, and their
+    # wheels would not fit a device call's carry
+    cpu_only = {"ray", "lm-eval"}
     gpu_tests = {node.split("::")[0] for node in TESTS_STAGE_NODES} | {
         str(p.relative_to(REPO)) for p in REPO.glob("tests/test_gpu_*.py")
     }
-    imports_ray = re.compile(r"^\s*(import|from) ray\b|importorskip\(\"ray", re.M)
+    imports_ray = re.compile(r"^\s*(import|from) (ray|lm_eval)\b|importorskip\(\"(ray|lm_eval)", re.M)
     assert not any(imports_ray.search((REPO / test).read_text()) for test in gpu_tests)
     missing = wanted - image - wheels - cpu_only
     assert not missing, f"neither on the GPU image nor carried: {missing}"

@@ -117,8 +117,9 @@ def test_unknown_chat_fields_are_refused_naming_them(name, value):
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"echo": True}, "echo"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": "yes"}, "echo"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
@@ -145,7 +146,9 @@ def test_unknown_chat_fields_are_refused_naming_them(name, value):
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),  # a batch's empty prompt
+        ({"prompt": ["a", [1, "x"]]}, "prompt"),
+        ({"prompt": ["a"] * 1025}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"prompt": {"x": 1}}, "prompt"),

@@ -29,12 +29,15 @@ DERIVED = [
     "hostctl/gateway/openai_api.py",
     "hostctl/gateway/responses.py",
     "hostctl/gateway/answer.py",
+    "hostctl/gateway/request_answer.py",
+    "hostctl/gateway/batched.py",
+    "hostctl/gateway/tokenize_api.py",
     "hostctl/commands/generate.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ipc" / "client").glob("*.py")),
 ]
 # a reply's key that shares a field's name: the token message's and OpenAI's per-token
 # `logprobs` carry log-probabilities, not the setting
-REPLY_KEYS = {"logprobs"}
+REPLY_KEYS = {"logprobs", "prompt_logprobs"}  # a token message's keys too (protocol 1.5, 1.10)
 # the generate fields of revision 1.3, all a 1.3 server knows
 FIELDS_OF_1_3 = {
     *("op", "id", "prompt", "prompt_ids", "messages", "priority", "timeout_ms"),
@@ -207,7 +210,7 @@ def test_the_protocol_refuses_an_unknown_generate_field():
         P.decode_request(P.encode(msg), LIMITS)
     done = P.reject_msg(info.value)
     assert done["id"] == "a" and done["error"]["code"] == P.ERR_BAD_REQUEST
-    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.9) knows: ")
+    assert done["error"]["message"].startswith("min_q: unknown field; this server (protocol 1.10) knows: ")
     assert P.decode_request(P.encode({**msg, "min_q": None}), LIMITS).id == "a"  # nil: absent
 
 
@@ -245,6 +248,7 @@ def test_every_field_round_trips():
         seed=2**64 - 1,
         ignore_eos=True,
         logprobs=3,
+        prompt_logprobs=0,
         n=2,
     )
     # stop_token_ids on a copy: not with min_tokens (refused until the step masks them)

@@ -309,4 +309,4 @@ def test_stats_returns_when_the_backend_keys_figures_by_number():
         with Client(bg.address, timeout=10) as c:
             stats = c.stats()
     assert stats["backend"]["step_graph_nodes"] == {"1": "119 kernel", "32": "124 kernel"}
-    assert stats["protocol"] == "1.9"  # a client checks it before it counts on a 1.9 field
+    assert stats["protocol"] == "1.10"  # a client checks it before it counts on a 1.10 field

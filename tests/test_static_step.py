@@ -95,6 +95,7 @@ def _submit(d: Driver, prompt, max_tokens, temperature, top_p, top_k, seed) -> N
         top_k=top_k,
         seed=seed,
         logprobs=[None, 0, 3, 20][seed % 4],  # some ask none, some the token's alone, some more
+        prompt_logprobs=[2, None, None, 0][seed % 4],
     )
 
 
@@ -118,10 +119,12 @@ def _drive(model, attention, max_steps):
     kv_eager = KVCache.for_model(model.config, cfg.n_pages, cfg.page_size)
     eager = EagerStep(model, kv_eager)
     kv_static = StaticStep.new_kv_cache(model, cfg.n_pages, cfg.page_size)
-    step = StaticStep(model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention)
+    step = StaticStep(
+        model, kv_static, N_SLOTS, MAX_CTX, BUDGET, attention=attention, score_rows=cfg.score_rows
+    )
     a = d.a
     lay = StepLayout.from_arrays(a, "cpu")  # views: each step writes the scheduler's next_token
-    seen = {"mixed": 0, "padded": 0, "stale": 0, "logprobs": 0}
+    seen = {"mixed": 0, "padded": 0, "stale": 0, "logprobs": 0, "scored": 0}
     for _ in range(max_steps):
         d.rings.submissions.publish()
         status = scheduler().step(d.mem.context_address)
@@ -143,6 +146,7 @@ def _drive(model, attention, max_steps):
         logits_e = eager.run(bucket, lay)
         expected = a["next_token"].copy()
         expected_logprobs = a["step_logprobs"].copy()
+        expected_scores = a["step_prompt_logprobs"][: int(h["n_score"])]["logprob"].copy()
         a["step_logprobs"].view(np.uint8)[:] = 0xEE
         unsampled = np.setdiff1d(np.arange(N_SLOTS), a["sample_slot"][:ns])
         np.testing.assert_array_equal(expected[unsampled], before[unsampled])
@@ -151,6 +155,10 @@ def _drive(model, attention, max_steps):
         assert logits_e.shape[0] == ns
         torch.testing.assert_close(logits_s[:ns], logits_e, atol=1e-4, rtol=1e-4)
         np.testing.assert_array_equal(a["next_token"], expected)
+        # the same prompt logprobs (test_prompt_logprobs.py checks the records whole)
+        got_scores = a["step_prompt_logprobs"][: int(h["n_score"])]["logprob"]
+        np.testing.assert_allclose(got_scores, expected_scores, atol=1e-4)
+        seen["scored"] += len(got_scores)
         # the same logprobs records, for the slots that asked, and nothing written elsewhere
         asked = a["slots"]["sampling"]["logprobs"] >= 0
         sampled = np.isin(np.arange(N_SLOTS), a["sample_slot"][:ns])
@@ -182,7 +190,7 @@ def test_static_step_torch_matches_eager(model):
     d, seen = _drive(model, "torch", max_steps=200)
     assert all(r.done for r in d.records.values()), "every request finished"
     assert all(len(r.tokens) == r.max_tokens for r in d.records.values())
-    assert seen["mixed"] and seen["padded"] and seen["stale"] and seen["logprobs"], seen
+    assert seen["mixed"] and seen["padded"] and seen["stale"] and seen["logprobs"] and seen["scored"], seen
 
 
 # ---- hand-built layouts over a shuffled block table ---------------------------------------------
@@ -363,7 +371,9 @@ def test_layout_over_a_byte_buffer_aliases_the_scheduler_arrays():
     assert d.a["next_token"][1] == 9
     d.a["block_table"][:] = np.arange(d.a["block_table"].size)[::-1]
     assert lay.block_table.shape == (4, cfg.pages_per_slot) and int(lay.block_table[0, 0]) == 15
-    copy = StepLayout.allocate(4, 8, "cpu", cfg.pages_per_slot)  # host-scheduled mode's upload
+    copy = StepLayout.allocate(
+        4, 8, "cpu", cfg.pages_per_slot, score_rows=cfg.score_rows
+    )  # host mode's upload
     copy.copy_from_arrays(d.a)
     assert torch.equal(copy.block_table, lay.block_table)
 

@@ -83,7 +83,7 @@ def test_the_server_passes_the_field_to_the_backend(recorder):
     try:
         peer.send({"op": "stats", "timeline_after_seq": 3})
         reply = peer.recv_until(lambda m: m["op"] == "stats")[-1]
-        assert backend.asked[-1] == 3 and reply["protocol"] == "1.9"
+        assert backend.asked[-1] == 3 and reply["protocol"] == "1.10"
         peer.send({"op": "stats"})  # an older client's frame
         peer.recv_until(lambda m: m["op"] == "stats")
         assert backend.asked[-1] == 0

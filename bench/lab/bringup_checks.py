@@ -126,7 +126,7 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
     from ringleader.device.backends.cuda_graph_rules import GraphNotEmbeddable, check_conditional_body
     from ringleader.device.backends.step_graphs import StepGraphs
     from ringleader.device.model import LlamaModel
-    from ringleader.device.step.static_step import StaticStep
+    from ringleader.device.step.static_step import GRAPH_SCORE_ROWS, StaticStep
     from ringleader.device.step.step_layout import StepLayout
     from ringleader.ipc import layout as L
     from ringleader.ipc.rings import RingConfig
@@ -145,12 +145,18 @@ def check_graphs(dtype_name: str, model_name: str = "tiny", *, device: str = "cu
         cq_size=4096,
         arena_size=1 << 12,
         pending_cap=64,
+        score_rows=min(GRAPH_SCORE_ROWS, budget),  # the product's graphs score prompt rows too
     )
     kv_e, kv_g = (StaticStep.new_kv_cache(model, cfg.n_pages, cfg.page_size) for _ in range(2))
     attention = "triton" if device == "cuda" else "torch"  # the product's kernel wherever it runs
-    step_e = StaticStep(model, kv_e, n_slots, max_ctx, budget, attention=attention)
-    step_g = StaticStep(model, kv_g, n_slots, max_ctx, budget, attention=attention)
-    lay_e, lay_g = (StepLayout.allocate(n_slots, budget, device, cfg.pages_per_slot) for _ in range(2))
+    step_e, step_g = (
+        StaticStep(model, kv, n_slots, max_ctx, budget, attention=attention, score_rows=cfg.score_rows)
+        for kv in (kv_e, kv_g)
+    )
+    lay_e, lay_g = (
+        StepLayout.allocate(n_slots, budget, device, cfg.pages_per_slot, score_rows=cfg.score_rows)
+        for _ in range(2)
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if graphs_cls is None:
         drv.check(drv.cu.cuInit(0), "cuInit")

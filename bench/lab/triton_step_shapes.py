@@ -27,7 +27,7 @@ from ringleader.device.null.null_options import NullOptions
 from ringleader.device.null.null_step import NullStep
 from ringleader.device.step import triton_attention
 from ringleader.device.step.kv_cache import KVCache
-from ringleader.device.step.static_step import StaticStep
+from ringleader.device.step.static_step import GRAPH_SCORE_ROWS, StaticStep
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.device.step.triton_launch import Launch, LaunchRecorder
@@ -225,19 +225,22 @@ def walk_step(
     # a pool as CudaBackend plans it at most: every slot's longest context (+ the scratch page)
     kv = StaticStep.new_kv_cache(model, shape.n_slots * pages_per_slot, page_size)
 
+    score_rows = min(GRAPH_SCORE_ROWS, shape.token_budget)  # prompt logprobs' rows, as cuda.py sets them
+
     def step(step_kernels: str) -> StaticStep:
         # CudaBackend's step: attention as configured (the default, "triton"), fused kernels with it
         return StaticStep(
             model, kv, shape.n_slots, shape.max_ctx, shape.token_budget,
-            attention=EngineConfig().attention, step_kernels=step_kernels,
+            attention=EngineConfig().attention, step_kernels=step_kernels, score_rows=score_rows,
         )  # fmt: skip
 
     # the grammar array as device/backends/common.py sizes it: its length is a kernel argument
     # (a length of 1 would specialize as a constant)
     grammar_words = EngineConfig().structured_memory_mib << 18
     layout = StepLayout.allocate(
-        shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size, grammar_words
-    )
+        shape.n_slots, shape.token_budget, "meta", pages_per_slot, model.config.vocab_size, grammar_words,
+        score_rows=score_rows,
+    )  # fmt: skip
     # the default (fused up to FUSED_MAX_ROWS rows), and --step-kernels layered's small buckets
     runs = [(step(EngineConfig().step_kernels), shape.buckets)]
     small = tuple(b for b in shape.buckets if b <= FUSED_MAX_ROWS)

@@ -156,8 +156,8 @@ rl_code rl_request_validate(const rl_request* r, char* msg, size_t cap) {
       if (r->prompt_ids[i] < 0)
         return refuse(&j, "prompt_ids", "token ids must be >= 0, got %d", r->prompt_ids[i]);
   }
-  if (r->has_max_tokens && (r->max_tokens < 1 || r->max_tokens > (int64_t)UINT32_MAX))
-    return refuse(&j, "max_tokens", "must be null or an int in [1, 4294967295], got %lld",
+  if (r->has_max_tokens && (r->max_tokens < 0 || r->max_tokens > (int64_t)UINT32_MAX))
+    return refuse(&j, "max_tokens", "must be null or an int in [0, 4294967295], got %lld",
                   (long long)r->max_tokens);
   FLOAT_FIELD(temperature, 0.0, FLOAT32_MAX, false, "[0, 3.4028235e+38]")
   FLOAT_FIELD(top_p, 0.0, 1.0, true, "(0, 1]")

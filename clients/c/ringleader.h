@@ -130,7 +130,7 @@ typedef struct rl_request {
   const int32_t* prompt_ids; /* token ids, or NULL */
   size_t n_prompt_ids;
   bool has_max_tokens;       /* false: the rest of the context (nil) */
-  int64_t max_tokens;        /* [1, 4294967295] */
+  int64_t max_tokens;        /* [0, 4294967295]; 0: nothing generated (protocol 1.10) */
   double temperature;        /* [0, 3.4028235e38]; 0: greedy */
   double top_p;              /* (0, 1] */
   int32_t top_k;             /* [-1, 1024]; 0 or -1: off */

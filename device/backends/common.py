@@ -129,10 +129,15 @@ class StepTimer:
 
 
 def ring_config_for(
-    model: LlamaModel | NullModel, config: EngineConfig, max_ctx: int, pool: KvPool
+    model: LlamaModel | NullModel,
+    config: EngineConfig,
+    max_ctx: int,
+    pool: KvPool,
+    score_rows: int | None = None,
 ) -> RingConfig:
     """The rings for `config` at `max_ctx` (the context the backend settled on: the model's
-    limit or the device's memory may cut the configured one), over the KV pages of `pool`."""
+    limit or the device's memory may cut the configured one), over the KV pages of `pool`;
+    score_rows: the most prompt rows a step scores (None: the token budget)."""
     if config.policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
     n_slots, pending_cap = config.n_slots, config.pending_cap
@@ -154,6 +159,7 @@ def ring_config_for(
         prefix_caching=config.prefix_caching,
         vocab_size=model.config.vocab_size,
         grammar_words=config.structured_memory_mib << 18,  # MiB of int32 words
+        score_rows=None if score_rows is None else min(score_rows, max(config.token_budget, n_slots)),
     )
 
 

@@ -80,7 +80,9 @@ class CpuBackend(EngineBackend):
         log.info("%s", self.kv_pool.describe())
         log.info("weights: %s", describe_weights(cfg.weights, self._model.weights_description()))
         step = self._model.eager_step(cfg.n_slots, self.kv_pool.n_pages, cfg.page_size, dtype)
-        self._memory = HostMemory(ring_config_for(self._model, cfg, max_ctx, self.kv_pool))
+        self._memory = HostMemory(
+            ring_config_for(self._model, cfg, max_ctx, self.kv_pool, cfg.prompt_logprobs_rows)
+        )
         self.rings = self._memory.rings
         self.model = model_info(cfg.model, self._model, max_ctx)
         self.description = {

@@ -53,6 +53,7 @@ from ringleader.device.backends.step_graphs import StepGraphs
 from ringleader.device.engine_config import EngineConfig, cuda_unavailable_reason
 from ringleader.device.sched.build import KERNELS, compile_kernel
 from ringleader.device.step.kv_cache import KVCache
+from ringleader.device.step.static_step import GRAPH_SCORE_ROWS
 from ringleader.device.step.step_layout import StepLayout
 from ringleader.device.step.triton_gemv import FUSED_MAX_ROWS
 from ringleader.device.step.triton_launch import pdl_supported
@@ -77,6 +78,14 @@ def default_buckets(token_budget: int) -> tuple[int, ...]:
     return tuple(out) + (token_budget,)
 
 
+def cuda_score_rows(cfg: EngineConfig) -> int:
+    """RlConfig.score_rows on CUDA: --prompt-logprobs-rows, else GRAPH_SCORE_ROWS; 0 for the null
+    model, whose one-kernel Triton step computes no logits to score."""
+    if cfg.is_null_model:
+        return 0
+    return GRAPH_SCORE_ROWS if cfg.prompt_logprobs_rows is None else cfg.prompt_logprobs_rows
+
+
 def device_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
@@ -98,7 +107,7 @@ class CudaBackend(EngineBackend):
         self.kv_pool = pool = self._memory_plan.pool
         max_ctx = pool.max_ctx
         self._model.prepare(max_ctx)
-        ring_cfg = ring_config_for(self._model, cfg, max_ctx, pool)
+        ring_cfg = ring_config_for(self._model, cfg, max_ctx, pool, cuda_score_rows(cfg))
         ring_cfg = RingConfig(**{**ring_cfg.__dict__, "buckets": default_buckets(ring_cfg.token_budget)})
         self._mem = DeviceMemory(ring_cfg)
         # host mode: the CPU build schedules over pinned host arrays planned like the device's
@@ -203,6 +212,7 @@ class CudaBackend(EngineBackend):
             ring_cfg.token_budget,
             cfg.attention,
             step_kernels=cfg.step_kernels,
+            score_rows=ring_cfg.score_rows,
         )
         layout = StepLayout.over_buffer(self._mem.tensor)
         self._try_fused_kernels(step, layout, ring_cfg.buckets)

@@ -18,8 +18,8 @@ from ringleader.ipc.rings import ALIGN, HostRings, RingConfig, map_arrays, plan_
 PINNED = layout.HOST_RINGS
 # The step layout: the run of ringleader.ipc.layout.ARRAYS that holds every array the step reads
 # (StepLayout's), contiguous in both memory plans, so the host-scheduled baseline uploads it in
-# one copy; next_token comes back (and the logprobs records while a request that asked for
-# them runs), and the token counts go up only while a penalized request runs.
+# one copy; next_token comes back (and the logprobs records, the prompt's too, while a request
+# that asked for them runs), and the token counts go up only while a penalized request runs.
 _NAMES = [name for name, _, _ in layout.ARRAYS]
 _OUTSIDE_RUN = STEP_OUTPUTS | HOST_WRITTEN | {"token_counts"}
 _STEP_INPUTS = SOURCE_ARRAYS - _OUTSIDE_RUN
@@ -119,6 +119,11 @@ class PackedLayoutCopy:
             device.address("step_logprobs"),
         )
         self._logprobs_nbytes = a["step_logprobs"].nbytes
+        self._scores_host, self._scores_dev = (
+            a["step_prompt_logprobs"].ctypes.data,
+            device.address("step_prompt_logprobs"),
+        )
+        self._scores_nbytes = a["step_prompt_logprobs"].nbytes
         self._slots = a["slots"]
         self._done = drv.BlockingEvent()
 
@@ -138,6 +143,8 @@ class PackedLayoutCopy:
         drv.copy_to_host(self._tokens_host, self._tokens_dev, self._tokens_nbytes, stream)
         if self._running_with(layout.SqFlag.LOGPROBS):  # 168 bytes a slot, only when asked
             drv.copy_to_host(self._logprobs_host, self._logprobs_dev, self._logprobs_nbytes, stream)
+        if self._running_with(layout.SqFlag.PROMPT_LOGPROBS):  # 168 bytes a score entry
+            drv.copy_to_host(self._scores_host, self._scores_dev, self._scores_nbytes, stream)
         self._done.record(stream)
 
     def wait(self) -> None:

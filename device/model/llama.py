@@ -259,15 +259,18 @@ class LlamaModel(nn.Module):
         token_budget: int,
         attention: str,
         step_kernels: str = "fused",
+        score_rows: int = 0,
     ):
         """CUDA's step in static shapes, to capture per bucket, over the pool's pages and the
-        scratch page pad rows write into (step_kernels: EngineConfig.step_kernels)."""
+        scratch page pad rows write into (step_kernels: EngineConfig.step_kernels; score_rows:
+        the rings' RlConfig.score_rows)."""
         from ringleader.device.step.static_step import StaticStep
 
         kv = StaticStep.new_kv_cache(self, n_pages, page_size)
         return StaticStep(
-            self, kv, n_slots, max_ctx, token_budget, attention=attention, step_kernels=step_kernels
-        )
+            self, kv, n_slots, max_ctx, token_budget, attention=attention, step_kernels=step_kernels,
+            score_rows=score_rows,
+        )  # fmt: skip
 
     def description_fields(self, weights: str) -> dict:
         """A backend description's fields about the weights (`weights`: the --weights form)."""

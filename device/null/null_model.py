@@ -92,8 +92,10 @@ class NullModel:
         token_budget: int,
         attention: str,
         step_kernels: str = "fused",
+        score_rows: int = 0,
     ):
-        """The same step on CUDA: one Triton launch, so a one-node graph per bucket."""
+        """The same step on CUDA: one Triton launch, so a one-node graph per bucket (no prompt
+        logprobs: score_rows is 0 there)."""
         return self.eager_step(n_slots, n_pages, page_size, self.dtype)
 
     def description_fields(self, weights: str) -> dict:

@@ -3,7 +3,8 @@ EagerStep.run on the CPU and of StaticStep.run for capture on CUDA, and no arith
 
 For each live sample entry i: next_token[sample_slot[i]] = table[token_ids[sample_row[i]]], and
 for an entry whose request asked for logprobs its RlLogprobs record in closed form (the pattern
-token first, then the lowest other ids, as the null logits rank them). Then the fixed busy time,
+token first, then the lowest other ids, as the null logits rank them); on the CPU each score
+entry's too (prompt logprobs: the prompt token's logprob under its row's null logits). Then the fixed busy time,
 if any: on the CPU a spin in C with the GIL released (a model step's torch ops release it too, so
 the server's other threads run beside it as they would), or with --null-step-wait sleep a sleep
 (the host's share of a GPU's step: a wait that costs no CPU); on CUDA a spin on the GPU's global timer
@@ -50,6 +51,10 @@ NULL_STEP_ARGS = Struct("NullStepArgs", (
     Field("record_words", "i32"), Field("max_top", "i32"),
     Field("token_lp", "f32"), Field("other_lp", "f32"), Field("spin_ns", "u64"),
     Field("sleep", "i32"),  # 1: the busy time is slept (a host waiting on a GPU), 0: spun
+    # prompt logprobs: the score entries and the records they get (step_prompt_logprobs)
+    Pointer("n_score", "i32", const=True), Pointer("score_row", "i32", const=True),
+    Pointer("score_token", "i32", const=True), Pointer("score_top", "i32", const=True),
+    Pointer("score_records", "i32"),
 ))  # fmt: skip
 
 # The step itself; it follows the generated NullStepArgs (host_c_text) in the library's source.
@@ -65,6 +70,17 @@ static uint64_t now_ns(void) {
 
 static int32_t clamp(int32_t x, int32_t lo, int32_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// One RlLogprobs record under the null logits of a row whose pattern token is `tok`: `lp` for
+// the token scored, the ranking (tok, then the lowest other ids) and its logprobs.
+static void write_record(const NullStepArgs* a, int32_t* rec, int32_t tok, const float* lp, int32_t asked) {
+  memcpy(&rec[0], lp, 4);
+  rec[1] = asked < a->max_top ? asked : a->max_top;
+  for (int32_t j = 0; j < a->max_top; ++j) {
+    rec[2 + j] = j == 0 ? tok : (j - 1) + (j - 1 >= tok);
+    memcpy(&rec[2 + a->max_top + j], j == 0 ? &a->token_lp : &a->other_lp, 4);
+  }
+}
+
 // NullStep's step on the CPU (its torch form is the reference), then the busy time; ctypes
 // drops the GIL around the call, as a model step's torch ops do.
 extern "C" void rl_null_step(const NullStepArgs* a) {
@@ -77,13 +93,15 @@ extern "C" void rl_null_step(const NullStepArgs* a) {
     a->next_token[slot] = tok;
     const int32_t asked = a->top_n[i * a->top_n_stride];
     if (asked < 0) continue;
-    int32_t* rec = a->records + (int64_t)slot * a->record_words;
-    memcpy(&rec[0], &a->token_lp, 4);
-    rec[1] = asked < a->max_top ? asked : a->max_top;
-    for (int32_t j = 0; j < a->max_top; ++j) {
-      rec[2 + j] = j == 0 ? tok : (j - 1) + (j - 1 >= tok);
-      memcpy(&rec[2 + a->max_top + j], j == 0 ? &a->token_lp : &a->other_lp, 4);
-    }
+    write_record(a, a->records + (int64_t)slot * a->record_words, tok, &a->token_lp, asked);
+  }
+  const int32_t n_score = a->n_score ? *a->n_score : 0;
+  for (int32_t i = 0; i < n_score; ++i) {  // the prompt token scored under its row's logits
+    const int32_t row = clamp(a->score_row[i], 0, rows - 1);
+    const int32_t tok = a->table[clamp(a->token_ids[row], 0, a->vocab - 1)];
+    const float* lp = a->score_token[i] == tok ? &a->token_lp : &a->other_lp;
+    const int32_t asked = a->score_top[i] < 0 ? 0 : a->score_top[i];
+    write_record(a, a->score_records + (int64_t)i * a->record_words, tok, lp, asked);
   }
   if (a->spin_ns && a->sleep) {
     struct timespec t = {(time_t)(a->spin_ns / 1000000000u), (long)(a->spin_ns % 1000000000u)};
@@ -175,6 +193,15 @@ class NullStep:
             if bool(asked.any()):
                 records = null_records(tokens[asked], top_n[asked], self.vocab)
                 layout.step_logprobs.index_copy_(0, slots[asked], records)
+        n_score = int(layout.n_score.item())
+        if n_score:  # each prompt token scored under its row's null logits
+            rows = layout.score_row[:n_score].long().clamp(0, bucket - 1)
+            pattern = self.table[layout.token_ids.index_select(0, rows).long().clamp(0, self.vocab - 1)]
+            records = null_records(pattern, layout.score_top[:n_score], self.vocab)
+            token_lp, other_lp = record_logprobs(self.vocab)
+            scored = torch.where(layout.score_token[:n_score] == pattern, token_lp, other_lp)
+            records[:, 0] = scored.to(torch.float32).view(torch.int32)
+            layout.step_prompt_logprobs[:n_score].copy_(records)
         if self.step_ns:
             # the busy time alone
             spin_only = struct_record(NULL_STEP_ARGS, spin_ns=self.step_ns, sleep=int(self.sleeps))
@@ -198,6 +225,9 @@ class NullStep:
                 next_token=layout.next_token.data_ptr(), records=records.data_ptr(),
                 record_words=LOGPROBS_WORDS, max_top=MAX_LOGPROBS,
                 token_lp=token_lp, other_lp=other_lp, spin_ns=self.step_ns, sleep=int(self.sleeps),
+                n_score=layout.n_score.data_ptr(), score_row=layout.score_row.data_ptr(),
+                score_token=layout.score_token.data_ptr(), score_top=layout.score_top.data_ptr(),
+                score_records=layout.step_prompt_logprobs.data_ptr(),
             )  # fmt: skip
             self._native_address = self._native_args.ctypes.data
             self._bound = layout

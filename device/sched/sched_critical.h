@@ -8,6 +8,12 @@
 RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32_t tok) {
   const RlConfig& cfg = *c.cfg;
   sl.sampled = 0;
+  if (sl.max_tokens == 0) {  // a prompt scored only: its prefill's sample is no output
+    sl.finish = RL_FINISH_LENGTH;
+    sl.state = RL_SLOT_ENDING;
+    sl.kv_done = sl.prompt_len;
+    return RL_FINISH_LENGTH;
+  }
   sl.n_generated += 1;
   sl.last_token = tok;
   sl.ev_token = 1;
@@ -27,10 +33,35 @@ RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32
   return why;
 }
 
+// Critical 1a, only after a step with score entries (prompt logprobs): each entry's record and
+// PROMPT event are kept for the overlapped phase (the build below rewrites the score arrays and
+// the next step step_prompt_logprobs).  A slot aborted meanwhile (its DONE is out) gets handle 0,
+// which the host drops.
+RL_FN void rl_keep_scores(const RlContext& c, uint32_t n_score) {
+  RL_FOR(i, n_score) {
+    const RlSlot& sl = c.slots[(uint32_t)c.score_slot[i]];
+    RlCqEvent e;
+    e.handle = sl.state == RL_SLOT_ABORTED ? 0u : sl.handle;
+    e.kind = (uint8_t)RL_EV_PROMPT;
+    e.finish_reason = 0;
+    e._pad = 0;
+    e.token = c.score_token[i];
+    e.index = (uint32_t)c.positions[c.score_row[i]] + 1u;  // the scored token's prompt position
+    e.time_ns = 0;
+    e.queued_us = 0;
+    c.kept_score_events[i] = e;
+    c.kept_logprobs[i] = c.step_prompt_logprobs[i];
+  }
+  if (RL_LEADER) c.sched->n_kept_score = n_score;
+  RL_SYNC();  // before an aborted slot is freed below
+}
+
 // Critical 1: the last step's samples become slot progress and the events to write later
 // (the overlapped phase also copies each token into slot_tokens as it writes its event).
 RL_FN void rl_consume_samples(const RlContext& c) {
   const RlConfig& cfg = *c.cfg;
+  const uint32_t n_score = c.step->n_score;  // the step that just ran's (the build rewrites it)
+  if (n_score) rl_keep_scores(c, n_score);
   RL_FOR(s, cfg.n_slots) {
     RlSlot& sl = c.slots[s];
     if (sl.state == RL_SLOT_ABORTED) {  // its DONE is out; the step that still used it is over
@@ -161,6 +192,58 @@ RL_FN void rl_grow_pages_short(const RlContext& c, RlShared* sh) {
   RL_SYNC();
 }
 
+// Prompt logprobs: of a slot's prefill positions [from, to), those whose next token is a prompt
+// token not yet scored (a request that did not ask: none).  They are a run: [lo, hi).
+RL_FN uint32_t rl_scored_rows(const RlSlot& sl, uint32_t from, uint32_t to) {
+  if (!(sl.flags & RL_FLAG_PROMPT_LOGPROBS)) return 0u;
+  uint32_t lo = from > sl.n_scored ? from : sl.n_scored;
+  uint32_t hi = sl.prompt_len > 0u && to > sl.prompt_len - 1u ? sl.prompt_len - 1u : to;
+  return hi > lo ? hi - lo : 0u;
+}
+
+// Leader, only when some chunk would score: the chunks share cfg.score_rows score entries in
+// admission order; a chunk is cut where its share runs out (the rows before its first scored
+// one are free), and one left with no row waits for the next step (rank and want 0, as a
+// chunk not live).  pre_rank and want are per prefill_queue entry, before their scans.
+RL_FN void rl_cap_scored_chunks(const RlContext& c, uint32_t n_queued, uint32_t* pre_rank,
+                                uint32_t* want) {
+  if (RL_LEADER) {
+    uint32_t left = c.cfg->score_rows;
+    for (uint32_t q = 0; q < n_queued; ++q) {
+      const RlSlot& sl = c.slots[c.prefill_queue[q]];
+      if (!pre_rank[q]) continue;
+      uint32_t scored = rl_scored_rows(sl, sl.n_prefilled, sl.fill_len);
+      if (scored <= left) {
+        left -= scored;
+        continue;
+      }
+      uint32_t lo = sl.n_prefilled > sl.n_scored ? sl.n_prefilled : sl.n_scored;
+      want[q] = lo - sl.n_prefilled + left;
+      left = 0;
+      if (want[q] == 0u) pre_rank[q] = 0u;
+    }
+  }
+  RL_SYNC();
+}
+
+// Slot s's chunk of n rows from row `row0` (positions from n_prefilled on): its score entries
+// from `at` on, each the row whose logits score the next prompt token, that token and the
+// count of alternatives its request asked for.
+RL_FN void rl_lay_out_scores(const RlContext& c, RlSlot& sl, uint32_t s, int32_t row0, uint32_t n,
+                             uint32_t at) {
+  uint32_t k = rl_scored_rows(sl, sl.n_prefilled, sl.n_prefilled + n);
+  if (k == 0u) return;
+  uint32_t lo = sl.n_prefilled > sl.n_scored ? sl.n_prefilled : sl.n_scored;
+  const int32_t* tokens = rl_slot_tokens(c, s);
+  for (uint32_t j = 0; j < k; ++j) {
+    c.score_row[at + j] = row0 + (int32_t)(lo + j - sl.n_prefilled);
+    c.score_token[at + j] = tokens[lo + j + 1u];
+    c.score_top[at + j] = sl.sampling.prompt_logprobs;
+    c.score_slot[at + j] = (int32_t)s;
+  }
+  sl.n_scored = lo + k;
+}
+
 // Critical 2: lays out one step under the token budget, every row's page in its slot's block
 // table (prefill pages came at admission, decode pages with rl_grow_pages_ahead).  Returns the
 // number of token rows.
@@ -180,13 +263,17 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     if (sl.state == RL_SLOT_DECODE) sl.kv_done = sl.prompt_len + sl.n_generated - 1;
     if (sl.state == RL_SLOT_PREFILL) sl.kv_done = sl.n_prefilled;
   }
+  uint32_t my_scoring = 0;
   RL_FOR(q, n_queued) {
     const RlSlot& sl = c.slots[c.prefill_queue[q]];
     bool live = sl.state == RL_SLOT_PREFILL;  // an aborted or preempted one waits for compaction
     pre_rank[q] = live ? 1u : 0u;
     before[q] = live ? sl.fill_len - sl.n_prefilled : 0u;
+    my_scoring |= live && rl_scored_rows(sl, sl.n_prefilled, sl.fill_len) > 0u;
   }
-  RL_SYNC();
+  // prompt logprobs: the chunks that score share cfg.score_rows (rl_cap_scored_chunks)
+  const bool scoring = rl_block_any(my_scoring) != 0u;
+  if (scoring) rl_cap_scored_chunks(c, n_queued, pre_rank, before);
   uint32_t n_decode = rl_exclusive_scan(dec_rank, cfg.n_slots, sh);
   rl_exclusive_scan(pre_rank, n_queued, sh);
   uint32_t wanted = rl_exclusive_scan(before, n_queued, sh);
@@ -209,8 +296,9 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   RL_FOR(q, n_queued) {
     uint32_t s = c.prefill_queue[q];
     const RlSlot& sl = c.slots[s];
-    if (sl.state != RL_SLOT_PREFILL || before[q] >= budget) continue;
-    uint32_t want = sl.fill_len - sl.n_prefilled;
+    // its rows wanted, as capped: the scan's step to the next entry
+    uint32_t want = (q + 1u < n_queued ? before[q + 1u] : wanted) - before[q];
+    if (sl.state != RL_SLOT_PREFILL || want == 0u || before[q] >= budget) continue;
     uint32_t seg = n_decode + pre_rank[q];
     c.seg_slot[seg] = (int32_t)s;
     c.seg_row_start[seg] = (int32_t)(n_decode + before[q]);
@@ -220,14 +308,21 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   uint32_t n_seg = n_decode + rl_block_sum(my_prefill_segs, sh);  // its barrier publishes seg_*
   uint32_t n_rows = n_decode + (wanted < budget ? wanted : budget);
   uint32_t* sample_flag = c.work_a;  // per segment; dec_rank is no longer needed
+  uint32_t* score_at = c.work_b;     // per segment: its score entries, then where they start
   RL_FOR(g, n_seg) {
     const RlSlot& sl = c.slots[c.seg_slot[g]];
     bool last_chunk =
         sl.state == RL_SLOT_DECODE || sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.fill_len;
     sample_flag[g] = last_chunk ? 1u : 0u;
+    if (scoring)
+      score_at[g] =
+          sl.state == RL_SLOT_PREFILL
+              ? rl_scored_rows(sl, sl.n_prefilled, sl.n_prefilled + (uint32_t)c.seg_n_rows[g])
+              : 0u;
   }
   RL_SYNC();
   uint32_t n_samples = rl_exclusive_scan(sample_flag, n_seg, sh);
+  uint32_t n_score = scoring ? rl_exclusive_scan(score_at, n_seg, sh) : 0u;
   // Rows: token, position and slot, found per row by a binary search over segment starts.
   const uint32_t* seg_start = (const uint32_t*)c.seg_row_start;  // never negative
   RL_FOR(row, n_rows) {
@@ -262,6 +357,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
       sl.sampled = 1;
     }
     if (sl.state == RL_SLOT_PREFILL) {
+      if (scoring) rl_lay_out_scores(c, sl, s, c.seg_row_start[g], n, score_at[g]);
       sl.n_prefilled += n;
       if (sl.n_prefilled == sl.fill_len) sl.state = RL_SLOT_DECODE;
     }
@@ -277,6 +373,7 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     c.step->n_segments = n_seg;
     c.step->n_samples = n_samples;
     c.step->n_decode = n_decode;
+    c.step->n_score = n_score;
   }
   RL_SYNC();
   return n_rows;

@@ -152,7 +152,9 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   uint32_t n_tokens = packed & 0xFFFFu, n_slot_dones = packed >> 16;
   uint32_t n_slot_events = n_tokens + n_slot_dones;
   uint32_t n_pending_events = rl_exclusive_scan(pcount, n_pending, sh);
-  uint32_t total = n_slot_events + n_pending_events;
+  // prompt logprobs kept by the critical phase go first: a request's before its first TOKEN
+  const uint32_t n_prompt = st.n_kept_score;
+  uint32_t total = n_prompt + n_slot_events + n_pending_events;
   if (total == 0) return true;
   uint32_t tail = st.cq_tail;
   // A full CQ makes the scheduler wait (and count it), never drop an event.  cq_head is read
@@ -180,10 +182,18 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   RL_SYNC();
   if (!sh->u[RL_SH_CQ_OK]) return false;
   uint64_t now = rl_now_ns();
+  RL_FOR(i, n_prompt) {
+    uint32_t pos = (tail + i) & (cfg.cq_size - 1);
+    RlCqEvent e = c.kept_score_events[i];
+    e.time_ns = now;
+    rl_host_write(&c.cq_logprobs[pos], c.kept_logprobs[i]);  // beside its event
+    rl_host_write(&c.cq[pos], e);
+  }
+  const uint32_t first = tail + n_prompt;  // the slots' events, then the pending entries'
   RL_FOR(s, cfg.n_slots) {
     RlSlot& sl = c.slots[s];
     if (sl.state == RL_SLOT_FREE) continue;
-    uint32_t pos = tail + (count[s] & 0xFFFFu) + (count[s] >> 16);
+    uint32_t pos = first + (count[s] & 0xFFFFu) + (count[s] >> 16);
     if (sl.ev_token) {
       if (sl.flags & RL_FLAG_LOGPROBS)  // beside its event, before cq_tail is published
         rl_host_write(&c.cq_logprobs[pos & (cfg.cq_size - 1)], c.slot_logprobs[s]);
@@ -201,13 +211,14 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
   RL_FOR(j, n_pending) {
     RlSqEntry& e = c.pending[j];
     if (e.op != RL_OP_CANCELLED) continue;
-    rl_put_event(c, tail + n_slot_events + pcount[j], e.handle, RL_EV_DONE, RL_FINISH_ABORT, -1, 0,
+    rl_put_event(c, first + n_slot_events + pcount[j], e.handle, RL_EV_DONE, RL_FINISH_ABORT, -1, 0,
                  now, rl_clamp_us(now - e.drained_ns));
     e.op = RL_OP_NONE;  // removed by the next compaction
   }
   rl_fence_system();
   RL_SYNC();
   if (RL_LEADER) {
+    st.n_kept_score = 0;
     st.cq_tail = tail + total;
     rl_store_release(&c.ctl->cq_tail, tail + total);
     st.generated += n_tokens;
@@ -382,6 +393,9 @@ RL_FN bool rl_resume_preempted(const RlContext& c, RlShared* sh, uint32_t* bound
     const RlSlot& sl = c.slots[order[k]];
     at[k] = rl_pages_for(cfg, sl.fill_len);
     uint32_t cap = cfg.prefix_caching ? (sl.fill_len - 1) / cfg.page_size : 0u;
+    // prompt logprobs still to lay out: only the pages of positions already scored may match
+    if ((sl.flags & RL_FLAG_PROMPT_LOGPROBS) && sl.n_scored + 1u < sl.prompt_len)
+      cap = rl_min_u32(cap, sl.n_scored / cfg.page_size);
     matched[k] = cap < sl.n_keyed ? cap : sl.n_keyed;  // its own pages, if still cached
   }
   RL_SYNC();
@@ -495,7 +509,11 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
   RL_FOR(k, n_admit) {
     const RlSqEntry& e = c.pending[order[k]];
     at[k] = rl_pages_for(cfg, e.prompt_len);
-    matched[k] = cfg.prefix_caching && e.prompt_len ? (e.prompt_len - 1) / cfg.page_size : 0u;
+    // a request asking for prompt logprobs matches nothing: its prefill scores every position
+    // (its pages are still cached for the requests after it)
+    const bool scores = (e.flags & RL_FLAG_PROMPT_LOGPROBS) != 0u;
+    matched[k] =
+        cfg.prefix_caching && e.prompt_len && !scores ? (e.prompt_len - 1) / cfg.page_size : 0u;
   }
   RL_SYNC();
   if (cfg.prefix_caching) {
@@ -545,6 +563,7 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     my_queries += e.prompt_len;
     my_hits += matched[k] * cfg.page_size;
     sl.n_generated = 0;
+    sl.n_scored = 0;
     sl.max_tokens = e.max_tokens;
     sl.flags = e.flags;
     sl.sampling = e.sampling;

@@ -18,7 +18,7 @@ import torch
 from ringleader.device.sampling.sampler import any_penalty, apply_masks, sample, store_logprobs
 from ringleader.device.step.kv_cache import KVCache
 from ringleader.device.step.step_batch import StepBatch
-from ringleader.device.step.step_layout import StepLayout, end_ids_for
+from ringleader.device.step.step_layout import StepLayout, end_ids_for, store_prompt_logprobs
 
 if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_step, static_step)
     from ringleader.device.model.llama import LlamaModel
@@ -36,13 +36,18 @@ class EagerStep:
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, n_tokens) of `layout` (rows [n_tokens, bucket) are pad rows: skipped),
         writes next_token[sample_slot[i]] for its n_samples sample entries (and step_logprobs for
-        those that asked); returns their fp32 logits [n_samples, vocab]. On the CPU the backend
-        passes bucket = n_tokens."""
+        those that asked) and step_prompt_logprobs for its n_score score entries; returns the
+        sample entries' fp32 logits [n_samples, vocab]. On the CPU the backend passes bucket =
+        n_tokens."""
         n_tokens, n_segments, n_samples = layout.read_counts()
         if not 0 < n_tokens <= bucket:
             raise ValueError(f"the layout's {n_tokens} rows do not fit bucket {bucket}")
-        batch = StepBatch.from_layout(layout, n_tokens, n_segments, n_samples)
-        logits = self.model.step(batch, self.kv)
+        n_score = int(layout.n_score.item())  # prompt logprobs' rows (host memory here)
+        batch = StepBatch.from_layout(layout, n_tokens, n_segments, n_samples, n_score)
+        out = self.model.step(batch, self.kv)
+        logits = out[:n_samples]
+        if n_score:
+            store_prompt_logprobs(layout, out[n_samples:], n_score)
         if n_samples:
             params = layout.sampling(n_samples, counts=False, end_ids=self._end_ids)
             # host reads of host memory here: mask and gather counts only where some row needs it

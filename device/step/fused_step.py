@@ -156,6 +156,8 @@ class FusedDecode:
             self.head_ticket, use_pdl=pdl,
         )  # fmt: skip
         self._sample(logits, greedy, layout, m)
+        if step.score_rows:  # prompt logprobs: their rows' own norm and lm_head
+            step.store_scores(step.score_logits(x, layout, bucket), layout, min(bucket, step.score_rows))
         return logits
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor, layout: StepLayout, m: int) -> None:

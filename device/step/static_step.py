@@ -50,6 +50,11 @@ if TYPE_CHECKING:  # a type only: the model builds its steps (LlamaModel.eager_s
     from ringleader.device.model.llama import LlamaModel
 
 
+# prompt logprobs in a captured graph: the score rows each step takes the logits of, live or not
+# (static shapes), and so the lm_head rows it adds to every step: CUDA's default score_rows
+GRAPH_SCORE_ROWS = 16
+
+
 class StaticAttention:
     """CacheAttention for one static step in torch: fixed shapes, index tensors, no host syncs.
 
@@ -128,6 +133,7 @@ class StaticStep:
         attention: str | Callable[..., torch.Tensor] = "triton",
         fused: bool | None = None,
         step_kernels: str = "fused",
+        score_rows: int = 0,
     ) -> None:
         """kv: the paged cache, its last page the scratch page (StaticStep.new_kv_cache).
         attention: "triton", "torch" (the masked reference) or a function with the
@@ -136,7 +142,10 @@ class StaticStep:
         ops; None: with attention="triton". step_kernels: "fused" runs buckets of up to
         FUSED_MAX_ROWS rows as device/step/fused_step.py's kernels (with attention="triton"
         and triton installed; else, or for weights those kernels cannot read, the layered step,
-        and `fused_off` says why); "layered": this class's own step for every bucket."""
+        and `fused_off` says why); "layered": this class's own step for every bucket.
+        score_rows: the scheduler's (RlConfig.score_rows): each run takes the logits of
+        min(bucket, score_rows) score rows for prompt logprobs (that many more lm_head rows a
+        step, whether or not an entry is live); 0: none."""
         if step_kernels not in ("fused", "layered"):
             raise ValueError(f"step_kernels must be 'fused' or 'layered', got {step_kernels!r}")
         self._attend: Callable[..., torch.Tensor]
@@ -179,6 +188,7 @@ class StaticStep:
         c = model.config
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
+        self.score_rows = score_rows
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / (c.head_dim**0.5)  # SDPA's default, as the eager step uses
         self.scratch_page = kv.n_pages - 1
@@ -186,7 +196,7 @@ class StaticStep:
         model.prepare(max_ctx)
         assert model._cos is not None and model._sin is not None  # prepare() made them
         self._cos, self._sin = model._cos, model._sin  # kept: prepare() may swap them later
-        self._entry_ids = torch.arange(n_slots, dtype=torch.int32, device=dev)
+        self._entry_ids = torch.arange(max(n_slots, score_rows), dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
         self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
         # the model's end ids, which a row below its min_tokens cannot draw (a graph reads them)
@@ -231,9 +241,36 @@ class StaticStep:
         # a step samples at most one entry per row: the bucket bounds the sampled entries
         m = min(bucket, self.n_slots)
         rows = layout.sample_row[:m].long().clamp(0, bucket - 1)  # stale entries may point anywhere
-        logits = self.model(layout.token_ids[:bucket].long(), cache, rows, self._kernels)
+        k = min(bucket, self.score_rows)  # a step scores at most one entry per row
+        if k:
+            rows = torch.cat([rows, layout.score_row[:k].long().clamp(0, bucket - 1)])
+        out = self.model(layout.token_ids[:bucket].long(), cache, rows, self._kernels)
+        logits = out[:m]
         self._sample_into(logits, layout, m)
+        if k:
+            self.store_scores(out[m:], layout, k)
         return logits
+
+    def score_logits(self, x: torch.Tensor, layout: StepLayout, bucket: int) -> torch.Tensor:
+        """fp32 logits [min(bucket, score_rows), vocab] of the score rows of the residual stream
+        x [bucket, hidden] (the fused step's, which computes the sample rows' logits itself)."""
+        k = min(bucket, self.score_rows)
+        h = x.index_select(0, layout.score_row[:k].long().clamp(0, bucket - 1))
+        _, h = self._kernels.add_rms_norm(h, None, self.model.norm.weight, self.model.norm.eps)
+        return self.model.logits(h).float()
+
+    def store_scores(self, logits: torch.Tensor, layout: StepLayout, k: int) -> None:
+        """Prompt logprobs: score entry i's record from its row's raw logits [k, vocab] into
+        step_prompt_logprobs[i], for the entries below n_score (read on the device)."""
+        tokens = layout.score_token[:k].long().clamp(0, logits.shape[1] - 1)
+        self._store_logprobs(
+            layout.step_prompt_logprobs,
+            self._entry_ids[:k],
+            logits,
+            tokens,
+            layout.score_top[:k],
+            layout.n_score,
+        )
 
     def _sample_into(self, logits: torch.Tensor, layout: StepLayout, m: int) -> None:
         valid = self._entry_ids[:m] < layout.n_samples  # [m], n_samples read on the device
@@ -263,5 +300,6 @@ class StaticStep:
         layout.positions.zero_()
         layout.token_ids.zero_()
         layout.n_samples.zero_()
+        layout.n_score.zero_()
         for b in buckets:
             self.run(b, layout)

@@ -141,13 +141,20 @@ class StepBatch:
         )
 
     @classmethod
-    def from_layout(cls, layout: StepLayout, n_tokens: int, n_segments: int, n_samples: int) -> StepBatch:
+    def from_layout(
+        cls, layout: StepLayout, n_tokens: int, n_segments: int, n_samples: int, n_score: int = 0
+    ) -> StepBatch:
         """Rows [0, n_tokens), segments [0, n_segments) and sample entries [0, n_samples) of
-        `layout`, read on the host (on the CPU: views of the scheduler's arrays, no copy)."""
+        `layout`, read on the host (on the CPU: views of the scheduler's arrays, no copy); the
+        rows of its first n_score score entries (prompt logprobs) follow the sample rows."""
         rows, segs = slice(0, n_tokens), slice(0, n_segments)
 
         def host(t: torch.Tensor) -> np.ndarray:
             return t.cpu().numpy()
+
+        out_rows = host(layout.sample_row[:n_samples])
+        if n_score:
+            out_rows = np.concatenate([out_rows, host(layout.score_row[:n_score])])
 
         return cls.from_numpy(
             host(layout.token_ids[rows]),
@@ -156,7 +163,7 @@ class StepBatch:
             host(layout.seg_slot[segs]),
             host(layout.seg_row_start[segs]),
             host(layout.seg_n_rows[segs]),
-            host(layout.sample_row[:n_samples]),
+            out_rows,
             host(layout.block_table),
             device=layout.token_ids.device,
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ringleader.device.sampling.sampler import RING_DTYPES, SamplingTensors
+from ringleader.device.sampling.sampler import RING_DTYPES, SamplingTensors, store_logprobs
 from ringleader.ipc import layout
 from ringleader.ipc.sampling_params import FIELD
 
@@ -42,14 +42,22 @@ _FIELDS = {
     "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
     "token_counts": (np.int32, "token_counts"),  # flat [n_slots * vocab_size] in the arrays
     "grammar": (np.int32, "grammar"),  # structured output's automata (ipc/automaton.py)
+    # prompt logprobs: per score entry the row to score, the prompt token it scores, the
+    # alternatives asked; the entries' count; the record the step writes per entry
+    "score_row": (np.int32, "score_row"),
+    "score_token": (np.int32, "score_token"),
+    "score_top": (np.int32, "score_top"),
+    "n_score": (np.int32, "step.n_score"),
+    "step_prompt_logprobs": (np.int32, "step_prompt_logprobs"),  # RlLogprobs [score_rows], words
 }
 # [token_budget]; the counts [1]; block_table, token_counts, step_logprobs [n_slots, ...]; the
-# rest [n_slots]
+# score entries [score_rows] (step_prompt_logprobs [score_rows, ...]); the rest [n_slots]
 _ROW_FIELDS = ("token_ids", "positions", "slot_of")
+_SCORE_FIELDS = ("score_row", "score_token", "score_top")
 # the scheduler arrays a step reads or writes (host-scheduled mode uploads them: LAYOUT_RUN)
 SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
 # of those, the ones the step writes
-STEP_OUTPUTS = frozenset({"next_token", "step_logprobs"})
+STEP_OUTPUTS = frozenset({"next_token", "step_logprobs", "step_prompt_logprobs"})
 # and the one the host writes itself, an automaton at a time (GrammarArena: never uploaded per step)
 HOST_WRITTEN = frozenset({"grammar"})
 
@@ -66,6 +74,15 @@ def end_ids_for(eos_token_ids: Sequence[int], device: Device) -> torch.Tensor | 
     besides its stop ids (StepLayout.sampling's end_ids); None for a model without any."""
     ids = [int(i) for i in eos_token_ids][: layout.MAX_EOS_IDS]
     return torch.tensor(ids, dtype=torch.int32, device=device) if ids else None
+
+
+def store_prompt_logprobs(layout: StepLayout, logits: torch.Tensor, n_score: int) -> None:
+    """The eager form of a step's prompt logprobs: score entry i's record (its prompt token's
+    logprob and top alternatives under fp32 `logits[i]`, the raw logits of its row) into
+    step_prompt_logprobs[i], for the first n_score entries."""
+    entries = torch.arange(n_score, device=logits.device)
+    tokens = layout.score_token[:n_score].long().clamp(0, logits.shape[1] - 1)
+    store_logprobs(layout.step_prompt_logprobs, entries, logits, tokens, layout.score_top[:n_score])
 
 
 def sampling_views(words: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -94,6 +111,7 @@ def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Te
     n_slots = views["seg_slot"].shape[0]
     for name in ("block_table", "token_counts", "step_logprobs"):
         views[name] = views[name].view(n_slots, views[name].numel() // n_slots)
+    views["step_prompt_logprobs"] = views["step_prompt_logprobs"].view(-1, layout.LOGPROBS.size // 4)
     return views
 
 
@@ -108,7 +126,10 @@ class StepLayout:
     sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
     views one field each); n_tokens, n_segments, n_samples: int32 [1], the header's counts;
     next_token: int32 [n_slots], written by a step's run; step_logprobs: int32 [n_slots, 42], the
-    RlLogprobs record a step writes for each sampled slot whose request asked; block_table: int32 [n_slots,
+    RlLogprobs record a step writes for each sampled slot whose request asked; score_row,
+    score_token, score_top: int32 [score_rows], the score entries of prompt logprobs (n_score
+    [1] of them: the row whose logits score, the prompt token scored, the alternatives asked),
+    and step_prompt_logprobs: int32 [score_rows, 42], the record a step writes per entry; block_table: int32 [n_slots,
     pages_per_slot], slot s's position p is in KV page block_table[s, p // page_size] (entries
     past a slot's context are arbitrary); token_counts: int32 [n_slots, vocab_size] (vocab_size
     0: none kept), a penalized slot's counts.
@@ -133,6 +154,11 @@ class StepLayout:
     block_table: torch.Tensor
     token_counts: torch.Tensor
     grammar: torch.Tensor
+    score_row: torch.Tensor
+    score_token: torch.Tensor
+    score_top: torch.Tensor
+    n_score: torch.Tensor
+    step_prompt_logprobs: torch.Tensor
 
     def __post_init__(self) -> None:
         self.params = sampling_views(self.sample_params)
@@ -162,13 +188,18 @@ class StepLayout:
         pages_per_slot: int,
         vocab_size: int = 0,
         grammar_words: int = 1,
+        score_rows: int = 1,
     ) -> StepLayout:
         """Zeroed tensors of the right sizes (pad rows have slot_of = -1; every block-table
-        entry names page 0; every sample entry holds the declared defaults)."""
+        entry names page 0; every sample entry holds the declared defaults; no score entry)."""
 
         def shape(name: str) -> tuple[int, ...]:
             if name in _ROW_FIELDS:
                 return (token_budget,)
+            if name in _SCORE_FIELDS:
+                return (max(1, score_rows),)
+            if name == "step_prompt_logprobs":
+                return (max(1, score_rows), layout.LOGPROBS.size // 4)
             if name == "block_table":
                 return (n_slots, pages_per_slot)
             if name == "token_counts":

@@ -6,42 +6,26 @@ that openai_api.check_request passed, collected into one JSON body or turned int
 A request with `n` choices is one upstream stream whose chunks carry their choice's index; each
 choice has its own stop strings, and one that matches aborts that choice alone (protocol 1.5)
 while the others go on.  An upstream error is the usual APIError before anything was written;
-after a stream has started, it is one `data: {"error": ...}` event before `[DONE]`.
+after a stream has started, it is one `data: {"error": ...}` event before `[DONE]`.  A batch of
+prompts is one upstream request each, answered together (batched.py).  An echoed prompt
+(echo.py) comes first in each choice: its tokens with the request's first message, its text
+the request's own (or, for token ids, the server's decoding of them).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from ringleader.hostctl.gateway.batched import answer_batch
 from ringleader.hostctl.gateway.metrics import GatewayMetrics
-from ringleader.hostctl.gateway.openai_api import APIError, GenerationRequest
-from ringleader.hostctl.gateway.responses import SSE_DONE, ChoiceAnswer, ResponseWriter
-from ringleader.hostctl.gateway.stop_strings import StopMatcher
-from ringleader.ipc import protocol as P
-from ringleader.ipc.client import AsyncClient, AsyncStream, Done, TokenChunk
-from ringleader.ipc.client.core import ChoiceEnd
+from ringleader.hostctl.gateway.openai_api import GenerationRequest
+from ringleader.hostctl.gateway.request_answer import AnswerSummary, StreamedAnswer, open_answer
+from ringleader.hostctl.gateway.responses import ResponseWriter
+from ringleader.ipc.client import AsyncClient
 
-END_EARLY_WAIT_S = 5.0  # a stop string aborts upstream; its `done` (the usage) is awaited this long
+__all__ = ["SSE_HEADERS", "AnswerSummary", "StreamedAnswer", "answer_request"]
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class AnswerSummary:
-    """What a log line tells of one answer, filled in as it goes (the gateway logs it)."""
-
-    id: str | None = None  # the response's id, which is also the upstream request's id
-    finish_reasons: list[str | None] = field(default_factory=list)  # by choice index
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float | None = None  # streams: arrival to the first token's bytes
-    error: str | None = None  # the upstream's code and message, when it ended in error
-
-    def ended(self, finish_reasons: list[str | None], prompt_tokens: int, completion_tokens: int) -> None:
-        self.finish_reasons = finish_reasons
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
 
 
 async def answer_request(
@@ -57,322 +41,13 @@ async def answer_request(
     token is an APIError: the transport answers it with its status.  The upstream request's id
     is the response's (`chatcmpl-...`, `cmpl-...`), so the server's log line for it names the
     id the HTTP client got; `summary` is filled in with how the answer went."""
-    writer = ResponseWriter(req, model_name)
     summary = summary if summary is not None else AnswerSummary()
+    if req.batch is not None:
+        return await answer_batch(client, metrics, req, model_name, arrived, summary)
+    writer = ResponseWriter(req, model_name)
     summary.id = writer.id
-    try:
-        stream = await client.generate(
-            req.prompt,
-            prompt_ids=req.prompt_ids,
-            messages=req.messages,
-            sampling=req.sampling,
-            priority=req.priority,
-            structured=req.structured,
-            request_id=writer.id,
-            **req.generate_options,
-        )
-    except (ValueError, TypeError) as exc:  # the request does not fit one frame, say
-        raise _refused_by_client(exc, req) from None
-    answer = RequestAnswer(metrics, req, writer, stream, arrived, summary)
-    try:
-        first = await _next_event(stream)
-        if isinstance(first, Done) and not first.ok:
-            raise answer.upstream_error(first)
-        if not req.stream:
-            async with stream:
-                return await answer.collect(first)
-    except BaseException:  # an error, a cancelled handler: abort upstream
-        await stream.aclose()
-        raise
-    return StreamedAnswer(answer, first)
-
-
-def _refused_by_client(exc: Exception, req: GenerationRequest) -> APIError:
-    """A 400 for what the client refused before sending (a value, the frame's size), told as the
-    server would tell it, and naming the field (`exc.field` where it has one) as the request did."""
-    told = APIError.from_upstream(P.ERR_BAD_REQUEST, str(exc), req.structured_param)
-    field = getattr(exc, "field", None)
-    param = told.param if told.param is not None or not isinstance(field, str) else field
-    return APIError(400, told.message, param=param)
-
-
-class StreamedAnswer:
-    """The SSE events of a streamed answer, as bytes: `async for chunk in answer`, then
-    `await answer.aclose()` whatever happened (leaving early aborts the request upstream)."""
-
-    def __init__(self, answer: RequestAnswer, first: TokenChunk | Done):
-        self._answer = answer
-        sampling = answer.req.sampling
-        self._chunks: AsyncGenerator[bytes, None]
-        if sampling.n == 1 and sampling.logprobs is None:
-            self._chunks = answer.stream_one(first)
-        else:
-            self._chunks = answer.stream_choices(first)
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._chunks
-
-    async def aclose(self) -> None:
-        await self._chunks.aclose()
-        await self._answer.stream.aclose()
-
-
-async def _next_event(stream: AsyncStream) -> TokenChunk | Done:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        assert stream.done is not None
-        return stream.done
-
-
-class RequestAnswer:
-    """The answer to one request from its open upstream stream, in one of three shapes: whole
-    (collect), the common request's stream (stream_one) or a stream of choices (stream_choices);
-    each takes the stream's first event."""
-
-    def __init__(
-        self,
-        metrics: GatewayMetrics,
-        req: GenerationRequest,
-        writer: ResponseWriter,
-        stream: AsyncStream,
-        arrived: float,
-        summary: AnswerSummary,
-    ):
-        self.metrics = metrics
-        self.summary = summary
-        self.req = req
-        self.writer = writer
-        self.stream = stream
-        self.arrived = arrived
-        self.done: Done | None = None  # the upstream `done`, once _live_chunks ended
-        self.failed = False  # that `done` is an error to answer with
-
-    def upstream_error(self, done: Done) -> APIError:
-        self.metrics.upstream_error(done.error_code or "unknown")
-        self.summary.error = f"{done.error_code or 'unknown'}: {done.error_message or ''}"
-        return APIError.from_upstream(done.error_code, done.error_message, self.req.structured_param)
-
-    # ---- whole ----------------------------------------------------------------------------
-    async def collect(self, item: TokenChunk | Done) -> dict[str, Any]:
-        req, writer = self.req, self.writer
-        n = req.sampling.n
-        answers = [ChoiceAnswer(index, req, keep=True) for index in range(n)]
-        async for answer, event in self._live_chunks(answers, item):
-            answer.take(event)
-            if event.finish_reason is not None and not answer.ended:
-                answer.end(event.finish_reason)
-        done = self.done
-        if done is not None and self.failed:
-            raise self.upstream_error(done)
-        ends = _choice_ends(done, n)
-        completion = 0
-        choices = []
-        for answer in answers:
-            end = ends.get(answer.index)
-            if not answer.ended:
-                assert done is not None  # a choice still going ends only with the `done`
-                answer.end(end.finish_reason if end is not None else done.finish_reason)
-            assert answer.finish_reason is not None
-            tokens = answer.completion_tokens(end)
-            completion += tokens
-            choices.append(
-                writer.choice(
-                    answer.index,
-                    "".join(answer.texts),
-                    answer.token_ids[:tokens],
-                    answer.finish_reason,
-                    answer.logprobs(tokens),
-                )
-            )
-        prompt_tokens = done.prompt_tokens if done is not None else 0
-        self.metrics.usage(prompt_tokens, completion)
-        self.summary.ended([a.finish_reason for a in answers], prompt_tokens, completion)
-        return writer.response(choices, prompt_tokens, completion)
-
-    # ---- streamed -------------------------------------------------------------------------
-    async def stream_one(self, item: TokenChunk | Done) -> AsyncGenerator[bytes, None]:
-        """The stream of the common request, one choice without logprobs: a token's chunk is
-        the writer's prebuilt prefix and suffix around its text."""
-        req, writer, stream = self.req, self.writer, self.stream
-        if req.chat:
-            yield writer.role_chunk()
-        matcher = (
-            StopMatcher(req.stop, include=req.include_stop_str_in_output, min_tokens=req.sampling.min_tokens)
-            if req.stop
-            else None
-        )
-        sent = 0  # tokens received so far
-        first_written = False
-        while isinstance(item, TokenChunk):
-            sent += len(item.token_ids)
-            text = item.text or ""
-            if matcher is not None:
-                text = matcher.push(text, sent)
-            if text or req.return_token_ids:
-                yield writer.token_chunk(text, item.token_ids)
-                if not first_written:
-                    first_written = True
-                    self._first_token_written()
-            if matcher is not None and matcher.matched:
-                break
-            item = await _next_event(stream)
-        if isinstance(item, Done):
-            done: Done | None = item
-            if matcher is not None:
-                tail = matcher.flush()
-                if tail:
-                    yield writer.token_chunk(tail, [])
-            if not item.ok:
-                for chunk in self._error_end(item):
-                    yield chunk
-                return
-            finish, completion = item.finish_reason, item.completion_tokens
-            yield writer.finish_chunk(finish)
-        else:  # a stop string matched: finish now, then learn the usage
-            finish = "stop"
-            yield writer.finish_chunk(finish)
-            done = await self._end_early()
-            completion = sent
-        prompt_tokens = done.prompt_tokens if done is not None else 0
-        for chunk in self._usage_end([finish], prompt_tokens, completion):
-            yield chunk
-
-    async def stream_choices(self, item: TokenChunk | Done) -> AsyncGenerator[bytes, None]:
-        """The stream of a request with n > 1 or logprobs: each choice's chunks with its index
-        (and logprobs), a finish chunk when it ends; a stop string ends only its own choice."""
-        req, writer = self.req, self.writer
-        n = req.sampling.n
-        answers = [ChoiceAnswer(index, req, keep=False) for index in range(n)]
-        if req.chat:
-            for answer in answers:
-                yield writer.role_chunk(answer.index)
-        tokens_shown = req.return_token_ids or req.sampling.logprobs is not None
-        first_written = False
-        async for answer, event in self._live_chunks(answers, item):
-            text, logprobs = answer.take(event)
-            if text or (tokens_shown and event.token_ids):
-                yield writer.choice_chunk(answer.index, text, event.token_ids, logprobs)
-                if not first_written:
-                    first_written = True
-                    self._first_token_written()
-            if answer.stopped:
-                yield writer.finish_chunk("stop", answer.index)
-            elif event.finish_reason is not None and event.finish_reason != P.FINISH_ERROR:
-                for chunk in self._choice_end(answer, event.finish_reason):
-                    yield chunk
-            elif event.finish_reason is not None:  # the `done` tells the error
-                answer.finish_reason = event.finish_reason
-        done = self.done
-        if done is not None and self.failed:
-            for answer in answers:  # the text held back was generated: it goes out first
-                if not answer.ended:
-                    tail = answer.end(P.FINISH_ERROR)
-                    if tail:
-                        yield writer.choice_chunk(answer.index, tail, [], None)
-            for chunk in self._error_end(done):
-                yield chunk
-            return
-        ends = _choice_ends(done, n)
-        completion = 0
-        for answer in answers:
-            end = ends.get(answer.index)
-            if not answer.ended:
-                assert done is not None  # a choice still going ends only with the `done`
-                finish = end.finish_reason if end is not None else done.finish_reason
-                for chunk in self._choice_end(answer, finish):
-                    yield chunk
-            completion += answer.completion_tokens(end)
-        prompt_tokens = done.prompt_tokens if done is not None else 0
-        for chunk in self._usage_end([a.finish_reason for a in answers], prompt_tokens, completion):
-            yield chunk
-
-    def _choice_end(self, answer: ChoiceAnswer, finish_reason: str) -> list[bytes]:
-        """The last chunks of a choice: the text its stop matcher held back, then its finish."""
-        tail = answer.end(finish_reason)
-        chunks = [self.writer.choice_chunk(answer.index, tail, [], None)] if tail else []
-        return chunks + [self.writer.finish_chunk(finish_reason, answer.index)]
-
-    def _error_end(self, done: Done) -> list[bytes]:
-        return [ResponseWriter.error_event(self.upstream_error(done)), SSE_DONE]
-
-    def _first_token_written(self) -> None:
-        self.summary.ttft_s = time.perf_counter() - self.arrived
-        self.metrics.first_token_written(self.summary.ttft_s)
-
-    def _usage_end(
-        self, finish_reasons: list[str | None], prompt_tokens: int, completion_tokens: int
-    ) -> list[bytes]:
-        self.metrics.usage(prompt_tokens, completion_tokens)
-        self.summary.ended(finish_reasons, prompt_tokens, completion_tokens)
-        usage = [self.writer.usage_chunk(prompt_tokens, completion_tokens)] if self.req.include_usage else []
-        return usage + [SSE_DONE]
-
-    # ---- choices ---------------------------------------------------------------------------
-    async def _live_chunks(
-        self, answers: list[ChoiceAnswer], event: TokenChunk | Done
-    ) -> AsyncIterator[tuple[ChoiceAnswer, TokenChunk]]:
-        """Each chunk of a choice still going, with its answer (the caller takes it, and may end
-        the choice); chunks still in flight for a choice that ended here are dropped.  It stops at
-        the `done`, or once every choice ended (then the `done` is awaited, bounded): either way
-        the `done` is in self.done, and self.failed says whether it is an error to answer with."""
-        n = len(answers)
-        while isinstance(event, TokenChunk):
-            if 0 <= event.index < n and not answers[event.index].ended:
-                answer = answers[event.index]
-                yield answer, event
-                if answer.ended and await self._every_choice_ended(answers, answer):
-                    self.done = await self._done_after_choices(answers)
-                    # a single choice's stop string: the `done` is its abort's, whatever it says
-                    self.failed = self.done is not None and not self.done.ok and not _ended_early(answers)
-                    return
-            event = await _next_event(self.stream)
-        self.done, self.failed = event, not event.ok
-
-    # ---- ending choices -------------------------------------------------------------------
-    async def _end_early(self) -> Done | None:
-        """A stop string matched: abort upstream as a stop (the server counts it as one, protocol
-        1.3) and wait (bounded) for the `done` with usage."""
-        await self.stream.abort(finish_reason="stop")
-        return await self._rest()
-
-    async def _rest(self) -> Done | None:
-        """The `done` with usage, awaited (bounded) past the tokens still in flight."""
-        try:
-            return await self.stream.wait(timeout=END_EARLY_WAIT_S)
-        except TimeoutError:
-            return None
-
-    async def _done_after_choices(self, answers: list[ChoiceAnswer]) -> Done | None:
-        """Every choice ended for the gateway before the `done` came: a single choice's stop
-        string ends the request as before; several choices each ended already upstream, or
-        were aborted one by one."""
-        if _ended_early(answers):
-            return await self._end_early()
-        return await self._rest()
-
-    async def _every_choice_ended(self, answers: list[ChoiceAnswer], answer: ChoiceAnswer) -> bool:
-        """`answer` just ended for the gateway: True once every choice did (then
-        _done_after_choices).  A stop string ends a single choice's request whole; with several,
-        only its choice is aborted upstream and the others go on."""
-        if _ended_early(answers):
-            return True
-        if answer.stopped:
-            await self.stream.abort(finish_reason="stop", index=answer.index)
-        return all(a.ended for a in answers)
-
-
-def _ended_early(answers: list[ChoiceAnswer]) -> bool:
-    """A stop string ended a single choice's request: its `done` is the abort's, whatever it says."""
-    return len(answers) == 1 and answers[0].stopped
-
-
-def _choice_ends(done: Done | None, n: int) -> dict[int, ChoiceEnd]:
-    """How each choice ended upstream, by index: the `done`'s list, or a single choice's `done`."""
-    if done is None:
-        return {}
-    if done.choices is not None:
-        return {end.index: end for end in done.choices}
-    if n == 1:
-        return {0: ChoiceEnd(0, done.finish_reason, done.completion_tokens)}
-    return {}
+    answer, first = await open_answer(client, metrics, req, writer, arrived, summary, writer.id)
+    if req.stream:
+        return StreamedAnswer(answer, first)
+    async with answer.stream:  # leaving it early (an error, a cancelled handler) aborts upstream
+        return await answer.collect(first)

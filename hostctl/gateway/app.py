@@ -11,10 +11,11 @@ json.dumps of its text (responses.ResponseWriter).  A request is checked here
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 GET /v1/models/{id}, GET /health (the upstream answers and its engine lives), GET /metrics (the
-gateway's own series, and under `serve --http` the engine's after them).  Every failure is an
-OpenAI-shaped error: 400 naming the field, 401, 404 for another model, 429 for `overloaded`, 503
-for `engine_dead`/`shutdown`/no upstream, 504 for `timeout`; after a stream has started, an error
-is one `data: {"error": ...}` event before `[DONE]`.
+gateway's own series, and under `serve --http` the engine's after them), and vLLM's POST
+/tokenize, POST /detokenize, GET /tokenizer_info (tokenize_api.py: the server's tokenizer ops).
+Every failure is an OpenAI-shaped error: 400 naming the field, 401, 404 for another model, 429 for
+`overloaded`, 503 for `engine_dead`/`shutdown`/no upstream, 504 for `timeout`; after a stream has
+started, an error is one `data: {"error": ...}` event before `[DONE]`.
 
 Until it is ready (`serve --http` binds its port before the model loads; `ringleader gateway`
 serves while it asks the upstream for its model) every route but /metrics answers at once with a
@@ -61,6 +62,14 @@ from ringleader.hostctl.gateway.openai_api import (
     models_list,
 )
 from ringleader.hostctl.gateway.request_log import REQUEST_ID_HEADER, log_request, request_id_of
+from ringleader.hostctl.gateway.tokenize_api import (
+    ANSWER_WAIT_S,
+    asked,
+    detokenize_call,
+    tokenize_answer,
+    tokenize_call,
+    tokenizer_info_answer,
+)
 from ringleader.hostctl.gateway.upstream import check_upstream_address, connection_up
 from ringleader.ipc.client import AsyncClient
 from ringleader.ipc.client.core import DEFAULT_ADDRESS
@@ -170,6 +179,9 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id:.+}", self._model)  # ids may hold a "/"
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/tokenizer_info", self._tokenizer_info)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -251,6 +263,32 @@ class Gateway:
         if asked != self.model.name:
             raise model_not_found(asked, self.model.name)
         return web.json_response(model_object(self.model.name, self.created, self.model.max_model_len))
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        client = self._upstream_for(request)
+        call = tokenize_call(await request.read(), self.model)
+        return web.json_response(tokenize_answer(await asked(client.tokenize(**call, timeout=ANSWER_WAIT_S))))
+
+    async def _detokenize(self, request: web.Request) -> web.StreamResponse:
+        client = self._upstream_for(request)
+        ids = detokenize_call(await request.read(), self.model)
+        return web.json_response({"prompt": await asked(client.detokenize(ids, timeout=ANSWER_WAIT_S))})
+
+    async def _tokenizer_info(self, request: web.Request) -> web.StreamResponse:
+        client = self._upstream_for(request)
+        return web.json_response(
+            tokenizer_info_answer(await asked(client.tokenizer_info(timeout=ANSWER_WAIT_S)))
+        )
+
+    def _upstream_for(self, request: web.Request) -> AsyncClient:
+        """The client of a request that asks the upstream (ready, authorized, a connection up)."""
+        self._check_ready()
+        self._authorize(request)
+        down = self._upstream_down()
+        if down is not None:
+            raise unavailable(down, "disconnected")
+        assert self._client is not None
+        return self._client
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         """200 when the upstream answers within 2 s and its engine lives, else 503 saying why

@@ -1,18 +1,19 @@
 """The OpenAI HTTP API's requests, without I/O: a JSON body in, a typed request out (or an
 APIError naming the field); the bytes of their answers are responses.py's.
 
-What is accepted is what ringleader can honour: `best_of`, `echo` (and with it prompt logprobs),
-`logit_bias`, `suffix`, tools and non-text content are refused with a 400 naming the field
-rather than silently ignored, and so is any body field the gateway does not know (vllm serve
-ignores those, so a sampling knob it lacks would pass unnoticed).  The sampling fields, their
-OpenAI names and defaults come from their declaration (ringleader.ipc.sampling_params), `n` and
-`logprobs` (chat's `logprobs` + `top_logprobs`) among them; vLLM's extensions among them: `top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`.  vLLM's other request extensions
+What is accepted is what ringleader can honour: `best_of`, `logit_bias`, `suffix`, tools and
+non-text content are refused with a 400 naming the field rather than silently ignored, and so
+is any body field the gateway does not know (vllm serve ignores those, so a sampling knob it
+lacks would pass unnoticed).  The sampling fields, their OpenAI names and defaults come from
+their declaration (ringleader.ipc.sampling_params), `n` and `logprobs` (chat's `logprobs` +
+`top_logprobs`) among them; vLLM's extensions among them: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`.  vLLM's other request extensions
 (`include_stop_str_in_output`, `skip_special_tokens`, `chat_template_kwargs`...) are
 generate_options.py's.  The gateway's own: `return_token_ids` (each choice carries the ids of its
-tokens), `priority`.  check_request adds what depends on the served model: its name, and the
-ranges the server judges against it (SamplingParams.check_for_model: max_tokens within the
-server's cap, which every message about max_tokens then states).
+tokens), `priority`.  A completion's prompts (a batch among them), `echo` and vLLM's
+`prompt_logprobs` are prompts.py's.  check_request adds what depends on the served model: its
+name, and the ranges the server judges against it (SamplingParams.check_for_model: max_tokens
+within the server's cap, which every message about max_tokens then states).
 
 The output's constraint (protocol 1.8's `structured`, enforced on the device) comes from one of
 OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` or vLLM's
@@ -32,6 +33,7 @@ from ringleader.hostctl.gateway.errors import PARAM_OF_FIELD as PARAM_OF_FIELD
 from ringleader.hostctl.gateway.errors import STATUS_OF_CODE as STATUS_OF_CODE
 from ringleader.hostctl.gateway.errors import APIError, bad, structured_param_of
 from ringleader.hostctl.gateway.generate_options import CHAT_OPTIONS, COMPLETIONS_OPTIONS, generate_options
+from ringleader.hostctl.gateway.prompts import Prompt, completion_prompts, scoring_options
 from ringleader.ipc import protocol as P
 from ringleader.ipc.request_extensions import CHAT_FIELDS as CHAT_TEMPLATE_OPTIONS
 from ringleader.ipc.sampling_params import (
@@ -111,6 +113,9 @@ class GenerationRequest:
     # AsyncClient.generate's keywords for vLLM's extensions, those not at their defaults
     generate_options: dict[str, Any] = field(default_factory=dict)
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text (vLLM's)
+    batch: list[Prompt] | None = None  # a completion's prompts when it sent more than one
+    echo: bool = False  # the choice's text (and logprobs) start with the prompt's
+    prompt_logprobs_asked: bool = False  # vLLM's prompt_logprobs are answered beside the choices
 
 
 # ---------------------------------------------------------------- parsing
@@ -173,31 +178,6 @@ def _no_op_fields(body: dict) -> None:
     _bool(body, "parallel_tool_calls")
 
 
-def _token_ids(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
-        return value
-    return None
-
-
-def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
-    """`prompt` as a string or as token ids; a batch of one is unwrapped, a larger batch refused."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("prompt", "is required")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one prompt
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "must not be empty")
-        return p, None
-    ids = _token_ids(p)
-    if ids is not None:
-        return None, ids
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise bad("prompt", f"batches are not supported: send one prompt per request (got {len(p)})")
-    raise bad("prompt", f"must be a string or a non-empty array of token ids, got {clipped_repr(p)}")
-
-
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or an array of text parts (joined)."""
     if isinstance(value, str):
@@ -220,7 +200,8 @@ def _content(value: Any, where: str) -> str:
     raise bad(f"{where}.content", f"must be a string or an array of text parts, got {clipped_repr(value)}")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """Chat's `messages` (and /tokenize's), checked: roles, text content (parts joined)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty array of {role, content} objects")
@@ -289,18 +270,18 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     stream = _bool(body, "stream")
     req = GenerationRequest(chat=chat, model=model, stream=stream)
     if chat:
-        req.messages = _messages(body)
+        req.messages = chat_messages(body)
     else:
-        req.prompt, req.prompt_ids = _prompt(body)
+        prompts = completion_prompts(body)
+        req.prompt, req.prompt_ids = prompts[0]
+        req.batch = prompts if len(prompts) > 1 else None
     try:
-        req.sampling = sampling_from_openai(body, "chat" if chat else "completions")
+        sampling = sampling_from_openai(body, "chat" if chat else "completions")
     except SamplingError as err:
         raise APIError(400, str(err), param=err.field) from None
-    if not chat:
-        echo_why = "echo is not supported"
-        if req.sampling.logprobs is not None:
-            echo_why += ", and neither are the prompt logprobs it asks for with logprobs"
-        _refuse_unless_default(body, "echo", (None, False), echo_why)
+    req.sampling, req.echo, req.prompt_logprobs_asked = scoring_options(
+        body, sampling, chat=chat, stream=stream
+    )
     req.stop = _stop(body)
     req.include_usage = _stream_options(body, stream)
     req.return_token_ids = _bool(body, "return_token_ids")
@@ -466,6 +447,8 @@ def check_request(raw_body: bytes, *, chat: bool, model: ServedModel) -> Generat
         raise _in_served_range(err, model) from None
     if req.model is not None and req.model != model.name:
         raise model_not_found(req.model, model.name)
+    if req.echo and not model.has_tokenizer:
+        raise bad("echo", "needs a model with a tokenizer: the prompt is echoed as text")
     if req.stop and not model.has_tokenizer:
         raise bad("stop", "stop strings need a model with a tokenizer; send stop_token_ids")
     if req.structured is not None and not model.has_tokenizer:  # its automaton is built from token texts

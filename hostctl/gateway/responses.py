@@ -44,7 +44,7 @@ def token_text(text: str | None, token_id: int) -> str:
     return text if text is not None else f"token_id:{token_id}"
 
 
-def _floored(logprob: float) -> float:
+def floored(logprob: float) -> float:
     # `>` is False for NaN too, which JSON cannot carry either
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -64,10 +64,10 @@ def chat_logprobs_content(token_ids: list[int], logprobs: list[TokenLogprob]) ->
         content.append(
             {
                 "token": token,
-                "logprob": _floored(entry.logprob),
+                "logprob": floored(entry.logprob),
                 "bytes": list(token.encode()),
                 "top_logprobs": [
-                    {"token": text, "logprob": _floored(value), "bytes": list(text.encode())}
+                    {"token": text, "logprob": floored(value), "bytes": list(text.encode())}
                     for text, value in zip(_top_texts(entry), entry.top_logprobs)
                 ],
             }
@@ -76,21 +76,22 @@ def chat_logprobs_content(token_ids: list[int], logprobs: list[TokenLogprob]) ->
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprob], text_offset: int
+    token_ids: list[int], logprobs: list[TokenLogprob], text_offset: int, names: list[str] | None = None
 ) -> dict[str, list[Any]]:
     """Completions' legacy `logprobs` of some tokens, the first at `text_offset` in the choice's
     text: each token's `top_logprobs` maps the alternatives' texts and the chosen token's own to
-    their logprobs (up to logprobs + 1 entries, as OpenAI's legacy API and vLLM answer)."""
+    their logprobs (up to logprobs + 1 entries, as OpenAI's legacy API and vLLM answer).
+    names: the tokens' texts where the entries do not carry them (a prompt's, from the server)."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float]] = []
     offsets: list[int] = []
-    for token_id, entry in zip(token_ids, logprobs):
-        token = token_text(entry.token, token_id)
-        chosen = _floored(entry.logprob)
+    for at, (token_id, entry) in enumerate(zip(token_ids, logprobs)):
+        token = names[at] if names is not None else token_text(entry.token, token_id)
+        chosen = floored(entry.logprob)
         top: dict[str, float] = {}
         for text, value in zip(_top_texts(entry), entry.top_logprobs):
-            top.setdefault(text, _floored(value))  # two tokens of one text: the likelier's
+            top.setdefault(text, floored(value))  # two tokens of one text: the likelier's
         top.setdefault(token, chosen)
         tokens.append(token)
         token_logprobs.append(chosen)
@@ -113,14 +114,23 @@ class ChoiceAnswer:
     the tokens it received, their logprobs in the endpoint's shape, and how it ended.
 
     `keep`: the text, ids and logprobs are kept for a whole (not streamed) answer; a stream only
-    counts its tokens."""
+    counts its tokens.  An echoed prompt (`echo_text`, and with logprobs `echo_logprobs`, its
+    tokens' legacy logprobs) comes first in its text and logprobs, and its offsets after it."""
 
-    def __init__(self, index: int, req: GenerationRequest, *, keep: bool):
+    def __init__(
+        self,
+        index: int,
+        req: GenerationRequest,
+        *,
+        keep: bool,
+        echo_text: str = "",
+        echo_logprobs: dict[str, list[Any]] | None = None,
+    ):
         self.index = index
         self.finish_reason: str | None = None  # set once the choice ended, for the gateway
         self.stopped = False  # a stop string ended it
         self.received = 0  # its tokens so far (through the chunk a stop string matched in)
-        self.texts: list[str] = []
+        self.texts: list[str] = [echo_text] if echo_text else []
         self.token_ids: list[int] = []
         self._chat = req.chat
         self._keep = keep
@@ -131,14 +141,13 @@ class ChoiceAnswer:
         )
         self._logprobs = req.sampling.logprobs is not None
         self._content: list[dict[str, Any]] = []  # chat's logprobs entries, kept
+        names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         self._legacy: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
+            name: list((echo_logprobs or {}).get(name, [])) for name in names
         }
-        self._generated_chars = 0  # the choice's text before the stop matcher
-        self._text_offset = 0  # where the next token's text starts
+        self._echoed = len(self._legacy["tokens"])  # the prompt's tokens, listed first
+        self._generated_chars = len(echo_text)  # the choice's text before the stop matcher
+        self._text_offset = len(echo_text)  # where the next token's text starts
 
     @property
     def ended(self) -> bool:
@@ -181,7 +190,7 @@ class ChoiceAnswer:
             return None
         if self._chat:
             return {"content": self._content[:count], "refusal": None}
-        return {name: values[:count] for name, values in self._legacy.items()}
+        return {name: values[: self._echoed + count] for name, values in self._legacy.items()}
 
     def _chunk_logprobs(self, chunk: TokenChunk) -> dict[str, Any] | None:
         """The chunk's tokens' logprobs; None for a chunk without tokens (a choice's last one
@@ -213,26 +222,37 @@ class ChoiceAnswer:
 # ---------------------------------------------------------------- the writer
 
 
+def new_response_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
 class ResponseWriter:
     """The bytes of one request's answers.  The per-token chunk of the common request (one
     choice, no logprobs) is a prefix and a suffix made once per request around the chunk's
     text, so a token costs one json.dumps of its text; other chunks are built whole."""
 
-    def __init__(self, req: GenerationRequest, model: str):
+    def __init__(
+        self, req: GenerationRequest, model: str, *, response_id: str | None = None, index_base: int = 0
+    ):
+        """response_id, index_base: one prompt's share of a batch's answer (batched.py): the
+        batch's id, and its choices' indexes from index_base on."""
         self.req = req
         self.model = model
-        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = response_id or new_response_id(req.chat)
+        self.index_base = index_base
         self.created = int(time.time())
         head = {"id": self.id, "object": self._object(), "created": self.created, "model": model}
         # '{"id":...,"model":"M"' without the closing brace, to open every chunk with
         self._head = json.dumps(head, separators=(",", ":"))[:-1]
         if req.chat:
             self._token_prefix = (
-                "data: " + self._head + ',"choices":[{"index":0,"delta":{"content":'
+                "data: " + self._head + f',"choices":[{{"index":{index_base},"delta":{{"content":'
             ).encode()
             self._token_suffix = '},"logprobs":null,"finish_reason":null'
         else:
-            self._token_prefix = ("data: " + self._head + ',"choices":[{"index":0,"text":').encode()
+            self._token_prefix = (
+                "data: " + self._head + f',"choices":[{{"index":{index_base},"text":'
+            ).encode()
             self._token_suffix = ',"logprobs":null,"finish_reason":null'
 
     def _object(self) -> str:
@@ -249,7 +269,7 @@ class ResponseWriter:
         return self._chunk(
             [
                 {
-                    "index": index,
+                    "index": self.index_base + index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -268,7 +288,7 @@ class ResponseWriter:
         self, index: int, text: str, token_ids: list[int], logprobs: dict[str, Any] | None
     ) -> bytes:
         """A chunk of choice `index`, with its tokens' logprobs (None: not asked)."""
-        choice: dict[str, Any] = {"index": index}
+        choice: dict[str, Any] = {"index": self.index_base + index}
         if self.req.chat:
             choice["delta"] = {"content": text}
         else:
@@ -280,6 +300,7 @@ class ResponseWriter:
         return self._chunk([choice])
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> bytes:
+        index += self.index_base
         if self.req.chat:
             return self._chunk(
                 [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
@@ -302,6 +323,7 @@ class ResponseWriter:
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One choice of a whole answer."""
+        index += self.index_base
         choice: dict[str, Any]
         if self.req.chat:
             choice = {

@@ -134,6 +134,9 @@ class CompletionRouter:
         (a first token, text, logprobs, a choice) one by one."""
         now = time.perf_counter_ns()
         frames = ConnectionFrames(self._outbox.wants_batch)
+        prompt_at = np.flatnonzero(events["kind"] == layout.EventKind.PROMPT)
+        if len(prompt_at) and records is not None:
+            self._keep_prompt_scores(events, records, prompt_at)
         chunks = TokenChunks.of(events)
         n_tokens = n_prompt = 0
         ttft: list[float] = []  # seconds, per request whose first token is in this batch
@@ -155,6 +158,11 @@ class CompletionRouter:
                 ids = chunks.token_ids(i)
                 k = len(ids)
                 n_tokens += k
+                # its prompt's logprobs come first, and its chunk after them as a map (the
+                # columns of plain chunks go out before a connection's maps)
+                as_map = req.prompt_scores is not None
+                if as_map:
+                    frames.add_reply(req.client, self._prompt_reply(req))
                 if req.completion_tokens == 0:
                     req.first_token_ns = now
                     if req.arena_offset is not None:  # set before the GENERATE was published
@@ -173,11 +181,12 @@ class CompletionRouter:
                 req.completion_tokens += k
                 if req.detokenizer is None and req.family is None and req.sampling.logprobs is None:
                     self._table.make_hot(req)  # ids alone: its later chunks take the hot path
-                    frames.add_ids(req.client, req.id, ids)
-                    continue
+                    if not as_map:
+                        frames.add_ids(req.client, req.id, ids)
+                        continue
                 text = req.detokenizer.push(ids) if req.detokenizer is not None else None
-                if req.family is None and req.sampling.logprobs is None:  # ids and text: columns too
-                    frames.add_ids(req.client, req.id, ids, text)
+                if req.family is None and req.sampling.logprobs is None and not as_map:
+                    frames.add_ids(req.client, req.id, ids, text)  # ids and text: columns too
                     continue
                 logprobs = None
                 if req.sampling.logprobs is not None and records is not None:
@@ -209,12 +218,60 @@ class CompletionRouter:
             finish, code, message = ending.finish_reason, ending.code, ending.message
         # flushed first: if the frontend ended it meanwhile (shutdown), the tail goes unsent
         tail = req.detokenizer.flush() if req.detokenizer is not None else None
+        prompt = self._prompt_reply(req) if req.prompt_scores is not None else None  # none generated
         ended = self._finisher.end(req, finish, code, message, device_queued_us=queued_us, tail=tail)
         if not ended:
             return
+        if prompt is not None:
+            frames.add_reply(req.client, prompt)
         if tail and req.family is None:  # a choice's tail travels in its last chunk instead
             frames.add_reply(req.client, protocol.token_msg(req.id, [], tail, logprobs=no_logprobs(req)))
         frames.add_replies(ended)
+
+    def _keep_prompt_scores(self, events, records, prompt_at: np.ndarray) -> None:
+        """The batch's PROMPT events, by request: their prompt positions and records, kept until
+        the request's prompt message (an aborted request's, handle 0 or ended, are dropped)."""
+        handles = events["handle"][prompt_at]
+        for handle in np.unique(handles).tolist():
+            req = self._table.get(handle)
+            if req is None or req.prompt_scores is None:
+                continue
+            mine = prompt_at[handles == handle]
+            req.prompt_scores.append((events["index"][mine], records[mine]))
+
+    def _prompt_reply(self, req: InFlight) -> dict:
+        """The request's prompt message (protocol.prompt_msg): its prompt, and its tokens'
+        logprobs as columns, each position's from its PROMPT event's record."""
+        scores, req.prompt_scores = req.prompt_scores or [], None
+        asked = req.sampling.prompt_logprobs
+        assert asked is not None
+        prompt = np.asarray(req.prompt_ids, dtype=np.int64)
+        n = len(prompt)
+        k = min(asked, self._backend.model.vocab_size)
+        lps = np.full(n, np.nan)
+        top_ids = np.zeros((n, k), np.int64)
+        top_lps = np.zeros((n, k), np.float64)
+        for at, recs in scores:
+            ok = (at > 0) & (at < n)  # the positions the device scored: every one but the first
+            pos, recs = at[ok].astype(np.int64), recs[ok]
+            lps[pos] = recs["logprob"]
+            top_ids[pos] = recs["top_ids"][:, :k]
+            top_lps[pos] = recs["top_logprobs"][:, :k]
+        columns: dict = {
+            "n_top": k,
+            "logprob": [None if lp != lp else lp for lp in lps.tolist()],  # NaN: not scored
+            "top_ids": top_ids[1:].reshape(-1).tolist(),
+            "top_logprobs": top_lps[1:].reshape(-1).tolist(),
+        }
+        model, tokens, text = self._backend.model, None, None
+        if req.detokenizer is not None and model.token_text is not None:
+            columns["top_tokens"] = [model.token_text(i) for i in columns["top_ids"]]
+            tokens = [model.token_text(i) for i in prompt.tolist()]
+            if model.new_detokenizer is not None:
+                whole = model.new_detokenizer(skip_special_tokens=False)
+                text = whole.push(prompt.tolist()) + whole.flush()
+        index = req.index if req.family is not None else None
+        return protocol.prompt_msg(req.id, prompt.tolist(), columns, tokens, text, index)
 
     def _logprob_entries(self, req: InFlight, records, at: list[int], token_ids: list[int]) -> list[dict]:
         """The protocol's logprobs entries (docs/protocol.md) of one request's tokens, from their
@@ -277,7 +334,7 @@ class TokenChunks:
             out.counts = np.diff(np.r_[first, len(sorted_handles)])
         out.dones = []
         if not every:
-            done = np.flatnonzero(~is_token)
+            done = np.flatnonzero(kinds == layout.EventKind.DONE)
             out.dones = list(
                 zip(
                     events["handle"][done].tolist(),

@@ -20,7 +20,7 @@ import msgpack
 
 from ringleader.hostctl.serving.finisher import Frame, Reply
 from ringleader.ipc import protocol
-from ringleader.ipc.batch_frames import BatchFrame
+from ringleader.ipc.batch_frames import PROMPT_COLUMNS, BatchFrame
 
 # completion thread only (a Packer is not shared between threads)
 pack_frame = _pack = msgpack.Packer(use_bin_type=True, default=protocol.pack_default).pack
@@ -107,7 +107,8 @@ def containers(msg: dict) -> int:
     if msg["op"] == protocol.OP_DONE:
         return 4 + len(msg.get("choices") or ())
     logprobs = msg.get("logprobs")
-    return 1 if logprobs is None else 2 + 4 * len(logprobs)
+    prompt = 8 if "prompt_logprobs" in msg else 0  # its columns: a constant count
+    return prompt + (1 if logprobs is None else 2 + 4 * len(logprobs))
 
 
 def container_bounded(entries: list[dict]) -> list[list[dict]]:
@@ -139,4 +140,5 @@ def add_messages(batch: BatchFrame, messages: list[dict]) -> None:
                 index=msg.get("index"),
                 logprobs=msg.get("logprobs"),
                 finish_reason=msg.get("finish_reason"),
+                **{name: msg.get(name) for name in PROMPT_COLUMNS},
             )

@@ -73,7 +73,11 @@ class Families:
         family = self._table.add_family(
             client,
             r.id,
-            [sampling.with_seed(seed) for seed in seeds],
+            # the prompt is scored once, by choice 0
+            [
+                sampling.with_seed(seed).without_prompt_logprobs() if i else sampling.with_seed(seed)
+                for i, seed in enumerate(seeds)
+            ],
             prompt_ids=prompt,
             priority=r.priority,
             constraint=r.structured,

@@ -53,6 +53,11 @@ from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
 
 
+def wants_records(sampling: SamplingParams) -> bool:
+    """Its events carry cq_logprobs records: its tokens' logprobs, or its prompt's."""
+    return sampling.logprobs is not None or sampling.prompt_logprobs is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Ending:
     """How a request the host stops ends: its `done`'s finish reason, with (code, message) for
@@ -123,6 +128,13 @@ class InFlight:
     constraint: StructuredSpec | None = None  # structured output: set at creation
     automaton: Automaton | None = None  # the constraint compiled; frontend thread
     grammar_off: int | None = None  # where admission placed it in the grammar array
+    # prompt logprobs (completion thread): its PROMPT events so far, per CQ batch (their prompt
+    # positions, their records); None once its prompt message went out, or when it asked none
+    prompt_scores: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_scores = []
 
     @property
     def prompt_len(self) -> int:
@@ -153,8 +165,8 @@ class RequestTable:
 
     @property
     def with_logprobs(self) -> int:
-        """Requests in the table that asked for logprobs (the completion thread reads their
-        records from the CQ only while there are some)."""
+        """Requests in the table that asked for logprobs or prompt logprobs (the completion
+        thread reads their records from the CQ only while there are some)."""
         return self._with_logprobs
 
     @staticmethod
@@ -185,7 +197,7 @@ class RequestTable:
     def _add(self, client: bytes, request_id: Any, fields: dict) -> InFlight:
         handle = self._columns.take(self._columns.client_number(client), request_id)
         req = InFlight(handle=handle, client=client, id=request_id, **fields)
-        self._with_logprobs += req.sampling.logprobs is not None
+        self._with_logprobs += wants_records(req.sampling)
         self._by_handle[handle] = req
         self._by_client.setdefault(client, {})[handle] = req
         return req
@@ -267,5 +279,5 @@ class RequestTable:
                         self._columns.forget_client(req.client)
                 if req.in_sq:
                     self._in_sq -= 1
-                self._with_logprobs -= req.sampling.logprobs is not None
+                self._with_logprobs -= wants_records(req.sampling)
             return req

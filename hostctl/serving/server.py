@@ -43,6 +43,7 @@ from ringleader.hostctl.serving.metrics import ServerMetrics, thread_cpu_seconds
 from ringleader.hostctl.serving.outbox import Outbox
 from ringleader.hostctl.serving.snapshot import ServerSnapshot, read_snapshot
 from ringleader.hostctl.serving.tokenization import Tokenization
+from ringleader.hostctl.serving.tokenize_service import TokenizeService
 from ringleader.hostctl.serving.wake import WakePipe
 from ringleader.ipc import protocol
 from ringleader.ipc.backend import Backend
@@ -89,6 +90,7 @@ class Server:
             max_context=model.max_context,
             max_tokens_cap=config.max_tokens_cap or model.max_context,
             default_max_tokens=config.default_max_tokens,
+            prompt_logprobs=bool(backend.rings.config.score_rows),
         )
         # shared by both threads: the table and the metrics under their own locks; the finisher
         # through them
@@ -109,6 +111,7 @@ class Server:
         )
         self.deadlines = Deadlines(self.table, config.max_queue_ms)
         self.tokenization = Tokenization(model, self.limits)
+        self.tokenize_service = TokenizeService(model, self.tokenization, self.limits)  # 1.10's ops
         cfg = backend.rings.config
         self.families = Families(
             self.table,
@@ -257,6 +260,8 @@ class Server:
         elif isinstance(request, protocol.HelloRequest):
             batch = self.outbox.set_batched(client, request.batch)
             self.outbox.send(client, protocol.encode(protocol.hello_reply_msg(batch)))
+        else:  # tokenize, detokenize, tokenizer_info (1.10): answered at once
+            self.outbox.send(client, self.tokenize_service.answer(request))
 
     # ---- ending requests early ---------------------------------------------------------------
     def _abort(

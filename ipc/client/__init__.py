@@ -15,8 +15,10 @@ from ringleader.ipc.client.core import (
     TokenChunk,
     TokenLogprob,
 )
+from ringleader.ipc.client.prompt_tokens import PromptTokens
 from ringleader.ipc.client.sync_client import Client, Stream
 from ringleader.ipc.structured import StructuredError, StructuredSpec
+from ringleader.ipc.tokenize_ops import Tokenized, TokenizeError
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -31,9 +33,12 @@ __all__ = [
     "ChoiceEnd",
     "Client",
     "Done",
+    "PromptTokens",
     "Stream",
     "StructuredError",
     "StructuredSpec",
     "TokenChunk",
     "TokenLogprob",
+    "TokenizeError",
+    "Tokenized",
 ]

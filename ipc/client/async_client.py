@@ -37,6 +37,13 @@ from ringleader.ipc.client.request_args import (
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
+from ringleader.ipc.tokenize_ops import (
+    DetokenizeRequest,
+    Tokenized,
+    detokenize_msg,
+    tokenize_call,
+    tokenizer_info_msg,
+)
 
 RECV_BATCH = 256  # frames taken per wake-up of the receive task without awaiting
 
@@ -244,6 +251,52 @@ class AsyncClient(CoreView):
         self._kick.set()
         await self._send_frame(frame)
         return await self._wait(fut, timeout, "ping") - sent
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        return_token_strs: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        timeout: float | None = None,
+    ) -> Tokenized:
+        """As Client.tokenize."""
+        msg = tokenize_call(
+            prompt,
+            messages,
+            add_special_tokens=add_special_tokens,
+            return_token_strs=return_token_strs,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return await self._op(msg, timeout, "tokenize")
+
+    async def detokenize(
+        self, token_ids: Iterable[int], *, skip_special_tokens: bool = False, timeout: float | None = None
+    ) -> str:
+        """As Client.detokenize."""
+        msg = detokenize_msg(DetokenizeRequest(0, list(token_ids), skip_special_tokens))
+        return await self._op(msg, timeout, "detokenize")
+
+    async def tokenizer_info(self, timeout: float | None = None) -> dict:
+        """As Client.tokenizer_info."""
+        return await self._op(tokenizer_info_msg(0), timeout, "tokenizer_info")
+
+    async def _op(self, msg: dict, timeout: float | None, what: str) -> Any:
+        self._ensure_started()
+        fut = asyncio.get_running_loop().create_future()
+        rid, frame = self._core.add_op_waiter(fut, msg)
+        self._kick.set()
+        try:
+            await self._send_frame(frame)
+            return await self._wait(fut, timeout, what)
+        finally:
+            self._core.op_waiters.forget(rid)  # a timed-out or cancelled caller's reply finds no one
 
     async def aclose(self) -> None:
         if self._closed:

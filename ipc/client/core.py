@@ -25,10 +25,13 @@ from ringleader.ipc import protocol as P
 from ringleader.ipc.batch_frames import BadBatch, expand_batch
 from ringleader.ipc.client.connection import check_transport
 from ringleader.ipc.client.liveness import Liveness
+from ringleader.ipc.client.op_waiters import OpWaiters
+from ringleader.ipc.client.prompt_tokens import PromptTokens, TokenLogprob, logprob_entry, prompt_tokens_of
 from ringleader.ipc.client.request_args import check_request_id
 from ringleader.ipc.curve import HANDSHAKE_FAILED_EVENTS, describe_handshake_failure
 from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
+from ringleader.ipc.tokenize_ops import TOKENIZE_REPLY_OPS, check_op
 
 log = logging.getLogger("ringleader.ipc.client")
 
@@ -42,25 +45,13 @@ DEFAULT_REPLY_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
-class TokenLogprob:
-    """One generated token's logprobs (a request with `logprobs`): its log-probability and the
-    most likely alternatives, in descending order, with their texts where the server has a
-    tokenizer (None otherwise)."""
-
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-    token: str | None = None
-    top_tokens: list[str] | None = None
-
-
-@dataclass(slots=True)
 class TokenChunk:
     token_ids: list[int]
     text: str | None = None
     index: int = 0  # the choice it belongs to (a request with n > 1)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
     finish_reason: str | None = None  # set on the last chunk of a choice of a request with n > 1
+    prompt: PromptTokens | None = None  # on the first chunk of a request with prompt_logprobs (1.10)
 
 
 @dataclass(slots=True)
@@ -79,6 +70,7 @@ class Done:
     error_message: str | None = None
     timing: dict | None = None  # the server's view: queue_ms, ttft_ms, e2e_ms (when it sends them)
     choices: list[ChoiceEnd] | None = None  # a request with n > 1: how each choice ended
+    prompt: PromptTokens | None = None  # a request with prompt_logprobs that generated no token (1.10)
 
     @property
     def ok(self) -> bool:
@@ -90,21 +82,6 @@ class Done:
 
 def _is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= P.MAX_CHOICE_INDEX
-
-
-def _logprob_entry(entry: Any) -> TokenLogprob:
-    """One entry of a token frame's `logprobs`; TypeError when it is not one."""
-    ids, values = entry["top_ids"], entry["top_logprobs"]
-    token, tokens = entry.get("token"), entry.get("top_tokens")
-    if (
-        not isinstance(ids, list)
-        or not isinstance(values, list)
-        or len(ids) != len(values)
-        or (token is not None and not isinstance(token, str))
-        or (tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(ids)))
-    ):
-        raise TypeError("malformed logprobs entry")
-    return TokenLogprob(float(entry["logprob"]), ids, [float(v) for v in values], token, tokens)
 
 
 def _token_chunk(obj: dict) -> TokenChunk | None:
@@ -124,8 +101,8 @@ def _token_chunk(obj: dict) -> TokenChunk | None:
     if logprobs is not None:
         if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
             return None
-        entries = [_logprob_entry(e) for e in logprobs]
-    return TokenChunk(token_ids, text, index, entries, finish)
+        entries = [logprob_entry(e) for e in logprobs]
+    return TokenChunk(token_ids, text, index, entries, finish, prompt_tokens_of(obj))
 
 
 def _choice_ends(value: Any) -> list[ChoiceEnd] | None:
@@ -149,6 +126,7 @@ def event_from_reply(obj: dict) -> TokenChunk | Done | None:
             error_message=error.get("message"),
             timing=obj.get("timing") if isinstance(obj.get("timing"), dict) else None,
             choices=_choice_ends(obj.get("choices")),
+            prompt=prompt_tokens_of(obj),
         )
     except (AttributeError, KeyError, TypeError, ValueError):
         pass
@@ -207,6 +185,7 @@ class StreamState:
         self.id = request_id
         self.timeout = timeout
         self.done: Done | None = None
+        self.prompt: PromptTokens | None = None  # the prompt as the server tokenized it (1.10)
         self._choices: dict[int, Choice] = {0: Choice(0)}
 
     def choice(self, index: int) -> Choice:
@@ -234,12 +213,16 @@ class StreamState:
         return self._choices[0].logprobs
 
     def _absorb(self, item: TokenChunk) -> TokenChunk:
+        if item.prompt is not None:
+            self.prompt = item.prompt
         self.choice(item.index).absorb(item)
         return item
 
     def _finish(self, done: Done) -> None:
         """The stream's done: each choice learns how it ended."""
         self.done = done
+        if done.prompt is not None:
+            self.prompt = done.prompt
         if done.choices is not None:
             for end in done.choices:
                 if _is_index(end.index):
@@ -307,6 +290,7 @@ class ClientCore(Generic[S, W]):
         self.streams: dict[P.RequestId, weakref.ref[S]] = {}
         self.stats_waiters: collections.deque[W] = collections.deque()
         self.ping_waiters: collections.deque[tuple[W | None, float]] = collections.deque()
+        self.op_waiters: OpWaiters[W] = OpWaiters()  # tokenize, detokenize, tokenizer_info (1.10)
         self.liveness = Liveness(address, connect_timeout, reply_timeout, now)
         self._ids = itertools.count(1)
         self._hellos_unanswered = 0  # hellos sent whose answer (hello, or an older server's error) is due
@@ -331,9 +315,7 @@ class ClientCore(Generic[S, W]):
         `structured` and `extensions` (the 1.9 fields that differ from their defaults) are judged
         already (request_args.resolve_structured, resolve_extensions)."""
         if request_id is None:
-            request_id = next(self._ids)
-            while request_id in self.streams:
-                request_id = next(self._ids)
+            request_id = self._next_id()
         else:
             check_request_id(request_id)
             if request_id in self.streams:
@@ -354,6 +336,22 @@ class ClientCore(Generic[S, W]):
             **(extensions or {}),
         )
         return request_id, self.encode_checked(P.generate_msg(request))
+
+    def _next_id(self) -> int:
+        rid = next(self._ids)
+        while rid in self.streams or rid in self.op_waiters:
+            rid = next(self._ids)
+        return rid
+
+    def add_op_waiter(self, waiter: W, msg: dict) -> tuple[P.RequestId, bytes]:
+        """A tokenizer op (1.10: tokenize_ops' map, its id set here), judged as the server's
+        decoder judges it (TokenizeError naming the field) and encoded; the waiter gets its answer."""
+        rid = self._next_id()
+        msg = {**msg, "id": rid}
+        check_op(msg, P.Limits())
+        frame = self.encode_checked(msg)
+        self.op_waiters.add(rid, msg["op"], waiter)
+        return rid, frame
 
     def encode_checked(self, msg: dict) -> bytes:
         frame = P.encode(msg)
@@ -399,7 +397,8 @@ class ClientCore(Generic[S, W]):
         return P.encode(P.hello_msg(batch=True))
 
     def busy(self) -> bool:
-        return bool(self.streams or self.stats_waiters or any(w is not None for w, _ in self.ping_waiters))
+        pings = any(w is not None for w, _ in self.ping_waiters)
+        return bool(self.streams or self.stats_waiters or self.op_waiters or pings)
 
     # -- what the shell observed
 
@@ -439,9 +438,19 @@ class ClientCore(Generic[S, W]):
             waiter = self.ping_waiters.popleft()[0] if self.ping_waiters else None
             if waiter is not None:
                 actions.replies.append((waiter, now))
+        elif op in TOKENIZE_REPLY_OPS:
+            told = self.op_waiters.on_reply(obj)
+            if told is not None:
+                waiter, answer, error = told
+                if error is None:
+                    actions.replies.append((waiter, answer))
+                else:
+                    actions.errors.append((waiter, error))
         elif op == P.OP_HELLO:
             self._hellos_unanswered = max(0, self._hellos_unanswered - 1)
             self.batched = obj.get("batch") is True
+        elif op == P.OP_ERROR and (refused := self.op_waiters.on_unknown_op(obj)) is not None:
+            actions.errors.append(refused)  # a server older than 1.10 (which may say hello first)
         elif op == P.OP_ERROR and self._hellos_unanswered and obj.get("id") is None:
             self._hellos_unanswered -= 1  # a server older than 1.7 refused the hello: plain frames
             self.batched = False
@@ -496,12 +505,13 @@ class ClientCore(Generic[S, W]):
         """End every open stream with a local Done and every waiter with `waiter_error`."""
         streams = [ref() for ref in self.streams.values()]
         waiters = list(self.stats_waiters) + [w for w, _ in self.ping_waiters if w is not None]
+        failed_ops = self.op_waiters.fail_all(waiter_error)
         self.streams.clear()
         self.stats_waiters.clear()
         self.ping_waiters.clear()
         actions: Actions[S, W] = Actions(failed=True)
         actions.events = [(s, local_done(code, message, s)) for s in streams if s is not None]
-        actions.errors = [(w, waiter_error) for w in waiters]
+        actions.errors = [(w, waiter_error) for w in waiters] + failed_ops
         return actions
 
 

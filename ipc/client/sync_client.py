@@ -54,6 +54,13 @@ from ringleader.ipc.client.request_args import (
 from ringleader.ipc.curve import ClientCurve
 from ringleader.ipc.sampling_params import SamplingParams
 from ringleader.ipc.structured import StructuredSpec
+from ringleader.ipc.tokenize_ops import (
+    DetokenizeRequest,
+    Tokenized,
+    detokenize_msg,
+    tokenize_call,
+    tokenizer_info_msg,
+)
 
 __all__ = ["Client", "Stream"]
 
@@ -298,6 +305,59 @@ class Client(CoreView):
             self._outgoing.append(self._core.add_ping_waiter(waiter, sent))
         self._wake()
         return self._wait(waiter, timeout, "ping") - sent
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        return_token_strs: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        timeout: float | None = None,
+    ) -> Tokenized:
+        """The token ids a generate of `prompt` (or of `messages`, rendered with the same options
+        as generate's) runs on, and the server's max_context (protocol 1.10).  add_special_tokens
+        False: a prompt's text alone, without the tokenizer's BOS (None: as generate does);
+        return_token_strs: each token's text too.  A refusal raises TokenizeError (a ValueError
+        whose message starts with the field), judged before sending where it can be."""
+        msg = tokenize_call(
+            prompt,
+            messages,
+            add_special_tokens=add_special_tokens,
+            return_token_strs=return_token_strs,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return self._op(msg, timeout, "tokenize")
+
+    def detokenize(
+        self, token_ids: Iterable[int], *, skip_special_tokens: bool = False, timeout: float | None = None
+    ) -> str:
+        """The text of `token_ids` (1.10), special tokens spelled out unless skip_special_tokens."""
+        msg = detokenize_msg(DetokenizeRequest(0, list(token_ids), skip_special_tokens))
+        return self._op(msg, timeout, "detokenize")
+
+    def tokenizer_info(self, timeout: float | None = None) -> dict:
+        """The model's tokenizer (1.10): its special tokens (bos_token, eos_token, eos_token_ids,
+        pad_token, ...), its chat template's source, max_context and vocab_size."""
+        return self._op(tokenizer_info_msg(0), timeout, "tokenizer_info")
+
+    def _op(self, msg: dict, timeout: float | None, what: str) -> Any:
+        waiter = _Waiter()
+        with self._lock:
+            self._check_open()
+            rid, frame = self._core.add_op_waiter(waiter, msg)
+            self._outgoing.append(frame)
+        self._wake()
+        try:
+            return self._wait(waiter, timeout, what)
+        finally:
+            with self._lock:
+                self._core.op_waiters.forget(rid)  # a timed-out caller's reply finds no one
 
     def close(self) -> None:
         """Abort requests still in flight, stop the I/O thread, end every open stream locally."""
