@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from ringleader.device.backends.cpu import CpuBackend
@@ -58,6 +62,30 @@ def running_server(model="tiny", *, server_options=None, backend_cls=CpuBackend,
     server = Server(backend, "tcp://127.0.0.1:0", **opts)
     with BackgroundServer(server) as bg:
         yield bg
+
+
+def transformers_fp32(gguf):
+    """transformers' model of a GGUF file, dequantized to fp32 (the real model's reference);
+    skips where transformers cannot load one."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def post_json(gw, path: str, body) -> tuple[int, dict]:
+    """POST `body` as JSON to `path` of a gateway (anything with a `url`): (status, its JSON
+    answer), an error status's too."""
+    req = urllib.request.Request(
+        gw.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 class RawPeer:

@@ -14,6 +14,7 @@ import pytest
 
 from ringleader.hostctl.gateway.app import BackgroundGateway
 from ringleader.ipc.client import Client
+from tests.conftest import post_json as post
 from tests.conftest import running_server
 
 PROMPT = "The capital of France is"
@@ -36,17 +37,6 @@ def native_prompt(address: str, prompt=None, **kwargs):
         list(stream)
     assert stream.done is not None and stream.done.ok and stream.prompt is not None
     return stream.prompt, stream
-
-
-def post(gw: BackgroundGateway, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        gw.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_echo_with_max_tokens_0_is_the_native_prompt_logprobs(stack):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -22,6 +20,7 @@ from ringleader.hostctl.gateway.openai_api import APIError, ServedModel, check_r
 from ringleader.hostctl.gateway.stop_strings import StopMatcher
 from ringleader.ipc.client import Client
 from ringleader.ipc.client.core import Done, TokenChunk
+from tests.conftest import post_json as post
 from tests.conftest import running_server
 
 PROMPT_IDS = list(range(40, 60))
@@ -30,17 +29,6 @@ USER = [{"role": "user", "content": "hi"}]
 
 def api(gw: BackgroundGateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
-
-
-def post(gw: BackgroundGateway, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        gw.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def refusal(body: dict, *, chat: bool, model: ServedModel | None = None) -> APIError:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringleader.ipc.client import Client
-from tests.conftest import running_server
+from tests.conftest import running_server, transformers_fp32
 
 N_TOKENS = 24
 TOP = 5
@@ -24,12 +24,7 @@ def tiny():
 
 
 def test_greedy_logprobs_equal_transformers_log_softmax(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_fp32(smollm2_gguf)
     prompts = ["The history of the printing press begins", "def fibonacci(n):\n    "]
     with running_server(str(smollm2_gguf), weights="fp32", n_slots=4, max_ctx=256, token_budget=16) as bg:
         with Client(bg.address, timeout=120) as client:

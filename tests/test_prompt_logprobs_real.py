@@ -6,11 +6,10 @@ several steps."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from ringleader.ipc import protocol as P
-from tests.conftest import RawPeer, running_server
+from tests.conftest import RawPeer, running_server, transformers_fp32
 
 TOP = 4
 PROMPT = (
@@ -32,12 +31,7 @@ def _ask(peer: RawPeer, rid: int, source: dict, scored: bool) -> dict:
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_fp32(smollm2_gguf)
     got = []
     options = dict(weights="fp32", n_slots=4, max_ctx=256, token_budget=16, prompt_logprobs_rows=7)
     with running_server(str(smollm2_gguf), **options) as bg:

@@ -23,6 +23,7 @@ from ringleader.ipc import protocol as P
 from ringleader.ipc import tokenize_ops as ops
 from ringleader.ipc.client import AsyncClient, Client, TokenizeError
 from tests.conftest import RawPeer, running_server
+from tests.conftest import post_json as post
 
 LIMITS = P.Limits(vocab_size=264, max_context=512)
 BOS = 256
@@ -224,17 +225,6 @@ def test_a_server_without_the_ops_ends_the_caller_at_once():
 
 
 # ---------------------------------------------------------------- the gateway
-
-
-def post(gw: BackgroundGateway, path: str, body) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        gw.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_the_gateways_tokenizer_routes_answer_in_vllms_shapes(stack):
