@@ -134,9 +134,10 @@ class CompletionRouter:
         (a first token, text, logprobs, a choice) one by one."""
         now = time.perf_counter_ns()
         frames = ConnectionFrames(self._outbox.wants_batch)
-        prompt_at = np.flatnonzero(events["kind"] == layout.EventKind.PROMPT)
-        if len(prompt_at) and records is not None:
-            self._keep_prompt_scores(events, records, prompt_at)
+        if records is not None:  # PROMPT events come only while some request asked for records
+            prompt_at = np.flatnonzero(events["kind"] == layout.EventKind.PROMPT)
+            if len(prompt_at):
+                self._keep_prompt_scores(events, records, prompt_at)
         chunks = TokenChunks.of(events)
         n_tokens = n_prompt = 0
         ttft: list[float] = []  # seconds, per request whose first token is in this batch

@@ -31,7 +31,7 @@ class Tokenization:
     def prompt(self, r: protocol.GenerateRequest) -> Prompt:
         """The request's prompt ids and its max_tokens; protocol.BadRequest naming the field the
         prompt came from when the model cannot turn it into tokens or it does not fit the context."""
-        ids, field = self._prompt_ids(r)
+        ids, field = self.prompt_ids(r)
         # None (the rest of the context) becomes an int here: the ring holds one
         max_tokens = protocol.resolve_max_tokens(
             len(ids), r.sampling.max_tokens, self._limits, request_id=r.id, field=field
@@ -52,7 +52,7 @@ class Tokenization:
             spaces_between_special_tokens=r.spaces_between_special_tokens,
         )
 
-    def _prompt_ids(self, r: protocol.GenerateRequest) -> tuple[list[int], str]:
+    def prompt_ids(self, r: protocol.GenerateRequest) -> tuple[list[int], str]:
         """(prompt token ids, the field they came from)."""
         model = self._model
         if r.prompt_ids is not None:

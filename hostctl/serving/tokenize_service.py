@@ -65,7 +65,7 @@ class TokenizeService:
 
     def _as_generate(self, r: ops.TokenizeRequest) -> list[int]:
         """The ids a generate of r's input would run on, by the very path a generate takes
-        (Tokenization._prompt_ids: the tokenizer for a prompt, the chat template for messages);
+        (Tokenization.prompt_ids: the tokenizer for a prompt, the chat template for messages);
         an empty prompt, which a generate refuses, encodes as the tokenizer makes it."""
         generate = protocol.GenerateRequest(
             r.id,
@@ -77,7 +77,7 @@ class TokenizeService:
             add_generation_prompt=r.add_generation_prompt,
             continue_final_message=r.continue_final_message,
         )
-        ids, _field = self._tokenization._prompt_ids(generate)
+        ids, _field = self._tokenization.prompt_ids(generate)
         return ids
 
     def _detokenize(self, r: ops.DetokenizeRequest) -> dict:
