@@ -29,6 +29,9 @@ STEP_SIGNALS = ("auto", "in-step", "node")
 # the CUDA step's kernels for buckets of up to FUSED_MAX_ROWS rows (device/step/fused_step.py)
 STEP_KERNELS = ("fused", "layered")
 POLICIES = ("fifo", "priority", "static")
+# speculative decoding: off, or prompt-lookup (n-gram) drafts proposed and verified by the
+# scheduler (device/sched/sched_spec.h)
+SPECULATIVE = ("off", "ngram")
 DTYPES = ("float32", "bfloat16", "float16")
 # how the weight matrices are stored: auto keeps a GGUF file's quantization (else the device's dtype)
 WEIGHTS = ("auto", "fp32", "bf16", "quantized")
@@ -112,6 +115,21 @@ class EngineConfig:
         "logprobs); a longer prompt is scored over several steps; 0: such requests are refused "
         "(default: the token budget on cpu; 16 on cuda, whose step graphs compute that many more "
         "lm_head rows each step)")
+    speculative: str | None = option(  # None: per device, resolved()
+        None, flag="--speculative", choices=SPECULATIVE,
+        help="speculative decoding: ngram drafts each decoding request's next tokens by finding "
+        "its last tokens earlier in its prompt or output (prompt lookup), and the step verifies "
+        "them (greedy and seeded output unchanged; fewer steps per token where text repeats); "
+        "off: one token per request per step (default: ngram on cpu, where it measured faster; "
+        "off on cuda until a GPU run measures it)")
+    num_speculative_tokens: int = option(
+        4, flag="--num-speculative-tokens", type=int, metavar="K",
+        help="the most draft tokens a request verifies per step, 1-8 (each an extra row); a "
+        "request's own draft length adapts to what it accepts (default: %(default)s)")
+    speculative_max_batch: int = option(
+        8, flag="--speculative-max-batch", type=int, metavar="N",
+        help="no request drafts while more than N requests decode, where verification rows "
+        "cost more than they save (default: %(default)s)")
     aging_steps: int = option(
         64, flag="--aging-steps", type=int,
         help="priority policy: a waiting request gains one level per this many steps")
@@ -177,6 +195,7 @@ class EngineConfig:
             ("policy", POLICIES),
             ("dtype", DTYPES),
             ("weights", WEIGHTS),
+            ("speculative", SPECULATIVE),
         ):
             value = getattr(self, name)
             if value is not None and value not in allowed:  # argparse refuses these by flag already
@@ -250,6 +269,9 @@ class EngineConfig:
                 # pool this size holds ~11k tokens of SmolLM2-135M (5 contexts of 2048) in fp32
                 kv_cache_memory=self.kv_cache_memory or CPU_KV_CACHE_BYTES,
                 dtype="float32",  # the only dtype the CPU backend computes in
+                # measured faster on the CPU's workloads, greedy and sampled, 1 and 8 streams
+                # (bench/results/2026-11-29-cpu-speculative)
+                speculative=self.speculative or "ngram",
                 weights=self._auto_weights("float32") if self.weights == "auto" else self.weights,
             )
         # --weights fp32 / bf16 name the dtype on CUDA (weights and activations alike)
@@ -269,6 +291,7 @@ class EngineConfig:
             # kv_cache_memory None: the pool takes what --gpu-memory-fraction leaves
             dtype=dtype,
             weights=self._auto_weights(dtype) if self.weights == "auto" else self.weights,
+            speculative=self.speculative or "off",  # no GPU run has measured it yet
         )
 
     @property
@@ -327,6 +350,8 @@ _INT_BOUNDS = (
     ("token_budget", 1, _NO_LIMIT),
     ("aging_steps", 1, _NO_LIMIT),
     ("prompt_logprobs_rows", 0, _NO_LIMIT),
+    ("num_speculative_tokens", 1, 8),
+    ("speculative_max_batch", 0, _NO_LIMIT),
     ("threads", 1, _NO_LIMIT),
     ("sq_size", 1, _NO_LIMIT),  # no flag: set by programs that embed the engine
     ("pending_cap", 1, _NO_LIMIT),

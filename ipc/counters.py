@@ -90,6 +90,19 @@ COUNTERS = (
             "hits / queries is the hit rate",
             Series("prefix_cache_hits", "counter",
                    "Prompt tokens whose KV the prefix cache held (their prefill skipped).")),
+    # speculative decoding, as vllm counts it
+    Counter("spec_drafts", "st.spec_drafts", "drafts",
+            "verifications: a decoding request's step that checked a draft (vllm's "
+            "`spec_decode_num_drafts_total`)",
+            Series("spec_decode_num_drafts", "counter", "Steps in which a request verified a draft.")),
+    Counter("spec_draft_tokens", "st.spec_draft_tokens", "tokens",
+            "draft tokens those verifications checked (vllm's `spec_decode_num_draft_tokens_total`)",
+            Series("spec_decode_num_draft_tokens", "counter", "Draft tokens verified.")),
+    Counter("spec_accepted_tokens", "st.spec_accepted", "tokens",
+            "of those, the ones accepted (each also a generated token); accepted / draft tokens "
+            "is the acceptance rate, and 1 + accepted / drafts the tokens a verification gives "
+            "(vllm's `spec_decode_num_accepted_tokens_total`)",
+            Series("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.")),
 )
 # fmt: on
 

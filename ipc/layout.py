@@ -86,13 +86,15 @@ from ringleader.ipc.layout_enums import (  # noqa: F401  (re-exported: both side
 from ringleader.ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, RING_FIELDS
 
 MAGIC = 0x52474E52  # "RNGR" little-endian
-LAYOUT_VERSION = 12
+LAYOUT_VERSION = 13
 
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS  # stop_token_ids carried in one SQ entry
 # token_counts: a prompt token's entry holds this bit; the rest of the word counts the output's
 PROMPT_MARK = 1 << 24
 MAX_EOS_IDS = 4
 MAX_BUCKETS = 16
+MAX_SPEC_TOKENS = 8  # draft tokens one slot verifies per step, at most
+MAX_SPEC_NGRAM = 8  # the longest n-gram a prompt-lookup match tries
 
 _SCALARS = {
     "u8": ("uint8_t", np.uint8),
@@ -226,6 +228,11 @@ CONFIG = Struct("RlConfig", (
     _f("vocab_size", "u32"),
     # the grammar array's int32 words (the automata of structured output, ipc/automaton.py)
     _f("grammar_words", "u32"),
+    # speculative decoding (sched_spec.h): the most draft tokens a slot verifies per step (0:
+    # off), the n-gram lengths a prompt-lookup match tries (longest first), the positions it
+    # searches back, and the decoding slots above which no slot drafts
+    _f("spec_tokens", "u32"), _f("spec_ngram_max", "u32"), _f("spec_ngram_min", "u32"),
+    _f("spec_window", "u32"), _f("spec_max_batch", "u32"),
     _f("layout_fingerprint", "u64"),
 ))
 
@@ -271,7 +278,8 @@ CQ_EVENT = Struct("RlCqEvent", (
 ))
 
 # Device-private: one batch slot's request.  ev_token and finish are the events the critical
-# phase decided and the overlapped phase still has to write (a TOKEN of last_token; a DONE).
+# phase decided and the overlapped phase still has to write (ev_token TOKENs: the step's accepted
+# draft tokens, already in slot_tokens, then last_token; a DONE).
 # fill_len: the tokens its prefill feeds (the prompt; after a preemption the prompt and every
 # token generated so far, recomputed); n_pages: the block-table entries it holds; admit_seq:
 # its admission's sequence number (of two equally urgent, the youngest is preempted first).
@@ -293,7 +301,14 @@ SLOT = Struct("RlSlot", (
     _f("grammar_off", "u32"), _f("grammar_state", "u32"),
     # prompt logprobs: its prompt positions whose next token's record is laid out (kept across a
     # preemption, so a recompute scores no position twice)
-    _f("n_scored", "u32"), _f("_pad", "u32"),
+    _f("n_scored", "u32"),
+    # speculative decoding (sched_spec.h): its draft length now (adapts to what it accepts; 0:
+    # it never drafts), the slot_tokens position its newest token matches (RL_NO_MATCH: none),
+    # the draft tokens the step in flight verifies and where they start in slot_tokens, and
+    # the last verification's (drafted | accepted << 16) for the counters, the steps it waits
+    # before it looks for a match again, and its drafts rejected whole in a row (the wait doubles)
+    _f("spec_k", "u32"), _f("spec_match", "u32"), _f("n_draft", "u32"), _f("draft_from", "u32"),
+    _f("spec_result", "u32"), _f("spec_wait", "u32"), _f("spec_misses", "u32"),
 ))
 
 # Device-private: one KV page's record.  ref_count: the block tables that hold it.  A full page
@@ -340,6 +355,9 @@ SCHED = Struct("RlSchedState", (
     # prompt logprobs: the score entries of the step just consumed, kept for the overlapped
     # phase's events (kept_score_events, kept_logprobs)
     _f("n_kept_score", "u32"), _f("_pad", "u32"),
+    # speculative decoding: verifications (a slot's step with a draft), the draft tokens they
+    # verified, and those accepted (each also a generated token)
+    _f("spec_drafts", "u64"), _f("spec_draft_tokens", "u64"), _f("spec_accepted", "u64"),
 ))
 
 # The step the scheduler built, read by the model step.
@@ -378,20 +396,25 @@ ARRAYS = (
     ("slot_of", "int32_t", "token_budget"),
     ("seg_slot", "int32_t", "n_slots"), ("seg_row_start", "int32_t", "n_slots"),
     ("seg_n_rows", "int32_t", "n_slots"),
-    ("sample_row", "int32_t", "n_slots"), ("sample_slot", "int32_t", "n_slots"),
-    ("sample_params", "RlSampling", "n_slots"), ("sample_counter", "int32_t", "n_slots"),
+    # per sample entry (sample_len = n_slots * (1 + spec_tokens): a decoding slot samples each
+    # of its verification rows): its row, its place in next_token (rl_sample_out: the slot for
+    # its first, n_slots on for a draft's), its settings and counter (its token's index in its
+    # request, the RNG's and min_tokens')
+    ("sample_row", "int32_t", "sample_len"), ("sample_slot", "int32_t", "sample_len"),
+    ("sample_params", "RlSampling", "sample_len"), ("sample_counter", "int32_t", "sample_len"),
     # per sample: the word offset in `grammar` of the bitmask of the tokens its constraint allows
     # now (ipc/automaton.py), RL_AUTO_NO_MASK (-1) for a request without one
-    ("sample_mask", "int32_t", "n_slots"),
+    ("sample_mask", "int32_t", "sample_len"),
     # per slot, pages_per_slot page ids: position p of slot s is in page block_table[s][p / page_size]
     ("block_table", "int32_t", "block_table_len"),
     # per score entry (prompt logprobs; n_score in the header): the row whose logits score, the
     # prompt token it scores, its request's count of alternatives, its slot
     ("score_row", "int32_t", "score_len"), ("score_token", "int32_t", "score_len"),
     ("score_top", "int32_t", "score_len"), ("score_slot", "int32_t", "score_len"),
-    ("next_token", "int32_t", "n_slots"),
-    # per slot: its sample's logprobs as the step wrote them, and the critical phase's copy
-    ("step_logprobs", "RlLogprobs", "n_slots"), ("slot_logprobs", "RlLogprobs", "n_slots"),
+    # per sample place (rl_sample_out): the token the step sampled
+    ("next_token", "int32_t", "sample_len"),
+    # per sample place: its logprobs as the step wrote them, and the critical phase's copy
+    ("step_logprobs", "RlLogprobs", "sample_len"), ("slot_logprobs", "RlLogprobs", "sample_len"),
     # per score entry (prompt logprobs): the record the step writes, and the critical phase's
     # copies for the overlapped phase: the PROMPT event (its time aside) and the record
     ("step_prompt_logprobs", "RlLogprobs", "score_len"),
@@ -471,6 +494,8 @@ def _header_body() -> str:
         f"#define RL_MAX_EOS_IDS {MAX_EOS_IDS}",
         f"#define RL_MAX_BUCKETS {MAX_BUCKETS}",
         f"#define RL_PROMPT_MARK {PROMPT_MARK}",
+        f"#define RL_MAX_SPEC_TOKENS {MAX_SPEC_TOKENS}",
+        f"#define RL_MAX_SPEC_NGRAM {MAX_SPEC_NGRAM}",
     ]
     parts += c_defines()
     parts += automaton.c_defines()

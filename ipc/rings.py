@@ -77,6 +77,14 @@ class RingConfig:
     # the most prompt rows one step scores for prompt logprobs (RlConfig.score_rows); None: the
     # token budget, as far as the CQ holds one step's events; 0: prompt logprobs refused
     score_rows: int | None = None
+    # speculative decoding (device/sched/sched_spec.h): the most draft tokens a decoding slot
+    # verifies per step (0: off), the n-gram lengths its prompt lookup tries, longest first, the
+    # positions it searches back, and the decoding slots above which no slot drafts
+    spec_tokens: int = 0
+    spec_ngram_max: int = 4
+    spec_ngram_min: int = 2
+    spec_window: int = 2048
+    spec_max_batch: int = 8
 
     def __post_init__(self):
         for name, low, high in (
@@ -118,20 +126,41 @@ class RingConfig:
             raise ValueError("plan_ahead: the buckets must reach token_budget (every plan names one)")
         if self.vocab_size and self.max_ctx >= layout.PROMPT_MARK:
             raise ValueError(f"max_ctx must be below {layout.PROMPT_MARK} where token counts are kept")
-        if self.cq_size < 2 * self.n_slots + self.pending_cap:
-            raise ValueError("cq_size must hold one step's events: >= 2*n_slots + pending_cap")
-        room = self.cq_size - 2 * self.n_slots - self.pending_cap  # a step's PROMPT events fit
+        if not 0 <= self.spec_tokens <= layout.MAX_SPEC_TOKENS:
+            raise ValueError(f"spec_tokens must be in [0, {layout.MAX_SPEC_TOKENS}], got {self.spec_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= layout.MAX_SPEC_NGRAM:
+            raise ValueError(
+                f"the n-gram lengths must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= "
+                f"{layout.MAX_SPEC_NGRAM}, got {self.spec_ngram_min} and {self.spec_ngram_max}"
+            )
+        if self.spec_window < 1 or self.spec_max_batch < 0:
+            raise ValueError("spec_window must be >= 1 and spec_max_batch >= 0")
+        if self.spec_tokens and self.max_ctx > 1 << 24:  # a match's place is kept in 24 bits
+            raise ValueError("speculative decoding needs max_ctx <= 2**24")
+        if self.sample_len > MAX_SLOTS:  # a step's TOKEN events are counted in 16 bits
+            raise ValueError(f"n_slots * (1 + spec_tokens) must be at most {MAX_SLOTS}")
+        step_events = (2 + self.spec_tokens) * self.n_slots + self.pending_cap
+        if self.cq_size < step_events:
+            raise ValueError(
+                "cq_size must hold one step's events: >= (2 + spec_tokens)*n_slots + pending_cap"
+            )
+        room = self.cq_size - step_events  # a step's PROMPT events fit
         score_rows = min(self.token_budget, room) if self.score_rows is None else self.score_rows
         object.__setattr__(self, "score_rows", score_rows)
         if not 0 <= score_rows <= min(self.token_budget, room):
             raise ValueError(
                 f"score_rows must be in [0, {min(self.token_budget, room)}] (the token budget, and "
-                f"what cq_size holds besides 2*n_slots + pending_cap), got {self.score_rows}"
+                f"what cq_size holds besides a step's other events), got {self.score_rows}"
             )
 
     @property
     def work_len(self) -> int:
         return max(self.n_slots, self.pending_cap)
+
+    @property
+    def sample_len(self) -> int:
+        """Sample entries (and next_token places) a step has: one per decoding slot's row."""
+        return self.n_slots * (1 + self.spec_tokens)
 
     @property
     def pages_per_slot(self) -> int:
@@ -164,6 +193,7 @@ class RingConfig:
                 "slot_tokens_len": self.n_slots * self.max_ctx,
                 "token_counts_len": self.n_slots * self.vocab_size,
                 "score_len": max(1, self.score_rows or 0),  # every plan has the arrays
+                "sample_len": self.sample_len,
                 "grammar_words": self.grammar_words,
                 "table_size": self.prefix_table_size,
                 "lru_size": self.prefix_table_size,
@@ -230,6 +260,11 @@ def write_config(cfg_view: np.ndarray, cfg: RingConfig) -> None:
         "vocab_size",
         "grammar_words",
         "score_rows",
+        "spec_tokens",
+        "spec_ngram_max",
+        "spec_ngram_min",
+        "spec_window",
+        "spec_max_batch",
     ):
         c[name] = getattr(cfg, name)
     c["work_len"] = cfg.work_len

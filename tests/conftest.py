@@ -207,6 +207,7 @@ HEAVY_TESTS = (
     "tests/test_ray_serve.py::test_the_readmes_ray_serve_command_serves_and_stops_on_sigint",
     "tests/test_logprobs.py::test_greedy_logprobs_equal_transformers_log_softmax",
     "tests/test_prompt_logprobs_real.py::test_prompt_logprobs_equal_transformers_log_softmax",
+    "tests/test_spec_decode_real.py::",
     "tests/test_lm_eval.py::",
     "tests/test_structured_output.py::test_the_openai_clients_response_format_returns_valid_json_every_time",
     "tests/test_gpu_bringup.py::test_every_gpu_only_test_runs_in_some_stage",

@@ -41,9 +41,12 @@ def score_for(position: int, token: int) -> float:
 
 
 class Driver:
-    def __init__(self, cfg: RingConfig, start_index: int = 0):
-        """start_index: where the free-running u32 ring indices begin (to test the wrap)."""
+    def __init__(self, cfg: RingConfig, start_index: int = 0, token_fn=token_for):
+        """start_index: where the free-running u32 ring indices begin (to test the wrap);
+        token_fn(handle, index): the stand-in sampler (a function of the token's index in its
+        request, as the real sampler's seeded draw is)."""
         self.cfg = cfg
+        self.token_fn = token_fn
         self.mem = HostMemory(cfg)
         self.a = self.mem.arrays
         if start_index:
@@ -114,8 +117,9 @@ class Driver:
             )
             slots = self.a["slots"]
             for q in range(ns):
-                s = int(self.a["sample_slot"][q])
-                token = token_for(int(slots[s]["handle"]), int(self.a["sample_counter"][q]))
+                s = int(self.a["sample_slot"][q])  # its place: the slot's, or a draft row's
+                slot = self.slot_of_place(s)
+                token = self.token_fn(int(slots[slot]["handle"]), int(self.a["sample_counter"][q]))
                 self.a["next_token"][s] = token
                 # the stand-in's logprobs record: a function of the token and its index
                 record = self.a["step_logprobs"][s]
@@ -129,6 +133,11 @@ class Driver:
         if drain:
             self.drain_cq()
         return status
+
+    def slot_of_place(self, place: int) -> int:
+        """The slot whose sample goes to next_token[place] (sched_spec.h: rl_sample_out)."""
+        n = self.cfg.n_slots
+        return place if place < n else (place - n) // self.cfg.spec_tokens
 
     def drain_cq(self) -> int:
         events, records = self.rings.completions.take_with_logprobs(lambda events: True)

@@ -225,6 +225,7 @@ def check_the_steps_sampling() -> None:
     lay.n_samples.fill_(m)
     step = object.__new__(StaticStep)
     step.n_slots = n_slots
+    step.sample_len = n_slots  # no drafts: a sample place per slot
     step._entry_ids = torch.arange(n_slots, dtype=torch.int32)
     step._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32)
     step._end_ids = end_ids_for(EOS, "cpu")

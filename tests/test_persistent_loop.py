@@ -188,8 +188,9 @@ def step_layout(d: Driver) -> tuple:
 def stand_in_sampler(d: Driver) -> None:
     a = d.a
     for q in range(int(a["step"][0]["n_samples"])):
-        s = int(a["sample_slot"][q])
-        a["next_token"][s] = token_for(int(a["slots"][s]["handle"]), int(a["sample_counter"][q]))
+        s = int(a["sample_slot"][q])  # its place: its slot's, or a draft row's
+        handle = int(a["slots"][d.slot_of_place(s)]["handle"])
+        a["next_token"][s] = d.token_fn(handle, int(a["sample_counter"][q]))
 
 
 WIDE = dataclasses.replace(
@@ -211,15 +212,11 @@ def submit_all(d: Driver, n: int, spread: int, stop_every: int) -> list[int]:
     return handles
 
 
-@pytest.mark.parametrize(
-    "cfg,n,spread,stop_every", [(CFG, 7, 3, 3), (WIDE, 38, 1, 10)], ids=["warp", "block"]
-)
-def test_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg, n, spread, stop_every):
-    """The persistent loop (steady steps of up to 32 rows on warp 0 alone, more on the block)
-    against sched_step, on the same requests: every step's rows, tokens, positions and samples,
-    and every token, identical.  Also: the hand-overs of the loop's steady warp path passed no
-    block barrier between the turn coming back and the step going out, the block path a few."""
-    serial = Driver(cfg)
+def loop_against_serial(cfg, n: int, spread: int, stop_every: int, token_fn=token_for) -> list:
+    """Runs the same requests through sched_step and through the persistent loop (the resident
+    graph's stand-in recording each step), asserts every step's layout and every request's
+    tokens and finish identical; returns the loop's steps."""
+    serial = Driver(cfg, token_fn=token_fn)
     submit_all(serial, n, spread, stop_every)
     serial_steps = []
     while serial.step(drain=False) == layout.StepStatus.RUN:
@@ -227,7 +224,7 @@ def test_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg, n, sprea
         serial.drain_cq()
     serial.drain_cq()  # the events of the pass that found nothing more to run
     assert all(serial.records[h].done for h in serial.records)
-    d = Driver(cfg)
+    d = Driver(cfg, token_fn=token_fn)
     scheduler().reset_hand_over_paths()
     handles = submit_all(d, n, spread, stop_every)
     loop, graph = start_loop(d), LayoutLog(d)
@@ -242,9 +239,35 @@ def test_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg, n, sprea
     assert len(graph.steps) == len(serial_steps)
     for h in handles:
         assert d.records[h].tokens == serial.records[h].tokens and d.records[h].done == serial.records[h].done
+    return graph.steps
+
+
+def quoting(handle: int, index: int) -> int:
+    """A stand-in that repeats its prompt (submit_all's: 1, 2, 3, ...): drafts are accepted."""
+    return 1 + (index + 1) % (3 + (handle - 1) % 3)
+
+
+@pytest.mark.parametrize("cfg", [CFG, WIDE], ids=["warp", "block"])
+def test_with_drafts_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg):
+    """Speculative decoding through the persistent loop: the verification rows, the drafts'
+    sample places and the tokens accepted, identical to sched_step's."""
+    spec = dataclasses.replace(cfg, spec_tokens=4, spec_max_batch=cfg.n_slots)
+    steps = loop_against_serial(spec, 7 if cfg is CFG else 38, 3, 1000, quoting)
+    assert any(len(st[0]) > 1 and len(set(st[0])) < len(st[0]) for st in steps)  # a slot's draft rows
+
+
+@pytest.mark.parametrize(
+    "cfg,n,spread,stop_every", [(CFG, 7, 3, 3), (WIDE, 38, 1, 10)], ids=["warp", "block"]
+)
+def test_the_loop_lays_out_every_step_as_the_serial_scheduler_does(cfg, n, spread, stop_every):
+    """The persistent loop (steady steps of up to 32 rows on warp 0 alone, more on the block)
+    against sched_step, on the same requests: every step's rows, tokens, positions and samples,
+    and every token, identical.  Also: the hand-overs of the loop's steady warp path passed no
+    block barrier between the turn coming back and the step going out, the block path a few."""
+    steps = loop_against_serial(cfg, n, spread, stop_every)
     paths = scheduler().hand_over_paths()
-    assert sum(paths) == len(graph.steps)
+    assert sum(paths) == len(steps)
     # steady steps of up to 32 rows: warp 0 alone, no block barrier on the path; of 33 or more:
     # the block's barrier after the wait, its vote and the hand-over's; the full builds: more
-    assert paths[0] >= len(graph.steps) // 2 if cfg is CFG else paths[3] >= len(graph.steps) // 3, paths
+    assert paths[0] >= len(steps) // 2 if cfg is CFG else paths[3] >= len(steps) // 3, paths
     assert paths[1] == paths[2] == 0 and sum(paths[4:]) > 0, paths

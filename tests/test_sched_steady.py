@@ -58,8 +58,9 @@ class LoggedDriver(Driver):
     """A Driver that also logs every event it drains (the fields that are no timestamps, and
     the cq_logprobs record read beside it)."""
 
-    def __init__(self, cfg: RingConfig, forced_full: bool):
-        super().__init__(cfg)
+    def __init__(self, cfg: RingConfig, forced_full: bool, quoting: bool = False):
+        """quoting: odd handles' stand-in quotes the prompt (speculative decoding's drafts hit)."""
+        super().__init__(cfg, token_fn=self._quote if quoting else token_for)
         self.forced_full = forced_full
         self.log: list[tuple] = []
         take = self.rings.completions.take_with_logprobs
@@ -72,6 +73,10 @@ class LoggedDriver(Driver):
             return events, records
 
         self.rings.completions.take_with_logprobs = logged  # the host's CQ reader, not the scheduler
+
+    def _quote(self, handle: int, index: int) -> int:
+        prompt = self.records[handle].prompt
+        return int(prompt[(index + 1) % len(prompt)]) if handle % 2 else token_for(handle, index)
 
     def snapshot(self) -> dict:
         a = self.a
@@ -101,8 +106,9 @@ class LoggedDriver(Driver):
         record (a function of the token and its index)."""
         a = self.a
         for q in range(int(a["step"][0]["n_samples"])):
-            s = int(a["sample_slot"][q])
-            token = token_for(int(a["slots"][s]["handle"]), int(a["sample_counter"][q]))
+            s = int(a["sample_slot"][q])  # its place: its slot's, or a draft row's
+            handle = int(a["slots"][self.slot_of_place(s)]["handle"])
+            token = self.token_fn(handle, int(a["sample_counter"][q]))
             a["next_token"][s] = token
             record = a["step_logprobs"][s]
             record["logprob"], record["n_top"] = -float(token), int(a["sample_counter"][q])
@@ -200,9 +206,11 @@ class Traffic:
             assert [d.abort(handle) for d in self.drivers] == [True, True]
 
 
-def run_pair(seed: int, *, plan_ahead: bool, phases: bool) -> dict:
-    cfg = RingConfig(**SIZES, plan_ahead=plan_ahead)  # one object: one prefix-cache secret
-    steady, full = LoggedDriver(cfg, False), LoggedDriver(cfg, True)
+def run_pair(seed: int, *, plan_ahead: bool, phases: bool, spec_tokens: int = 0) -> dict:
+    # one object: one prefix-cache secret
+    cfg = RingConfig(**SIZES, plan_ahead=plan_ahead, spec_tokens=spec_tokens)
+    quoting = spec_tokens > 0
+    steady, full = LoggedDriver(cfg, False, quoting), LoggedDriver(cfg, True, quoting)
     traffic = Traffic(seed, [steady, full])
     stats = {"built": 0, "steady_tried": 0, "steady_taken": 0, "void": 0, "planned": 0}
     stats |= {"steady_logprobs": 0, "steady_penalized": 0}
@@ -263,7 +271,7 @@ def run_pair(seed: int, *, plan_ahead: bool, phases: bool) -> dict:
     for d in (steady, full):
         for handle, rec in d.records.items():
             assert len(rec.done) == 1, f"seed {seed}: handle {handle} got {rec.done}"
-            assert rec.tokens == [token_for(handle, k) for k in range(len(rec.tokens))]
+            assert rec.tokens == [d.token_fn(handle, k) for k in range(len(rec.tokens))]
             assert rec.indices == list(range(len(rec.tokens)))
             if rec.done[0] == layout.Finish.LENGTH:
                 assert (
@@ -273,6 +281,7 @@ def run_pair(seed: int, *, plan_ahead: bool, phases: bool) -> dict:
     stats["requests"] = len(steady.records)
     stats["preemptions"] = int(steady.a["sched"][0]["preemptions"])
     stats["finish"] = sorted({r.done[0] for r in steady.records.values()})
+    stats["spec_accepted"] = int(steady.a["sched"][0]["spec_accepted"])
     return stats
 
 
@@ -295,6 +304,17 @@ def _check_coverage(stats: dict) -> None:
 @pytest.mark.parametrize("phases", [False, True], ids=["sched_step", "phases"])
 def test_the_steady_path_lays_out_what_the_full_build_does(seed, phases):
     _check_coverage(run_pair(seed, plan_ahead=False, phases=phases))
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+@pytest.mark.parametrize("plan_ahead", [False, True], ids=["built", "planned"])
+def test_with_drafts_the_steady_path_and_the_plans_still_hold(seed, plan_ahead):
+    """Speculative decoding under the same traffic (half the requests quote their prompt, so
+    drafts are verified and accepted): the steady path, taken only while no slot may draft, and
+    the planned buckets, which count every draft's rows, lay out what the full build does."""
+    stats = run_pair(seed, plan_ahead=plan_ahead, phases=True, spec_tokens=3)
+    assert stats["spec_accepted"] > 100 and stats["steady_taken"] > 0, stats
+    assert stats["requests"] > 50 and stats["preemptions"] > 0, stats
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])

@@ -279,6 +279,7 @@ def check_the_steps_sampling() -> None:
 
     step = object.__new__(StaticStep)  # only what _sample_into reads (no model)
     step.n_slots = n_slots
+    step.sample_len = n_slots  # no drafts: a sample place per slot
     step._entry_ids = torch.arange(n_slots, dtype=torch.int32)
     step._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32)
     step._end_ids = None  # no end ids: min_tokens' are test_request_extensions_55's

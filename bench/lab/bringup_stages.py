@@ -48,6 +48,9 @@ TESTS_STAGE_NODES = (
     "tests/test_gpu_backend.py::test_gpu_prefix_caching_serves_the_cpu_backends_tokens_and_hits",
     "tests/test_fused_step.py::test_fused_step_on_the_gpu",
     "tests/test_gpu_backend.py::test_gpu_structured_output_matches_the_cpu_backend[device]",
+    # speculative decoding: drafts verified on the device (null model), greedy tokens unchanged (tiny)
+    "tests/test_gpu_spec_decode.py::test_gpu_drafts_are_verified_and_accepted_on_the_device",
+    "tests/test_gpu_spec_decode.py::test_gpu_greedy_tokens_are_the_same_with_drafts",
     "tests/test_gpu_backend.py::test_gpu_structured_output_matches_the_cpu_backend[host]",
     "tests/test_gpu_backend.py::test_gpu_free_while_the_kernel_runs_waits_and_stop_releases_it",
 )

@@ -142,7 +142,8 @@ def ring_config_for(
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
     n_slots, pending_cap = config.n_slots, config.pending_cap
     arena = 1 << max(20, (4 * max_ctx - 1).bit_length())  # room for several full contexts
-    cq = 1 << (2 * n_slots + pending_cap + 4 * n_slots).bit_length()
+    spec_tokens = config.num_speculative_tokens if config.speculative == "ngram" else 0
+    cq = 1 << ((2 + spec_tokens) * n_slots + pending_cap + 4 * n_slots).bit_length()
     return RingConfig(
         n_slots=n_slots,
         max_ctx=max_ctx,
@@ -160,6 +161,8 @@ def ring_config_for(
         vocab_size=model.config.vocab_size,
         grammar_words=config.structured_memory_mib << 18,  # MiB of int32 words
         score_rows=None if score_rows is None else min(score_rows, max(config.token_budget, n_slots)),
+        spec_tokens=spec_tokens,
+        spec_max_batch=config.speculative_max_batch,
     )
 
 

@@ -79,9 +79,11 @@ class CpuBackend(EngineBackend):
         )
         log.info("%s", self.kv_pool.describe())
         log.info("weights: %s", describe_weights(cfg.weights, self._model.weights_description()))
-        step = self._model.eager_step(cfg.n_slots, self.kv_pool.n_pages, cfg.page_size, dtype)
         self._memory = HostMemory(
             ring_config_for(self._model, cfg, max_ctx, self.kv_pool, cfg.prompt_logprobs_rows)
+        )
+        step = self._model.eager_step(
+            self._memory.config.sample_len, self.kv_pool.n_pages, cfg.page_size, dtype
         )
         self.rings = self._memory.rings
         self.model = model_info(cfg.model, self._model, max_ctx)
@@ -96,6 +98,8 @@ class CpuBackend(EngineBackend):
             "token_budget": self._memory.config.token_budget,
             "policy": cfg.policy,
             "prefix_caching": cfg.prefix_caching,
+            # the most draft tokens a request verifies per step (0: speculative decoding off)
+            "spec_tokens": self._memory.config.spec_tokens,
             "torch_threads": torch.get_num_threads(),
             **({"weights_auto": self.weight_choice.as_description()} if self.weight_choice else {}),
             "step_threads": self.thread_governor.describe(),

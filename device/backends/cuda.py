@@ -129,6 +129,8 @@ class CudaBackend(EngineBackend):
             "token_budget": ring_cfg.token_budget,
             "policy": cfg.policy,
             "prefix_caching": cfg.prefix_caching,
+            # the most draft tokens a request verifies per step (0: speculative decoding off)
+            "spec_tokens": ring_cfg.spec_tokens,
             "buckets": list(ring_cfg.buckets),
             **self._step_kernels_description(cfg),
             **pool.as_description(),
@@ -213,6 +215,7 @@ class CudaBackend(EngineBackend):
             cfg.attention,
             step_kernels=cfg.step_kernels,
             score_rows=ring_cfg.score_rows,
+            spec_tokens=ring_cfg.spec_tokens,
         )
         layout = StepLayout.over_buffer(self._mem.tensor)
         self._try_fused_kernels(step, layout, ring_cfg.buckets)

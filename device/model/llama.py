@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
 
     def eager_step(self, n_slots: int, n_pages: int, page_size: int, kv_dtype: torch.dtype):
         """The CPU backend's step over a paged KV cache of n_pages pages (n_slots: the step's
-        sampling rows, which the eager step sizes per call)."""
+        sample places, RingConfig.sample_len, which the eager step sizes per call)."""
         from ringleader.device.step.eager_step import EagerStep  # the steps read this module's types
 
         return EagerStep(self, KVCache.for_model(self.config, n_pages, page_size, kv_dtype, self.device))
@@ -260,16 +260,17 @@ class LlamaModel(nn.Module):
         attention: str,
         step_kernels: str = "fused",
         score_rows: int = 0,
+        spec_tokens: int = 0,
     ):
         """CUDA's step in static shapes, to capture per bucket, over the pool's pages and the
-        scratch page pad rows write into (step_kernels: EngineConfig.step_kernels; score_rows:
-        the rings' RlConfig.score_rows)."""
+        scratch page pad rows write into (step_kernels: EngineConfig.step_kernels; score_rows
+        and spec_tokens: the rings' RlConfig fields)."""
         from ringleader.device.step.static_step import StaticStep
 
         kv = StaticStep.new_kv_cache(self, n_pages, page_size)
         return StaticStep(
             self, kv, n_slots, max_ctx, token_budget, attention=attention, step_kernels=step_kernels,
-            score_rows=score_rows,
+            score_rows=score_rows, spec_tokens=spec_tokens,
         )  # fmt: skip
 
     def description_fields(self, weights: str) -> dict:

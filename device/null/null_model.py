@@ -78,7 +78,8 @@ class NullModel:
     # ---- what a backend builds around the model (LlamaModel answers the same calls) ----------
 
     def eager_step(self, n_slots: int, n_pages: int, page_size: int, kv_dtype: torch.dtype):
-        """The gather step: no KV cache (the pages are ids only)."""
+        """The gather step: no KV cache (the pages are ids only); n_slots: its sample places
+        (RingConfig.sample_len)."""
         from ringleader.device.null.null_step import NullStep  # the step reads this module's types
 
         return NullStep(self, n_slots)
@@ -93,10 +94,11 @@ class NullModel:
         attention: str,
         step_kernels: str = "fused",
         score_rows: int = 0,
+        spec_tokens: int = 0,
     ):
         """The same step on CUDA: one Triton launch, so a one-node graph per bucket (no prompt
-        logprobs: score_rows is 0 there)."""
-        return self.eager_step(n_slots, n_pages, page_size, self.dtype)
+        logprobs: score_rows is 0 there); its sample places are n_slots * (1 + spec_tokens)."""
+        return self.eager_step(n_slots * (1 + spec_tokens), n_pages, page_size, self.dtype)
 
     def description_fields(self, weights: str) -> dict:
         """A backend description's weights fields: none, whatever --weights says, and the options."""

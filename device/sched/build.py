@@ -28,6 +28,7 @@ SCHEDULER_SOURCES = (
     "sched_common.h",
     "sched_prefix.h",
     "sched_grammar.h",
+    "sched_spec.h",
     "sched_critical.h",
     "sched_overlapped.h",
     "sched_step.h",

@@ -110,6 +110,9 @@ RL_FN uint32_t rl_atomic_add(uint32_t* p, uint32_t v) {
 RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   return atomicCAS(p, expected, desired);
 }
+RL_FN uint32_t rl_atomic_max(uint32_t* p, uint32_t v) {
+  return atomicMax(p, v);
+}
 // The CPU form counts block barriers around the hand-over (below); nothing to count here.
 RL_FN void rl_mark_turn_seen() {}
 RL_FN void rl_mark_handed_over() {}
@@ -243,6 +246,11 @@ RL_FN uint32_t rl_atomic_add(uint32_t* p, uint32_t v) {
 RL_FN uint32_t rl_atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   uint32_t old = *p;
   if (old == expected) *p = desired;
+  return old;
+}
+RL_FN uint32_t rl_atomic_max(uint32_t* p, uint32_t v) {
+  uint32_t old = *p;
+  if (v > old) *p = v;
   return old;
 }
 // A conditional handle is the address of a word here: the host's stand-in for the graph (the

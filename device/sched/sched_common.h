@@ -9,6 +9,8 @@
 #define RL_SH_STOP 2
 #define RL_SH_AQ_TAIL 4  // 3 is sched_loop.h's RL_SH_TURN_EXIT
 
+#define RL_NO_MATCH 0xFFFFFFFFu  // RlSlot.spec_match of a slot with none (sched_spec.h)
+
 #define RL_MIRROR_STEPS 16u      // counters reach the host at least every this many steps
 #define RL_MIRROR_NS 1000000ull  // or after this long, whichever comes first
 
@@ -184,20 +186,32 @@ RL_FN uint32_t rl_pages_admittable(const RlConfig& cfg, const RlSchedState& st) 
 }
 
 // Whether decoding slot `sl` lacks the page of its next row: position prompt_len + n_generated
-// - 1, where `ahead` (0 or 1) counts the token a step in flight will still add.  A multiply,
-// not rl_pages_for's divide: this runs per slot per step.
+// - 1, where `ahead` counts the tokens a step in flight may still add (and, for speculative
+// decoding, the draft its next step may verify), up to the context.  A multiply, not
+// rl_pages_for's divide: this runs per slot per step.
 RL_FN bool rl_needs_page(const RlConfig& cfg, const RlSlot& sl, uint32_t ahead) {
+  uint32_t reach = sl.prompt_len + sl.n_generated + ahead;
   return sl.state == RL_SLOT_DECODE &&
-         sl.prompt_len + sl.n_generated + ahead > sl.n_pages * cfg.page_size;
+         (reach < cfg.max_ctx ? reach : cfg.max_ctx) > sl.n_pages * cfg.page_size;
+}
+
+// rl_needs_page's `ahead` for slot sl in the overlapped phase (one_ahead 1) or after the
+// samples were consumed (0): the step in flight adds a token, and as many more as its draft
+// has; a slot with a match may verify spec_k more in the next step (no page is taken for a
+// draft in the critical phase: without that page the draft is cut short).
+RL_FN uint32_t rl_rows_ahead(const RlConfig& cfg, const RlSlot& sl, uint32_t one_ahead) {
+  if (!one_ahead) return 0u;
+  uint32_t in_flight = sl.sampled ? 1u + sl.n_draft : 0u;
+  return in_flight + (cfg.spec_tokens && sl.spec_match != RL_NO_MATCH ? sl.spec_k : 0u);
 }
 
 // Marks in work_a (then exclusive-scans) the decoding slots that lack their next row's page;
-// returns how many.  ahead: 1 for slots sampled in the step in flight (see rl_needs_page).
+// returns how many.  ahead: 1 beside a step in flight (rl_rows_ahead).
 RL_FN uint32_t rl_count_page_needs(const RlContext& c, RlShared* sh, uint32_t ahead) {
   const RlConfig& cfg = *c.cfg;
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
-    c.work_a[s] = rl_needs_page(cfg, sl, ahead & sl.sampled) ? 1u : 0u;
+    c.work_a[s] = rl_needs_page(cfg, sl, rl_rows_ahead(cfg, sl, ahead)) ? 1u : 0u;
   }
   RL_SYNC();
   return rl_exclusive_scan(c.work_a, cfg.n_slots, sh);
@@ -212,7 +226,8 @@ RL_FN void rl_take_needed_pages(const RlContext& c, RlShared* sh, uint32_t wante
   const uint32_t from = st.n_free_pages - wanted;
   RL_FOR(s, cfg.n_slots) {
     RlSlot& sl = c.slots[s];
-    if (rl_needs_page(cfg, sl, ahead & sl.sampled)) rl_take_pages(c, sl, s, 1, from + c.work_a[s]);
+    if (rl_needs_page(cfg, sl, rl_rows_ahead(cfg, sl, ahead)))
+      rl_take_pages(c, sl, s, 1, from + c.work_a[s]);
   }
   RL_SYNC();
   if (RL_LEADER) st.n_free_pages = from;

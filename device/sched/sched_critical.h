@@ -2,12 +2,13 @@
 // all the GPU waits for; device memory only.
 #pragma once
 
-// One sampled slot's token: slot progress, the penalized request's count, its logprobs record
-// kept, a constrained request's automaton state, and the stop checks (a finished request
-// becomes ENDING; a completed constraint is a stop).  Returns the RL_FINISH_* code.
-RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32_t tok) {
+// One sampled token of slot s, sample entry `i` of its step (0, or a verified draft row's):
+// slot progress, the penalized request's count, its logprobs record kept, a constrained
+// request's automaton state, and the stop checks (a finished request becomes ENDING; a
+// completed constraint is a stop).  Returns the RL_FINISH_* code.
+RL_FN uint32_t rl_consume_token(const RlContext& c, RlSlot& sl, uint32_t s, int32_t tok,
+                                uint32_t i) {
   const RlConfig& cfg = *c.cfg;
-  sl.sampled = 0;
   if (sl.max_tokens == 0) {  // a prompt scored only: its prefill's sample is no output
     sl.finish = RL_FINISH_LENGTH;
     sl.state = RL_SLOT_ENDING;
@@ -16,13 +17,16 @@ RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32
   }
   sl.n_generated += 1;
   sl.last_token = tok;
-  sl.ev_token = 1;
+  sl.ev_token += 1;
   // a penalized request's output counts, before the next step's sampler reads them
   if ((sl.flags & RL_FLAG_PENALIZED) && (uint32_t)tok < cfg.vocab_size)
     c.token_counts[(size_t)s * cfg.vocab_size + (uint32_t)tok] += 1;
   // the step's record of this sample, kept until its event is written (the next step, which
   // runs beside that, overwrites step_logprobs)
-  if (sl.flags & RL_FLAG_LOGPROBS) c.slot_logprobs[s] = c.step_logprobs[s];
+  if (sl.flags & RL_FLAG_LOGPROBS) {
+    const uint32_t at = rl_sample_out(cfg, s, i);
+    c.slot_logprobs[at] = c.step_logprobs[at];
+  }
   const bool completed = rl_constrained(sl) && rl_grammar_advance(c, sl, tok);
   uint32_t why = completed ? (uint32_t)RL_FINISH_STOP : rl_finish_reason(cfg, sl, tok);
   if (why != RL_FINISH_NONE) {
@@ -30,6 +34,28 @@ RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s, int32
     sl.state = RL_SLOT_ENDING;
     sl.kv_done = sl.prompt_len + sl.n_generated - 1;  // all but its last token's KV is written
   }
+  return why;
+}
+
+// One sampled slot's tokens: row 0's sample, then, while the sample before equalled the draft
+// token its next row was fed, that row's (sched_spec.h); each accepted draft token goes into
+// slot_tokens at once (the event of the newest writes it there).  Then the match is followed.
+RL_FN uint32_t rl_consume_slot(const RlContext& c, RlSlot& sl, uint32_t s) {
+  const RlConfig& cfg = *c.cfg;
+  sl.sampled = 0;
+  int32_t tok = c.next_token[s];
+  uint32_t why = rl_consume_token(c, sl, s, tok, 0u);
+  if (!cfg.spec_tokens) return why;
+  int32_t* tokens = rl_slot_tokens(c, s);
+  uint32_t accepted = 0;
+  while (why == RL_FINISH_NONE && accepted < sl.n_draft &&
+         tok == tokens[sl.draft_from + accepted]) {
+    tokens[rl_newest_pos(sl)] = tok;
+    accepted += 1;
+    tok = c.next_token[rl_sample_out(cfg, s, accepted)];
+    why = rl_consume_token(c, sl, s, tok, accepted);
+  }
+  rl_follow_match(c, sl, s, accepted);
   return why;
 }
 
@@ -68,7 +94,7 @@ RL_FN void rl_consume_samples(const RlContext& c) {
       sl.state = RL_SLOT_FREE;          // (its pages go back in the overlapped phase)
       sl.sampled = 0;
     } else if (sl.state != RL_SLOT_FREE && sl.sampled) {
-      rl_consume_slot(c, sl, s, c.next_token[s]);
+      rl_consume_slot(c, sl, s);
     }
   }
   RL_SYNC();
@@ -111,9 +137,8 @@ RL_FN uint32_t rl_critical_steady(const RlContext& c, uint32_t n, uint64_t began
   RL_STEADY_FOR(r) {
     uint32_t s = (uint32_t)c.seg_slot[r];
     RlSlot& sl = c.slots[s];
-    int32_t tok = c.next_token[s];
-    ended |= rl_consume_slot(c, sl, s, tok) != RL_FINISH_NONE;
-    c.token_ids[r] = tok;
+    ended |= rl_consume_slot(c, sl, s) != RL_FINISH_NONE;
+    c.token_ids[r] = sl.last_token;
     c.positions[r] = (int32_t)(sl.prompt_len + sl.n_generated - 1);
     c.sample_counter[r] = (int32_t)sl.n_generated;
   }
@@ -167,6 +192,7 @@ RL_FN void rl_preempt_least_urgent(const RlContext& c, uint32_t wanted) {
       rl_slot_tokens(c, victim)[sl.prompt_len + sl.n_generated - 1] = sl.last_token;
     rl_release_slot_serial(c, sl, victim);
     sl.state = RL_SLOT_PREEMPTED;
+    sl.spec_match = RL_NO_MATCH;  // looked for again once it decodes
     sl.fill_len = sl.prompt_len + sl.n_generated;
     sl.n_prefilled = 0;
     st.preemptions += 1;
@@ -281,7 +307,27 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
   // plan counted every row this build can lay out, so this only restates it)
   uint32_t limit =
       st.plan_bucket && st.plan_bucket < cfg.token_budget ? st.plan_bucket : cfg.token_budget;
-  uint32_t budget = limit > n_decode ? limit - n_decode : 0u;
+  // speculative decoding: each decoding slot's draft rows right after its row, while at most
+  // cfg.spec_max_batch slots decode and all drafts fit the rows left (sched_spec.h)
+  uint32_t* draft_at = c.work_d;  // per slot: its draft rows, then how many come before them
+  uint32_t n_drafted = 0;
+  if (cfg.spec_tokens && n_decode <= cfg.spec_max_batch) {
+    RL_FOR(s, cfg.n_slots) {
+      RlSlot& sl = c.slots[s];
+      draft_at[s] = sl.n_draft = rl_draft_len(cfg, sl);
+      sl.draft_from = sl.spec_match + 1u;  // its draft's first token (unused without one)
+    }
+    RL_SYNC();
+    n_drafted = rl_exclusive_scan(draft_at, cfg.n_slots, sh);
+    if (n_decode + n_drafted > limit) {  // rare (a small budget): no drafts this step
+      RL_FOR(s, cfg.n_slots) draft_at[s] = c.slots[s].n_draft = 0;
+      n_drafted = 0;
+    }
+  } else if (cfg.spec_tokens) {
+    RL_FOR(s, cfg.n_slots) draft_at[s] = c.slots[s].n_draft = 0;
+  }
+  const uint32_t n_decode_rows = n_decode + n_drafted;
+  uint32_t budget = limit > n_decode_rows ? limit - n_decode_rows : 0u;
   // Segments: decode slots at [0, n_decode), prefill chunks after, in admission order.  A
   // prefilling slot wants at least one token, so `before` rises strictly over live entries and
   // the ones with a chunk are a prefix of them in admission order.
@@ -290,8 +336,8 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     if (c.slots[s].state != RL_SLOT_DECODE) continue;
     uint32_t seg = dec_rank[s];
     c.seg_slot[seg] = (int32_t)s;
-    c.seg_row_start[seg] = (int32_t)seg;
-    c.seg_n_rows[seg] = 1;
+    c.seg_row_start[seg] = (int32_t)(seg + (cfg.spec_tokens ? draft_at[s] : 0u));
+    c.seg_n_rows[seg] = (int32_t)(1u + (cfg.spec_tokens ? c.slots[s].n_draft : 0u));
   }
   RL_FOR(q, n_queued) {
     uint32_t s = c.prefill_queue[q];
@@ -301,19 +347,19 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     if (sl.state != RL_SLOT_PREFILL || want == 0u || before[q] >= budget) continue;
     uint32_t seg = n_decode + pre_rank[q];
     c.seg_slot[seg] = (int32_t)s;
-    c.seg_row_start[seg] = (int32_t)(n_decode + before[q]);
+    c.seg_row_start[seg] = (int32_t)(n_decode_rows + before[q]);
     c.seg_n_rows[seg] = (int32_t)(budget - before[q] < want ? budget - before[q] : want);
     my_prefill_segs += 1;
   }
   uint32_t n_seg = n_decode + rl_block_sum(my_prefill_segs, sh);  // its barrier publishes seg_*
-  uint32_t n_rows = n_decode + (wanted < budget ? wanted : budget);
-  uint32_t* sample_flag = c.work_a;  // per segment; dec_rank is no longer needed
+  uint32_t n_rows = n_decode_rows + (wanted < budget ? wanted : budget);
+  uint32_t* sample_flag = c.work_a;  // per segment: its samples; dec_rank is no longer needed
   uint32_t* score_at = c.work_b;     // per segment: its score entries, then where they start
   RL_FOR(g, n_seg) {
     const RlSlot& sl = c.slots[c.seg_slot[g]];
-    bool last_chunk =
-        sl.state == RL_SLOT_DECODE || sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.fill_len;
-    sample_flag[g] = last_chunk ? 1u : 0u;
+    // a decoding slot samples every row (its draft's verification), a prefill its last chunk's last
+    bool last_chunk = sl.n_prefilled + (uint32_t)c.seg_n_rows[g] == sl.fill_len;
+    sample_flag[g] = sl.state == RL_SLOT_DECODE ? (uint32_t)c.seg_n_rows[g] : last_chunk ? 1u : 0u;
     if (scoring)
       score_at[g] =
           sl.state == RL_SLOT_PREFILL
@@ -330,9 +376,9 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     uint32_t s = (uint32_t)c.seg_slot[lo];
     const RlSlot& sl = c.slots[s];
     uint32_t k = row - (uint32_t)c.seg_row_start[lo];
-    if (sl.state == RL_SLOT_DECODE) {
-      c.token_ids[row] = sl.last_token;
-      c.positions[row] = (int32_t)(sl.prompt_len + sl.n_generated - 1);
+    if (sl.state == RL_SLOT_DECODE) {  // its newest token, then its draft's
+      c.token_ids[row] = k == 0u ? sl.last_token : rl_slot_tokens(c, s)[sl.draft_from + k - 1u];
+      c.positions[row] = (int32_t)(rl_newest_pos(sl) + k);
     } else {
       uint32_t p = sl.n_prefilled + k;
       c.token_ids[row] = rl_slot_tokens(c, s)[p];
@@ -346,8 +392,17 @@ RL_FN uint32_t rl_build_step(const RlContext& c, RlShared* sh) {
     uint32_t s = (uint32_t)c.seg_slot[g];
     RlSlot& sl = c.slots[s];
     uint32_t n = (uint32_t)c.seg_n_rows[g];
-    bool samples = sl.state == RL_SLOT_DECODE || sl.n_prefilled + n == sl.fill_len;
-    if (samples) {
+    if (sl.state == RL_SLOT_DECODE) {  // each row samples the token after it
+      for (uint32_t i = 0; i < n; ++i) {
+        uint32_t q = sample_flag[g] + i;
+        c.sample_row[q] = c.seg_row_start[g] + (int32_t)i;
+        c.sample_slot[q] = (int32_t)rl_sample_out(cfg, s, i);
+        c.sample_params[q] = sl.sampling;
+        c.sample_mask[q] = rl_grammar_mask(c, sl);  // a constrained slot has no draft
+        c.sample_counter[q] = (int32_t)(sl.n_generated + i);
+      }
+      sl.sampled = 1;
+    } else if (sl.n_prefilled + n == sl.fill_len) {
       uint32_t q = sample_flag[g];
       c.sample_row[q] = c.seg_row_start[g] + (int32_t)n - 1;
       c.sample_slot[q] = (int32_t)s;

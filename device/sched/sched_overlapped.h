@@ -71,10 +71,8 @@ RL_FN void rl_apply_aborts(const RlContext& c, RlShared* sh) {
              ++r)
           aborted = aborted || !if_queued[order[r]];
         if (!aborted) continue;
-        if (sl.ev_token) {  // an aborted request gets no further tokens
-          sl.ev_token = 0;
-          sl.n_generated -= 1;
-        }
+        sl.n_generated -= sl.ev_token;  // an aborted request gets no further tokens
+        sl.ev_token = 0;
         sl.state = RL_SLOT_ABORTED;
         sl.finish = RL_FINISH_ABORT;
         my_slot_aborts += 1;
@@ -194,13 +192,19 @@ RL_FN bool rl_emit_events(const RlContext& c, RlShared* sh) {
     RlSlot& sl = c.slots[s];
     if (sl.state == RL_SLOT_FREE) continue;
     uint32_t pos = first + (count[s] & 0xFFFFu) + (count[s] >> 16);
-    if (sl.ev_token) {
-      if (sl.flags & RL_FLAG_LOGPROBS)  // beside its event, before cq_tail is published
-        rl_host_write(&c.cq_logprobs[pos & (cfg.cq_size - 1)], c.slot_logprobs[s]);
-      rl_put_event(c, pos++, sl.handle, RL_EV_TOKEN, 0, sl.last_token, sl.n_generated - 1, now);
+    if (sl.ev_token) {  // the step's tokens: accepted draft tokens (in slot_tokens), last_token
+      int32_t* tokens = rl_slot_tokens(c, s);
+      const uint32_t n_ev = sl.ev_token, index0 = sl.n_generated - n_ev;
+      for (uint32_t j = 0; j < n_ev; ++j) {
+        if (sl.flags & RL_FLAG_LOGPROBS)  // beside its event, before cq_tail is published
+          rl_host_write(&c.cq_logprobs[pos & (cfg.cq_size - 1)],
+                        c.slot_logprobs[rl_sample_out(cfg, s, j)]);
+        int32_t tok = j + 1u == n_ev ? sl.last_token : tokens[sl.prompt_len + index0 + j];
+        rl_put_event(c, pos++, sl.handle, RL_EV_TOKEN, 0, tok, index0 + j, now);
+      }
       sl.ev_token = 0;
-      uint32_t at = sl.prompt_len + sl.n_generated - 1;  // kept for a recompute after preemption
-      if (at < cfg.max_ctx) rl_slot_tokens(c, s)[at] = sl.last_token;
+      uint32_t at = rl_newest_pos(sl);  // kept for a recompute after preemption, and lookups
+      if (at < cfg.max_ctx) tokens[at] = sl.last_token;
     }
     if (sl.finish != RL_FINISH_NONE) {
       rl_put_event(c, pos, sl.handle, RL_EV_DONE, sl.finish, -1, sl.n_generated, now, sl.queued_us);
@@ -571,6 +575,9 @@ RL_FN void rl_admit(const RlContext& c, RlShared* sh) {
     sl.n_stop = e.n_stop < RL_MAX_STOP_IDS ? e.n_stop : RL_MAX_STOP_IDS;
     for (uint32_t q = 0; q < RL_MAX_STOP_IDS; ++q) sl.stop_ids[q] = e.stop_ids[q];
     rl_grammar_admit(c, sl, e.grammar_off);
+    sl.spec_k = rl_spec_k_at_admission(cfg, sl);
+    sl.spec_match = RL_NO_MATCH;
+    sl.n_draft = sl.draft_from = sl.spec_result = sl.spec_wait = sl.spec_misses = 0;
     sl.sampled = 0;
     sl.ev_token = 0;
     sl.finish = RL_FINISH_NONE;
@@ -633,6 +640,10 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   rl_drain_sq(c, sh);
   rl_cache_written_pages(c, sh);  // before emit frees ending slots: their pages are cached too
   if (!rl_emit_events(c, sh)) return RL_STEP_SHUTDOWN;
+  if (cfg.spec_tokens) {  // speculative decoding's bookkeeping (sched_spec.h)
+    rl_count_verifications(c, sh);
+    rl_find_matches(c, sh);
+  }
   rl_release_pages(c, sh);
   rl_compact_lru_when_due(c, sh);
   rl_grow_pages_ahead(c, sh);
@@ -642,7 +653,7 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
   // more), and whether it repeats the step in flight (sched_critical's steady state).  Leaving
   // out the certain ends keeps a plan from a void step when requests end by max_tokens.
   // Slot counts (each at most n_slots < 2^16) go two to a word: three block sums, not five.
-  uint32_t my_active_decode = 0, my_joining_ending = 0, my_want = 0;
+  uint32_t my_active_decode = 0, my_joining_ending = 0, my_want = 0, my_drafts = 0;
   RL_FOR(s, cfg.n_slots) {
     const RlSlot& sl = c.slots[s];
     my_active_decode +=
@@ -654,11 +665,18 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
       uint32_t want = sl.fill_len - sl.n_prefilled;
       my_want += want < cfg.token_budget ? want : cfg.token_budget;
     }
+    // a slot with a match may lay out a draft next: its rows at most (and no steady step)
+    if (cfg.spec_tokens && sl.state == RL_SLOT_DECODE && sl.spec_match != RL_NO_MATCH &&
+        !rl_ends_by_length_next(cfg, sl))
+      my_drafts += sl.spec_k;
   }
+  const uint32_t drafts = cfg.spec_tokens ? rl_block_sum(my_drafts, sh) : 0u;
   const uint32_t active_decode = rl_block_sum(my_active_decode, sh);
   const uint32_t joining_ending = rl_block_sum(my_joining_ending, sh);
   const uint32_t wanted = rl_block_sum(my_want, sh);
   const uint32_t n_active = active_decode & 0xFFFFu, n_decode = active_decode >> 16;
+  // draft rows the next step may hold: none while more than cfg.spec_max_batch slots decode
+  const uint32_t draft_rows = n_decode <= cfg.spec_max_batch ? drafts : 0u;
   const uint32_t joining = joining_ending & 0xFFFFu, ending = joining_ending >> 16;
   bool more = n_active > 0 || sh->u[RL_SH_SQ_TAIL] != st.sq_head;
   if (RL_LEADER) {
@@ -666,10 +684,11 @@ RL_FN uint32_t sched_overlapped(const RlContext& c, RlShared* sh, bool step_buil
     st.n_active = n_active;
     uint32_t in_flight = c.step->n_tokens;
     st.steady_rows = step_built && joining == 0 && ending == 0 && !st.pages_short && n_decode > 0 &&
-                             c.step->n_decode == in_flight && n_decode == in_flight
+                             draft_rows == 0 && c.step->n_decode == in_flight &&
+                             n_decode == in_flight
                          ? n_decode
                          : 0u;
-    uint32_t rows = n_decode - ending + wanted;
+    uint32_t rows = n_decode - ending + wanted + draft_rows;
     uint32_t planned = rows < cfg.token_budget ? rows : cfg.token_budget;
     if (cfg.plan_ahead && planned > 0) rl_publish_plan(c, rl_bucket_for(cfg, planned));
     *(volatile uint32_t*)&c.launch->idle = more ? 0u : 1u;

@@ -75,7 +75,12 @@ RL_FN uint32_t sched_init(const RlContext& c) {
            cfg.pages_per_slot != (cfg.max_ctx + cfg.page_size - 1) / cfg.page_size ||
            cfg.n_pages < cfg.pages_per_slot ||  // one request of max_ctx must fit alone
            (cfg.table_size & (cfg.table_size - 1)) || cfg.table_size / 4 < cfg.n_pages ||
-           (cfg.lru_size & (cfg.lru_size - 1)) || cfg.lru_size / 4 < cfg.n_pages)
+           (cfg.lru_size & (cfg.lru_size - 1)) || cfg.lru_size / 4 < cfg.n_pages ||
+           cfg.spec_tokens > RL_MAX_SPEC_TOKENS ||
+           (cfg.spec_tokens &&
+            (cfg.spec_ngram_min == 0 || cfg.spec_ngram_min > cfg.spec_ngram_max ||
+             cfg.spec_ngram_max > RL_MAX_SPEC_NGRAM || cfg.spec_window == 0 ||
+             cfg.max_ctx > (1u << 24))))
     err = RL_ERR_BAD_CONFIG;
   if (RL_LEADER) {
     c.ctl->error_code = err;
@@ -88,6 +93,7 @@ RL_FN uint32_t sched_init(const RlContext& c) {
     c.slots[s].ev_token = 0;
     c.slots[s].finish = RL_FINISH_NONE;
     c.slots[s].n_pages = 0;
+    c.slots[s].spec_result = 0;
   }
   RL_FOR(p, cfg.sq_size) c.sq_cancel[p] = 0;
   RL_FOR(p, cfg.n_pages) {  // every page free and uncached; the lowest ids on top, handed out first

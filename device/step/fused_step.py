@@ -144,12 +144,12 @@ class FusedDecode:
 
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """StaticStep.run for bucket <= FUSED_MAX_ROWS: the same contract (next_token and
-        step_logprobs written, the raw fp32 logits [min(bucket, n_slots), vocab] returned)."""
+        step_logprobs written, the raw fp32 logits [min(bucket, sample_len), vocab] returned)."""
         step, model, pdl = self.step, self.step.model, self.use_pdl
         x = model.embed(layout.token_ids[:bucket].long())  # the residual stream, added into in place
         for i in range(len(self.layers)):
             self.layer(i, x, layout, bucket)
-        m = min(bucket, step.n_slots)
+        m = min(bucket, step.sample_len)
         norm = model.norm
         logits, greedy = lm_head_argmax(
             x, layout.sample_row[:m], bucket, norm.weight, norm.eps, self.head, self.best, self.best_idx,

@@ -6,7 +6,7 @@ tensors (`StepLayout`) and does what `EagerStep.run` does for the CPU backend, i
 KV-cache side, or with `attention="triton"` the Triton attention, `FusedStaticAttention` and the
 fused pointwise kernels of triton_fused), but without anything that depends on tensor values
 on the host: rows [0, bucket) are processed (pad rows carry slot_of = -1), logits and samples
-are computed for the first min(bucket, n_slots) sample entries (a step never samples more
+are computed for the first min(bucket, sample_len) sample entries (a step never samples more
 entries than it has rows), and only the first n_samples of them (a device-side count) write
 next_token. It never reads the layout's segments, n_tokens or n_segments.
 
@@ -134,6 +134,7 @@ class StaticStep:
         fused: bool | None = None,
         step_kernels: str = "fused",
         score_rows: int = 0,
+        spec_tokens: int = 0,
     ) -> None:
         """kv: the paged cache, its last page the scratch page (StaticStep.new_kv_cache).
         attention: "triton", "torch" (the masked reference) or a function with the
@@ -145,7 +146,9 @@ class StaticStep:
         and `fused_off` says why); "layered": this class's own step for every bucket.
         score_rows: the scheduler's (RlConfig.score_rows): each run takes the logits of
         min(bucket, score_rows) score rows for prompt logprobs (that many more lm_head rows a
-        step, whether or not an entry is live); 0: none."""
+        step, whether or not an entry is live); 0: none. spec_tokens: the scheduler's
+        (RlConfig.spec_tokens): a step has up to n_slots * (1 + spec_tokens) sample entries
+        and next_token places (a decoding slot samples each of its verification rows)."""
         if step_kernels not in ("fused", "layered"):
             raise ValueError(f"step_kernels must be 'fused' or 'layered', got {step_kernels!r}")
         self._attend: Callable[..., torch.Tensor]
@@ -189,6 +192,7 @@ class StaticStep:
         self.model, self.kv, self.attention = model, kv, attention
         self.n_slots, self.max_ctx, self.token_budget = n_slots, max_ctx, token_budget
         self.score_rows = score_rows
+        self.sample_len = n_slots * (1 + spec_tokens)  # sample entries, and next_token's places
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = 1.0 / (c.head_dim**0.5)  # SDPA's default, as the eager step uses
         self.scratch_page = kv.n_pages - 1
@@ -196,9 +200,9 @@ class StaticStep:
         model.prepare(max_ctx)
         assert model._cos is not None and model._sin is not None  # prepare() made them
         self._cos, self._sin = model._cos, model._sin  # kept: prepare() may swap them later
-        self._entry_ids = torch.arange(max(n_slots, score_rows), dtype=torch.int32, device=dev)
+        self._entry_ids = torch.arange(max(self.sample_len, score_rows), dtype=torch.int32, device=dev)
         # next_token plus one sink element that masked sample entries are scattered into
-        self._token_sink = torch.zeros(n_slots + 1, dtype=torch.int32, device=dev)
+        self._token_sink = torch.zeros(self.sample_len + 1, dtype=torch.int32, device=dev)
         # the model's end ids, which a row below its min_tokens cannot draw (a graph reads them)
         self._end_ids = end_ids_for(c.eos_token_ids, dev)
         self.fused_decode, self.fused_off = self._fused_decode(step_kernels)
@@ -226,7 +230,7 @@ class StaticStep:
     @torch.inference_mode()
     def run(self, bucket: int, layout: StepLayout) -> torch.Tensor:
         """Runs rows [0, bucket) of `layout`, writes next_token[sample_slot[i]] for the first
-        n_samples sample entries; returns their fp32 logits [min(bucket, n_slots), vocab]
+        n_samples sample entries; returns their fp32 logits [min(bucket, sample_len), vocab]
         (rows >= n_samples are garbage; a captured graph's replays rewrite this tensor; the
         raw logits: penalties and temperature go to a copy), and step_logprobs[sample_slot[i]]
         for the entries whose request asked for logprobs."""
@@ -239,7 +243,7 @@ class StaticStep:
             return self.fused_decode.run(bucket, layout)
         cache = self._cache_side(self, layout.block_table, layout.slot_of[:bucket], layout.positions[:bucket])
         # a step samples at most one entry per row: the bucket bounds the sampled entries
-        m = min(bucket, self.n_slots)
+        m = min(bucket, self.sample_len)
         rows = layout.sample_row[:m].long().clamp(0, bucket - 1)  # stale entries may point anywhere
         k = min(bucket, self.score_rows)  # a step scores at most one entry per row
         if k:
@@ -278,12 +282,13 @@ class StaticStep:
         # and land in the sink
         params = layout.sampling(m, end_ids=self._end_ids)
         tokens = sample(logits, params, uniform=self._uniform, valid=valid, scale=self._scale)
-        slot = layout.sample_slot[:m].long().clamp(0, self.n_slots - 1)
-        target = torch.where(valid, slot, self.n_slots)
+        n_places = self.sample_len
+        slot = layout.sample_slot[:m].long().clamp(0, n_places - 1)
+        target = torch.where(valid, slot, n_places)
         sink = self._token_sink
-        sink[: self.n_slots].copy_(layout.next_token)
+        sink[:n_places].copy_(layout.next_token)
         sink.index_copy_(0, target, tokens.to(torch.int32))
-        layout.next_token.copy_(sink[: self.n_slots])
+        layout.next_token.copy_(sink[:n_places])
         # from the raw logits (sample() leaves them as they are); a row that asked none, or a
         # stale entry, writes no record
         self._store_logprobs(layout.step_logprobs, slot, logits, tokens, params.logprobs, layout.n_samples)

@@ -37,11 +37,25 @@ class StepPlan:
         seg_row_start: np.ndarray,
         seg_n_rows: np.ndarray,
         device: str | torch.device = "cpu",
+        decode_segments: int = 0,
     ) -> StepPlan:
+        """decode_segments: the scheduler's decoding slots' segments come first, this many
+        (RlStepHeader.n_decode); each of their rows attends as a decode row, one with a draft
+        (speculative decoding: several rows) too, so a verified token is computed as it would
+        be without the draft."""
         n_rows_total = int(positions.shape[0])
         seg_n_rows = np.asarray(seg_n_rows)
         is_decode = seg_n_rows == 1
+        longer = np.flatnonzero(~is_decode[:decode_segments])
+        is_decode[:decode_segments] = True
         dec_starts = np.asarray(seg_row_start)[is_decode]
+        if longer.size:  # every row of a verification segment, in row order
+            starts, counts = np.asarray(seg_row_start)[is_decode], seg_n_rows[is_decode]
+            dec_starts = (
+                np.repeat(starts, counts)
+                + np.arange(counts.sum())
+                - np.repeat(np.cumsum(counts) - counts, counts)
+            )
         n_decode = int(dec_starts.shape[0])
         groups: list[tuple[torch.Tensor | None, int]] = []
         if n_decode:
@@ -116,6 +130,7 @@ class StepBatch:
         sample_rows: np.ndarray,
         block_table: np.ndarray | None = None,
         device: str | torch.device = "cpu",
+        decode_segments: int = 0,
     ) -> StepBatch:
         """From the scheduler's numpy (int32) arrays, already sliced to real sizes (block_table:
         the whole [n_slots, M] table).
@@ -127,7 +142,9 @@ class StepBatch:
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device).long()
 
-        plan = StepPlan.from_numpy(positions, seg_slot, seg_row_start, seg_n_rows, device=device)
+        plan = StepPlan.from_numpy(
+            positions, seg_slot, seg_row_start, seg_n_rows, device=device, decode_segments=decode_segments
+        )
         return cls(
             t(token_ids),
             t(positions),
@@ -166,6 +183,7 @@ class StepBatch:
             out_rows,
             host(layout.block_table),
             device=layout.token_ids.device,
+            decode_segments=min(int(layout.n_decode.item()), n_segments),
         )
 
     @classmethod

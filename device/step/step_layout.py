@@ -31,14 +31,15 @@ _FIELDS = {
     "seg_n_rows": (np.int32, "seg_n_rows"),
     "sample_row": (np.int32, "sample_row"),
     "sample_slot": (np.int32, "sample_slot"),
-    "sample_params": (np.int32, "sample_params"),  # RlSampling [n_slots], its words
+    "sample_params": (np.int32, "sample_params"),  # RlSampling [sample_len], its words
     "sample_counter": (np.int32, "sample_counter"),
     "sample_mask": (np.int32, "sample_mask"),  # per sample: its constraint's mask in grammar, or -1
     "n_tokens": (np.int32, "step.n_tokens"),  # RlStepHeader fields (uint32), shape [1]
     "n_segments": (np.int32, "step.n_segments"),
     "n_samples": (np.int32, "step.n_samples"),
+    "n_decode": (np.int32, "step.n_decode"),  # the decoding slots' segments, which come first
     "next_token": (np.int32, "next_token"),
-    "step_logprobs": (np.int32, "step_logprobs"),  # RlLogprobs [n_slots], its words per slot
+    "step_logprobs": (np.int32, "step_logprobs"),  # RlLogprobs [sample_len], its words per place
     "block_table": (np.int32, "block_table"),  # flat [n_slots * pages_per_slot] in the arrays
     "token_counts": (np.int32, "token_counts"),  # flat [n_slots * vocab_size] in the arrays
     "grammar": (np.int32, "grammar"),  # structured output's automata (ipc/automaton.py)
@@ -50,9 +51,11 @@ _FIELDS = {
     "n_score": (np.int32, "step.n_score"),
     "step_prompt_logprobs": (np.int32, "step_prompt_logprobs"),  # RlLogprobs [score_rows], words
 }
-# [token_budget]; the counts [1]; block_table, token_counts, step_logprobs [n_slots, ...]; the
-# score entries [score_rows] (step_prompt_logprobs [score_rows, ...]); the rest [n_slots]
+# [token_budget]; the counts [1]; block_table, token_counts [n_slots, ...]; the score entries
+# [score_rows] (step_prompt_logprobs [score_rows, ...]); the sample entries and their places
+# [sample_len] (n_slots * (1 + spec_tokens): step_logprobs [sample_len, ...]); the rest [n_slots]
 _ROW_FIELDS = ("token_ids", "positions", "slot_of")
+_SAMPLE_FIELDS = ("sample_row", "sample_slot", "sample_counter", "sample_mask", "next_token")
 _SCORE_FIELDS = ("score_row", "score_token", "score_top")
 # the scheduler arrays a step reads or writes (host-scheduled mode uploads them: LAYOUT_RUN)
 SOURCE_ARRAYS = frozenset(src.split(".")[0] for _, src in _FIELDS.values())
@@ -109,9 +112,10 @@ def _views(array: Callable[[str, np.dtype], torch.Tensor]) -> dict[str, torch.Te
         else:
             views[name] = array(src, np.dtype(dtype))
     n_slots = views["seg_slot"].shape[0]
-    for name in ("block_table", "token_counts", "step_logprobs"):
+    for name in ("block_table", "token_counts"):
         views[name] = views[name].view(n_slots, views[name].numel() // n_slots)
-    views["step_prompt_logprobs"] = views["step_prompt_logprobs"].view(-1, layout.LOGPROBS.size // 4)
+    for name in ("step_logprobs", "step_prompt_logprobs"):
+        views[name] = views[name].view(-1, layout.LOGPROBS.size // 4)
     return views
 
 
@@ -121,12 +125,14 @@ class StepLayout:
 
     token_ids, positions, slot_of: int32 [token_budget] (pad rows: slot_of = -1); seg_slot,
     seg_row_start, seg_n_rows: int32 [n_slots]; sample_row, sample_slot, sample_counter: int32
-    [n_slots]; sample_mask: int32 [n_slots], each sample's constraint's mask, the word offset of
-    its bitmask in `grammar` (int32 [grammar_words], ipc/automaton.py), -1 for none;
-    sample_params: the RlSampling entries' int32 words [n_slots * words] (`params`
+    [S] (S = sample_len, n_slots * (1 + spec_tokens): with speculative decoding a decoding slot
+    samples each of its rows); sample_mask: int32 [S], each sample's constraint's mask, the word
+    offset of its bitmask in `grammar` (int32 [grammar_words], ipc/automaton.py), -1 for none;
+    sample_params: the RlSampling entries' int32 words [S * words] (`params`
     views one field each); n_tokens, n_segments, n_samples: int32 [1], the header's counts;
-    next_token: int32 [n_slots], written by a step's run; step_logprobs: int32 [n_slots, 42], the
-    RlLogprobs record a step writes for each sampled slot whose request asked; score_row,
+    next_token: int32 [S], written by a step's run at each entry's sample_slot (its place:
+    the slot for a slot's first sample); step_logprobs: int32 [S, 42], the
+    RlLogprobs record a step writes for each sample whose request asked; score_row,
     score_token, score_top: int32 [score_rows], the score entries of prompt logprobs (n_score
     [1] of them: the row whose logits score, the prompt token scored, the alternatives asked),
     and step_prompt_logprobs: int32 [score_rows, 42], the record a step writes per entry; block_table: int32 [n_slots,
@@ -149,6 +155,7 @@ class StepLayout:
     n_tokens: torch.Tensor
     n_segments: torch.Tensor
     n_samples: torch.Tensor
+    n_decode: torch.Tensor
     next_token: torch.Tensor
     step_logprobs: torch.Tensor
     block_table: torch.Tensor
@@ -189,13 +196,18 @@ class StepLayout:
         vocab_size: int = 0,
         grammar_words: int = 1,
         score_rows: int = 1,
+        spec_tokens: int = 0,
     ) -> StepLayout:
         """Zeroed tensors of the right sizes (pad rows have slot_of = -1; every block-table
-        entry names page 0; every sample entry holds the declared defaults; no score entry)."""
+        entry names page 0; every sample entry holds the declared defaults; no score entry);
+        spec_tokens: the scheduler's (each decoding slot samples up to 1 + spec_tokens rows)."""
+        n_samples = n_slots * (1 + spec_tokens)
 
         def shape(name: str) -> tuple[int, ...]:
             if name in _ROW_FIELDS:
                 return (token_budget,)
+            if name in _SAMPLE_FIELDS:
+                return (n_samples,)
             if name in _SCORE_FIELDS:
                 return (max(1, score_rows),)
             if name == "step_prompt_logprobs":
@@ -205,9 +217,9 @@ class StepLayout:
             if name == "token_counts":
                 return (n_slots, vocab_size)
             if name == "step_logprobs":
-                return (n_slots, layout.LOGPROBS.size // 4)
+                return (n_samples, layout.LOGPROBS.size // 4)
             if name == "sample_params":
-                return (n_slots * _SAMPLING.size // 4,)
+                return (n_samples * _SAMPLING.size // 4,)
             if name == "grammar":
                 return (grammar_words,)
             return (1,) if _FIELDS[name][1].startswith("step.") else (n_slots,)
