@@ -17,6 +17,10 @@ through the C client, the bundled sync and async Python clients, the raw pyzmq g
 HTTP gateway, and a table of what each costs (client_costs in the JSON). Its options go to the
 server with --server-arg (--null-step-us, --null-step-wait, --null-vocab, --null-pattern).
 
+`--workload copy` sends chat requests whose answers mostly repeat their prompts (repeat, quote or
+spell-correct a shipped passage), prompt-lookup speculative decoding's case; where a server
+counts speculative drafts (its `stats`), each run reports their acceptance rate.
+
 `--shared-prefix-len N` puts one of `--prefix-groups G` shared prefixes before every prompt, and
 runs each server variant (default: device on CUDA, host on a CPU) twice, as two servers started
 one after the other: `<variant>/prefix-on` (serve --prefix-caching) and `<variant>/prefix-off`
@@ -35,6 +39,7 @@ from ringleader.bench import servers as S
 from ringleader.bench.options import (
     DEFAULT_COMPARE,
     DEFAULT_MAX_CTX,
+    DEFAULT_OUTPUT_LEN,
     DEFAULT_REQUESTS,
     ENGINE_DEFAULTS,
     SERVER_DEFAULTS,
@@ -49,7 +54,7 @@ from ringleader.bench.options import (
 from ringleader.bench.output import Console
 from ringleader.bench.report import save_json
 from ringleader.bench.run_driver import run_bench
-from ringleader.bench.workloads import LENGTH_DISTS
+from ringleader.bench.workloads import LENGTH_DISTS, WORKLOADS
 from ringleader.device.engine_config import DEVICES, LAUNCHES
 
 QUICK_ARGS = [
@@ -173,8 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured requests per run (default 48; with --model null 256,2048 at its default loads); a comma list gives one per load point, "
         "in the order of --concurrency then --request-rate (e.g. --concurrency 1,8,32 --requests 8,24,64)",
     )
+    g.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: prompts of random token ids (the length options below); copy: chat requests "
+        "to repeat, quote or spell-correct a passage shipped with the bench (bench/data/passages.json), "
+        "whose output mostly repeats the prompt (prompt-lookup speculative decoding's case); max_tokens "
+        "= the passage's token count, capped by --output-len when given; needs --model's tokenizer "
+        "(default random)",
+    )
     g.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
-    g.add_argument("--output-len", type=int, default=32, help="mean max_tokens (default 32)")
+    g.add_argument(
+        "--output-len",
+        type=int,
+        default=DEFAULT_OUTPUT_LEN,
+        help="mean max_tokens (default 32); with --workload copy a cap on max_tokens (default none)",
+    )
     g.add_argument("--length-dist", choices=LENGTH_DISTS, default="fixed")
     g.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in L*(1 +- ratio)")
     g.add_argument("--seed", type=int, default=0, help="workload seed (lengths, prompts, arrivals)")

@@ -72,11 +72,18 @@ NULL_MODEL_REQUESTS = [256, 2048]  # at the default loads: 256 in a row, 8 round
 
 
 class DefaultCount(int):
-    """--requests' default (an int argparse leaves untyped): apply_model_defaults tells it from
-    a count the user gave."""
+    """A default left as it is (an int argparse leaves untyped), told from a value the user gave:
+    --requests' (apply_model_defaults) and --output-len's (the copy workload's cap)."""
 
 
 DEFAULT_REQUESTS = DefaultCount(48)
+DEFAULT_OUTPUT_LEN = DefaultCount(32)
+
+
+def copy_output_cap(args) -> int | None:
+    """The copy workload's cap on max_tokens: --output-len when given, else None (each request's
+    max_tokens is its passage's token count)."""
+    return None if isinstance(args.output_len, DefaultCount) else int(args.output_len)
 
 
 def apply_model_defaults(args) -> None:
@@ -112,6 +119,8 @@ def check_options(args) -> list[str]:
     if args.warmup < 0:
         out.append("--warmup must be >= 0")
     out += _prefix_problems(args)
+    if getattr(args, "workload", "random") == "copy" and args.shared_prefix_len > 0:
+        out.append("--shared-prefix-len goes with the random workload, not --workload copy")
     if args.connect and args.compare:
         out.append("--connect benchmarks one running server; --compare starts servers (choose one)")
     if args.http and (args.connect or args.compare):

@@ -38,6 +38,11 @@ def say_run(say: Console, entry: dict) -> None:
         f"TPOT p50 {_fmt(entry['tpot_ms']['p50'], '{:.2f}')} ms, "
         f"CPU {_fmt(entry['cpu_s_per_1k_tokens'], '{:.3f}')} s/1k tok, "
         f"loadgen {_fmt(entry['loadgen_cpu_s'], '{:.2f}')} s CPU in {entry['wall_s']:.1f} s"
+        + (
+            f", spec accept {100 * rate:.0f}% ({_fmt(entry.get('spec_accepted_per_draft'), '{:.2f}')}/draft)"
+            if (rate := entry.get("spec_acceptance_rate")) is not None
+            else ""
+        )
     )
     if entry["failed"]:
         say(f"    failures: {entry['errors']}", always=True)

@@ -11,7 +11,10 @@ Each run holds at least: scheduler, device, model, concurrency (null in the open
 request_rate (null in the closed loop), completed, failed, output_tokens_per_s, ttft_ms,
 tpot_ms, itl_ms, e2e_ms (each {mean, p50, p90, p99}) and cpu_s_per_1k_tokens; see
 make_run_entry for the rest (among them variant, prefix_caching, the server's
-prefix_cache_queries / _hits / _hit_rate over the run, and expected_prefix_hit_rate[_cold]).
+prefix_cache_queries / _hits / _hit_rate over the run, expected_prefix_hit_rate[_cold], and its
+speculative-decoding counters over the run: spec_drafts, spec_draft_tokens, spec_accepted_tokens,
+spec_acceptance_rate = accepted / draft tokens, spec_accepted_per_draft = accepted / drafts, each
+null where the server's stats lack them).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ringleader.bench.report_comparisons import (
     prefix_caching_comparison,
     ratios_vs_hf,
 )
-from ringleader.bench.servers import cpu_deltas, device_deltas, prefix_cache_deltas
+from ringleader.bench.servers import cpu_deltas, device_deltas, prefix_cache_deltas, spec_decode_deltas
 
 SCHEMA = "ringleader-bench/1"
 LOADGEN_WARN_FRACTION = 0.8  # of one core over the run's wall time
@@ -63,6 +66,7 @@ def make_run_entry(
     cpu = cpu_deltas(result.stats_before, result.stats_after)
     dev = device_deltas(result.stats_before, result.stats_after)
     prefix = prefix_cache_deltas(result.stats_before, result.stats_after)
+    spec = spec_decode_deltas(result.stats_before, result.stats_after)
     expected = expected_prefix_hit_rate or {}
     frac = (
         (result.loadgen_cpu_s / result.wall_s)
@@ -106,6 +110,7 @@ def make_run_entry(
         **prefix,
         "expected_prefix_hit_rate": expected.get("steady"),
         "expected_prefix_hit_rate_cold": expected.get("cold"),
+        **spec,
         "_samples": latency_samples(result.records),  # for the CDF plots; not written to JSON
     }
     return entry

@@ -49,6 +49,19 @@ def _prefix_text(s: dict) -> str:
     )
 
 
+def _lengths_text(s: dict) -> str:
+    """The workload line's prompt and output lengths (the copy workload's passages set both)."""
+    if s.get("workload") == "copy":
+        cap = s.get("copy_output_cap")
+        return (
+            f"copy workload ({s.get('copy_prompt') or 'chat'} prompts: repeat, quote or spell-correct a "
+            "shipped passage; max_tokens = the passage's tokens"
+            + (f", at most {cap}" if cap is not None else "")
+            + ")"
+        )
+    return f"input {s.get('input_len')}, output {s.get('output_len')} tokens ({s.get('length_dist')})"
+
+
 def _md_table(head, rows) -> list[str]:
     """A markdown table's lines: the head, its rule, one line per row of cells."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
@@ -69,8 +82,7 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         + (f", GPU {env['gpu']}" if env.get("gpu") else "")
         + f"; python {env.get('python')}, torch {env.get('torch')}; load average at start "
         f"{_loadavg(s.get('host_loadavg_at_start'))}, at end {_loadavg(env.get('loadavg_at_end'))}",
-        f"- workload: {_requests_text(s.get('requests'))} per run, input {s.get('input_len')}, "
-        f"output {s.get('output_len')} tokens ({s.get('length_dist')}), ignore_eos={s.get('ignore_eos')}, "
+        f"- workload: {_requests_text(s.get('requests'))} per run, {_lengths_text(s)}, ignore_eos={s.get('ignore_eos')}, "
         f"seed {s.get('seed')}, warm-up {s.get('warmup')} requests" + _prefix_text(s),
         "",
     ]
@@ -172,6 +184,13 @@ def markdown_summary(doc: dict, plots: list[str]) -> str:
         "On the CPU backend this includes the model's compute.",
         "- loadgen CPU: CPU-seconds of the benchmark process during the run, and that as a share of one core.",
     ]
+    if any(r.get("spec_acceptance_rate") is not None for r in doc["runs"]):
+        out.append(
+            "- spec accept: the server's speculative-decoding counters over the run, "
+            "`spec_accepted_tokens / spec_draft_tokens` (the share of draft tokens the model agreed "
+            "with); accepted/draft: `spec_accepted_tokens / spec_drafts`, tokens gained per "
+            "verification step that had a draft. - where the server lacks the counters or drafted nothing."
+        )
     if any(r["scheduler"] == RATIO_BASE for r in doc["runs"]):
         out.append(
             "- hf runs in the benchmark's own process: its CPU s/1k tok is that whole process (model, "

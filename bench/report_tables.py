@@ -30,8 +30,11 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
         "CPU s/1k tok",
         "loadgen CPU",
     ]
+    has_spec = any(r.get("spec_acceptance_rate") is not None for r in runs)
     if has_bubbles:
         head += ["bubble p50/p99 us", "step p50 us"]
+    if has_spec:
+        head += ["spec accept", "accepted/draft"]
     rows = []
     for r in runs:
         row = [
@@ -55,6 +58,12 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
             row += [
                 f"{cell(r.get('bubble_us_p50'))}/{cell(r.get('bubble_us_p99'))}",
                 cell(r.get("step_us_p50")),
+            ]
+        if has_spec:
+            rate = r.get("spec_acceptance_rate")
+            row += [
+                "-" if rate is None else f"{100 * rate:.0f}%",
+                cell(r.get("spec_accepted_per_draft"), "{:.2f}"),
             ]
         rows.append(row)
     return head, rows

@@ -27,6 +27,7 @@ from ringleader.bench.options import (
     DEFAULT_MAX_CTX,
     DEFAULT_PREFIX_COMPARE,
     ENGINE_DEFAULTS,
+    copy_output_cap,
     name_list,
     prefix_groups,
 )
@@ -36,9 +37,14 @@ from ringleader.bench.targets import TargetPlan, plan_targets, target_notes, tok
 from ringleader.bench.workloads import (
     PREFIX_GROUPING,
     add_shared_prefixes,
+    copy_encoder,
     expected_prefix_hit_rate,
+    load_passages,
+    make_copy_requests,
     prompt_id_range_for,
 )
+
+WARMUP_MAX_TOKENS = 16  # as load_plan's warm-up requests
 
 # --compare clients: (label, how) of its passes at each load point, and the measure of each client
 CLIENT_PASSES = (
@@ -113,6 +119,13 @@ def run_bench(args, command: list[str], say: Console) -> int:
         print(f"ringleader bench: cannot read the vocabulary of {args.model}: {exc}", file=sys.stderr)
         return 2
     load_plan = plan_loads(args, max_ctx, id_range)
+    copy_how = None
+    if getattr(args, "workload", "random") == "copy":
+        try:
+            load_plan, copy_how = copy_plan(args, load_plan, max_ctx)
+        except (OSError, ValueError, ImportError) as exc:
+            print(f"ringleader bench: cannot make the copy workload: {exc}", file=sys.stderr)
+            return 2
     prefix = shared_prefix(args, max_ctx, id_range)
     self_hosted = not args.connect and not args.http
     requested = args.compare or name_list(DEFAULT_COMPARE)
@@ -128,9 +141,12 @@ def run_bench(args, command: list[str], say: Console) -> int:
         )
         target_plan = dataclasses.replace(target_plan, targets=[(v.name, v) for v in arms])
     notes = target_plan.skipped + target_notes(args, target_plan, id_range)
+    if copy_how is not None:  # its prompts are text, not ids drawn from the range
+        notes = [n for n in notes if not n.startswith("prompt token ids drawn")]
+        notes.append(_copy_note(args, copy_how))
     if prefix is not None:
         notes.append(_prefix_note(prefix, self_hosted))
-    _say_plan(args, target_plan, load_plan, id_range, say, prefix)
+    _say_plan(args, target_plan, load_plan, id_range, say, prefix, copy_how)
 
     runs: list[dict] = []
     t_start = time.perf_counter()
@@ -138,6 +154,8 @@ def run_bench(args, command: list[str], say: Console) -> int:
     for name, variant in target_plan.targets:
         runs += run_target(args, name, variant, target_plan.device, target_plan.model, load_plan, say, prefix)
     notes += token_count_notes(runs)
+    if any(r.get("spec_draft_tokens") for r in runs):
+        notes.append(SPEC_NOTE)
     device, model = target_plan.device, target_plan.model
     if args.connect and runs:
         device = (runs[0].get("backend") or {}).get("device", "?")
@@ -154,9 +172,13 @@ def run_bench(args, command: list[str], say: Console) -> int:
         skipped=[] if args.connect or args.http else [n for n in requested if n not in planned],
         prefix_groups=prefix_groups(args) if prefix is not None else None,
         prefix_grouping=PREFIX_GROUPING if prefix is not None else None,
+        copy_prompt=copy_how,
+        copy_output_cap=copy_output_cap(args) if copy_how is not None else None,
         elapsed_s=time.perf_counter() - t_start,
         host_loadavg_at_start=loadavg_start,
     )
+    if copy_how is not None:  # the passages set the lengths (the plots' titles then name none)
+        settings.update(input_len=None, output_len=copy_output_cap(args), length_dist=None)
     doc = build_document(
         command=command, settings=settings, model=model, device=device, runs=runs, notes=notes
     )
@@ -166,6 +188,55 @@ def run_bench(args, command: list[str], say: Console) -> int:
     return 1 if bad else 0
 
 
+def copy_plan(args, load_plan: LoadPlan, max_ctx: int) -> tuple[LoadPlan, str]:
+    """The load plan with the copy workload's requests in place of the random ones (the same
+    loads and counts; the warm-up from seed + 1, max_tokens at most WARMUP_MAX_TOKENS), and how
+    its prompts were encoded ("chat" or "plain")."""
+    encode, count, how = copy_encoder(args.model)
+    passages, cap = load_passages(), copy_output_cap(args)
+    made: dict[int, list] = {}
+    points = []
+    for load, specs in load_plan.points:
+        n = len(specs)
+        if n not in made:  # one list per count, as plan_loads (a shorter one is a prefix)
+            made[n] = make_copy_requests(
+                n, encode, count, seed=args.seed, max_context=max_ctx, output_cap=cap, passages=passages
+            )
+        points.append((load, made[n]))
+    warm_cap = min(cap or WARMUP_MAX_TOKENS, WARMUP_MAX_TOKENS)
+    warm = make_copy_requests(
+        len(load_plan.warm),
+        encode,
+        count,
+        seed=args.seed + 1,
+        max_context=max_ctx,
+        output_cap=warm_cap,
+        passages=passages,
+    )
+    return dataclasses.replace(load_plan, points=points, warm=warm), how
+
+
+def _copy_note(args, how: str) -> str:
+    cap = copy_output_cap(args)
+    return (
+        f"copy workload: each request asks to repeat, quote or spell-correct one of "
+        f"{len(load_passages())} passages (bench/data/passages.json; passage, task and typos from "
+        f"--seed), as a user message through the model's "
+        + ("chat template" if how == "chat" else "tokenizer as plain text (it has no chat template)")
+        + "; max_tokens = the passage's token count"
+        + (f", capped at {cap} (--output-len)" if cap is not None else "")
+        + "; --input-len and --length-dist do not apply"
+    )
+
+
+SPEC_NOTE = (
+    "speculative decoding: spec_acceptance_rate = the server's spec_accepted_tokens / "
+    "spec_draft_tokens over the run (draft tokens the target model agreed with), "
+    "spec_accepted_per_draft = spec_accepted_tokens / spec_drafts (verification steps in which a "
+    "request had a draft); null where its stats lack the counters or it drafted nothing"
+)
+
+
 def _say_plan(
     args,
     target_plan: TargetPlan,
@@ -173,11 +244,18 @@ def _say_plan(
     id_range: tuple[int, int],
     say: Console,
     prefix: SharedPrefix | None = None,
+    copy_how: str | None = None,
 ) -> None:
     say(
         f"ringleader bench: model {target_plan.model}, device {target_plan.device}, variants {', '.join(target_plan.names)}; "
         f"{len(load_plan.points)} load point(s) x {'/'.join(str(len(sp)) for _, sp in load_plan.points)} requests, "
-        f"prompt ids in [{id_range[0]}, {id_range[1]})"
+        + (
+            f"prompt ids in [{id_range[0]}, {id_range[1]})"
+            if copy_how is None
+            else f"copy workload ({copy_how} prompts, max_tokens "
+            + "/".join(str(sum(s.max_tokens for s in sp) // max(1, len(sp))) for _, sp in load_plan.points)
+            + " on average)"
+        )
         + (
             f", quiet and beside {' or '.join(map(str, busy))} busy processes"
             if (busy := [n for n in args.cpu_interference if n])

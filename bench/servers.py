@@ -406,6 +406,27 @@ def prefix_cache_deltas(before: dict, after: dict) -> dict:
     return out
 
 
+# the scheduler's speculative-decoding counters (ipc/counters.py): verification steps in which a
+# request had a draft, draft tokens proposed, draft tokens accepted
+SPEC_COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def spec_decode_deltas(before: dict, after: dict) -> dict:
+    """The server's speculative-decoding counters over a run, spec_acceptance_rate = accepted /
+    draft tokens and spec_accepted_per_draft = accepted / drafts. Each None when a `stats` reply
+    lacks it (a server without speculative decoding, an HTTP endpoint, hf); the ratios also when
+    the run drafted nothing (a server with `--speculative off`). A counter is read from the top
+    of the reply, else from its `device` part."""
+    out: dict = {}
+    for key in SPEC_COUNTERS:
+        b, a = _counter(before, key), _counter(after, key)
+        out[key] = a - b if a is not None and b is not None else None
+    drafts, proposed, accepted = (out[k] for k in SPEC_COUNTERS)
+    out["spec_acceptance_rate"] = accepted / proposed if accepted is not None and proposed else None
+    out["spec_accepted_per_draft"] = accepted / drafts if accepted is not None and drafts else None
+    return out
+
+
 def _counter(stats: dict, key: str) -> int | float | None:
     for where in (stats, stats.get("device") or {}):
         v = where.get(key)

@@ -29,6 +29,19 @@ never cut. A prefix cache that has seen a group's prefix can skip N of its N + s
 expected_prefix_hit_rate gives that rate, and the one over the run with each group's first
 request a full miss.
 
+The copy-heavy workload (`--workload copy`; `random` is the default above): chat requests
+whose answer mostly repeats text of their own prompt, as prompt-lookup (n-gram) speculative
+decoding expects. Each asks for one of the passages of bench/data/passages.json (twelve original
+paragraphs of 113-130 words) to be repeated exactly, quoted word for word, or rewritten with its
+spelling corrected (the passage then has a few adjacent letters swapped: COPY_TASKS). Which
+passage, which task and which typos come from a fifth child stream of the seed (COPY_STREAM): a
+shuffled order of the passages, drawn anew each cycle, so every passage is seen within the first
+P requests. The prompt is the user message rendered by the model's chat template (a model
+without one, e.g. a preset's byte tokenizer, gets it as plain text); `max_tokens` is the
+passage's own token count (the passage encoded alone, no special tokens: about the length of a
+faithful answer), capped by `output_cap` and cut to fit max_context (the prompt is never cut;
+a prompt that leaves no room is an error). The prompt-length options do not apply to it.
+
 Arrivals for the open loop (`--request-rate R --burstiness B`): gaps between consecutive
 requests are Gamma(shape=B, scale=1/(R*B)), whose mean is 1/R for every B. B = 1 is a Poisson
 process; B < 1 is burstier, B > 1 more regular. R = inf sends every request at time 0.
@@ -54,6 +67,17 @@ LAST_PROMPT_ID = 256
 PRESET_PROMPT_IDS = (FIRST_PROMPT_ID, LAST_PROMPT_ID)
 PREFIX_STREAM = 3  # the seed's child streams: 0 lengths, 1 prompt tokens, 2 arrivals, 3 shared prefixes
 PREFIX_GROUPING = "round robin: request i uses group i % G"
+WORKLOADS = ("random", "copy")  # --workload: random prompt ids (the lengths above), or copy-heavy
+COPY_STREAM = 4  # the seed's fifth child stream: the copy workload's passages, tasks and typos
+PASSAGES_FILE = Path(__file__).resolve().parent / "data" / "passages.json"
+# the copy workload's requests: each puts its passage after one of these instructions; "spelling"
+# gets the passage with typos (swapped letters) and is answered by the passage as written
+COPY_TASKS = {
+    "repeat": "Repeat the following passage exactly, word for word, and add nothing else:\n\n{text}",
+    "quote": "Quote the following passage in full, word for word, inside double quotation marks:\n\n{text}",
+    "spelling": "Rewrite the following text, correcting only its spelling. Change nothing else:\n\n{text}",
+}
+TYPO_EVERY = 12  # spelling: about one word in this many (of 4+ letters) gets two letters swapped
 
 
 @dataclass(frozen=True)
@@ -306,3 +330,133 @@ def parse_rate(text: str) -> float:
     if math.isnan(value) or value <= 0:
         raise ValueError(f"request rate must be > 0 (or inf), got {text!r}")
     return value
+
+
+# ---------------------------------------------------------------- the copy-heavy workload
+
+
+@dataclass(frozen=True)
+class CopyChoice:
+    """What one copy request asks: passage `passage` (its index) under task `task`; `text` is the
+    passage as the prompt shows it (with typos for "spelling"), `message` the user message."""
+
+    passage: int
+    task: str
+    text: str
+    message: str
+
+
+def load_passages(path: str | Path | None = None) -> list[str]:
+    """The copy workload's passages (bench/data/passages.json, or the file at `path`)."""
+    doc = json.loads(Path(path or PASSAGES_FILE).read_text(encoding="utf-8"))
+    texts = [p["text"] if isinstance(p, dict) else p for p in doc["passages"]]
+    if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+        raise ValueError(f"{path or PASSAGES_FILE}: expected a non-empty list of passages")
+    return texts
+
+
+def add_typos(text: str, rng: np.random.Generator, every: int = TYPO_EVERY) -> str:
+    """`text` with about one word in `every` of 4+ letters misspelt: two adjacent inner letters
+    swapped (never two equal ones, so the word really changes); at least one when it can."""
+    words = text.split(" ")
+    candidates = [
+        i for i, w in enumerate(words) if sum(c.isalpha() for c in w) >= 4 and _swappable(w) is not None
+    ]
+    if not candidates:
+        return text
+    n = max(1, round(len(candidates) / every))
+    for i in sorted(rng.choice(candidates, size=min(n, len(candidates)), replace=False).tolist()):
+        w = words[i]
+        spots = _swappable(w) or []
+        j = spots[int(rng.integers(len(spots)))]
+        words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2 :]
+    return " ".join(words)
+
+
+def _swappable(word: str) -> list[int] | None:
+    """Positions j where word[j] and word[j + 1] are distinct letters inside the word (not its
+    first letter), or None."""
+    spots = [
+        j
+        for j in range(1, len(word) - 2)
+        if word[j].isalpha() and word[j + 1].isalpha() and word[j] != word[j + 1]
+    ]
+    return spots or None
+
+
+def copy_choices(
+    n: int, seed: int = 0, passages: list[str] | None = None, tasks: tuple[str, ...] = tuple(COPY_TASKS)
+) -> list[CopyChoice]:
+    """The passages, tasks and typos of n copy requests, from the seed's copy stream: passages in
+    a shuffled order drawn anew each cycle through them, a task uniform over `tasks`."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    unknown = [t for t in tasks if t not in COPY_TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"copy tasks must be among {', '.join(COPY_TASKS)}, got {tasks}")
+    passages = load_passages() if passages is None else passages
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(COPY_STREAM,)))
+    order: list[int] = []
+    out = []
+    for _ in range(n):
+        if not order:
+            order = rng.permutation(len(passages)).tolist()
+        index = order.pop(0)
+        task = tasks[int(rng.integers(len(tasks)))]
+        text = passages[index]
+        if task == "spelling":
+            text = add_typos(text, rng)
+        out.append(CopyChoice(index, task, text, COPY_TASKS[task].format(text=text)))
+    return out
+
+
+def make_copy_requests(
+    n: int,
+    encode,
+    count,
+    *,
+    seed: int = 0,
+    max_context: int | None = None,
+    output_cap: int | None = None,
+    passages: list[str] | None = None,
+    tasks: tuple[str, ...] = tuple(COPY_TASKS),
+) -> list[RequestSpec]:
+    """n copy requests (see module doc), reproducible from `seed`. `encode(message)`: the prompt
+    ids of a user message (copy_encoder); `count(text)`: the token count of a text alone, which
+    sets max_tokens (the passage as written, capped by output_cap, cut to fit max_context)."""
+    passages = load_passages() if passages is None else passages
+    lengths = [max(1, int(count(p))) for p in passages]
+    specs = []
+    for choice in copy_choices(n, seed, passages, tasks):
+        prompt = [int(i) for i in encode(choice.message)]
+        n_out = lengths[choice.passage]
+        if output_cap is not None:
+            n_out = min(n_out, output_cap)
+        if max_context is not None:
+            if len(prompt) >= max_context:
+                raise ValueError(
+                    f"the copy prompt of passage {choice.passage} ({choice.task}) has {len(prompt)} tokens, "
+                    f"leaving no room for output in a context of {max_context} (--max-ctx)"
+                )
+            n_out = min(n_out, max_context - len(prompt))
+        specs.append(RequestSpec(prompt_ids=prompt, max_tokens=max(1, n_out)))
+    return specs
+
+
+def copy_encoder(spec: str):
+    """(encode, count, how) for a model spec as `ringleader serve --model` takes it: encode(message)
+    gives the prompt ids of a one-message chat through the model's chat template (how = "chat"), or
+    of the message as plain text when it has none (how = "plain": the presets' byte tokenizer);
+    count(text) the token count of a text alone. ValueError for a model without a tokenizer."""
+    from ringleader.device.model.presets import tokenizer_for
+
+    tokenizer = tokenizer_for(spec)
+    if tokenizer is None:
+        raise ValueError(f"the copy workload needs a tokenizer; {spec} has none")
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return (lambda m: tokenizer.encode_chat([{"role": "user", "content": m}])), count, "chat"
+    return (lambda m: tokenizer.encode(m)), count, "plain"
