@@ -102,12 +102,24 @@ def _project(x: torch.Tensor, kind: str, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str, ulps: float = 4) -> None:
-    """Within `ulps` units in the last place of the output's dtype at the output's magnitude."""
+def _close(
+    got: torch.Tensor, want: torch.Tensor, what: str, ulps: float = 4, rounded: torch.dtype | None = None
+) -> None:
+    """Within `ulps` units in the last place of the output's dtype at the output's magnitude;
+    `rounded`: the projection's output went through this narrower dtype on both sides, so a sum
+    that lands next to a rounding boundary may round either way (one ulp of it more: how close
+    the two fp32 sums come depends on the order the CPU's GEMM adds them in, which differs
+    between AVX2 and AVX-512 builds of torch)."""
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype)
     scale = want.float().abs().amax().clamp(min=1e-6)
     err = (got.float() - want.float()).abs().amax()
-    assert err <= ulps * EPS[want.dtype] * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+    allowed = ulps * EPS[want.dtype] * scale + (EPS[rounded] * scale if rounded is not None else 0.0)
+    assert err <= allowed, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def _rounded(kind: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a projection's output is rounded to before the dtype it is compared in."""
+    return torch.bfloat16 if kind == "bf16-weights" and dtype != torch.bfloat16 else None
 
 
 def check_add_projection(dtype: torch.dtype, kind: str, T: int, n_splits: int, bias: bool) -> None:
@@ -125,7 +137,7 @@ def check_add_projection(dtype: torch.dtype, kind: str, T: int, n_splits: int, b
     partials = torch.full((4, 32, N), float("nan"))  # garbage a split must overwrite, never read
     tickets = torch.zeros(8, dtype=torch.int32)
     add_projection(a, weight, b, got, partials, tickets, n_splits)
-    _close(got, want, f"add_projection {dtype} {kind} T={T} splits={n_splits}", ulps=6)
+    _close(got, want, f"add_projection {dtype} {kind} T={T} splits={n_splits}", 6, _rounded(kind, dtype))
     assert not tickets.any(), "a ticket counter was left non-zero"
 
 
@@ -139,7 +151,8 @@ def check_gate_up_silu(dtype: torch.dtype, kind: str, T: int) -> None:
     norm_w = (torch.rand(K, generator=g) + 0.5).to(dtype)
     _, h = ops.add_rms_norm(x, None, norm_w, 1e-5)
     want = ops.silu_mul(_project(h, kind, dense))
-    _close(gate_up_silu(x, norm_w, 1e-5, weight), want, f"gate_up_silu {dtype} {kind} T={T}", ulps=8)
+    what = f"gate_up_silu {dtype} {kind} T={T}"
+    _close(gate_up_silu(x, norm_w, 1e-5, weight), want, what, 8, _rounded(kind, dtype))
 
 
 def check_qkv_rope_store(dtype: torch.dtype, kind: str, T: int, H: int, KV: int, D: int, bias: bool) -> None:
@@ -176,10 +189,11 @@ def check_qkv_rope_store(dtype: torch.dtype, kind: str, T: int, H: int, KV: int,
     q = qkv_rope_store(x, norm_w, 1e-5, weight, b, cos[:max_ctx], sin[:max_ctx], block_table, slot_of,
                        positions, k_cache, v_cache, pages - 1, H, KV)  # fmt: skip
     what = f"qkv_rope_store {dtype} {kind} T={T} H={H} KV={KV} D={D}"
-    _close(q, q_want.to(dtype), what + " q", ulps=8)
+    via = _rounded(kind, dtype)
+    _close(q, q_want.to(dtype), what + " q", 8, via)
     live_rows = row[live].unique()
-    _close(k_cache.view(-1, KV, D)[live_rows], k_ref[live_rows], what + " k", ulps=8)
-    _close(v_cache.view(-1, KV, D)[live_rows], v_ref[live_rows], what + " v", ulps=8)
+    _close(k_cache.view(-1, KV, D)[live_rows], k_ref[live_rows], what + " k", 8, via)
+    _close(v_cache.view(-1, KV, D)[live_rows], v_ref[live_rows], what + " v", 8, via)
     untouched = torch.ones(pages * PS, dtype=torch.bool)
     untouched[row] = False
     assert not k_cache.view(-1, KV, D)[untouched].any(), what + ": a cache row no row names was written"
@@ -203,7 +217,7 @@ def check_lm_head_argmax(dtype: torch.dtype, kind: str, T: int, M: int) -> None:
     _, h = ops.add_rms_norm(x[rows], None, norm_w, 1e-5)
     want = _project(h, kind, dense).float()
     what = f"lm_head {dtype} {kind} T={T} M={M}"
-    _close(logits.to(dtype), want.to(dtype), what, ulps=6)
+    _close(logits.to(dtype), want.to(dtype), what, 6, _rounded(kind, dtype))
     assert torch.equal(greedy.long(), logits.argmax(-1)), what + ": argmax"
     assert ticket.item() == 0, what + ": the ticket was left non-zero"
 
