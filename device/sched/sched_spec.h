@@ -100,9 +100,8 @@ RL_FN bool rl_wants_match(const RlConfig& cfg, const RlSlot& sl) {
 // decoding slot that may draft and has no match looks for its last n tokens earlier in its
 // prompt and output, n from cfg.spec_ngram_max down to cfg.spec_ngram_min, the latest place
 // of the longest; a place is the position of the token equal to the newest.  One thread per
-// (slot, place): the best as key (n << 24 | place) by an atomic max.  Returns how many
-// decoding slots now have a match.
-RL_FN uint32_t rl_find_matches(const RlContext& c, RlShared* sh) {
+// (slot, place): the best as key (n << 24 | place) by an atomic max.
+RL_FN void rl_find_matches(const RlContext& c, RlShared* sh) {
   const RlConfig& cfg = *c.cfg;
   uint32_t* searching = c.work_a;  // per slot, then its place among the searching
   uint32_t* which = c.work_b;      // the searching slots, in slot order
@@ -133,13 +132,9 @@ RL_FN uint32_t rl_find_matches(const RlContext& c, RlShared* sh) {
     }
     RL_SYNC();
   }
-  uint32_t my_matched = 0;
-  RL_FOR(s, cfg.n_slots) {
-    RlSlot& sl = c.slots[s];
-    if (best[s]) sl.spec_match = best[s] & 0xFFFFFFu;
-    my_matched += sl.state == RL_SLOT_DECODE && sl.spec_match != RL_NO_MATCH ? 1u : 0u;
-  }
-  return rl_block_sum(my_matched, sh);
+  RL_FOR(s, cfg.n_slots)
+    if (best[s]) c.slots[s].spec_match = best[s] & 0xFFFFFFu;
+  RL_SYNC();
 }
 
 // Overlapped: the last verifications' drafted and accepted tokens into the counters.
